@@ -1,0 +1,171 @@
+"""Running shape analyzers and merging what they find into a draft plan.
+
+Analyzers are plugins (see ``diffuse.hookspecs.diffuse_analyzers``). Each one
+declares what it needs and what it provides; they run in dependency order and
+each may add only the fields it declared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from diffuse.errors import PluginError
+from diffuse.plugins import call_hook
+
+PHASES = ("config", "model", "call")
+
+
+class Analyzer:
+    """Base class for a shape analyzer. Subclasses set the class attributes and ``analyze``."""
+
+    name: ClassVar[str] = ""
+    phase: ClassVar[str] = "config"  # config | model | call
+    needs: ClassVar[tuple[str, ...]] = ()
+    provides: ClassVar[tuple[str, ...]] = ()
+    description: ClassVar[str] = ""
+
+    def analyze(self, subject: Any, draft: dict) -> dict:  # pragma: no cover - contract
+        raise NotImplementedError
+
+
+@dataclass
+class ModelSubject:
+    """What the config- and model-phase analyzers look at.
+
+    ``path`` is a local diffusers pipeline folder. ``pipeline`` is None in the
+    config phase (``diffuse check``): only config.json files may be read then.
+    """
+
+    path: str
+    model_index: dict
+    denoiser: str  # component name: "transformer", "unet", ...
+    denoiser_config: dict
+    pipeline: Any = None
+    _meta: Any = field(default=None, repr=False)
+
+    @classmethod
+    def from_path(cls, path: str, pipeline: Any = None) -> "ModelSubject":
+        index_file = os.path.join(path, "model_index.json")
+        if not os.path.isfile(index_file):
+            raise FileNotFoundError(f"{path} is not a diffusers pipeline folder: no model_index.json")
+        with open(index_file) as f:
+            model_index = json.load(f)
+        denoiser = next((n for n in ("transformer", "unet", "prior", "denoiser") if n in model_index), None)
+        if denoiser is None:
+            # fall back: the first component whose config names a model class with blocks
+            denoiser = next(
+                (k for k, v in model_index.items() if isinstance(v, list) and os.path.isfile(os.path.join(path, k, "config.json"))
+                 and "Model" in str(v[1]) and "Autoencoder" not in str(v[1]) and "Text" not in str(v[1])),
+                None,
+            )
+        cfg = {}
+        if denoiser is not None:
+            with open(os.path.join(path, denoiser, "config.json")) as f:
+                cfg = json.load(f)
+        return cls(path=path, model_index=model_index, denoiser=denoiser or "", denoiser_config=cfg, pipeline=pipeline)
+
+    @property
+    def denoiser_class_name(self) -> str:
+        entry = self.model_index.get(self.denoiser)
+        return entry[1] if isinstance(entry, list) else str(self.denoiser_config.get("_class_name", ""))
+
+    def denoiser_class(self):
+        import diffusers
+
+        entry = self.model_index.get(self.denoiser)
+        lib = entry[0] if isinstance(entry, list) else "diffusers"
+        name = self.denoiser_class_name
+        if lib == "diffusers" or lib is None:
+            return getattr(diffusers, name)
+        import importlib
+
+        return getattr(importlib.import_module(lib), name)
+
+    def meta_denoiser(self):
+        """The denoiser built weightless (parameters on meta, buffers real), cached."""
+        if self._meta is None:
+            self._meta = build_meta(self.denoiser_class(), self.denoiser_config)
+        return self._meta
+
+
+def build_meta(cls, config: dict):
+    """Build ``cls`` from ``config`` with no weights; non-persistent buffers stay real (see FACTS)."""
+    import warnings
+
+    from accelerate import init_empty_weights
+
+    init_cfg = {k: v for k, v in config.items() if not k.startswith("_")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with init_empty_weights():
+            return cls.from_config(init_cfg)
+
+
+def installed_analyzers(phase: str | None = None) -> list[Analyzer]:
+    found: list[Analyzer] = []
+    for group in call_hook("diffuse_analyzers"):
+        for a in group or ():
+            if not isinstance(a, Analyzer):
+                raise PluginError(f"diffuse_analyzers returned {a!r}, which is not a diffuse.analysis.Analyzer")
+            if a.phase not in PHASES:
+                raise PluginError(f"analyzer {a.name!r} declares unknown phase {a.phase!r}")
+            found.append(a)
+    if phase is not None:
+        found = [a for a in found if a.phase == phase]
+    return _in_dependency_order(found)
+
+
+def _in_dependency_order(analyzers: list[Analyzer]) -> list[Analyzer]:
+    ordered, done, pending = [], set(), sorted(analyzers, key=lambda a: a.name)
+    while pending:
+        ready = [a for a in pending if all(n in done or not _provided_by_any(n, pending) for n in a.needs)]
+        if not ready:
+            raise PluginError(f"analyzers depend on each other in a cycle: {[a.name for a in pending]}")
+        for a in ready:
+            ordered.append(a)
+            done.update(a.provides)
+            pending.remove(a)
+    return ordered
+
+
+def _provided_by_any(fieldname: str, analyzers: list[Analyzer]) -> bool:
+    return any(fieldname in a.provides for a in analyzers)
+
+
+def run_analyzers(phase: str, subject: Any, draft: dict | None = None) -> dict:
+    """Run every analyzer of ``phase`` on ``subject``; return the merged draft."""
+    draft = dict(draft or {})
+    for a in installed_analyzers(phase):
+        missing = [n for n in a.needs if n not in draft]
+        if missing:
+            raise PluginError(f"analyzer {a.name!r} needs {missing}, which no analyzer provided")
+        try:
+            found = a.analyze(subject, draft)
+        except PluginError:
+            raise
+        except Exception as exc:
+            if getattr(exc, "__diffuse_expected__", False) or exc.__class__.__module__.startswith("diffuse"):
+                raise
+            raise PluginError(f"analyzer {a.name!r} raised {type(exc).__name__}: {exc}") from exc
+        extra = set(found or {}) - set(a.provides)
+        if extra:
+            raise PluginError(f"analyzer {a.name!r} returned fields it does not declare: {sorted(extra)}")
+        draft.update(found or {})
+    return draft
+
+
+@dataclass
+class StackCall:
+    """What the call-phase analyzers look at: the first call into one stack.
+
+    ``block`` is the stack's real first block, which the client keeps just
+    long enough to run once; it is freed afterwards.
+    """
+
+    stack: Any  # StackPlan
+    args: tuple
+    kwargs: dict
+    block: Any = None

@@ -1,0 +1,162 @@
+"""Taking a call into a block stack apart, and putting it back together.
+
+A call ``block(*args, **kwargs)`` becomes a *tree* (plain CBOR/JSON data with
+constants inline and ``{"$t": i}`` where tensor ``i`` sat) plus a flat list of
+tensors, the *slots*. Tuples, lists and dicts of tensors nest (rotary
+``(cos, sin)``, complex included). The tree is the call plan: it travels once
+per branch; afterwards only the tensors that changed do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import torch
+
+from diffuse.errors import DiffuseError
+
+TENSOR, TUPLE, DICT = "$t", "$tuple", "$dict"
+
+
+class UnsplittableCall(DiffuseError):
+    """A block was called with an argument that cannot travel."""
+
+
+def flatten(args: tuple, kwargs: dict) -> tuple[dict, list[torch.Tensor]]:
+    tensors: list[torch.Tensor] = []
+
+    def enc(x: Any, where: str):
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            return {TENSOR: len(tensors) - 1}
+        if x is None or isinstance(x, (bool, int, str)):
+            return x
+        if isinstance(x, float):
+            if not math.isfinite(x):
+                return {"$float": repr(x)}
+            return x
+        if isinstance(x, tuple):
+            return {TUPLE: [enc(v, f"{where}[{i}]") for i, v in enumerate(x)]}
+        if isinstance(x, list):
+            return [enc(v, f"{where}[{i}]") for i, v in enumerate(x)]
+        if isinstance(x, dict):
+            if not all(isinstance(k, str) for k in x):
+                raise UnsplittableCall(f"block argument {where} is a dict with non-string keys")
+            return {DICT: {k: enc(v, f"{where}[{k!r}]") for k, v in x.items()}}
+        raise UnsplittableCall(
+            f"block argument {where} is a {type(x).__name__}, which cannot be sent to a node "
+            "(only tensors, numbers, strings, None and tuples/lists/dicts of them travel)"
+        )
+
+    tree = {
+        "args": [enc(a, f"args[{i}]") for i, a in enumerate(args)],
+        "kwargs": {k: enc(v, k) for k, v in kwargs.items()},
+    }
+    return tree, tensors
+
+
+def unflatten(tree: dict, tensors: list) -> tuple[tuple, dict]:
+    def dec(x):
+        if isinstance(x, dict):
+            if TENSOR in x:
+                return tensors[x[TENSOR]]
+            if TUPLE in x:
+                return tuple(dec(v) for v in x[TUPLE])
+            if DICT in x:
+                return {k: dec(v) for k, v in x[DICT].items()}
+            if "$float" in x:
+                return float(x["$float"])
+            raise UnsplittableCall(f"malformed call plan node {x!r}")
+        if isinstance(x, list):
+            return [dec(v) for v in x]
+        return x
+
+    return tuple(dec(a) for a in tree["args"]), {k: dec(v) for k, v in tree["kwargs"].items()}
+
+
+def encode_value(value: Any) -> tuple[Any, list[torch.Tensor]]:
+    """A block's return value (tensor, tuple with None, ...) as a tree plus tensors."""
+    tree, tensors = flatten((value,), {})
+    return tree["args"][0], tensors
+
+
+def decode_value(tree: Any, tensors: list) -> Any:
+    args, _ = unflatten({"args": [tree], "kwargs": {}}, tensors)
+    return args[0]
+
+
+def slot_names(tree: dict) -> list[str]:
+    """Human names of the tensor slots, e.g. ``args[0]``, ``image_rotary_emb[1]``."""
+    names: dict[int, str] = {}
+
+    def walk(x, where):
+        if isinstance(x, dict):
+            if TENSOR in x:
+                names[x[TENSOR]] = where
+            elif TUPLE in x:
+                for i, v in enumerate(x[TUPLE]):
+                    walk(v, f"{where}[{i}]")
+            elif DICT in x:
+                for k, v in x[DICT].items():
+                    walk(v, f"{where}[{k!r}]")
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                walk(v, f"{where}[{i}]")
+
+    for i, a in enumerate(tree["args"]):
+        walk(a, f"args[{i}]")
+    for k, v in tree["kwargs"].items():
+        walk(v, k)
+    return [names[i] for i in sorted(names)]
+
+
+def digest(t: torch.Tensor) -> bytes:
+    """Content hash of a tensor (dtype, shape and bytes), to send each value once."""
+    t = t.detach().contiguous()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    if t.numel():
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.digest()
+
+
+class SlotCache:
+    """What a node remembers of one stack's non-stream tensors, by content hash.
+
+    The client keeps a mirror (hashes only) updated by the same rule, so it
+    knows exactly what every node on the ring still holds and sends a tensor's
+    bytes only when it is new. Capacity 4 per slot covers alternating guidance
+    branches with room to spare.
+    """
+
+    CAPACITY = 4
+
+    def __init__(self):
+        from collections import OrderedDict
+
+        self._slots: dict[int, OrderedDict] = {}
+
+    def get(self, slot: int, h: bytes):
+        od = self._slots.get(slot)
+        if od is None or h not in od:
+            return None
+        od.move_to_end(h)
+        return od[h]
+
+    def __contains__(self, key) -> bool:
+        slot, h = key
+        return h in self._slots.get(slot, ())
+
+    def put(self, slot: int, h: bytes, value=True) -> None:
+        from collections import OrderedDict
+
+        od = self._slots.setdefault(slot, OrderedDict())
+        od[h] = value
+        od.move_to_end(h)
+        while len(od) > self.CAPACITY:
+            od.popitem(last=False)
+
+    def clear(self) -> None:
+        self._slots.clear()

@@ -1,0 +1,30 @@
+"""Errors a user can see. Each says what happened, to what, and what to do."""
+
+
+class DiffuseError(Exception):
+    """Base class: an expected failure, printed without a traceback."""
+
+
+class RefusedModel(DiffuseError):
+    """The model cannot be split; raised before any node is contacted."""
+
+    def __init__(self, model: str, reason: str):
+        self.model = model
+        self.reason = reason
+        super().__init__(f"cannot split {model}: {reason}")
+
+
+class NodeError(DiffuseError):
+    """A node answered with an error, or did not answer in time."""
+
+    def __init__(self, address: str, message: str):
+        self.address = address
+        super().__init__(f"node {address}: {message}")
+
+
+class WireError(DiffuseError):
+    """A message failed to open: tampered, replayed, truncated or from another version."""
+
+
+class PluginError(DiffuseError):
+    """A plugin broke a hook contract; names the plugin."""

@@ -1,0 +1,92 @@
+"""Starting node processes on this machine (``--local-nodes N``) and stopping them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from diffuse.errors import DiffuseError
+
+READY_TIMEOUT_S = 180.0
+
+
+class LocalNode:
+    def __init__(self, proc: subprocess.Popen, log_path: str, address: str, key: str):
+        self.proc, self.log_path, self.address, self.key = proc, log_path, address, key
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            with open(self.log_path) as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+
+def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: str = "tcp",
+                      extra: list[str] = ()) -> list[LocalNode]:
+    """Start ``n`` nodes holding even shares of every stack; wait until each prints its address."""
+    nodes: list[LocalNode] = []
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    try:
+        for i in range(n):
+            listen = "tcp://127.0.0.1:0" if scheme == "tcp" else f"{scheme}://{tempfile.gettempdir()}/diffuse-node-{os.getpid()}-{i}"
+            log_fd, log_path = tempfile.mkstemp(prefix=f"diffuse-node{i + 1}-", suffix=".log")
+            cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--listen", listen,
+                   "--blocks", f"{i + 1}/{n}", "--ephemeral-key", *extra]
+            if threads:
+                cmd += ["--threads", str(threads)]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_fd, env=env, text=True)
+            os.close(log_fd)
+            nodes.append(LocalNode(proc, log_path, "", ""))
+        for i, node in enumerate(nodes):
+            line = _read_ready(node)
+            node.address, node.key = line["address"], line["key"]
+            # keep draining stdout so a chatty node never blocks on a full pipe
+            threading.Thread(target=node.proc.stdout.read, daemon=True).start()
+        return nodes
+    except BaseException:
+        stop_local_nodes(nodes)
+        raise
+
+
+def _read_ready(node: LocalNode) -> dict:
+    result: dict = {}
+
+    def read():
+        for raw in node.proc.stdout:
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(msg, dict) and "diffuse_node" in msg:
+                result.update(msg)
+                return
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(READY_TIMEOUT_S)
+    if not result:
+        state = "exited" if node.proc.poll() is not None else f"silent for {READY_TIMEOUT_S:.0f} s"
+        raise DiffuseError(f"a local node {state} before it was ready; its log:\n{node.log_tail()}")
+    return result
+
+
+def stop_local_nodes(nodes: list[LocalNode]) -> None:
+    for node in nodes:
+        if node.proc.poll() is None:
+            node.proc.terminate()
+    deadline = time.monotonic() + 10
+    for node in nodes:
+        try:
+            node.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            node.proc.kill()
+        try:
+            os.unlink(node.log_path)
+        except OSError:
+            pass

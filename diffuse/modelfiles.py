@@ -1,0 +1,58 @@
+"""Finding a model on disk and reading a denoiser's weights without loading the rest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from diffuse.errors import DiffuseError
+
+WEIGHTS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
+
+
+def resolve_model(model: str) -> str:
+    """A local pipeline folder for ``model`` (a path, or a hub id already in the local cache)."""
+    if os.path.isdir(model):
+        return os.path.abspath(model)
+    if os.path.exists(model):
+        raise DiffuseError(f"{model} is a file; --model wants a diffusers pipeline folder")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, local_files_only=True)
+    except Exception as exc:
+        raise DiffuseError(
+            f"model {model!r} is neither a local folder nor in the local hub cache ({type(exc).__name__}); "
+            "download it first or give the path of a diffusers pipeline folder"
+        ) from exc
+
+
+def weight_map(component_dir: str) -> dict[str, str]:
+    """Parameter name -> safetensors file, from the index or the single weights file."""
+    index = os.path.join(component_dir, WEIGHTS_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(component_dir, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(component_dir, WEIGHTS_FILE)
+    if not os.path.isfile(single):
+        raise DiffuseError(f"{component_dir} has no safetensors weights ({WEIGHTS_FILE} or its index); "
+                           "Diffuse loads safetensors only")
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def content_hash(component_dir: str) -> str:
+    """blake2b over the component's config and its weights' headers (names, shapes, dtypes)."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(os.path.join(component_dir, "config.json"), "rb") as f:
+        h.update(f.read())
+    for name in sorted(os.listdir(component_dir)):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(component_dir, name), "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                h.update(name.encode() + f.read(n))
+    return h.hexdigest()

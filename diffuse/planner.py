@@ -1,0 +1,51 @@
+"""From a model folder to a slicing plan: refusals first, then shape analysis."""
+
+from __future__ import annotations
+
+import os
+
+from diffuse.analysis import ModelSubject, run_analyzers
+from diffuse.errors import RefusedModel
+from diffuse.modelfiles import content_hash
+from diffuse.plan import PATCHABLE, WHOLE_STEPS, ModelIdentity, SlicingPlan, make_route
+
+
+def analyze(path: str) -> tuple[ModelSubject, dict]:
+    """Config-phase analysis: refuses unsplittable models before anything is loaded."""
+    subject = ModelSubject.from_path(path)
+    if not subject.denoiser:
+        raise RefusedModel(path, "no denoiser component (transformer/unet) in model_index.json")
+    return subject, run_analyzers("config", subject)
+
+
+def make_plan(subject: ModelSubject, draft: dict, addresses: list[str] = (), keys: list[str] | None = None,
+              compute_dtype: str = "float32") -> SlicingPlan:
+    stacks = draft["stacks"]
+    two = draft.get("two_stream", {})
+    plan = SlicingPlan(
+        model=ModelIdentity(
+            path=subject.path, denoiser=subject.denoiser, denoiser_class=subject.denoiser_class_name,
+            content_hash=content_hash(os.path.join(subject.path, subject.denoiser)),
+        ),
+        stacks=stacks,
+        output_kind=draft.get("output_kind", "image"),
+        two_stream={s.path: bool(two.get(s.path)) for s in stacks},
+        patch_policy={s.path: WHOLE_STEPS if two.get(s.path) else PATCHABLE for s in stacks},
+        compute_dtype=compute_dtype,
+        route=make_route(stacks, list(addresses), keys),
+    )
+    return plan
+
+
+def load_pipeline(path: str):
+    """The pipeline itself, loaded by diffusers from safetensors, never with remote code."""
+    import diffusers
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def denoiser_dtype(denoiser) -> str:
+    p = next(denoiser.parameters(), None)
+    return str(p.dtype).removeprefix("torch.") if p is not None else "float32"

@@ -1,0 +1,210 @@
+"""The client's end of the ring: hello, session open/close, and one call per stack pass.
+
+The client sends into the first node and receives from the last; nodes hand
+activations to each other. Every wait is bounded: a ring that does not answer
+becomes a NodeError naming what each node says about the session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+
+from diffuse.callplan import SlotCache, decode_value, digest, flatten
+from diffuse.errors import DiffuseError, NodeError
+from diffuse.plan import WIRE_VERSION, SlicingPlan
+from diffuse.transport_api import Hop
+
+CONTROL_TIMEOUT_S = 30.0
+OPEN_TIMEOUT_S = 600.0  # opening may load blocks from disk
+
+
+def known_nodes_file() -> str:
+    home = os.environ.get("DIFFUSE_HOME") or os.path.join(os.path.expanduser("~"), ".config", "diffuse")
+    return os.path.join(home, "known_nodes.json")
+
+
+def pin_key(address: str, key: bytes, pinned: str | None) -> None:
+    """Check a node's key against the one given with its address, or trust it on first use."""
+    if pinned:
+        if key.hex() != pinned.lower():
+            raise NodeError(address, f"presented key {key.hex()[:16]}..., but {pinned[:16]}... was pinned: "
+                            "refusing (wrong node, or someone in between)")
+        return
+    path = known_nodes_file()
+    known = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            known = json.load(f)
+    if address in known and known[address] != key.hex():
+        raise NodeError(address, f"key changed since first use (known: {known[address][:16]}..., now: "
+                        f"{key.hex()[:16]}...); if the node was re-keyed on purpose, remove it from {path}")
+    if address not in known:
+        known[address] = key.hex()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(known, f, indent=1)
+
+
+def _inbox_bind(address: str) -> str:
+    scheme, rest = address.split("://", 1)
+    if scheme != "tcp":
+        import tempfile
+
+        return f"{scheme}://{tempfile.gettempdir()}/diffuse-client-{os.getpid()}-{os.urandom(4).hex()}"
+    host = rest.rsplit(":", 1)[0]
+    if host in ("127.0.0.1", "localhost", "[::1]"):
+        return "tcp://127.0.0.1:0"
+    # the address this machine uses to reach the first node is one the last node can reach back
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return f"tcp://{s.getsockname()[0]}:0"
+
+
+@dataclass
+class RingStats:
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    per_stack: dict = field(default_factory=dict)
+
+
+class Ring:
+    """One session through a ring of nodes, from the client's side."""
+
+    def __init__(self, plan: SlicingPlan, timeout_s: float = 300.0):
+        from diffuse.plugins import transport_for
+
+        if not plan.route:
+            raise DiffuseError("the plan has no route: give --nodes or --local-nodes")
+        self.plan = plan
+        self.timeout_s = timeout_s
+        self.transport = transport_for(plan.route[0].address)
+        self.sid = os.urandom(16)
+        self.stats = RingStats()
+        self.node_stats: list[dict] = []
+        self._seq = 0
+        self._trees: dict[str, dict] = {}
+        self._sent_rmap: set[str] = set()
+        self._mirrors: dict[str, SlotCache] = {}
+        self._open = False
+
+    def open(self) -> None:
+        t = self.transport
+        self.identity = t.load_identity(None)  # a fresh client identity per session
+        data_addresses, keys = [], []
+        for stage in self.plan.route:
+            hello = t.request(stage.address, {"op": "hello", "wire": [WIRE_VERSION]}, CONTROL_TIMEOUT_S)
+            if not hello.get("ok"):
+                raise NodeError(stage.address, hello.get("error", "refused hello"))
+            pin_key(stage.address, hello["key"], stage.key or None)
+            if hello.get("model") != self.plan.model.content_hash:
+                raise NodeError(stage.address, "serves a different model (content hash differs): "
+                                "start it with the same model folder as the client")
+            data = hello["data"]
+            if "://0.0.0.0:" in data or "://*:" in data:  # bound on all interfaces: dial the host we reached
+                data = stage.address.rsplit(":", 1)[0] + ":" + data.rsplit(":", 1)[1]
+            data_addresses.append(data)
+            keys.append(hello["key"])
+        self.inbox = t.inbox(_inbox_bind(self.plan.route[0].address))
+        hop_keys = [t.new_key() for _ in range(len(self.plan.route) + 1)]
+        nexts = data_addresses[1:] + [self.inbox.address]
+        for k, stage in enumerate(self.plan.route):
+            payload = {
+                "session": self.sid, "model": self.plan.model.content_hash, "dtype": self.plan.compute_dtype,
+                "slices": [vars(s) for s in stage.slices],
+                "in_key": hop_keys[k], "out_key": hop_keys[k + 1], "next": nexts[k],
+            }
+            self._sealed_request(stage.address, "open", payload, keys[k], OPEN_TIMEOUT_S)
+        self._keys = keys
+        self.outbox = t.outbox(data_addresses[0])
+        self.send_hop = Hop(self.sid, hop_keys[0])
+        self.recv_hop = Hop(self.sid, hop_keys[-1])
+        self._open = True
+
+    def _sealed_request(self, address: str, op: str, payload: dict, node_key: bytes, timeout: float) -> dict:
+        msg = dict(self.transport.seal_control(payload, node_key, self.identity), op=op)
+        reply = self.transport.request(address, msg, timeout)
+        if "box" in reply:
+            reply, _ = self.transport.open_control(reply, self.identity)
+        if not reply.get("ok"):
+            raise NodeError(address, reply.get("error", f"refused {op}"))
+        return reply
+
+    def call(self, stack: str, args: tuple, kwargs: dict, return_map: dict):
+        """One pass of ``stack`` through the ring; returns what its last block returns."""
+        self._seq += 1
+        tree, tensors = flatten(args, kwargs)
+        header = {"op": "call", "stack": stack, "seq": self._seq}
+        if self._trees.get(stack) != tree:
+            header["tree"] = self._trees[stack] = tree
+        if stack not in self._sent_rmap:
+            header["rmap"] = return_map
+            self._sent_rmap.add(stack)
+        streams = set(return_map["streams"])
+        mirror = self._mirrors.setdefault(stack, SlotCache())
+        slots, sent = [], []
+        for i, t in enumerate(tensors):
+            if i in streams:
+                slots.append(["f", len(sent)])
+                sent.append(t)
+                continue
+            h = digest(t)
+            if (i, h) in mirror:
+                mirror.get(i, h)
+                slots.append(["h", h])
+            else:
+                mirror.put(i, h)
+                slots.append(["f", len(sent), h])
+                sent.append(t)
+        header["slots"] = slots
+        frames = self.transport.seal(self.send_hop, header, sent)
+        self.outbox.send(frames)
+        n_out = sum(len(f) for f in frames)
+        reply = self.inbox.recv(self.timeout_s)
+        if reply is None:
+            raise NodeError(self.plan.route[0].address, self._diagnose())
+        out_header, out_tensors = self.transport.open(self.recv_hop, reply)
+        if out_header.get("op") == "error":
+            raise NodeError(out_header.get("node", "?"), out_header.get("message", "failed"))
+        if out_header.get("seq") != self._seq or out_header.get("op") != "result":
+            raise DiffuseError(f"ring answered {out_header.get('op')} #{out_header.get('seq')} to call #{self._seq}")
+        n_in = sum(len(f) for f in reply)
+        self.stats.calls += 1
+        self.stats.bytes_sent += n_out
+        self.stats.bytes_received += n_in
+        s = self.stats.per_stack.setdefault(stack, {"calls": 0, "bytes": []})
+        s["calls"] += 1
+        s["bytes"].append(n_out)
+        return decode_value(out_header["out"], out_tensors)
+
+    def _diagnose(self) -> str:
+        said = []
+        for stage in self.plan.route:
+            try:
+                st = self.transport.request(stage.address, {"op": "status", "session": self.sid}, 5.0)
+                if st.get("session_known") is False:
+                    said.append(f"{stage.address}: unknown session")
+                elif st.get("last_error"):
+                    said.append(f"{stage.address}: {st['last_error']}")
+            except NodeError as exc:
+                said.append(str(exc))
+        detail = "; ".join(said) or "no node reports an error"
+        return f"no answer from the ring within {self.timeout_s:.0f} s ({detail})"
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        for stage, key in zip(self.plan.route, self._keys):
+            try:
+                self.node_stats.append(self._sealed_request(stage.address, "close", {"session": self.sid}, key, 10.0))
+            except DiffuseError:
+                self.node_stats.append({})
+        self.outbox.close()
+        self.inbox.close()
+
+    def node_params(self) -> list[int]:
+        return [self.transport.request(s.address, {"op": "status"}, CONTROL_TIMEOUT_S)["params"] for s in self.plan.route]

@@ -1,0 +1,243 @@
+"""``python -m diffuse.run``: generate with a model split over a ring of nodes.
+
+The pipeline's own ``__call__`` runs here, unmodified; its block stacks are
+replaced by stand-ins that send hidden states through the ring. Flags that are
+not given are not passed, so the pipeline's own defaults hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import time
+from contextlib import contextmanager
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from diffuse.errors import DiffuseError  # noqa: E402
+
+FLAG_TO_ARG = {  # flag -> pipeline __call__ argument
+    "prompt": "prompt", "negative_prompt": "negative_prompt", "steps": "num_inference_steps",
+    "height": "height", "width": "width", "frames": "num_frames",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m diffuse.run", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="diffusers pipeline folder (default: the embedded tiny model)")
+    ap.add_argument("--prompt")
+    ap.add_argument("--negative-prompt")
+    ap.add_argument("--steps", type=int, help="denoising steps (default: the pipeline's)")
+    ap.add_argument("--patches", type=int, default=1, help="patches per step (1: exact; >1: PipeFusion)")
+    ap.add_argument("--seed", type=int, default=0, help='generator=torch.Generator("cpu").manual_seed(SEED)')
+    ap.add_argument("--height", type=int)
+    ap.add_argument("--width", type=int)
+    ap.add_argument("--frames", type=int, help="video frames (num_frames)")
+    ap.add_argument("--nodes", help="comma-separated node addresses, each optionally #HEXKEY to pin its key")
+    ap.add_argument("--local-nodes", type=int, default=None, help="start N nodes on this machine (default 2)")
+    ap.add_argument("--out", help="output file (.png / .mp4 / .wav by what the model makes)")
+    ap.add_argument("--save-array", metavar="FILE.npy", help="save the float32 array the pipeline returns")
+    ap.add_argument("--whole", action="store_true", help="run unsplit in this process (the reference)")
+    ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="any other pipeline argument; VALUE is JSON where it parses, else a string")
+    ap.add_argument("--threads", type=int, help="torch threads here and on local nodes (equal counts give equal bits)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for one pass through the ring")
+    ap.add_argument("--report", metavar="FILE.json", help="write run statistics as JSON")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap
+
+
+def parse_value(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def call_kwargs(a: argparse.Namespace, pipe) -> dict:
+    import torch
+
+    params = inspect.signature(type(pipe).__call__).parameters
+    kwargs = {}
+    for flag, name in FLAG_TO_ARG.items():
+        value = getattr(a, flag)
+        if value is None:
+            continue
+        if name not in params:
+            raise DiffuseError(f"--{flag.replace('_', '-')} does not apply: {type(pipe).__name__} takes no {name!r}")
+        kwargs[name] = value
+    for item in a.arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise DiffuseError(f"--arg {item!r}: expected KEY=VALUE")
+        if key not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            raise DiffuseError(f"--arg {key}: {type(pipe).__name__}.__call__ has no such argument")
+        kwargs[key] = parse_value(value)
+    kwargs["generator"] = torch.Generator("cpu").manual_seed(a.seed)
+    kwargs["output_type"] = "np"
+    return kwargs
+
+
+@contextmanager
+def step_progress(pipe, quiet: bool):
+    """One bar over the scheduler's steps; the scheduler's ``step`` is wrapped for the call only."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    sched = pipe.scheduler
+    original = sched.step
+    progress = Progress(TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        disable=quiet, transient=False)
+    task = progress.add_task("steps", total=None)
+    counter = {"steps": 0}
+
+    def step(*args, **kwargs):
+        if progress.tasks[task].total is None and getattr(sched, "timesteps", None) is not None:
+            progress.update(task, total=len(sched.timesteps))
+        out = original(*args, **kwargs)
+        counter["steps"] += 1
+        progress.advance(task)
+        return out
+
+    sched.step = step
+    try:
+        with progress:
+            yield counter
+    finally:
+        del sched.step  # the bound method from the class shows through again
+
+
+def output_array(result) -> np.ndarray:
+    arr = result[0] if not isinstance(result, (np.ndarray,)) else result
+    if hasattr(arr, "detach"):
+        arr = arr.detach().cpu().float().numpy()
+    return np.asarray(arr)
+
+
+def generate(a: argparse.Namespace, console) -> dict:
+    import torch
+
+    from diffuse.modelfiles import resolve_model
+    from diffuse.planner import analyze, denoiser_dtype, load_pipeline, make_plan
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.model:
+        model = resolve_model(a.model)
+    else:
+        from diffuse.default_model import default_model_dir
+
+        model = default_model_dir()
+    if a.patches < 1:
+        raise DiffuseError("--patches must be at least 1")
+    subject, draft = analyze(model)  # refusals happen here, before any node is contacted
+    pipe = load_pipeline(model)
+    kwargs = call_kwargs(a, pipe)
+    denoiser = getattr(pipe, subject.denoiser)
+    report: dict = {"model": model, "mode": "whole" if a.whole else "split"}
+    nodes, ring, splitter = [], None, None
+    t0 = time.perf_counter()
+    try:
+        if not a.whole:
+            from diffuse.ring import Ring
+            from diffuse.standin import Splitter
+
+            if a.nodes:
+                addresses, keys = [], []
+                for item in a.nodes.split(","):
+                    addr, _, key = item.strip().partition("#")
+                    addresses.append(addr)
+                    keys.append(key)
+            else:
+                from diffuse.localnodes import start_local_nodes
+
+                n = a.local_nodes if a.local_nodes is not None else 2
+                if n < 1:
+                    raise DiffuseError("--local-nodes must be at least 1")
+                threads = a.threads or max(1, (os.cpu_count() or 2) // n)
+                console.print(f"starting {n} local nodes ({threads} thread{'s' if threads > 1 else ''} each)")
+                nodes = start_local_nodes(model, n, threads)
+                addresses, keys = [nd.address for nd in nodes], [nd.key for nd in nodes]
+            plan = make_plan(subject, draft, addresses, keys, denoiser_dtype(denoiser))
+            ring = Ring(plan, timeout_s=a.timeout)
+            ring.open()
+            for stage in plan.route:
+                console.print(f"  node {stage.address}: {', '.join(map(str, stage.slices))}")
+            splitter = Splitter(denoiser, plan, ring)
+            splitter.install()
+        with torch.no_grad(), step_progress(pipe, a.quiet) as steps:
+            result = pipe(**kwargs)
+        elapsed = time.perf_counter() - t0
+        arr = output_array(result)
+        report.update(seconds=elapsed, steps=steps["steps"], shape=list(arr.shape), kind=draft.get("output_kind"))
+        if ring is not None:
+            report.update(
+                calls=ring.stats.calls, bytes_sent=ring.stats.bytes_sent, bytes_received=ring.stats.bytes_received,
+                per_stack=ring.stats.per_stack, return_maps=plan.return_maps,
+                client_block_params=splitter.held_block_parameters(),
+                node_params=ring.node_params(),
+            )
+            ring.close()
+            report["node_stats"] = ring.node_stats
+    finally:
+        if ring is not None:
+            ring.close()
+        if nodes:
+            from diffuse.localnodes import stop_local_nodes
+
+            stop_local_nodes(nodes)
+    if a.save_array:
+        np.save(a.save_array, arr.astype(np.float32, copy=False))
+    out = write_output(arr, a.out, draft, pipe)
+    report["out"] = out
+    summarize(report, console)
+    if a.report:
+        with open(a.report, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return report
+
+
+def write_output(arr: np.ndarray, out: str | None, draft: dict, pipe) -> str:
+    from diffuse.plugins import call_hook
+    from diffuse.writers import DEFAULT_SUFFIX, OutputInfo
+
+    kind = draft.get("output_kind", "image")
+    out = out or "out" + DEFAULT_SUFFIX[kind]
+    info = OutputInfo(kind=kind, frame_rate=draft.get("frame_rate"), sample_rate=draft.get("sample_rate"))
+    if kind == "audio" and not info.sample_rate:
+        info.sample_rate = getattr(getattr(pipe, "vae", None), "config", {}).get("sampling_rate")
+    written = call_hook("diffuse_write_output", result=arr, path=out, info=info)
+    if written is None:
+        raise DiffuseError(f"no output writer takes {kind} to {out!r}; use {DEFAULT_SUFFIX[kind]}")
+    return written
+
+
+def summarize(r: dict, console) -> None:
+    line = f"[bold green]wrote[/] {r['out']}  ({r['kind']}, shape {tuple(r['shape'])}) in {r['seconds']:.1f} s"
+    console.print(line)
+    if r.get("calls"):
+        steps = max(1, r.get("steps") or 1)
+        wire = r["bytes_sent"] + r["bytes_received"]
+        console.print(f"  {r['calls']} ring passes, {wire / steps / 1024:.1f} KiB on the client's wire per step "
+                      f"({wire / 1024:.1f} KiB in all); patches honoured: 1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    a = build_parser().parse_args(argv)
+    try:
+        generate(a, console)
+    except DiffuseError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Stand-ins: what the denoiser sees where its block stacks used to be.
+
+A ``StandIn`` is an ordinary ``nn.ModuleList`` of parameterless ``BlockProxy``
+modules, one per block, so the denoiser's own loop (``for block in
+self.blocks``, ``enumerate``, ``len``) runs unchanged. The first proxy ships
+the call through the ring and answers with what the stack's last block
+returned; the others, called in order with that answer threaded back in, hand
+the same answer on. The pipeline's ``__call__`` is never modified.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from diffuse.analysis import StackCall, run_analyzers
+from diffuse.errors import DiffuseError
+from diffuse.plan import SlicingPlan, StackPlan
+
+
+class BlockProxy(nn.Module):
+    def __init__(self, owner: "StandIn", index: int):
+        super().__init__()
+        self._owner = (owner,)  # a tuple, so the owner is not registered as a child (no cycle)
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        return self._owner[0].block_called(self.index, args, kwargs)
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}, remote"
+
+
+class StandIn(nn.ModuleList):
+    def __init__(self, stack: StackPlan, splitter: "Splitter"):
+        super().__init__([BlockProxy(self, i) for i in range(stack.length)])
+        self.stack = stack
+        self._splitter = (splitter,)
+        self._next = 0
+        self._answer = None
+
+    def block_called(self, index: int, args: tuple, kwargs: dict):
+        if index == 0:
+            self._answer = self._splitter[0].run_stack(self.stack, args, kwargs)
+            self._next = 1
+        elif index != self._next:
+            raise DiffuseError(
+                f"{self.stack.path}[{index}] was called after {self.stack.path}[{self._next - 1}]: "
+                "the denoiser does not run this stack as a chain in list order, so it cannot be split")
+        else:
+            self._next += 1
+        return self._answer
+
+
+class Splitter:
+    """Installs stand-ins on a loaded denoiser and runs their calls through a ring."""
+
+    def __init__(self, denoiser: nn.Module, plan: SlicingPlan, ring):
+        self.denoiser = denoiser
+        self.plan = plan
+        self.ring = ring
+        self.originals: dict[str, nn.ModuleList] = {}
+        self._first_blocks: dict[str, nn.Module] = {}
+
+    def install(self) -> None:
+        for st in self.plan.stacks:
+            parent_path, _, name = st.path.rpartition(".")
+            parent = self.denoiser.get_submodule(parent_path) if parent_path else self.denoiser
+            original = getattr(parent, name)
+            self.originals[st.path] = original
+            # keep the first block until the first call has taught us its return map
+            self._first_blocks[st.path] = original[0]
+            for block in list(original)[1:]:
+                block.to("meta")
+            setattr(parent, name, StandIn(st, self))
+
+    def run_stack(self, stack: StackPlan, args: tuple, kwargs: dict):
+        if stack.path in self._first_blocks:
+            block = self._first_blocks.pop(stack.path)
+            found = run_analyzers("call", StackCall(stack, args, kwargs, block))
+            self.plan.call_plans[stack.path] = found["call_plan"]
+            self.plan.return_maps[stack.path] = found["return_map"]
+            block.to("meta")
+        return self.ring.call(stack.path, args, kwargs, self.plan.return_maps[stack.path])
+
+    def held_block_parameters(self) -> int:
+        """Elements of the handed-out blocks' parameters still held here (0 once all are freed)."""
+        return sum(p.numel() for ml in self.originals.values() for p in ml.parameters() if p.device.type != "meta")

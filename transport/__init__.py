@@ -1,0 +1,1 @@
+"""The built-in transport: a ZeroMQ PUSH/PULL ring, CBOR frames, libsodium sealing."""

@@ -1,0 +1,98 @@
+"""One data message: a plaintext envelope, a sealed CBOR header, sealed tensor frames.
+
+Frame 0, the envelope, is CBOR ``{"v": wire version, "s": session id, "c": hop
+counter, "n": frame count}``; it is authenticated (as associated data of every
+other frame) but not secret, because a node must find the session's key before
+it can open anything. Tensors travel as raw bytes in their own dtype; received
+tensors are copied into fresh memory, as a locally computed one would be.
+"""
+
+from __future__ import annotations
+
+import cbor2
+import torch
+
+from diffuse.errors import WireError
+from diffuse.plan import WIRE_VERSION
+from transport import seal
+
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dim() else memoryview(t.reshape(1).view(torch.uint8).numpy())
+
+
+def tensor_from(meta: dict, raw: bytes) -> torch.Tensor:
+    dtype = _DTYPES.get(meta["dtype"])
+    if dtype is None:
+        raise WireError(f"unknown tensor dtype {meta['dtype']!r} on the wire")
+    shape = tuple(meta["shape"])
+    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if len(raw) != expected:
+        raise WireError(f"tensor frame holds {len(raw)} bytes, its header promises {expected} for {meta}")
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape).clone()
+
+
+def tensor_meta(t: torch.Tensor) -> dict:
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+
+
+def envelope_of(frames: list[bytes]) -> dict:
+    if not frames:
+        raise WireError("empty message")
+    try:
+        env = cbor2.loads(bytes(frames[0]))
+    except Exception as exc:
+        raise WireError(f"envelope is not CBOR: {exc}") from exc
+    if not isinstance(env, dict) or not {"v", "s", "c", "n"} <= set(env):
+        raise WireError("envelope lacks version, session, counter or frame count")
+    return env
+
+
+def seal_message(hop, header: dict, tensors: list[torch.Tensor]) -> list[bytes]:
+    hop.sent += 1
+    counter = hop.sent
+    header = dict(header, tensors=[tensor_meta(t) for t in tensors])
+    env = cbor2.dumps({"v": WIRE_VERSION, "s": hop.session, "c": counter, "n": 2 + len(tensors)})
+    frames = [env, seal.seal_frame(hop.key, counter, 1, env, cbor2.dumps(header))]
+    for i, t in enumerate(tensors):
+        frames.append(seal.seal_frame(hop.key, counter, 2 + i, env, tensor_bytes(t)))
+    return frames
+
+
+def open_message(hop, frames: list[bytes]) -> tuple[dict, list[torch.Tensor]]:
+    """Authenticate before parsing anything but the envelope; enforce the hop counter."""
+    env = envelope_of(frames)
+    if env["v"] != WIRE_VERSION:
+        raise WireError(f"wire version {env['v']} is not {WIRE_VERSION}")
+    if env["s"] != hop.session:
+        raise WireError("message is for another session")
+    counter = env["c"]
+    if not isinstance(counter, int) or counter <= hop.seen:
+        raise WireError(f"replayed or reordered message: counter {counter}, last accepted {hop.seen}")
+    if len(frames) != env["n"]:
+        raise WireError(f"truncated message: {len(frames)} frames, envelope promises {env['n']}")
+    raw_env = bytes(frames[0])
+    header = cbor2.loads(seal.open_frame(hop.key, counter, 1, raw_env, bytes(frames[1])))
+    metas = header.pop("tensors", [])
+    if len(metas) != len(frames) - 2:
+        raise WireError(f"header lists {len(metas)} tensors, message carries {len(frames) - 2}")
+    tensors = [
+        tensor_from(m, seal.open_frame(hop.key, counter, 2 + i, raw_env, bytes(f)))
+        for i, (m, f) in enumerate(zip(metas, frames[2:]))
+    ]
+    hop.seen = counter  # only a message that opened completely moves the counter
+    return header, tensors

@@ -1,0 +1,162 @@
+"""The ZeroMQ ring: REQ/REP control per node, PUSH/PULL data between stages.
+
+A node is dialled at one address, its control socket; the hello reply tells
+the data address (a second port, or ``<path>.data`` for ipc). Every wait is
+bounded: a silent peer becomes a NodeError, never a hang.
+"""
+
+from __future__ import annotations
+
+import cbor2
+import zmq
+
+from diffuse.errors import NodeError, WireError
+from diffuse.hookspecs import hookimpl
+from transport import frames as _frames
+from transport import seal as _seal
+
+
+class ZmqEndpoint:
+    def __init__(self, ctx: zmq.Context, listen: str, scheme: str):
+        self.control = ctx.socket(zmq.REP)
+        self.data = ctx.socket(zmq.PULL)
+        for s in (self.control, self.data):
+            s.setsockopt(zmq.LINGER, 0)
+        if scheme == "tcp":
+            host = listen.split("://", 1)[1].rsplit(":", 1)[0]
+            self.control.bind(listen)
+            self.control_address = self.control.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.data.bind(f"tcp://{host}:0")
+        else:
+            self.control.bind(listen)
+            self.control_address = listen
+            self.data.bind(listen + ".data")
+        self.address = self.data.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.poller = zmq.Poller()
+        self.poller.register(self.control, zmq.POLLIN)
+        self.poller.register(self.data, zmq.POLLIN)
+
+    def wait(self, timeout_s: float) -> list[str]:
+        ready = dict(self.poller.poll(int(timeout_s * 1000)))
+        return [n for n, s in (("control", self.control), ("data", self.data)) if s in ready]
+
+    def recv_control(self) -> dict:
+        raw = self.control.recv()
+        try:
+            msg = cbor2.loads(raw)
+        except Exception as exc:
+            raise WireError(f"control request is not CBOR: {exc}") from exc
+        if not isinstance(msg, dict):
+            raise WireError("control request is not a map")
+        return msg
+
+    def reply_control(self, reply: dict) -> None:
+        self.control.send(cbor2.dumps(reply))
+
+    def recv_data(self) -> list[bytes]:
+        return self.data.recv_multipart(copy=True)
+
+    def close(self) -> None:
+        self.control.close(0)
+        self.data.close(0)
+
+
+class ZmqInbox:
+    def __init__(self, ctx: zmq.Context, bind: str):
+        self.sock = ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(bind)
+        self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def recv(self, timeout_s: float) -> list[bytes] | None:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return self.sock.recv_multipart(copy=True)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class ZmqOutbox:
+    def __init__(self, ctx: zmq.Context, address: str):
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.setsockopt(zmq.SNDTIMEO, 60_000)
+        self.sock.connect(address)
+        self.address = address
+
+    def send(self, frames: list[bytes]) -> None:
+        try:
+            self.sock.send_multipart(frames, copy=False)
+        except zmq.Again as exc:
+            raise NodeError(self.address, "could not hand a message on within 60 s (peer gone?)") from exc
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class ZmqTransport:
+    """The reference transport; serves ``tcp://`` (and ``ipc://`` when a plugin asks)."""
+
+    def __init__(self, scheme: str = "tcp"):
+        self.scheme = scheme
+        self.ctx = zmq.Context.instance()
+
+    # identities and sealing
+    def load_identity(self, path):
+        return _seal.load_identity(path)
+
+    def seal_control(self, payload: dict, peer_public: bytes, own) -> dict:
+        nonce, sealed = _seal.box(cbor2.dumps(payload), peer_public, own)
+        return {"from": own.public, "nonce": nonce, "box": sealed}
+
+    def open_control(self, sealed: dict, own) -> tuple[dict, bytes]:
+        try:
+            sender, nonce, body = sealed["from"], sealed["nonce"], sealed["box"]
+        except (KeyError, TypeError) as exc:
+            raise WireError("sealed control message lacks from/nonce/box") from exc
+        return cbor2.loads(_seal.unbox(nonce, body, sender, own)), sender
+
+    def seal(self, hop, header, tensors):
+        return _frames.seal_message(hop, header, tensors)
+
+    def envelope(self, frames):
+        return _frames.envelope_of(frames)
+
+    def open(self, hop, frames):
+        return _frames.open_message(hop, frames)
+
+    def new_key(self) -> bytes:
+        return _seal.new_key()
+
+    # sockets
+    def serve(self, listen: str) -> ZmqEndpoint:
+        return ZmqEndpoint(self.ctx, listen, self.scheme)
+
+    def inbox(self, bind: str) -> ZmqInbox:
+        return ZmqInbox(self.ctx, bind)
+
+    def outbox(self, address: str) -> ZmqOutbox:
+        return ZmqOutbox(self.ctx, address)
+
+    def request(self, address: str, message: dict, timeout_s: float) -> dict:
+        sock = self.ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(address)
+            sock.send(cbor2.dumps(message))
+            if not sock.poll(int(timeout_s * 1000)):
+                raise NodeError(address, f"no answer to {message.get('op')!r} within {timeout_s:.0f} s")
+            reply = cbor2.loads(sock.recv())
+        finally:
+            sock.close(0)
+        if not isinstance(reply, dict):
+            raise NodeError(address, "answered with something that is not a map")
+        return reply
+
+
+@hookimpl
+def diffuse_transport(scheme):
+    if scheme == "tcp":
+        return ZmqTransport("tcp")
+    return None
