@@ -1,0 +1,94 @@
+"""Fixtures shared by all tests: tiny pipelines saved to disk, reference and split runs.
+
+Every model is built offline from a config with seeded random weights. The
+reference is computed by tests/reference.py, which imports diffusers alone;
+split runs go through real node processes on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.join(ROOT, "tests")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
+THREADS = 1  # reference, client and nodes all run at one torch thread: equal thread counts, equal bits
+
+
+def subprocess_env(tmp_home: str | None = None) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, env.get("PYTHONPATH")) if p)
+    if tmp_home:
+        env["DIFFUSE_HOME"] = tmp_home
+    return env
+
+
+class Models:
+    """Builds each tiny model once per test session."""
+
+    def __init__(self, root):
+        self.root = root
+        self.dirs: dict[str, str] = {}
+
+    def __call__(self, name: str) -> str:
+        if name not in self.dirs:
+            import families
+
+            self.dirs[name] = families.build(name, str(self.root / name))
+        return self.dirs[name]
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> Models:
+    return Models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def diffuse_home(tmp_path_factory) -> str:
+    home = str(tmp_path_factory.mktemp("diffuse-home"))
+    os.environ["DIFFUSE_HOME"] = home  # known-nodes file and the like stay out of the user's home
+    return home
+
+
+def run_reference(model: str, kwargs: dict, out: str, seed: int = 0) -> np.ndarray:
+    cmd = [sys.executable, os.path.join(TESTS, "reference.py"), "--model", model, "--kwargs", json.dumps(kwargs),
+           "--seed", str(seed), "--threads", str(THREADS), "--out", out]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return np.load(out)
+
+
+def split_command(model: str, kwargs: dict, save: str, nodes: int = 2, seed: int = 0, extra: list[str] = ()) -> list[str]:
+    cmd = [sys.executable, "-m", "diffuse.run", "--model", model, "--seed", str(seed), "--threads", str(THREADS),
+           "--local-nodes", str(nodes), "--save-array", save, "--quiet", "--timeout", "120"]
+    for k, v in kwargs.items():
+        cmd += ["--arg", f"{k}={json.dumps(v)}"]
+    return cmd + list(extra)
+
+
+def run_split(model: str, kwargs: dict, tmp_path, nodes: int = 2, seed: int = 0, extra: list[str] = (),
+              home: str | None = None) -> tuple[np.ndarray, dict]:
+    save, report, out = tmp_path / "split.npy", tmp_path / "report.json", tmp_path / "out"
+    cmd = split_command(model, kwargs, str(save), nodes, seed,
+                        ["--report", str(report), "--out", str(out) + _suffix(model), *extra])
+    proc = subprocess.run(cmd, env=subprocess_env(home), capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(report) as f:
+        return np.load(save), json.load(f)
+
+
+def _suffix(model: str) -> str:
+    from diffuse.planner import analyze
+    from diffuse.writers import DEFAULT_SUFFIX
+
+    return DEFAULT_SUFFIX[analyze(model)[1].get("output_kind", "image")]
