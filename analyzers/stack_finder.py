@@ -1,0 +1,67 @@
+"""Find the block stacks: the ModuleLists of repeated blocks the denoiser exposes, in call order.
+
+A stack is a ModuleList the denoiser itself holds (see ``_shapes.top_lists``),
+of one or more blocks of one class, that the denoiser's code loops over. Every
+other such list is reported in ``other_lists`` with the reason it is not a
+stack; it stays on the client like any other module.
+"""
+
+from __future__ import annotations
+
+from diffuse.analysis import Analyzer
+from diffuse.errors import RefusedModel
+from diffuse.plan import StackPlan
+
+from analyzers._shapes import block_params, class_path, describe_blocks, is_block, looped_paths, quiet, top_lists
+
+
+class StackFinder(Analyzer):
+    name = "stack_finder"
+    phase = "config"
+    needs = ("component_libraries",)  # after remote_code: building the denoiser imports its library
+    provides = ("stacks", "other_lists")
+    description = "The ModuleLists of same-class blocks the denoiser loops over (weightless build), in registration order."
+
+    def analyze(self, subject, draft):
+        stacks, others = find_stacks(denoiser_on_meta(subject))
+        return {"stacks": stacks, "other_lists": others}
+
+
+def denoiser_on_meta(subject):
+    """The subject's weightless denoiser, or a refusal that says why it could not be built."""
+    if not subject.denoiser:
+        raise RefusedModel(subject.path, "model_index.json names no denoiser component (transformer, unet, ...) with a "
+                                         "config.json")
+    try:
+        with quiet():
+            return subject.meta_denoiser()
+    except Exception as exc:
+        raise RefusedModel(subject.path, f"the denoiser {subject.denoiser_class_name} could not be built from "
+                                         f"{subject.denoiser}/config.json: {type(exc).__name__}: {exc}") from exc
+
+
+def find_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:
+    """(stacks in registration order, which is the order a DiT calls them (FACTS, Table 3); {path: why not a stack})."""
+    lists = top_lists(model)
+    looped = looped_paths(type(model), [p for p, _ in lists])
+    stacks, others = [], {}
+    for path, blocks in lists:
+        entries = list(blocks)
+        if not entries:
+            others[path] = "nothing"
+        elif not all(map(is_block, entries)):
+            kinds = ", ".join(dict.fromkeys(type(e).__name__ for e in entries))
+            others[path] = f"{len(entries)} single layers ({kinds}), not blocks"
+        elif len({type(b) for b in entries}) > 1:
+            others[path] = describe_blocks(entries)
+        elif looped is not None and path not in looped:
+            others[path] = (f"{len(entries)} {type(entries[0]).__name__} blocks that {type(model).__name__} never loops "
+                            "over (it picks them one by one): not a chain")
+        else:
+            stacks.append(StackPlan(
+                path=path,
+                length=len(entries),
+                block_class=class_path(type(entries[0])),
+                params_per_block=round(sum(block_params(b) for b in entries) / len(entries)),
+            ))
+    return stacks, others
