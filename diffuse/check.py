@@ -51,32 +51,29 @@ def check(path: str) -> dict:
     }
 
 
-def print_check(path: str, console=None) -> dict:
-    """Print the verdict (first line: "splittable" or "refused: <reason>") and what it rests on; return ``check``'s dict.
+def print_check(path: str, console=None) -> int:
+    """Print the verdict (first line: "splittable" or "refused: <reason>") and what it rests on.
 
-    The caller's exit status is ``EXIT_CODES[result["verdict"]]``.
+    Returns the exit status for ``diffuse check``: 0 splittable, 2 refused.
     """
     from rich.console import Console
-    from rich.table import Table
 
     console = console or Console()
     r = check(path)
     if r["verdict"] == REFUSED:
         console.print(f"[bold red]refused[/]: {r['reason']}", highlight=False)
         console.print(f"model {path} ({r['denoiser']}), checked in {r['seconds']:.2f} s", style="dim", highlight=False)
-        return r
+        return EXIT_CODES[REFUSED]
     console.print("[bold green]splittable[/]", highlight=False)
     console.print(f"model {path} ({r['denoiser']}), checked in {r['seconds']:.2f} s from config.json alone",
                   style="dim", highlight=False)
-    table = Table(title="block stacks, in call order", title_justify="left")
-    for col in ("stack", "blocks", "sized by", "block class", "params/block", "width", "streams"):
-        table.add_column(col, justify="right" if col in ("blocks", "params/block", "width") else "left")
+    console.print("block stacks, in call order:", highlight=False)
     for s in r["stacks"]:
-        table.add_row(s["path"], str(s["length"]), s["config_key"] or "[dim]not found[/]", s["block_class"].rpartition(".")[2],
-                      f"{s['params_per_block']:,}", str(s["width"]), "two" if s["two_stream"] else "one")
-    console.print(table)
-    for s in r["stacks"]:
-        console.print(f"  {s['path']}: {s['two_stream_evidence']}", style="dim", highlight=False)
+        console.print(f"  [bold]{s['path']}[/]: {s['length']} x {s['block_class'].rpartition('.')[2]}, sized by "
+                      f"{s['config_key'] or '(no config setting found)'}, width {s['width']}, "
+                      f"{s['params_per_block']:,} params per block, {'two streams' if s['two_stream'] else 'one stream'}",
+                      highlight=False)
+        console.print(f"    {s['two_stream_evidence']}", style="dim", highlight=False)
     rates = ", ".join(x for x in (r["frame_rate"] and f"{r['frame_rate']} fps",
                                   r["sample_rate"] and f"{r['sample_rate']} Hz") if x)
     console.print(f"output: {r['output_kind']}{f' ({rates})' if rates else ''}  [dim]({r['output_evidence']})[/]",
@@ -88,4 +85,4 @@ def print_check(path: str, console=None) -> dict:
         console.print("--patches: patchable (every stack carries one stream)", highlight=False)
     for p, what in r["other_lists"].items():
         console.print(f"note: {p} holds {what}; it is not a stack and runs on the client", highlight=False)
-    return r
+    return EXIT_CODES[SPLITTABLE]

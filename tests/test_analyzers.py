@@ -315,6 +315,20 @@ def test_an_installed_library_is_imported_not_refused_and_its_odd_model_is_found
     assert draft["output_kind"] == "image"
 
 
+@pytest.mark.parametrize("name, verdict, reason", [
+    ("odd", "splittable", None),
+    ("sdxl", "refused", "a multi-resolution U-Net whose skip connections cross resolutions"),
+    ("remote_code", "refused", "from pipeline_remote.py, code shipped with the checkpoint: that needs trust_remote_code"),
+    ("no_stack", "refused", "no ModuleList of repeated blocks found in NoStackTransformer"),
+    ("recurrent", "refused", "layers holds 4 entries but only 1 distinct block object(s): a recurrent stack"),
+])
+def test_the_shared_odd_checkpoints_get_their_verdicts(models, name, verdict, reason):
+    """The saved checkpoints of tests/families.py (weights and all), as `diffuse check` sees them."""
+    result = check(models(name))
+    assert result["verdict"] == verdict
+    assert (result["reason"] is None) if reason is None else (reason in result["reason"]), result["reason"]
+
+
 # --- the verdict and the plan ---------------------------------------------------------------------------------
 
 
@@ -334,12 +348,12 @@ def test_print_check_puts_the_verdict_on_the_first_line(checkpoints, tmp_path, o
     from rich.console import Console
 
     console = Console(record=True, width=200)
-    print_check(checkpoints["ltx"], console)
+    assert print_check(checkpoints["ltx"], console) == 0
     text = console.export_text()
     assert text.splitlines()[0] == "splittable"
     assert "transformer_blocks" in text and "num_layers" in text and "25 fps" in text and "patchable" in text
     console = Console(record=True, width=200)
-    print_check(odd_checkpoint(tmp_path, oddmodel, "NoStackTransformer"), console)
+    assert print_check(odd_checkpoint(tmp_path, oddmodel, "NoStackTransformer"), console) == 2
     assert console.export_text().splitlines()[0] == "refused: no ModuleList of repeated blocks found in NoStackTransformer"
 
 
