@@ -1,0 +1,114 @@
+"""The model a fresh install runs with no network: a tiny Wan text-to-video pipeline.
+
+Its weights are random (seeded), so it makes noise-like clips, but every part a
+real Wan 2.1 checkpoint has is there: a WanTransformer3DModel with 4 blocks (a
+3-node split gives every node at least one), AutoencoderKLWan, a small UMT5
+text encoder and a word-level tokenizer. It is built once, offline, into a
+cache folder and loaded like any other diffusers checkpoint. Keep runs small:
+16 or 32 px and 9 frames (the pipeline's own defaults are 480x832, 81 frames).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+__all__ = ["DEFAULT_MODEL_NAME", "build_tiny_wan", "default_model_dir"]
+
+# Bump the suffix whenever build_tiny_wan changes what it writes, so caches rebuild.
+DEFAULT_MODEL_NAME = "tiny-wan-v1"
+
+
+def build_tiny_wan(out_dir: str, seed: int = 0) -> str:
+    """Build the tiny Wan pipeline with weights seeded by ``seed``, save it
+    (safetensors) into ``out_dir`` and return ``out_dir``.
+
+    Configs follow diffusers' own Wan test (tests/pipelines/wan/test_wan.py),
+    with 4 transformer blocks instead of 2 and UMT5 (what WanPipeline declares)
+    instead of T5.
+    """
+    import torch
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from diffuse.tiny_tokenizers import build_word_tokenizer
+
+    tokenizer = build_word_tokenizer("t5")
+    torch.manual_seed(seed)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_heads=4,
+            num_layers=2,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+        )
+    )
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(
+        base_dim=3,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    )
+    torch.manual_seed(seed)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=4,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    torch.manual_seed(seed)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=7.0)
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        transformer=transformer,
+        vae=vae,
+        scheduler=scheduler,
+    )
+    pipe.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def default_model_dir() -> str:
+    """The cached tiny Wan checkpoint, built on first use.
+
+    Lives in ``$DIFFUSE_HOME/tiny-wan-v1`` (default ``~/.cache/diffuse``). It is
+    built in a temporary sibling folder and renamed into place, so a crashed or
+    concurrent build never leaves a half-written model where it would be used.
+    """
+    home = Path(os.environ.get("DIFFUSE_HOME") or Path.home() / ".cache" / "diffuse")
+    final = home / DEFAULT_MODEL_NAME
+    if (final / "model_index.json").is_file():
+        return str(final)
+    home.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.building-", dir=home)
+    try:
+        build_tiny_wan(tmp)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            # Another process finished first (the target is a non-empty folder).
+            if not (final / "model_index.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)

@@ -1,0 +1,100 @@
+"""Ground truth: run a saved pipeline whole, in plain diffusers, and save its array.
+
+    python tests/reference.py --model DIR --kwargs JSON --seed S --threads N --out OUT.npy
+
+Loads ``DiffusionPipeline.from_pretrained(DIR)``, sets the torch thread count,
+calls the pipeline under ``torch.no_grad()`` with the kwargs plus
+``generator=torch.Generator("cpu").manual_seed(S)`` and ``output_type="np"``,
+and saves the first field of the output (``.images`` / ``.frames`` /
+``.audios``) as float32, exactly as returned. Split runs are compared to it byte
+for byte.
+
+Repeat ``--out`` to load the model afresh and run again for each file: two
+independent runs in one process (cheaper than two processes when checking that
+a model is reproducible).
+
+Imports only torch, numpy and diffusers, plus any component library that
+model_index.json names besides diffusers and transformers (such a library must
+be imported before loading; FACTS-diffusers.md, last section). Nothing from the
+``diffuse`` package, so the reference cannot share a bug with what it checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+_BUILTIN_LIBRARIES = {"diffusers", "transformers"}
+
+
+def _is_diffusers_pipeline_module(name: str) -> bool:
+    import diffusers.pipelines
+
+    return hasattr(diffusers.pipelines, name)
+
+
+def import_component_libraries(model_dir: str) -> list[str]:
+    """Import each library model_index.json names that diffusers would not load itself."""
+    with open(os.path.join(model_dir, "model_index.json")) as f:
+        index = json.load(f)
+    imported = []
+    for key, value in index.items():
+        if key.startswith("_") or not isinstance(value, list) or len(value) != 2:
+            continue
+        library = value[0]
+        if library is None or library in _BUILTIN_LIBRARIES or library in imported:
+            continue
+        # ["stable_audio", "StableAudioProjectionModel"]: a diffusers pipeline module.
+        if _is_diffusers_pipeline_module(library):
+            continue
+        # A .py shipped in the component folder is remote code, not a library.
+        if os.path.isfile(os.path.join(model_dir, key, f"{library}.py")):
+            continue
+        importlib.import_module(library)
+        imported.append(library)
+    return imported
+
+
+def run_once(model_dir: str, kwargs: dict, seed: int) -> np.ndarray:
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        output = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed), output_type="np")
+    array = output[0]
+    if isinstance(array, torch.Tensor):
+        array = array.cpu().numpy()
+    array = np.asarray(array)
+    if array.dtype != np.float32:
+        raise SystemExit(f"reference: the pipeline returned {array.dtype}, expected float32")
+    return array
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="folder written by save_pretrained")
+    parser.add_argument("--kwargs", default="{}", help="JSON object of __call__ keyword arguments")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--out", action="append", required=True, help="where to np.save the array (repeatable)")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    kwargs = json.loads(args.kwargs)
+    if not isinstance(kwargs, dict):
+        parser.error("--kwargs must be a JSON object")
+    import_component_libraries(args.model)
+    for out in args.out:
+        np.save(out, run_once(args.model, kwargs, args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Every tiny pipeline builds offline, and its reference run is reproducible byte
+for byte: across two fresh loads in one process, and across processes.
+
+The reference runs (tests/reference.py, one subprocess per model, two loads
+each) start together in a session fixture, two at a time, for the models the
+selected tests need.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import families  # noqa: E402
+
+TESTS_DIR = Path(__file__).resolve().parent
+REFERENCE = TESTS_DIR / "reference.py"
+SEED = 0
+THREADS = 1
+RUN_PARALLEL = 2  # reference subprocesses at once (the CI machine has 2 cores)
+RUN_TIMEOUT_S = 300
+# Families plus the one non-diffusers model: reference.py must import its library.
+REFERENCE_MODELS = [*families.FAMILIES, "odd"]
+
+
+@dataclass
+class ReferenceRun:
+    model_dir: str
+    returncode: int
+    stderr: str
+    arrays: list  # one np.ndarray per fresh load, in order
+
+
+def _selected_models(session) -> list[str]:
+    wanted = set()
+    for item in session.items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and Path(str(item.fspath)).name == Path(__file__).name:
+            wanted.add(callspec.params.get("model"))
+    return [m for m in REFERENCE_MODELS if m in wanted] or list(REFERENCE_MODELS)
+
+
+def _run_reference(model_dir: str, kwargs: dict, outs: list[Path]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REFERENCE), "--model", model_dir, "--kwargs", json.dumps(kwargs)]
+    cmd += ["--seed", str(SEED), "--threads", str(THREADS)]
+    for out in outs:
+        cmd += ["--out", str(out)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(TESTS_DIR), env.get("PYTHONPATH", "")] if p)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+def reference_runs(request, tmp_path_factory) -> dict[str, ReferenceRun]:
+    """Build each needed model once and run tests/reference.py on it (2 loads)."""
+    root = tmp_path_factory.mktemp("families")
+    models = _selected_models(request.session)
+    dirs = {name: families.build(name, root / name) for name in models}
+
+    def run(name: str) -> ReferenceRun:
+        outs = [root / f"{name}.load{i}.npy" for i in range(2)]
+        proc = _run_reference(dirs[name], families.call_args(name), outs)
+        arrays = [np.load(o) for o in outs if o.exists()]
+        return ReferenceRun(dirs[name], proc.returncode, proc.stderr[-4000:], arrays)
+
+    with ThreadPoolExecutor(RUN_PARALLEL) as pool:
+        return dict(zip(models, pool.map(run, models)))
+
+
+def _run(reference_runs, model: str) -> ReferenceRun:
+    run = reference_runs[model]
+    assert run.returncode == 0 and len(run.arrays) == 2, f"reference.py failed on {model}:\n{run.stderr}"
+    return run
+
+
+@pytest.mark.parametrize("model", REFERENCE_MODELS)
+def test_reference_output_has_the_expected_shape_and_is_finite(reference_runs, model):
+    array = _run(reference_runs, model).arrays[0]
+    assert array.dtype == np.float32
+    assert array.shape == families.expected_shape(model)
+    assert np.isfinite(array).all()
+
+
+@pytest.mark.parametrize("model", REFERENCE_MODELS)
+def test_reference_is_byte_identical_across_fresh_loads(reference_runs, model):
+    first, second = _run(reference_runs, model).arrays
+    assert first.tobytes() == second.tobytes()
+
+
+@pytest.mark.parametrize("model", REFERENCE_MODELS)
+def test_reference_is_byte_identical_across_processes(reference_runs, model):
+    """The same run in this (pytest) process gives the subprocess's bytes."""
+    import torch
+
+    import reference
+
+    run = _run(reference_runs, model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        here = reference.run_once(run.model_dir, families.call_args(model), SEED)
+    finally:
+        torch.set_num_threads(threads)
+    assert here.tobytes() == run.arrays[0].tobytes()
+
+
+def test_output_ranks_name_the_output_kind():
+    ranks = {"image": 4, "video": 5, "audio": 3}
+    for name in [*families.FAMILIES, "sdxl", "odd", "no_stack", "recurrent"]:
+        assert len(families.expected_shape(name)) == ranks[families.output_kind(name)]
+    assert families.output_kind("stable_audio") == "audio"
+    assert families.output_kind("wan") == "video"
+
+
+def test_call_args_are_json_and_carry_no_generator():
+    for name in [*families.FAMILIES, *families.EXTRAS]:
+        args = families.call_args(name)
+        assert json.loads(json.dumps(args)) == args
+        assert "generator" not in args and "output_type" not in args
+
+
+def test_odd_model_nests_its_stack_and_returns_two_reversed_streams(reference_runs):
+    import torch
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(_run(reference_runs, "odd").model_dir)
+    transformer = pipe.transformer
+    assert type(transformer.trunk).__name__ == "OddTrunk"
+    assert list(dict(transformer.trunk.named_children())) == ["layers"]
+    seen = []
+    transformer.trunk.layers[0].register_forward_hook(
+        lambda m, args, kwargs, out: seen.append((kwargs, out)), with_kwargs=True
+    )
+    with torch.no_grad():
+        pipe(**dict(families.call_args("odd"), num_inference_steps=1, guidance_scale=1.0), output_type="np")
+    kwargs, (context_out, x_out) = seen[0]
+    assert list(kwargs) == ["scale", "context", "opts", "x", "cond"]
+    assert isinstance(kwargs["scale"], float) and kwargs["opts"] == {"gate": True}
+    assert context_out.shape == kwargs["context"].shape and x_out.shape == kwargs["x"].shape
+    assert kwargs["context"].shape[1] != kwargs["x"].shape[1]
+
+
+def test_recurrent_model_holds_one_block_many_times(tmp_path):
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(families.build("recurrent", tmp_path / "recurrent"))
+    layers = pipe.transformer.layers
+    assert len(layers) == 4 and all(block is pipe.transformer.block for block in layers)
+
+
+def test_no_stack_model_has_no_module_list(tmp_path):
+    import torch
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(families.build("no_stack", tmp_path / "no_stack"))
+    assert not any(isinstance(m, torch.nn.ModuleList) for m in pipe.transformer.modules())
+
+
+def test_remote_code_checkpoint_names_classes_shipped_inside_it(tmp_path):
+    model_dir = Path(families.build("remote_code", tmp_path / "remote"))
+    index = json.loads((model_dir / "model_index.json").read_text())
+    module, _ = index["_class_name"]
+    assert (model_dir / f"{module}.py").is_file()
+    library, _ = index["transformer"]
+    assert (model_dir / "transformer" / f"{library}.py").is_file()
+
+
+def test_sdxl_denoiser_is_a_unet(tmp_path):
+    index = json.loads((Path(families.build("sdxl", tmp_path / "sdxl")) / "model_index.json").read_text())
+    assert index["unet"] == ["diffusers", "UNet2DConditionModel"] and "transformer" not in index
+
+
+def test_default_model_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    from diffuse.default_model import DEFAULT_MODEL_NAME, default_model_dir
+
+    monkeypatch.setenv("DIFFUSE_HOME", str(tmp_path))
+    path = Path(default_model_dir())
+    assert path == tmp_path / DEFAULT_MODEL_NAME and (path / "model_index.json").is_file()
+    stamp = (path / "model_index.json").stat().st_mtime_ns
+    assert Path(default_model_dir()) == path
+    assert (path / "model_index.json").stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in tmp_path.iterdir()) == [DEFAULT_MODEL_NAME]  # no temp folder left
