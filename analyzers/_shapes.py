@@ -64,14 +64,16 @@ def is_block(module: nn.Module) -> bool:
     return not isinstance(module, _HOLDERS) and next(module.children(), None) is not None and _has_params(module)
 
 
-def looped_paths(cls: type, paths: list[str]) -> set[str] | None:
-    """Which of ``paths`` (attribute paths from ``self``) the class's own code loops over (``for ... in``).
+def picked_not_looped(cls: type, paths: list[str]) -> set[str]:
+    """Which of ``paths`` (attribute paths from ``self``) the class's code indexes (``self.heads[i]``) but never
+    loops over (``for ... in``, ``range(len(...))`` included).
 
     A stack is called as a chain, block after block, in a loop; a list whose
-    entries are picked one by one (``self.projections[i](x)``) is not one.
-    None when no source can be read: then nothing is known either way.
+    entries are picked one by one is not one. A list that is only passed on or
+    aliased (``blocks = self.blocks``) is not judged; nor is anything when no
+    source can be read.
     """
-    found, read = set(), False
+    looped, indexed = set(), set()
     for klass in cls.__mro__:
         try:
             text = "".join(linecache.getlines(inspect.getsourcefile(klass) or ""))
@@ -83,11 +85,12 @@ def looped_paths(cls: type, paths: list[str]) -> set[str] | None:
             tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
         except (OSError, TypeError, SyntaxError):
             continue
-        read = True
         for node in ast.walk(tree):
             if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
-                found.update(p for p in map(_self_path, ast.walk(node.iter)) if p in paths)
-    return found if read else None
+                looped.update(map(_self_path, ast.walk(node.iter)))
+            elif isinstance(node, ast.Subscript):
+                indexed.add(_self_path(node.value))
+    return {p for p in paths if p in indexed and p not in looped}
 
 
 def _self_path(node: ast.AST) -> str | None:

@@ -1,7 +1,8 @@
 """Find the block stacks: the ModuleLists of repeated blocks the denoiser exposes, in call order.
 
 A stack is a ModuleList the denoiser itself holds (see ``_shapes.top_lists``),
-of one or more blocks of one class, that the denoiser's code loops over. Every
+of one or more blocks of one class, that the denoiser's code does not pick
+apart entry by entry (see ``_shapes.picked_not_looped``). Every
 other such list is reported in ``other_lists`` with the reason it is not a
 stack; it stays on the client like any other module.
 """
@@ -12,7 +13,9 @@ from diffuse.analysis import Analyzer
 from diffuse.errors import RefusedModel
 from diffuse.plan import StackPlan
 
-from analyzers._shapes import block_params, class_path, describe_blocks, is_block, looped_paths, quiet, top_lists
+from analyzers._shapes import (
+    block_params, class_path, describe_blocks, is_block, picked_not_looped, quiet, top_lists,
+)
 
 
 class StackFinder(Analyzer):
@@ -20,7 +23,7 @@ class StackFinder(Analyzer):
     phase = "config"
     needs = ("component_libraries",)  # after remote_code: building the denoiser imports its library
     provides = ("stacks", "other_lists")
-    description = "The ModuleLists of same-class blocks the denoiser loops over (weightless build), in registration order."
+    description = "The ModuleLists of same-class blocks the denoiser calls as a chain (weightless build), in call order."
 
     def analyze(self, subject, draft):
         stacks, others = find_stacks(denoiser_on_meta(subject))
@@ -43,7 +46,7 @@ def denoiser_on_meta(subject):
 def find_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:
     """(stacks in registration order, which is the order a DiT calls them (FACTS, Table 3); {path: why not a stack})."""
     lists = top_lists(model)
-    looped = looped_paths(type(model), [p for p, _ in lists])
+    picked = picked_not_looped(type(model), [p for p, _ in lists])
     stacks, others = [], {}
     for path, blocks in lists:
         entries = list(blocks)
@@ -54,7 +57,7 @@ def find_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:
             others[path] = f"{len(entries)} single layers ({kinds}), not blocks"
         elif len({type(b) for b in entries}) > 1:
             others[path] = describe_blocks(entries)
-        elif looped is not None and path not in looped:
+        elif path in picked:
             others[path] = (f"{len(entries)} {type(entries[0]).__name__} blocks that {type(model).__name__} never loops "
                             "over (it picks them one by one): not a chain")
         else:
