@@ -55,7 +55,7 @@ def cmd_check(argv: list[str]) -> int:
     try:
         return print_check(resolve_model(a.model), console)
     except DiffuseError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2
 
 
@@ -94,7 +94,7 @@ def cmd_verify(argv: list[str]) -> int:
                 if os.path.exists(f):
                     os.unlink(f)
     except DiffuseError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2
     diff = float(np.abs(arrays[True].astype(np.float64) - arrays[False]).max())
     same = arrays[True].tobytes() == arrays[False].tobytes()

@@ -27,7 +27,7 @@ SESSION_IDLE_S = 900.0  # a session nobody has used for this long is closed and 
 
 class Node:
     def __init__(self, model_path: str, listen: str, blocks: str | None, key_file: str | None,
-                 allowed_clients: set[bytes] | None = None):
+                 allowed_clients: set[bytes] | None = None, advertise: str | None = None):
         from diffuse.analysis import ModelSubject, run_analyzers
         from diffuse.plugins import transport_for
         from diffuse.stage import BlockStore, parse_blocks
@@ -43,6 +43,7 @@ class Node:
         self.identity = self.transport.load_identity(key_file)
         self.allowed = allowed_clients
         self.endpoint = self.transport.serve(listen)
+        self.data_address = advertise or self.endpoint.address  # what peers dial (differs behind NAT or a relay)
         self.sessions: dict[bytes, object] = {}
         self.outboxes: dict[str, object] = {}
         self.last_error: dict[bytes, str] = {}
@@ -54,7 +55,7 @@ class Node:
             offered = msg.get("wire") or []
             if WIRE_VERSION not in offered:
                 return {"ok": False, "error": f"this node speaks wire version {WIRE_VERSION}; the client offers {offered}"}
-            return {"ok": True, "wire": WIRE_VERSION, "key": self.identity.public, "data": self.endpoint.address,
+            return {"ok": True, "wire": WIRE_VERSION, "key": self.identity.public, "data": self.data_address,
                     "model": self.store.model_hash,
                     "holds": [str(s) for s in self.store.fixed] if self.store.fixed else None}
         if op == "status":
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ephemeral-key", action="store_true", help="a fresh identity for this run only")
     ap.add_argument("--allow-client", action="append", default=None, metavar="HEXKEY",
                     help="serve only these client keys (repeatable)")
+    ap.add_argument("--advertise-data", metavar="ADDR", help="data address peers should dial, if not the bound one")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
     ap.add_argument("--log-level", default="INFO")
     a = ap.parse_args(argv)
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         node = Node(resolve_model(a.model), a.listen, a.blocks, None if a.ephemeral_key else a.key_file,
-                    {bytes.fromhex(k) for k in a.allow_client} if a.allow_client else None)
+                    {bytes.fromhex(k) for k in a.allow_client} if a.allow_client else None, a.advertise_data)
     except DiffuseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

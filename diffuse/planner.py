@@ -41,6 +41,7 @@ def load_pipeline(path: str):
     """The pipeline itself, loaded by diffusers from safetensors, never with remote code."""
     import diffusers
 
+    diffusers.utils.logging.disable_progress_bar()
     pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         generate(a, console)
     except DiffuseError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2
     return 0
 

@@ -1,0 +1,93 @@
+"""A node or client that cannot serve says so clearly and promptly; nobody hangs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import families
+from safetensors import safe_open
+
+from conftest import THREADS, subprocess_env, run_split
+
+
+def _node(model, share):
+    cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--blocks", share, "--ephemeral-key",
+           "--threads", str(THREADS)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env())
+    return proc, json.loads(proc.stdout.readline())
+
+
+def _client(model, nodes, tmp_path, home, prelude=""):
+    args = ["--model", model, "--nodes", ",".join(nodes), "--quiet", "--timeout", "20",
+            "--out", str(tmp_path / "x.mp4")]
+    for k, v in families.call_args("wan").items():
+        args += ["--arg", f"{k}={json.dumps(v)}"]
+    code = f"import sys\n{prelude}\nfrom diffuse.run import main\nsys.exit(main({args!r}))"
+    return subprocess.run([sys.executable, "-c", code], env=subprocess_env(home), capture_output=True,
+                          text=True, timeout=180)
+
+
+def test_node_asked_for_blocks_it_does_not_hold_answers_with_an_error(models, tmp_path, diffuse_home):
+    model = models("wan")
+    first, second = _node(model, "1/2"), _node(model, "2/2")
+    try:
+        # route the ring the wrong way round: the node holding blocks[0:2] is asked for blocks[2:4]
+        run = _client(model, [f"{second[1]['address']}#{second[1]['key']}",
+                              f"{first[1]['address']}#{first[1]['key']}"], tmp_path, diffuse_home)
+    finally:
+        for p, _ in (first, second):
+            p.terminate()
+            p.wait(10)
+    assert run.returncode == 2
+    assert "asked for blocks blocks[0:2], but this node holds only blocks[2:4]" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_wire_version_mismatch_is_refused_at_hello(models, tmp_path, diffuse_home):
+    model = models("wan")
+    proc, ready = _node(model, "all")
+    try:
+        run = _client(model, [f"{ready['address']}#{ready['key']}"], tmp_path, diffuse_home,
+                      prelude="import diffuse.plan; diffuse.plan.WIRE_VERSION = 99")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert run.returncode == 2
+    assert "this node speaks wire version 1; the client offers [99]" in run.stderr
+
+
+def test_pinned_key_mismatch_is_refused(models, tmp_path, diffuse_home):
+    model = models("wan")
+    proc, ready = _node(model, "all")
+    try:
+        run = _client(model, [f"{ready['address']}#{'00' * 32}"], tmp_path, diffuse_home)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert run.returncode == 2
+    assert "was pinned: refusing" in run.stderr
+
+
+def test_each_node_holds_only_its_share_of_block_parameters(models, tmp_path, diffuse_home):
+    model = models("flux")
+    _, report = run_split(model, families.call_args("flux"), tmp_path, nodes=2, home=diffuse_home)
+    # count each node's share straight from the weights file: its contiguous range of every stack
+    with safe_open(f"{model}/transformer/diffusion_pytorch_model.safetensors", "pt") as f:
+        sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    expected = []
+    for stage in range(2):
+        total = 0
+        for stack in ("transformer_blocks", "single_transformer_blocks"):
+            n = len({k.split(".")[1] for k in sizes if k.startswith(stack + ".")})
+            lo, hi = (0, (n + 1) // 2) if stage == 0 else ((n + 1) // 2, n)
+            for k, shape in sizes.items():
+                if k.startswith(stack + ".") and lo <= int(k.split(".")[1]) < hi:
+                    numel = 1
+                    for d in shape:
+                        numel *= d
+                    total += numel
+        expected.append(total)
+    assert report["node_params"] == expected
+    assert report["client_block_params"] == 0
