@@ -8,6 +8,7 @@ not given are not passed, so the pipeline's own defaults hold.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import os
@@ -95,6 +96,8 @@ def step_progress(pipe, quiet: bool):
     task = progress.add_task("steps", total=None)
     counter = {"steps": 0}
 
+    # wraps() keeps step's signature visible: pipelines pass generator/eta only if step declares them
+    @functools.wraps(original)
     def step(*args, **kwargs):
         if progress.tasks[task].total is None and getattr(sched, "timesteps", None) is not None:
             progress.update(task, total=len(sched.timesteps))
