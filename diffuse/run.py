@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--frames", type=int, help="video frames (num_frames)")
     ap.add_argument("--nodes", help="comma-separated node addresses, each optionally #HEXKEY to pin its key")
     ap.add_argument("--local-nodes", type=int, default=None, help="start N nodes on this machine (default 2)")
+    ap.add_argument("--local-transport", default="tcp", metavar="SCHEME",
+                    help="URL scheme local nodes listen on (tcp; ipc with the diffuse-ipc plugin)")
     ap.add_argument("--out", help="output file (.png / .mp4 / .wav by what the model makes)")
     ap.add_argument("--save-array", metavar="FILE.npy", help="save the float32 array the pipeline returns")
     ap.add_argument("--whole", action="store_true", help="run unsplit in this process (the reference)")
@@ -163,10 +165,11 @@ def generate(a: argparse.Namespace, console) -> dict:
                     raise DiffuseError("--local-nodes must be at least 1")
                 threads = a.threads or max(1, (os.cpu_count() or 2) // n)
                 console.print(f"starting {n} local nodes ({threads} thread{'s' if threads > 1 else ''} each)")
-                nodes = start_local_nodes(model, n, threads)
+                nodes = start_local_nodes(model, n, threads, scheme=a.local_transport)
                 addresses, keys = [nd.address for nd in nodes], [nd.key for nd in nodes]
             plan = make_plan(subject, draft, addresses, keys, denoiser_dtype(denoiser))
             ring = Ring(plan, timeout_s=a.timeout)
+            report["transport"] = ring.transport.scheme
             ring.open()
             for stage in plan.route:
                 console.print(f"  node {stage.address}: {', '.join(map(str, stage.slices))}")
