@@ -10,6 +10,7 @@ cache folder and loaded like any other diffusers checkpoint. Keep runs small:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -18,7 +19,9 @@ from pathlib import Path
 __all__ = ["DEFAULT_MODEL_NAME", "build_tiny_wan", "default_model_dir"]
 
 # Bump the suffix whenever build_tiny_wan changes what it writes, so caches rebuild.
-DEFAULT_MODEL_NAME = "tiny-wan-v1"
+DEFAULT_MODEL_NAME = "tiny-wan-v2"
+# what a run uses when no flag says otherwise: the size this tiny model is made for
+CALL_DEFAULTS = {"height": 32, "width": 32, "num_frames": 9, "num_inference_steps": 20}
 
 
 def build_tiny_wan(out_dir: str, seed: int = 0) -> str:
@@ -85,6 +88,8 @@ def build_tiny_wan(out_dir: str, seed: int = 0) -> str:
         scheduler=scheduler,
     )
     pipe.save_pretrained(out_dir, safe_serialization=True)
+    with open(os.path.join(out_dir, "diffuse_defaults.json"), "w") as f:
+        json.dump(CALL_DEFAULTS, f)
     return out_dir
 
 

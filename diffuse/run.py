@@ -22,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from diffuse.errors import DiffuseError  # noqa: E402
 
+MODEL_DEFAULTS_FILE = "diffuse_defaults.json"
 FLAG_TO_ARG = {  # flag -> pipeline __call__ argument
     "prompt": "prompt", "negative_prompt": "negative_prompt", "steps": "num_inference_steps",
     "height": "height", "width": "width", "frames": "num_frames",
@@ -81,6 +82,13 @@ def call_kwargs(a: argparse.Namespace, pipe) -> dict:
         if key not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             raise DiffuseError(f"--arg {key}: {type(pipe).__name__}.__call__ has no such argument")
         kwargs[key] = parse_value(value)
+    # a model folder may declare call defaults for the size it is made for (the embedded model does)
+    defaults_file = os.path.join(getattr(pipe, "_diffuse_path", ""), MODEL_DEFAULTS_FILE)
+    if os.path.isfile(defaults_file):
+        with open(defaults_file) as f:
+            for k, v in json.load(f).items():
+                if k in params:
+                    kwargs.setdefault(k, v)
     kwargs["generator"] = torch.Generator("cpu").manual_seed(a.seed)
     kwargs["output_type"] = "np"
     return kwargs
@@ -141,6 +149,7 @@ def generate(a: argparse.Namespace, console) -> dict:
         raise DiffuseError("--patches must be at least 1")
     subject, draft = analyze(model)  # refusals happen here, before any node is contacted
     pipe = load_pipeline(model)
+    pipe._diffuse_path = model
     kwargs = call_kwargs(a, pipe)
     denoiser = getattr(pipe, subject.denoiser)
     report: dict = {"model": model, "mode": "whole" if a.whole else "split"}
