@@ -207,7 +207,8 @@ def generate(a: argparse.Namespace, console) -> dict:
             stop_local_nodes(nodes)
     if a.save_array:
         np.save(a.save_array, arr.astype(np.float32, copy=False))
-    out = write_output(arr, a.out, draft, pipe)
+    rate = kwargs.get("frame_rate") or kwargs.get("fps")
+    out = write_output(arr, a.out, dict(draft, frame_rate=rate) if rate else draft, pipe)
     report["out"] = out
     summarize(report, console)
     if a.report:

@@ -33,3 +33,33 @@ def test_split_output_is_byte_identical_to_plain_diffusers(family, nodes, models
     assert report["calls"] >= 2 and report["bytes_sent"] > 0
     # the client holds none of the blocks it handed out
     assert report["client_block_params"] == 0
+    check_written_file(family, report["out"], split, model)
+
+
+def check_written_file(family: str, path: str, array: np.ndarray, model: str) -> None:
+    """Open the file the run wrote and check it against the array and the model's own declarations."""
+    import json
+
+    kind = families.output_kind(family)
+    if kind == "image":
+        from PIL import Image
+
+        with Image.open(path) as im:
+            assert path.endswith(".png") and im.format == "PNG"
+            assert im.size == (array.shape[2], array.shape[1])
+    elif kind == "video":
+        import imageio.v3 as iio
+
+        assert path.endswith(".mp4")
+        frames = iio.imread(path)
+        assert frames.shape[0] == array.shape[1]  # every frame is there
+        fps = iio.immeta(path)["fps"]
+        declared = {"ltx": 25}.get(family, 16)  # LTX's pipeline declares frame_rate=25; others fall back to 16
+        assert abs(fps - declared) < 1e-6
+    else:
+        import soundfile
+
+        info = soundfile.info(path)
+        with open(f"{model}/vae/config.json") as f:
+            assert info.samplerate == json.load(f)["sampling_rate"]
+        assert info.channels == array.shape[1] and info.frames == array.shape[2]

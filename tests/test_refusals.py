@@ -1,0 +1,45 @@
+"""Models that cannot be split are refused loudly and early: before any node is contacted."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import subprocess_env
+
+REFUSALS = {
+    "sdxl": "a multi-resolution U-Net whose skip connections cross resolutions is not a chain",
+    "remote_code": "trust_remote_code",
+    "no_stack": "no ModuleList of repeated blocks",
+    "recurrent": "recurrent stack",
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_unsplittable_model_is_refused_before_any_node_is_contacted(name, models, tmp_path):
+    model = models(name)
+    # a node address where nothing listens: a refusal must come first, not a connection timeout
+    run = subprocess.run(
+        [sys.executable, "-m", "diffuse.run", "--model", model, "--prompt", "a cat",
+         "--nodes", "tcp://127.0.0.1:9", "--timeout", "5", "--out", str(tmp_path / "x.png")],
+        env=subprocess_env(str(tmp_path)), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert f"cannot split {model}" in run.stderr
+    assert REFUSALS[name] in run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "known_nodes.json").exists()  # no hello was ever sent
+
+
+def test_verify_reports_zero_difference_at_one_patch(models, tmp_path):
+    import families
+
+    model = models("pixart_sigma")
+    cmd = [sys.executable, "-m", "diffuse.cli", "verify", model, "--threads", "1"]
+    for k, v in families.call_args("pixart_sigma").items():
+        cmd += ["--arg", f"{k}={__import__('json').dumps(v)}"]
+    run = subprocess.run(cmd, env=subprocess_env(str(tmp_path)), capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "max abs difference, whole vs split (1 patch): 0  (byte-identical)" in run.stdout
