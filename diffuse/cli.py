@@ -61,6 +61,7 @@ def cmd_check(argv: list[str]) -> int:
 
 def cmd_verify(argv: list[str]) -> int:
     import copy
+    import tempfile
 
     import numpy as np
     from rich.console import Console
@@ -75,27 +76,18 @@ def cmd_verify(argv: list[str]) -> int:
     a.model = a.model or a.model_pos
     console = Console(stderr=True)
     arrays = {}
-    try:
-        for whole in (True, False):
-            b = copy.copy(a)
-            b.whole, b.quiet, b.report = whole, True, None
-            b.save_array = f"/tmp/diffuse-verify-{os.getpid()}-{int(whole)}.npy"
-            b.out = f"/tmp/diffuse-verify-{os.getpid()}-{int(whole)}"
-            from diffuse.writers import DEFAULT_SUFFIX
-            from diffuse.planner import analyze
-            from diffuse.modelfiles import resolve_model
-            from diffuse.default_model import default_model_dir
-
-            _, draft = analyze(resolve_model(a.model) if a.model else default_model_dir())
-            b.out += DEFAULT_SUFFIX[draft.get("output_kind", "image")]
-            generate(b, console)
-            arrays[whole] = np.load(b.save_array)
-            for f in (b.save_array, b.out):
-                if os.path.exists(f):
-                    os.unlink(f)
-    except DiffuseError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        return 2
+    with tempfile.TemporaryDirectory(prefix="diffuse-verify-") as tmp:
+        try:
+            for whole in (True, False):
+                b = copy.copy(a)
+                b.whole, b.quiet, b.report = whole, True, None
+                b.save_array = os.path.join(tmp, f"{int(whole)}.npy")
+                b.out = os.path.join(tmp, f"{int(whole)}")  # the writer adds the suffix for the kind
+                generate(b, console)
+                arrays[whole] = np.load(b.save_array)
+        except DiffuseError as exc:
+            console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            return 2
     diff = float(np.abs(arrays[True].astype(np.float64) - arrays[False]).max())
     same = arrays[True].tobytes() == arrays[False].tobytes()
     print(f"max abs difference, whole vs split ({a.patches} patch{'es' if a.patches > 1 else ''}): {diff:.3g}"

@@ -222,7 +222,9 @@ def write_output(arr: np.ndarray, out: str | None, draft: dict, pipe) -> str:
     from diffuse.writers import DEFAULT_SUFFIX, OutputInfo
 
     kind = draft.get("output_kind", "image")
-    out = out or "out" + DEFAULT_SUFFIX[kind]
+    out = out or "out"
+    if not os.path.splitext(out)[1]:
+        out += DEFAULT_SUFFIX[kind]
     info = OutputInfo(kind=kind, frame_rate=draft.get("frame_rate"), sample_rate=draft.get("sample_rate"))
     if kind == "audio" and not info.sample_rate:
         info.sample_rate = getattr(getattr(pipe, "vae", None), "config", {}).get("sampling_rate")
