@@ -37,14 +37,62 @@ def make_plan(subject: ModelSubject, draft: dict, addresses: list[str] = (), key
     return plan
 
 
-def load_pipeline(path: str):
-    """The pipeline itself, loaded by diffusers from safetensors, never with remote code."""
+def load_pipeline(path: str, subject: ModelSubject | None = None, stacks: list | None = None):
+    """The pipeline itself, loaded by diffusers from safetensors, never with remote code.
+
+    With ``stacks``, the denoiser is built here without its blocks (only each
+    stack's first block is loaded, to learn its return map at the first call),
+    so the client never holds the weights it hands to nodes.
+    """
     import diffusers
 
     diffusers.utils.logging.disable_progress_bar()
-    pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True)
+    overrides = {}
+    if stacks:
+        overrides[subject.denoiser] = load_denoiser_shell(path, subject, stacks)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True, **overrides)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list):
+    """The denoiser with every stack block but the first left on meta (weightless).
+
+    Tensors come from the safetensors files exactly as ``from_pretrained`` reads
+    them (same placement, cast to the parameter's dtype as it does), which keeps
+    the client's own computation bit-identical to a plain load.
+    """
+    from safetensors import safe_open
+
+    from diffuse.analysis import build_meta
+    from diffuse.modelfiles import weight_map
+
+    component = os.path.join(path, subject.denoiser)
+    model = build_meta(subject.denoiser_class(), subject.denoiser_config)
+    wmap = weight_map(component)
+
+    def remote(name: str) -> bool:
+        for st in stacks:
+            head = st.path + "."
+            if name.startswith(head) and int(name[len(head):].split(".", 1)[0]) >= 1:
+                return True
+        return False
+
+    state, files = {}, {}
+    for name, current in model.state_dict(keep_vars=True).items():
+        if remote(name):
+            continue
+        if name not in wmap:
+            raise RefusedModel(path, f"the weights lack {name}, which {subject.denoiser_class_name} declares")
+        if wmap[name] not in files:
+            files[wmap[name]] = safe_open(wmap[name], "pt")
+        t = files[wmap[name]].get_tensor(name)
+        if t.is_floating_point() and current.is_floating_point() and t.dtype != current.dtype:
+            t = t.to(current.dtype)
+        state[name] = t
+    model.load_state_dict(state, strict=False, assign=True)
+    model.eval()
+    return model
 
 
 def denoiser_dtype(denoiser) -> str:

@@ -148,7 +148,7 @@ def generate(a: argparse.Namespace, console) -> dict:
     if a.patches < 1:
         raise DiffuseError("--patches must be at least 1")
     subject, draft = analyze(model)  # refusals happen here, before any node is contacted
-    pipe = load_pipeline(model)
+    pipe = load_pipeline(model, subject, None if a.whole else draft["stacks"])
     pipe._diffuse_path = model
     kwargs = call_kwargs(a, pipe)
     denoiser = getattr(pipe, subject.denoiser)
@@ -182,7 +182,10 @@ def generate(a: argparse.Namespace, console) -> dict:
             ring.open()
             for stage in plan.route:
                 console.print(f"  node {stage.address}: {', '.join(map(str, stage.slices))}")
-            splitter = Splitter(denoiser, plan, ring)
+            if a.patches > 1 and ring.whole_steps:
+                console.print(f"{', '.join(sorted(ring.whole_steps))}: blocks carry two streams (image and text side "
+                              f"by side), so whole steps run; --patches {a.patches} is not applied there")
+            splitter = Splitter(denoiser, plan, ring, patches=a.patches)
             splitter.install()
         with torch.no_grad(), step_progress(pipe, a.quiet) as steps:
             result = pipe(**kwargs)
@@ -198,6 +201,13 @@ def generate(a: argparse.Namespace, console) -> dict:
             )
             ring.close()
             report["node_stats"] = ring.node_stats
+            report["messages"], report["returns"] = ring.stats.messages, ring.stats.returns
+            if a.patches > 1:
+                from diffuse.patches import attention_paths
+
+                report.update(patches=a.patches, patcher_calls=splitter.patcher.calls,
+                              whole_steps={k: v for k, v in splitter.whole_steps.items() if k not in ring.whole_steps},
+                              attention=attention_paths(ring.node_stats))
     finally:
         if ring is not None:
             ring.close()
@@ -240,8 +250,18 @@ def summarize(r: dict, console) -> None:
     if r.get("calls"):
         steps = max(1, r.get("steps") or 1)
         wire = r["bytes_sent"] + r["bytes_received"]
+        honoured = 1
+        if r.get("patches", 1) > 1 and r.get("patcher_calls", {}).get("patched"):
+            honoured = r["patches"]
         console.print(f"  {r['calls']} ring passes, {wire / steps / 1024:.1f} KiB on the client's wire per step "
-                      f"({wire / 1024:.1f} KiB in all); patches honoured: 1")
+                      f"({wire / 1024:.1f} KiB in all); patches honoured: {honoured}")
+        if r.get("patches", 1) > 1:
+            from diffuse.patches import describe_paths
+
+            for stack, why in r.get("whole_steps", {}).items():
+                console.print(f"  {stack}: whole steps ({why})")
+            for line in describe_paths(r.get("attention", {})):
+                console.print(f"  {line}")
 
 
 def main(argv: list[str] | None = None) -> int:
