@@ -36,6 +36,7 @@ class Node:
         subject = ModelSubject.from_path(model_path)
         draft = run_analyzers("config", subject)
         self.stacks: list[StackPlan] = draft["stacks"]
+        self.two_stream: dict[str, bool] = dict(draft.get("two_stream", {}))  # such stacks run whole steps
         self.store = BlockStore(model_path, subject, self.stacks)
         self.store.fixed = parse_blocks(blocks, self.stacks)
         if self.store.fixed:
@@ -86,17 +87,22 @@ class Node:
         dtype = getattr(torch, p["dtype"]) if p.get("dtype") else None
         self.store.load(slices, dtype)
         sid = p["session"]
+        attention = p.get("attention", "auto")
+        if attention not in ("auto", "plain"):
+            return {"ok": False, "error": f"unknown attention path {attention!r} (auto or plain)"}
         self.sessions[sid] = StageSession(
-            sid, self.store, slices, Hop(sid, p["in_key"]), Hop(sid, p["out_key"]), p["next"])
+            sid, self.store, slices, Hop(sid, p["in_key"]), Hop(sid, p["out_key"]), p["next"], attention)
         log.info("session %s opened: %s -> %s", sid.hex()[:8], ", ".join(map(str, slices)), p["next"])
-        return {"ok": True}
+        # blocks that carry two streams (image and text side by side) cannot be cut into patches
+        whole = sorted(s.stack for s in slices if self.two_stream.get(s.stack))
+        return {"ok": True, "whole_steps": whole}
 
     def close_session(self, p: dict) -> dict:
         sess = self.sessions.pop(p.get("session"), None)
         if sess is None:
             return {"ok": False, "error": "unknown session"}
         log.info("session %s closed", sess.sid.hex()[:8])
-        return {"ok": True, "bytes_in": sess.bytes_in, "bytes_out": sess.bytes_out, "messages": sess.messages}
+        return dict(sess.report(), ok=True)  # its stale buffers go with it
 
     # -- data ------------------------------------------------------------------
     def data(self, frames: list[bytes]) -> None:
@@ -117,8 +123,11 @@ class Node:
             self.last_error[sess.sid] = str(exc)
             log.warning("rejected a message for session %s: %s", sess.sid.hex()[:8], exc)
             return
-        sess.bytes_in += sum(len(f) for f in frames)
+        nbytes = sum(len(f) for f in frames)
+        sess.bytes_in += nbytes
         sess.messages += 1
+        if isinstance(header, dict) and header.get("op") == "call":
+            sess.hop_log.append([header.get("seq"), nbytes])
         try:
             out_header, out_tensors = sess.handle(header, tensors)
         except Exception as exc:  # the client must hear about it; the node keeps serving

@@ -21,6 +21,10 @@ CONTROL_TIMEOUT_S = 30.0
 OPEN_TIMEOUT_S = 600.0  # opening may load blocks from disk
 
 
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
 def known_nodes_file() -> str:
     home = os.environ.get("DIFFUSE_HOME") or os.path.join(os.path.expanduser("~"), ".config", "diffuse")
     return os.path.join(home, "known_nodes.json")
@@ -69,12 +73,14 @@ class RingStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     per_stack: dict = field(default_factory=dict)
+    messages: list = field(default_factory=list)  # one record per message sent into the ring
+    returns: list = field(default_factory=list)  # [seq, bytes] of every answer from the last node
 
 
 class Ring:
     """One session through a ring of nodes, from the client's side."""
 
-    def __init__(self, plan: SlicingPlan, timeout_s: float = 300.0):
+    def __init__(self, plan: SlicingPlan, timeout_s: float = 300.0, attention: str | None = None):
         from diffuse.plugins import transport_for
 
         if not plan.route:
@@ -90,6 +96,9 @@ class Ring:
         self._sent_rmap: set[str] = set()
         self._mirrors: dict[str, SlotCache] = {}
         self._open = False
+        # PipeFusion attention path the nodes may take: "auto" (quick where it is verified) or "plain"
+        self.attention = attention or os.environ.get("DIFFUSE_PATCH_ATTENTION", "auto")
+        self.whole_steps: set[str] = set()  # stacks the nodes say must run whole steps (two streams)
 
     def open(self) -> None:
         t = self.transport
@@ -115,9 +124,10 @@ class Ring:
             payload = {
                 "session": self.sid, "model": self.plan.model.content_hash, "dtype": self.plan.compute_dtype,
                 "slices": [vars(s) for s in stage.slices],
-                "in_key": hop_keys[k], "out_key": hop_keys[k + 1], "next": nexts[k],
+                "in_key": hop_keys[k], "out_key": hop_keys[k + 1], "next": nexts[k], "attention": self.attention,
             }
-            self._sealed_request(stage.address, "open", payload, keys[k], OPEN_TIMEOUT_S)
+            reply = self._sealed_request(stage.address, "open", payload, keys[k], OPEN_TIMEOUT_S)
+            self.whole_steps.update(reply.get("whole_steps") or ())
         self._keys = keys
         self.outbox = t.outbox(data_addresses[0])
         self.send_hop = Hop(self.sid, hop_keys[0])
@@ -133,19 +143,40 @@ class Ring:
             raise NodeError(address, reply.get("error", f"refused {op}"))
         return reply
 
-    def call(self, stack: str, args: tuple, kwargs: dict, return_map: dict):
+    def call(self, stack: str, args: tuple, kwargs: dict, return_map: dict, patch: dict | None = None):
         """One pass of ``stack`` through the ring; returns what its last block returns."""
-        self._seq += 1
         tree, tensors = flatten(args, kwargs)
+        return self._receive(self._send(stack, tree, tensors, return_map, patch))
+
+    def call_flat(self, stack: str, tree: dict, tensors: list, return_map: dict, patch: dict | None = None):
+        """``call`` for a call already taken apart by ``flatten``."""
+        return self._receive(self._send(stack, tree, tensors, return_map, patch))
+
+    def call_patches(self, stack: str, tree: dict, tensors: list, return_map: dict, stream: int, axis: int,
+                     ranges: list[tuple[int, int]], patch: dict) -> list:
+        """One pass per patch, pipelined: every patch is sent before any answer is awaited, so each
+        node works on one patch while the next node works on the one before. Returns the last
+        block's answer for each patch, in order."""
+        seqs = []
+        for i, (lo, hi) in enumerate(ranges):
+            cut = list(tensors)
+            cut[stream] = tensors[stream].narrow(axis, lo, hi - lo)
+            seqs.append(self._send(stack, tree, cut, return_map, dict(patch, lo=lo, count=hi - lo, index=i)))
+        return [self._receive(seq) for seq in seqs]
+
+    def _send(self, stack: str, tree: dict, tensors: list, return_map: dict, patch: dict | None) -> int:
+        self._seq += 1
         header = {"op": "call", "stack": stack, "seq": self._seq}
         if self._trees.get(stack) != tree:
             header["tree"] = self._trees[stack] = tree
         if stack not in self._sent_rmap:
             header["rmap"] = return_map
             self._sent_rmap.add(stack)
+        if patch is not None:
+            header["patch"] = patch
         streams = set(return_map["streams"])
         mirror = self._mirrors.setdefault(stack, SlotCache())
-        slots, sent = [], []
+        slots, sent, fresh = [], [], []
         for i, t in enumerate(tensors):
             if i in streams:
                 slots.append(["f", len(sent)])
@@ -159,25 +190,36 @@ class Ring:
                 mirror.put(i, h)
                 slots.append(["f", len(sent), h])
                 sent.append(t)
+                fresh.append(i)
         header["slots"] = slots
         frames = self.transport.seal(self.send_hop, header, sent)
         self.outbox.send(frames)
         n_out = sum(len(f) for f in frames)
+        self.stats.bytes_sent += n_out
+        s = self.stats.per_stack.setdefault(stack, {"calls": 0, "bytes": []})
+        s["calls"] += 1
+        s["bytes"].append(n_out)
+        self.stats.messages.append({
+            "seq": self._seq, "stack": stack, "bytes_out": n_out,
+            "stream_bytes": sum(_nbytes(tensors[i]) for i in streams),
+            "fresh_slots": fresh, "fresh_bytes": sum(_nbytes(tensors[i]) for i in fresh),
+            **({k: patch[k] for k in ("branch", "step", "whole", "index") if k in patch} if patch else {}),
+        })
+        return self._seq
+
+    def _receive(self, seq: int):
         reply = self.inbox.recv(self.timeout_s)
         if reply is None:
             raise NodeError(self.plan.route[0].address, self._diagnose())
         out_header, out_tensors = self.transport.open(self.recv_hop, reply)
         if out_header.get("op") == "error":
             raise NodeError(out_header.get("node", "?"), out_header.get("message", "failed"))
-        if out_header.get("seq") != self._seq or out_header.get("op") != "result":
-            raise DiffuseError(f"ring answered {out_header.get('op')} #{out_header.get('seq')} to call #{self._seq}")
+        if out_header.get("seq") != seq or out_header.get("op") != "result":
+            raise DiffuseError(f"ring answered {out_header.get('op')} #{out_header.get('seq')} to call #{seq}")
         n_in = sum(len(f) for f in reply)
         self.stats.calls += 1
-        self.stats.bytes_sent += n_out
         self.stats.bytes_received += n_in
-        s = self.stats.per_stack.setdefault(stack, {"calls": 0, "bytes": []})
-        s["calls"] += 1
-        s["bytes"].append(n_out)
+        self.stats.returns.append([seq, n_in])
         return decode_value(out_header["out"], out_tensors)
 
     def _diagnose(self) -> str:

@@ -183,8 +183,8 @@ def generate(a: argparse.Namespace, console) -> dict:
             for stage in plan.route:
                 console.print(f"  node {stage.address}: {', '.join(map(str, stage.slices))}")
             if a.patches > 1 and ring.whole_steps:
-                console.print(f"{', '.join(sorted(ring.whole_steps))}: blocks carry two streams (image and text side "
-                              f"by side), so whole steps run; --patches {a.patches} is not applied there")
+                console.print(f"{', '.join(sorted(ring.whole_steps))}: two streams per block (image and text side "
+                              f"by side), so whole steps run there; --patches {a.patches} not applied", soft_wrap=True)
             splitter = Splitter(denoiser, plan, ring, patches=a.patches)
             splitter.install()
         with torch.no_grad(), step_progress(pipe, a.quiet) as steps:

@@ -20,6 +20,7 @@ from diffuse.callplan import SlotCache, encode_value, unflatten
 from diffuse.errors import DiffuseError
 from diffuse.modelfiles import content_hash, weight_map
 from diffuse.plan import Slice, StackPlan, split_evenly
+from diffuse.stale import StaleStack
 
 log = logging.getLogger("diffuse.node")
 
@@ -118,8 +119,12 @@ class BlockStore:
 class StageSession:
     """One client's session on this node."""
 
-    def __init__(self, sid: bytes, store: BlockStore, slices: list[Slice], in_hop, out_hop, next_address: str):
+    def __init__(self, sid: bytes, store: BlockStore, slices: list[Slice], in_hop, out_hop, next_address: str,
+                 attention: str = "auto"):
         self.sid = sid
+        self.attention = attention  # PipeFusion attention path: "auto" (quick where verified) or "plain"
+        self.stale: dict[str, StaleStack] = {}  # per stack, made by the first call that carries a patch
+        self.hop_log: list[list[int]] = []  # [seq, bytes] of every message that arrived on this hop
         self.store = store
         self.slices = {s.stack: s for s in slices}
         self.in_hop, self.out_hop = in_hop, out_hop
@@ -150,14 +155,31 @@ class StageSession:
             return header, tensors
         rmap = self.rmaps[stack]
         out = None
-        with torch.no_grad():
-            for block in self.store.run(stack, sl.start, sl.stop):
-                args, kwargs = unflatten(self.trees[stack], values)
-                out = block(*args, **kwargs)
-                outs = (out,) if rmap["single"] else out
-                for j, slot in enumerate(rmap["outputs"]):
-                    if slot is not None and outs[j] is not None:
-                        values[slot] = outs[j]
+        patch = header.get("patch")
+        if patch is not None:
+            if len(rmap["streams"]) != 1:
+                raise DiffuseError(f"{stack!r} carries {len(rmap['streams'])} streams: it runs whole steps, not patches")
+            stale = self.stale.get(stack)
+            if stale is None:
+                stale = self.stale[stack] = StaleStack(stack, self.attention)
+            blocks = list(zip(range(sl.start, sl.stop), self.store.run(stack, sl.start, sl.stop)))
+            stream = rmap["streams"][0]
+            with torch.no_grad():
+                if patch.get("whole"):
+                    out = stale.run_whole(blocks, self.trees[stack], values, rmap, stream, patch["branch"],
+                                          patch["tokens"])
+                else:
+                    out = stale.run_patch(blocks, self.trees[stack], values, rmap, stream, patch["branch"],
+                                          patch["axis"], patch["lo"], patch["count"], patch["tokens"])
+        else:
+            with torch.no_grad():
+                for block in self.store.run(stack, sl.start, sl.stop):
+                    args, kwargs = unflatten(self.trees[stack], values)
+                    out = block(*args, **kwargs)
+                    outs = (out,) if rmap["single"] else out
+                    for j, slot in enumerate(rmap["outputs"]):
+                        if slot is not None and outs[j] is not None:
+                            values[slot] = outs[j]
         if sl.stop == self.store.stacks[stack].length:
             tree, out_tensors = encode_value(out)
             return {"op": "result", "stack": stack, "seq": header["seq"], "out": tree}, out_tensors
@@ -174,6 +196,11 @@ class StageSession:
             else:
                 slots.append(desc)
         return dict(header, slots=slots), sent
+
+    def report(self) -> dict:
+        """What the session did, for the client's summary (sent at close, before the buffers go)."""
+        return {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "messages": self.messages,
+                "hop_bytes": self.hop_log, "stale": {k: v.report() for k, v in self.stale.items()}}
 
     def _resolve(self, stack: str, slots: list, tensors: list) -> tuple[list, dict]:
         cache = self.caches.setdefault(stack, SlotCache())

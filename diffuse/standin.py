@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from diffuse.analysis import StackCall, run_analyzers
+from diffuse.callplan import flatten
 from diffuse.errors import DiffuseError
-from diffuse.plan import SlicingPlan, StackPlan
+from diffuse.patches import Patcher
+from diffuse.plan import PATCHABLE, SlicingPlan, StackPlan
 
 
 class BlockProxy(nn.Module):
@@ -55,12 +57,15 @@ class StandIn(nn.ModuleList):
 class Splitter:
     """Installs stand-ins on a loaded denoiser and runs their calls through a ring."""
 
-    def __init__(self, denoiser: nn.Module, plan: SlicingPlan, ring):
+    def __init__(self, denoiser: nn.Module, plan: SlicingPlan, ring, patches: int = 1):
         self.denoiser = denoiser
         self.plan = plan
         self.ring = ring
+        self.patches = patches
         self.originals: dict[str, nn.ModuleList] = {}
         self._first_blocks: dict[str, nn.Module] = {}
+        self.patcher = Patcher(ring, patches) if patches > 1 else None
+        self.whole_steps: dict[str, str] = {}  # stack -> why it runs whole steps although --patches > 1
 
     def install(self) -> None:
         for st in self.plan.stacks:
@@ -81,7 +86,27 @@ class Splitter:
             self.plan.call_plans[stack.path] = found["call_plan"]
             self.plan.return_maps[stack.path] = found["return_map"]
             block.to("meta")
-        return self.ring.call(stack.path, args, kwargs, self.plan.return_maps[stack.path])
+        rmap = self.plan.return_maps[stack.path]
+        if self.patcher is not None and self._patchable(stack.path, rmap):
+            tree, tensors = flatten(args, kwargs)
+            return self.patcher.run(stack.path, tree, tensors, rmap)
+        return self.ring.call(stack.path, args, kwargs, rmap)
+
+    def _patchable(self, path: str, rmap: dict) -> bool:
+        """Patches need one stream; two (image and text side by side) run whole steps."""
+        if path in self.whole_steps:
+            return False
+        why = None
+        if path in getattr(self.ring, "whole_steps", ()):
+            why = "the nodes say its blocks carry two streams (image and text side by side)"
+        elif self.plan.patch_policy.get(path, PATCHABLE) != PATCHABLE:
+            why = "the plan says its blocks carry two streams (image and text side by side)"
+        elif len(rmap["streams"]) != 1:
+            why = f"its blocks return {len(rmap['streams'])} streams ({', '.join(map(str, rmap['names']))})"
+        if why:
+            self.whole_steps[path] = why
+            return False
+        return True
 
     def held_block_parameters(self) -> int:
         """Elements of the handed-out blocks' parameters still held here (0 once all are freed)."""
