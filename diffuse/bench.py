@@ -1,0 +1,225 @@
+"""``python -m diffuse.bench``: what splitting and PipeFusion cost and gain, measured side by side.
+
+A Wan-shaped transformer of real block width (WanTransformer3DModel, hidden
+1536 = 12 heads x 128, FFN 8960, 4 blocks, random weights) is saved to a temp
+folder; two local nodes hold half of its blocks each, one torch thread per node
+and one for the client. The transformer is driven directly with fixed inputs
+(no VAE, no text encoder) for a few denoising steps, through the real
+Splitter, Ring and nodes. Only the transformer's forward calls are timed, and
+only steps after the first (the first step of a branch always runs whole).
+
+Printed: the overhead of splitting at one patch (split / whole), the speedup
+at P = 2 and 4 over the whole model on one thread against the ideal for two
+stages, 2P/(P+1), the bytes on the wire per step against sending the whole
+latent on every pass, and the time per patch of the quick and plain attention
+paths. ``--quick`` runs a small model for a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FULL = dict(heads=12, head_dim=128, ffn=8960, layers=4, text_dim=4096, text_len=512, frames=3, size=32, steps=4)
+QUICK = dict(heads=4, head_dim=32, ffn=512, layers=4, text_dim=64, text_len=32, frames=3, size=16, steps=3)
+
+
+def build_model(out_dir: str, cfg: dict, seed: int = 0) -> str:
+    """A diffusers folder holding only a random-weight WanTransformer3DModel (what nodes and client load)."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=cfg["heads"], attention_head_dim=cfg["head_dim"],
+        in_channels=16, out_channels=16, text_dim=cfg["text_dim"], freq_dim=256, ffn_dim=cfg["ffn"],
+        num_layers=cfg["layers"], cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
+    )
+    model.save_pretrained(os.path.join(out_dir, "transformer"))
+    with open(os.path.join(out_dir, "model_index.json"), "w") as f:
+        json.dump({"_class_name": "WanPipeline", "_diffusers_version": "0.42.1",
+                   "transformer": ["diffusers", "WanTransformer3DModel"]}, f)
+    return out_dir
+
+
+def load_transformer(path: str):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel.from_pretrained(os.path.join(path, "transformer"), use_safetensors=True).eval()
+
+
+def inputs(cfg: dict, seed: int = 0) -> dict:
+    import torch
+
+    g = torch.Generator("cpu").manual_seed(seed)
+    return {
+        "latent": torch.randn(1, 16, cfg["frames"], cfg["size"], cfg["size"], generator=g),
+        "text": torch.randn(1, cfg["text_len"], cfg["text_dim"], generator=g),
+    }
+
+
+def denoise(transformer, x: dict, steps: int) -> tuple[list[float], "torch.Tensor"]:
+    """A plain Euler loop over ``steps`` steps; the seconds of each transformer call, and the result."""
+    import torch
+
+    latent = x["latent"].clone()
+    times = []
+    with torch.no_grad():
+        for s in range(steps):
+            t = torch.tensor([1000.0 * (1 - s / steps)])
+            t0 = time.perf_counter()
+            v = transformer(hidden_states=latent, timestep=t, encoder_hidden_states=x["text"], return_dict=False)[0]
+            times.append(time.perf_counter() - t0)
+            latent = latent - v / steps
+    return times, latent
+
+
+def split_run(path: str, nodes, x: dict, steps: int, patches: int, attention: str = "auto") -> dict:
+    from diffuse.patches import attention_paths
+    from diffuse.planner import analyze, make_plan
+    from diffuse.ring import Ring
+    from diffuse.standin import Splitter
+
+    subject, draft = analyze(path)
+    plan = make_plan(subject, draft, [n.address for n in nodes], [n.key for n in nodes], "float32")
+    transformer = load_transformer(path)
+    ring = Ring(plan, timeout_s=600, attention=attention)
+    ring.open()
+    try:
+        Splitter(transformer, plan, ring, patches=patches).install()
+        times, out = denoise(transformer, x, steps)
+    finally:
+        ring.close()
+    later = [m for m in ring.stats.messages if m.get("step", 2) > 1]
+    seqs = {m["seq"] for m in later} if patches > 1 else {m["seq"] for m in ring.stats.messages[1:]}
+    sent = sum(m["bytes_out"] for m in ring.stats.messages if m["seq"] in seqs)
+    back = sum(n for seq, n in ring.stats.returns if seq in seqs)
+    hops = [sum(n for seq, n in ns.get("hop_bytes", []) if seq in seqs) for ns in ring.node_stats[1:]]
+    return {"times": times, "out": out, "bytes_per_step": (sent + back + sum(hops)) / max(1, steps - 1),
+            "hops": 2 + len(hops), "paths": attention_paths(ring.node_stats)}
+
+
+def patch_times(path: str, cfg: dict, x: dict, patches: int, repeat: int = 3) -> dict:
+    """Seconds per patch of one block on the quick and on the plain path (node code, in this process)."""
+    import torch
+
+    from diffuse.callplan import flatten
+    from diffuse.stale import StaleStack
+
+    transformer = load_transformer(path)
+    block = transformer.blocks[0]
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen.setdefault("call", (args, kwargs))  # returns None: a pre-hook that returns replaces the inputs
+
+    hook = block.register_forward_pre_hook(grab, with_kwargs=True)
+    with torch.no_grad():
+        transformer(hidden_states=x["latent"], timestep=torch.tensor([900.0]), encoder_hidden_states=x["text"],
+                    return_dict=False)
+    hook.remove()
+    tree, values = flatten(*seen["call"])
+    rmap = {"single": True, "outputs": [0], "streams": [0], "names": ["args[0]"]}
+    tokens = values[0].shape[1]
+    count = tokens // patches
+    result = {}
+    for path_name in ("quick", "plain"):
+        stale = StaleStack("blocks", "plain" if path_name == "plain" else "auto")
+        with torch.no_grad():
+            stale.run_whole([(0, block)], tree, list(values), rmap, 0, 0, tokens)
+            patch = values[0].narrow(1, 0, count).clone()
+            stale.run_patch([(0, block)], tree, [patch] + values[1:], rmap, 0, 0, 1, 0, count, tokens)  # chooses
+            assert stale.paths[0]["path"] == path_name, stale.paths[0]
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                stale.run_patch([(0, block)], tree, [patch] + values[1:], rmap, 0, 0, 1, 0, count, tokens)
+            result[path_name] = (time.perf_counter() - t0) / repeat
+        result[f"{path_name}_agreement"] = stale.paths[0]["agreement"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m diffuse.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a small model, for a smoke test (well under a minute)")
+    ap.add_argument("--steps", type=int, help="denoising steps per configuration (the first is not timed)")
+    ap.add_argument("--keep", metavar="DIR", help="build (or reuse) the model in DIR instead of a temp folder")
+    a = ap.parse_args(argv)
+    cfg = dict(QUICK if a.quick else FULL)
+    if a.steps:
+        cfg["steps"] = max(2, a.steps)
+
+    import torch
+
+    from diffuse.localnodes import start_local_nodes, stop_local_nodes
+
+    torch.set_num_threads(1)
+    tmp = a.keep or tempfile.mkdtemp(prefix="diffuse-bench-")
+    nodes = []
+    try:
+        hidden = cfg["heads"] * cfg["head_dim"]
+        tokens = cfg["frames"] * (cfg["size"] // 2) ** 2
+        print(f"model: WanTransformer3DModel, {cfg['layers']} blocks, hidden {hidden} ({cfg['heads']} heads x "
+              f"{cfg['head_dim']}), FFN {cfg['ffn']}, random weights; {tokens} tokens "
+              f"(latent {cfg['frames']}x{cfg['size']}x{cfg['size']}, patch 1x2x2), text {cfg['text_len']} tokens",
+              flush=True)
+        print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}; client and each of 2 local nodes "
+              f"at 1 torch thread; {cfg['steps']} steps per run, the first not timed", flush=True)
+        if not os.path.isfile(os.path.join(tmp, "model_index.json")):
+            build_model(tmp, cfg)
+        nodes = start_local_nodes(tmp, 2, threads=1, extra=["--log-level", "WARNING"])
+        x = inputs(cfg)
+        steps = cfg["steps"]
+
+        whole_times, whole_out = denoise(load_transformer(tmp), x, steps)
+        whole = sum(whole_times[1:]) / (steps - 1)
+        runs = {}
+        for name, p, att in (("P=1", 1, "auto"), ("P=2", 2, "auto"), ("P=4", 4, "auto"), ("P=4 plain", 4, "plain")):
+            r = split_run(tmp, nodes, x, steps, p, att)
+            r["step"] = sum(r["times"][1:]) / (steps - 1)
+            runs[name] = r
+            print(f"  {name:10s} {r['step']:.3f} s per step (whole: {whole:.3f} s)", flush=True)
+        exact = runs["P=1"]["out"]
+        latent_bytes = tokens * hidden * 4
+
+        print("\nresults (seconds are transformer forward calls, steps after the first, mean)")
+        print(f"  whole, one process:       {whole:.3f} s/step")
+        o = runs["P=1"]["step"] / whole
+        print(f"  overhead (split P=1 / whole): {o:.3f}   target <= 1.10   "
+              f"(P=1 output equals whole: {bool(torch.equal(exact, whole_out))})")
+        for p in (2, 4):
+            r = runs[f"P={p}"]
+            s, ideal = whole / r["step"], 2 * p / (p + 1)
+            print(f"  speedup P={p}: {s:.2f}x   ideal {ideal:.2f}x   {100 * s / ideal:.0f}% of ideal"
+                  + ("   target >= 90%" if p == 4 else "")
+                  + f"   max |out - exact| {float((r['out'] - exact).abs().max()):.2e}")
+        rp = runs["P=4 plain"]
+        print(f"  P=4 on the plain path: {whole / rp['step']:.2f}x")
+        for name in ("P=1", "P=2", "P=4"):
+            r = runs[name]
+            print(f"  wire {name}: {r['bytes_per_step'] / 2**20:.2f} MiB per step over {r['hops']} hops "
+                  f"(whole latent each pass: {r['hops'] * latent_bytes / 2**20:.2f} MiB)")
+        for name, r in runs.items():
+            for stack, m in r["paths"].items():
+                agree = "" if m["agreement"] is None else f", agreement {m['agreement']:.1e}"
+                print(f"  attention {name}: {stack} {m['path']}{agree}")
+        pt = patch_times(tmp, cfg, x, 4)
+        print(f"  one block, one patch of {tokens // 4} tokens (P=4): quick {1000 * pt['quick']:.1f} ms, "
+              f"plain {1000 * pt['plain']:.1f} ms ({pt['plain'] / pt['quick']:.2f}x); "
+              f"quick vs plain agreement {pt['quick_agreement']:.1e}")
+    finally:
+        if nodes:
+            stop_local_nodes(nodes)
+        if not a.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""The benchmark command runs end to end on a small model and prints its ratios."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from conftest import subprocess_env
+
+
+def test_bench_quick_prints_overhead_speedups_wire_and_attention_paths(diffuse_home):
+    proc = subprocess.run([sys.executable, "-m", "diffuse.bench", "--quick"], env=subprocess_env(diffuse_home),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert re.search(r"overhead \(split P=1 / whole\): \d+\.\d+", out), out
+    assert "P=1 output equals whole: True" in out
+    for p, ideal in ((2, "1.33"), (4, "1.60")):
+        assert re.search(rf"speedup P={p}: \d+\.\d+x +ideal {ideal}x +\d+% of ideal", out), out
+    assert len(re.findall(r"wire P=\d: \d+\.\d+ MiB per step over 3 hops \(whole latent each pass", out)) == 3
+    assert "attention P=4: blocks quick" in out and "attention P=4 plain: blocks plain" in out
+    assert re.search(r"quick \d+\.\d+ ms, plain \d+\.\d+ ms", out), out
