@@ -27,8 +27,9 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-FULL = dict(heads=12, head_dim=128, ffn=8960, layers=4, text_dim=4096, text_len=512, frames=3, size=32, steps=4)
-QUICK = dict(heads=4, head_dim=32, ffn=512, layers=4, text_dim=64, text_len=32, frames=3, size=16, steps=3)
+FULL = dict(heads=12, head_dim=128, ffn=8960, layers=4, text_dim=4096, text_len=512, frames=3, size=32, steps=5)
+QUICK = dict(heads=4, head_dim=32, ffn=512, layers=4, text_dim=64, text_len=32, frames=3, size=16, steps=4)
+TIMED_FROM = 2  # steps (0-based) timed: the first runs whole, the second also checks quick against plain once
 
 
 def build_model(out_dir: str, cfg: dict, seed: int = 0) -> str:
@@ -103,7 +104,8 @@ def split_run(path: str, nodes, x: dict, steps: int, patches: int, attention: st
     back = sum(n for seq, n in ring.stats.returns if seq in seqs)
     hops = [sum(n for seq, n in ns.get("hop_bytes", []) if seq in seqs) for ns in ring.node_stats[1:]]
     return {"times": times, "out": out, "bytes_per_step": (sent + back + sum(hops)) / max(1, steps - 1),
-            "hops": 2 + len(hops), "paths": attention_paths(ring.node_stats)}
+            "hops": 2 + len(hops), "paths": attention_paths(ring.node_stats),
+            "busy": [ns.get("busy_s", 0.0) for ns in ring.node_stats]}
 
 
 def patch_times(path: str, cfg: dict, x: dict, patches: int, repeat: int = 3) -> dict:
@@ -170,25 +172,31 @@ def main(argv: list[str] | None = None) -> int:
               f"(latent {cfg['frames']}x{cfg['size']}x{cfg['size']}, patch 1x2x2), text {cfg['text_len']} tokens",
               flush=True)
         print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}; client and each of 2 local nodes "
-              f"at 1 torch thread; {cfg['steps']} steps per run, the first not timed", flush=True)
+              f"at 1 torch thread; {cfg['steps']} steps per run, the first {TIMED_FROM} not timed", flush=True)
         if not os.path.isfile(os.path.join(tmp, "model_index.json")):
             build_model(tmp, cfg)
         nodes = start_local_nodes(tmp, 2, threads=1, extra=["--log-level", "WARNING"])
         x = inputs(cfg)
         steps = cfg["steps"]
 
+        load0 = os.getloadavg()
         whole_times, whole_out = denoise(load_transformer(tmp), x, steps)
-        whole = sum(whole_times[1:]) / (steps - 1)
+        timed = steps - TIMED_FROM
+        whole = sum(whole_times[TIMED_FROM:]) / timed
         runs = {}
         for name, p, att in (("P=1", 1, "auto"), ("P=2", 2, "auto"), ("P=4", 4, "auto"), ("P=4 plain", 4, "plain")):
             r = split_run(tmp, nodes, x, steps, p, att)
-            r["step"] = sum(r["times"][1:]) / (steps - 1)
+            r["step"] = sum(r["times"][TIMED_FROM:]) / timed
             runs[name] = r
-            print(f"  {name:10s} {r['step']:.3f} s per step (whole: {whole:.3f} s)", flush=True)
+            busy = ", ".join(f"{b / steps:.2f}" for b in r["busy"])
+            print(f"  {name:10s} {r['step']:.3f} s per step (whole: {whole:.3f} s); steps: "
+                  f"{' '.join(f'{t:.2f}' for t in r['times'])} s; node busy per step: {busy} s", flush=True)
+        load1 = os.getloadavg()
         exact = runs["P=1"]["out"]
         latent_bytes = tokens * hidden * 4
 
-        print("\nresults (seconds are transformer forward calls, steps after the first, mean)")
+        print(f"\nresults (seconds are transformer forward calls, mean of steps {TIMED_FROM + 1}..{steps}; "
+              f"load average {load0[0]:.2f} before, {load1[0]:.2f} after)")
         print(f"  whole, one process:       {whole:.3f} s/step")
         o = runs["P=1"]["step"] / whole
         print(f"  overhead (split P=1 / whole): {o:.3f}   target <= 1.10   "

@@ -128,6 +128,7 @@ class Node:
         sess.messages += 1
         if isinstance(header, dict) and header.get("op") == "call":
             sess.hop_log.append([header.get("seq"), nbytes])
+        t0 = time.perf_counter()
         try:
             out_header, out_tensors = sess.handle(header, tensors)
         except Exception as exc:  # the client must hear about it; the node keeps serving
@@ -135,6 +136,7 @@ class Node:
             out_header = {"op": "error", "stack": header.get("stack"), "seq": header.get("seq"),
                           "node": self.endpoint.control_address, "message": f"{type(exc).__name__}: {exc}"}
             out_tensors = []
+        sess.busy_s += time.perf_counter() - t0
         out = self.transport.seal(sess.out_hop, out_header, out_tensors)
         sess.bytes_out += sum(len(f) for f in out)
         self._outbox(sess.next_address).send(out)

@@ -50,10 +50,12 @@ class BranchTracker:
         self.conditioning: set[int] = set()  # slots on which calls of one step differ
         self.steps = 0
 
-    def identify(self, tensors: list[torch.Tensor], stream: int) -> tuple[int, int, bool]:
-        """(branch, step number from 1, first step of this branch?) for one call."""
+    def identify(self, tensors: list[torch.Tensor], stream: int, d: list[bytes] | None = None) -> tuple[int, int, bool]:
+        """(branch, step number from 1, first step of this branch?) for one call; ``d``: the digests
+        of its tensors where known (the stream's is not used)."""
         sd = digest(tensors[stream])
-        d = [b"" if i == stream else digest(t) for i, t in enumerate(tensors)]
+        d = list(d) if d else [digest(t) for t in tensors]
+        d[stream] = b""
         same = [c for c in self.step if c[0] == sd]
         if not same:  # new hidden states: the scheduler has stepped
             self.step = []
@@ -100,14 +102,15 @@ class Patcher:
         x = tensors[stream]
         axis = token_axis(x.shape)
         tokens = x.shape[axis]
-        branch, step, first = self.trackers.setdefault(stack, BranchTracker()).identify(tensors, stream)
+        digests = [b"" if i == stream else digest(t) for i, t in enumerate(tensors)]  # once per call, not per patch
+        branch, step, first = self.trackers.setdefault(stack, BranchTracker()).identify(tensors, stream, digests)
         info = {"branch": 0 if self.share_branches else branch, "step": step, "axis": axis, "tokens": tokens}
         ranges = patch_ranges(tokens, self.patches)
         if first or len(ranges) < 2:
             self.calls["whole"] += 1
-            return self.ring.call_flat(stack, tree, tensors, rmap, dict(info, whole=True))
+            return self.ring.call_flat(stack, tree, tensors, rmap, dict(info, whole=True), digests)
         self.calls["patched"] += 1
-        answers = self.ring.call_patches(stack, tree, tensors, rmap, stream, axis, ranges, info)
+        answers = self.ring.call_patches(stack, tree, tensors, rmap, stream, axis, ranges, info, digests)
         return reassemble(answers, axis, rmap)
 
 

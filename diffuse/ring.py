@@ -148,12 +148,13 @@ class Ring:
         tree, tensors = flatten(args, kwargs)
         return self._receive(self._send(stack, tree, tensors, return_map, patch))
 
-    def call_flat(self, stack: str, tree: dict, tensors: list, return_map: dict, patch: dict | None = None):
-        """``call`` for a call already taken apart by ``flatten``."""
-        return self._receive(self._send(stack, tree, tensors, return_map, patch))
+    def call_flat(self, stack: str, tree: dict, tensors: list, return_map: dict, patch: dict | None = None,
+                  digests: list | None = None):
+        """``call`` for a call already taken apart by ``flatten`` (``digests``: its tensors' digests, if known)."""
+        return self._receive(self._send(stack, tree, tensors, return_map, patch, digests))
 
     def call_patches(self, stack: str, tree: dict, tensors: list, return_map: dict, stream: int, axis: int,
-                     ranges: list[tuple[int, int]], patch: dict) -> list:
+                     ranges: list[tuple[int, int]], patch: dict, digests: list | None = None) -> list:
         """One pass per patch, pipelined: every patch is sent before any answer is awaited, so each
         node works on one patch while the next node works on the one before. Returns the last
         block's answer for each patch, in order."""
@@ -161,10 +162,11 @@ class Ring:
         for i, (lo, hi) in enumerate(ranges):
             cut = list(tensors)
             cut[stream] = tensors[stream].narrow(axis, lo, hi - lo)
-            seqs.append(self._send(stack, tree, cut, return_map, dict(patch, lo=lo, count=hi - lo, index=i)))
+            seqs.append(self._send(stack, tree, cut, return_map, dict(patch, lo=lo, count=hi - lo, index=i), digests))
         return [self._receive(seq) for seq in seqs]
 
-    def _send(self, stack: str, tree: dict, tensors: list, return_map: dict, patch: dict | None) -> int:
+    def _send(self, stack: str, tree: dict, tensors: list, return_map: dict, patch: dict | None,
+              digests: list | None = None) -> int:
         self._seq += 1
         header = {"op": "call", "stack": stack, "seq": self._seq}
         if self._trees.get(stack) != tree:
@@ -182,7 +184,7 @@ class Ring:
                 slots.append(["f", len(sent)])
                 sent.append(t)
                 continue
-            h = digest(t)
+            h = digests[i] if digests else digest(t)
             if (i, h) in mirror:
                 mirror.get(i, h)
                 slots.append(["h", h])

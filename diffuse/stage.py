@@ -125,6 +125,7 @@ class StageSession:
         self.attention = attention  # PipeFusion attention path: "auto" (quick where verified) or "plain"
         self.stale: dict[str, StaleStack] = {}  # per stack, made by the first call that carries a patch
         self.hop_log: list[list[int]] = []  # [seq, bytes] of every message that arrived on this hop
+        self.busy_s = 0.0  # seconds spent running blocks (handle), for the benchmark's utilisation
         self.store = store
         self.slices = {s.stack: s for s in slices}
         self.in_hop, self.out_hop = in_hop, out_hop
@@ -200,7 +201,7 @@ class StageSession:
     def report(self) -> dict:
         """What the session did, for the client's summary (sent at close, before the buffers go)."""
         return {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "messages": self.messages,
-                "hop_bytes": self.hop_log, "stale": {k: v.report() for k, v in self.stale.items()}}
+                "hop_bytes": self.hop_log, "busy_s": self.busy_s, "stale": {k: v.report() for k, v in self.stale.items()}}
 
     def _resolve(self, stack: str, slots: list, tensors: list) -> tuple[list, dict]:
         cache = self.caches.setdefault(stack, SlotCache())
