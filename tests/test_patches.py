@@ -173,6 +173,19 @@ def test_guidance_branches_keep_separate_buffers(models, nodes, diffuse_home, mo
     assert ours.tobytes() != shared.tobytes()  # sharing would borrow the other branch's activations
 
 
+def test_stale_buffers_go_with_the_session(models, nodes, diffuse_home):
+    from diffuse.plugins import transport_for
+
+    model = models("wan")
+    addresses = nodes(model, 2)
+    _, seen = split_run(model, args_for("wan"), addresses, 2)
+    held = [ns["stale"]["blocks"]["buffer_bytes"] for ns in seen["node_stats"]]
+    assert all(b > 0 for b in held)  # what each node held for the session until it closed
+    transport = transport_for(addresses[0][0])
+    for address, _ in addresses:
+        assert transport.request(address, {"op": "status"}, 10.0)["sessions"] == 0
+
+
 # --------------------------------------------------------------------------- two streams
 
 
