@@ -1,0 +1,105 @@
+"""Offline construction of the tiny Wan text-to-video pipeline's parts."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from .data import FRAMES, SIZE, WORDS
+
+# ---- sizes -----------------------------------------------------------------
+
+SIZES = {
+    "full": dict(
+        vae=dict(base_dim=16, z_dim=8, dim_mult=[1, 2, 4], num_res_blocks=1,
+                 temperal_downsample=[True, True]),
+        transformer=dict(num_attention_heads=4, attention_head_dim=48, ffn_dim=768, num_layers=4),
+        text=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
+    ),
+    "quick": dict(
+        vae=dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
+                 temperal_downsample=[True, True]),
+        transformer=dict(num_attention_heads=2, attention_head_dim=24, ffn_dim=96, num_layers=2),
+        text=dict(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4),
+    ),
+}
+
+
+def build_tokenizer():
+    """A word-level tokenizer over the prompt vocabulary, T5 layout (`</s>` appended)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+        model_max_length=512, padding_side="right",
+    )
+
+
+def build_text_encoder(size: str, vocab_size: int, seed: int):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    cfg = UMT5Config(vocab_size=vocab_size, relative_attention_num_buckets=8,
+                     dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+                     **SIZES[size]["text"])
+    m = UMT5EncoderModel(cfg).eval()
+    m.requires_grad_(False)
+    return m
+
+
+def build_vae(size: str, seed: int):
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    c = dict(SIZES[size]["vae"])
+    z = c["z_dim"]
+    return AutoencoderKLWan(
+        **c, attn_scales=[], latents_mean=[0.0] * z, latents_std=[1.0] * z,
+        scale_factor_temporal=2 ** sum(c["temperal_downsample"]),
+        scale_factor_spatial=2 ** len(c["temperal_downsample"]),
+    )
+
+
+def build_transformer(size: str, z_dim: int, text_dim: int, seed: int):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), in_channels=z_dim, out_channels=z_dim, text_dim=text_dim,
+        freq_dim=128, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+        rope_max_seq_len=32, **SIZES[size]["transformer"],
+    )
+
+
+def build_scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+
+
+def build_pipeline(size: str = "full", seed: int = 0):
+    """The whole pipeline with random weights (the 'untrained' baseline)."""
+    from diffusers import WanPipeline
+
+    tok = build_tokenizer()
+    te = build_text_encoder(size, len(tok), seed)
+    vae = build_vae(size, seed + 1)
+    tr = build_transformer(size, vae.config.z_dim, te.config.d_model, seed + 2)
+    return WanPipeline(tokenizer=tok, text_encoder=te, vae=vae, transformer=tr,
+                       scheduler=build_scheduler())
+
+
+GEN_KW = dict(height=SIZE, width=SIZE, num_frames=FRAMES)
