@@ -1,26 +1,25 @@
-"""The model a fresh install runs with no network: a tiny Wan text-to-video pipeline.
+"""The embedded default model, and a builder for tiny random-weight Wan pipelines.
 
-Its weights are random (seeded), so it makes noise-like clips, but every part a
-real Wan 2.1 checkpoint has is there: a WanTransformer3DModel with 4 blocks (a
-3-node split gives every node at least one), AutoencoderKLWan, a small UMT5
-text encoder and a word-level tokenizer. It is built once, offline, into a
-cache folder and loaded like any other diffusers checkpoint. Keep runs small:
-16 or 32 px and 9 frames (the pipeline's own defaults are 480x832, 81 frames).
+``default_model_dir()`` is tiny-wan-shapes: a Wan 2.1-architecture text-to-video
+model trained in this repository (``python -m diffuse.train``) and shipped in
+the package, so a fresh install generates something real with no network.
+
+``build_tiny_wan()`` writes a seeded random-weight Wan pipeline (4 blocks,
+AutoencoderKLWan, a small UMT5 text encoder, a word-level tokenizer) for tests
+that need a Wan of their own. Keep its runs small: 16 or 32 px and 9 frames
+(the pipeline's own defaults are 480x832, 81 frames).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-__all__ = ["DEFAULT_MODEL_NAME", "build_tiny_wan", "default_model_dir"]
+__all__ = ["SHIPPED_MODEL_NAME", "build_tiny_wan", "default_model_dir"]
 
-# Bump the suffix whenever build_tiny_wan changes what it writes, so caches rebuild.
-DEFAULT_MODEL_NAME = "tiny-wan-v2"
-# what a run uses when no flag says otherwise: the size this tiny model is made for
+SHIPPED_MODEL_NAME = "tiny-wan-shapes"
+# call defaults written beside a built model: the size these tiny models are made for
 CALL_DEFAULTS = {"height": 32, "width": 32, "num_frames": 9, "num_inference_steps": 20}
 
 
@@ -94,26 +93,14 @@ def build_tiny_wan(out_dir: str, seed: int = 0) -> str:
 
 
 def default_model_dir() -> str:
-    """The cached tiny Wan checkpoint, built on first use.
+    """The embedded default: tiny-wan-shapes, trained here and shipped inside the package.
 
-    Lives in ``$DIFFUSE_HOME/tiny-wan-v1`` (default ``~/.cache/diffuse``). It is
-    built in a temporary sibling folder and renamed into place, so a crashed or
-    concurrent build never leaves a half-written model where it would be used.
+    See ``diffuse/trained/tiny-wan-shapes/README.md`` (its model card) and
+    ``python -m diffuse.train`` (the command that made it).
     """
-    home = Path(os.environ.get("DIFFUSE_HOME") or Path.home() / ".cache" / "diffuse")
-    final = home / DEFAULT_MODEL_NAME
-    if (final / "model_index.json").is_file():
-        return str(final)
-    home.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.building-", dir=home)
-    try:
-        build_tiny_wan(tmp)
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            # Another process finished first (the target is a non-empty folder).
-            if not (final / "model_index.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
+    path = Path(__file__).resolve().parent / "trained" / SHIPPED_MODEL_NAME
+    if not (path / "model_index.json").is_file():
+        from diffuse.errors import DiffuseError
+
+        raise DiffuseError(f"the embedded model is missing from {path}: reinstall diffuse, or give --model")
+    return str(path)

@@ -180,13 +180,12 @@ def test_sdxl_denoiser_is_a_unet(tmp_path):
     assert index["unet"] == ["diffusers", "UNet2DConditionModel"] and "transformer" not in index
 
 
-def test_default_model_is_built_once_into_the_cache(tmp_path, monkeypatch):
-    from diffuse.default_model import DEFAULT_MODEL_NAME, default_model_dir
+def test_default_model_is_the_shipped_trained_model_with_its_call_defaults():
+    from diffuse.default_model import SHIPPED_MODEL_NAME, default_model_dir
 
-    monkeypatch.setenv("DIFFUSE_HOME", str(tmp_path))
     path = Path(default_model_dir())
-    assert path == tmp_path / DEFAULT_MODEL_NAME and (path / "model_index.json").is_file()
-    stamp = (path / "model_index.json").stat().st_mtime_ns
-    assert Path(default_model_dir()) == path
-    assert (path / "model_index.json").stat().st_mtime_ns == stamp
-    assert sorted(p.name for p in tmp_path.iterdir()) == [DEFAULT_MODEL_NAME]  # no temp folder left
+    assert path.name == SHIPPED_MODEL_NAME and (path / "model_index.json").is_file()
+    index = json.loads((path / "model_index.json").read_text())
+    assert index["_class_name"] == "WanPipeline"
+    defaults = json.loads((path / "diffuse_defaults.json").read_text())
+    assert defaults["height"] == defaults["width"] == 32 and defaults["num_frames"] == 9
