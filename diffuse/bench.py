@@ -148,6 +148,11 @@ def patch_times(path: str, cfg: dict, x: dict, patches: int, repeat: int = 3) ->
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["quality"]:  # the quality table on the trained model: diffuse/quality.py
+        from diffuse.quality import main as quality_main
+
+        return quality_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m diffuse.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small model, for a smoke test (well under a minute)")
     ap.add_argument("--steps", type=int, help="denoising steps per configuration (the first is not timed)")

@@ -46,7 +46,10 @@ def load_pipeline(path: str, subject: ModelSubject | None = None, stacks: list |
     """
     import diffusers
 
+    import transformers
+
     diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
     overrides = {}
     if stacks:
         overrides[subject.denoiser] = load_denoiser_shell(path, subject, stacks)
