@@ -123,12 +123,31 @@ def _set_processor(module, processor) -> None:
         module.processor = processor
 
 
+def _memo_forward(linear: torch.nn.Linear, name: str, memo: dict, count: int):
+    """``linear.forward`` that reuses its last output when given the very same, unchanged tensor
+    again. Cross-attention projects the text this way once per branch instead of once per patch;
+    the patch's own rows (``count`` long) are never kept."""
+    forward = type(linear).forward.__get__(linear)
+
+    def memo_forward(x):
+        kept = memo.get(name)
+        if kept is not None and kept[0] is x and kept[1] == x._version:
+            return kept[2]
+        out = forward(x)
+        if x.dim() >= 2 and x.shape[-2] != count:
+            memo[name] = (x, x._version, out)
+        return out
+
+    return memo_forward
+
+
 @contextmanager
 def attention_scope(block: torch.nn.Module, mode: str, tokens: int, buffer: AttentionBuffer,
-                    lo: int = 0, count: int = 0):
-    """Run ``block`` with its attention processors scoped (record or quick); always restores them."""
+                    lo: int = 0, count: int = 0, memo: dict | None = None):
+    """Run ``block`` with its attention processors scoped (record or quick); always restores them.
+    With ``memo`` (quick), the attention modules' linear projections reuse outputs for repeated inputs."""
     scope = _Scope(mode, tokens, buffer, lo, count)
-    swapped = []
+    swapped, memoized = [], []
     try:
         for name, m in block.named_modules():
             original = getattr(m, "processor", None)
@@ -136,6 +155,11 @@ def attention_scope(block: torch.nn.Module, mode: str, tokens: int, buffer: Atte
                 continue
             _set_processor(m, _scoped_processor(original, name, scope))
             swapped.append((m, original))
+            if memo is not None:
+                for sub, lin in m.named_modules():
+                    if type(lin) is torch.nn.Linear and "forward" not in vars(lin):
+                        lin.forward = _memo_forward(lin, f"{name}.{sub}", memo, count)
+                        memoized.append(lin)
         _ACTIVE.append(scope)
         F.scaled_dot_product_attention = _sdpa
         yield scope
@@ -146,6 +170,8 @@ def attention_scope(block: torch.nn.Module, mode: str, tokens: int, buffer: Atte
             F.scaled_dot_product_attention = _REAL_SDPA
         for m, original in reversed(swapped):
             _set_processor(m, original)
+        for lin in memoized:
+            del lin.forward
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

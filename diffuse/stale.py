@@ -45,6 +45,7 @@ class StaleStack:
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (branch, block) -> block input, all tokens
         self.kv: dict[tuple[int, int], AttentionBuffer] = {}  # (branch, block) -> self-attention K/V
         self.paths: dict[int, dict] = {}  # block -> {"path", "agreement", "why"}
+        self.memo: dict[tuple[int, int], dict] = {}  # (branch, block) -> projections of repeated inputs (quick)
         self.branches: set[int] = set()
         self.patches = 0
 
@@ -109,7 +110,8 @@ class StaleStack:
     def _quick(self, idx, block, tree, cut_values, cut, stream, branch, lo, count, tokens, kv=None):
         cut[stream] = cut_values[stream]
         args, kwargs = unflatten(tree, cut)
-        with attention_scope(block, "quick", tokens, kv or self.kv[(branch, idx)], lo, count) as scope:
+        memo = self.memo.setdefault((branch, idx), {}) if kv is None else None  # not while verifying
+        with attention_scope(block, "quick", tokens, kv or self.kv[(branch, idx)], lo, count, memo) as scope:
             out = block(*args, **kwargs)
         return out, scope.hits
 
@@ -145,6 +147,8 @@ class StaleStack:
     def report(self) -> dict:
         nbytes = sum(t.numel() * t.element_size() for t in self.inputs.values())
         nbytes += sum(b.nbytes() for b in self.kv.values())
+        nbytes += sum(o.numel() * o.element_size() for m in self.memo.values() for (_, _, o) in m.values()
+                      if isinstance(o, torch.Tensor))
         return {"paths": {str(k): v for k, v in sorted(self.paths.items())}, "branches": len(self.branches),
                 "patches": self.patches, "buffer_bytes": nbytes}
 
