@@ -189,9 +189,11 @@ def test_stale_buffers_go_with_the_session(models, nodes, diffuse_home):
 # --------------------------------------------------------------------------- two streams
 
 
-def test_two_stream_model_runs_whole_steps_and_says_so(models, diffuse_home, tmp_path):
-    model = models("flux")
-    kwargs = args_for("flux")
+@pytest.mark.parametrize("family,stacks", [("flux", "single_transformer_blocks, transformer_blocks"),
+                                           ("odd", "trunk.layers")])
+def test_two_stream_model_runs_whole_steps_and_says_so(family, stacks, models, diffuse_home, tmp_path):
+    model = models(family)
+    kwargs = args_for(family)
     reference = run_reference(model, kwargs, str(tmp_path / "reference.npy"))
     save = tmp_path / "split.npy"
     cmd = split_command(model, kwargs, str(save), nodes=2, extra=["--patches", "3", "--out", str(tmp_path / "o.png")])
@@ -200,7 +202,7 @@ def test_two_stream_model_runs_whole_steps_and_says_so(models, diffuse_home, tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [line for line in proc.stderr.splitlines() if "two streams" in line and "whole steps" in line]
     assert len(said) == 1, proc.stderr
-    assert said[0].startswith("single_transformer_blocks, transformer_blocks: ")
+    assert said[0].startswith(f"{stacks}: ")
     assert "patches honoured: 1" in " ".join(proc.stderr.split())
     assert np.load(save).tobytes() == reference.tobytes()
 
