@@ -4,7 +4,8 @@
 weightless skeleton, leaving each tensor where the loader puts it (the same
 placement ``from_pretrained`` gives, which keeps results bit-identical).
 ``StageSession`` is one client's session: its hop keys, its remembered call
-plans and return maps, and its slot caches.
+plans and return maps, and its slot caches. A call that carries ``patch`` (PipeFusion)
+runs through the session's ``diffuse.stale.StaleStack`` for that stack instead.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ self.blocks``, ``enumerate``, ``len``) runs unchanged. The first proxy ships
 the call through the ring and answers with what the stack's last block
 returned; the others, called in order with that answer threaded back in, hand
 the same answer on. The pipeline's ``__call__`` is never modified.
+
+With ``patches > 1`` a stack that carries one stream goes through a
+``diffuse.patches.Patcher`` (cut into token patches, pipelined through the
+ring); a stack with two streams runs whole steps, and ``whole_steps`` says why.
 """
 
 from __future__ import annotations
