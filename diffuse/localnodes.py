@@ -37,7 +37,7 @@ def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: st
             listen = "tcp://127.0.0.1:0" if scheme == "tcp" else f"{scheme}://{tempfile.gettempdir()}/diffuse-node-{os.getpid()}-{i}"
             log_fd, log_path = tempfile.mkstemp(prefix=f"diffuse-node{i + 1}-", suffix=".log")
             cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--listen", listen,
-                   "--blocks", f"{i + 1}/{n}", "--ephemeral-key", *extra]
+                   "--blocks", f"{i + 1}/{n}", "--ephemeral-key", "--exit-with", str(os.getpid()), *extra]
             if threads:
                 cmd += ["--threads", str(threads)]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_fd, env=env, text=True)

@@ -146,8 +146,11 @@ class Node:
             self.outboxes[address] = self.transport.outbox(address)
         return self.outboxes[address]
 
-    def serve(self, until: float | None = None) -> None:
+    def serve(self, until: float | None = None, parent: int | None = None) -> None:
         while until is None or time.monotonic() < until:
+            if parent is not None and not _alive(parent):
+                log.info("the process that started this node (%d) is gone: stopping", parent)
+                return
             for ready in self.endpoint.wait(1.0):
                 if ready == "control":
                     try:
@@ -169,6 +172,16 @@ class Node:
                     del self.sessions[sid]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m diffuse.node", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="diffusers pipeline folder (the same one the client uses)")
@@ -182,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="serve only these client keys (repeatable)")
     ap.add_argument("--advertise-data", metavar="ADDR", help="data address peers should dial, if not the bound one")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
+    ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone (local nodes)")
     ap.add_argument("--log-level", default="INFO")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
@@ -201,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                       "data": node.endpoint.address, "key": node.identity.public_hex}), flush=True)
     log.info("serving %s at %s, key %s", a.model, node.endpoint.control_address, node.identity.public_hex)
     try:
-        node.serve()
+        node.serve(parent=a.exit_with)
     except KeyboardInterrupt:
         pass
     finally:

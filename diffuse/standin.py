@@ -54,8 +54,22 @@ class StandIn(nn.ModuleList):
                 f"{self.stack.path}[{index}] was called after {self.stack.path}[{self._next - 1}]: "
                 "the denoiser does not run this stack as a chain in list order, so it cannot be split")
         else:
+            self._check_threaded(index, args, kwargs)
             self._next += 1
         return self._answer
+
+    def _check_threaded(self, index: int, args: tuple, kwargs: dict) -> None:
+        """Block ``index`` must receive what the stack answered, untouched: the stand-in
+        answers for all blocks at once, so work the denoiser does between blocks would be lost."""
+        _, given = flatten(args, kwargs)
+        given_ids = {id(t) for t in given}
+        answer = self._answer if isinstance(self._answer, (tuple, list)) else (self._answer,)
+        for out in answer:
+            if isinstance(out, torch.Tensor) and id(out) not in given_ids:
+                raise DiffuseError(
+                    f"the denoiser changes what {self.stack.path}[{index - 1}] returned before it calls "
+                    f"{self.stack.path}[{index}] (e.g. adds a residual between blocks): this stack is not a plain "
+                    "chain, so it cannot be split")
 
 
 class Splitter:

@@ -1,0 +1,62 @@
+"""The stand-in's contract with the denoiser's own loop (unit level: no ring involved).
+
+The stand-in answers for a whole stack at its first block; the later proxies
+must receive that answer untouched. These tests drive ``StandIn`` directly,
+with a local function in place of the ring, to pin that rule down.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from diffuse.errors import DiffuseError
+from diffuse.plan import StackPlan
+from diffuse.standin import StandIn
+
+
+class LocalStack:
+    """Answers a stack call by running real blocks here (what a ring of nodes would return)."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def run_stack(self, stack, args, kwargs):
+        x = args[0]
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _stand_in(n=3):
+    torch.manual_seed(0)
+    blocks = [nn.Linear(4, 4) for _ in range(n)]
+    return blocks, StandIn(StackPlan(path="blocks", length=n, block_class="Linear"), LocalStack(blocks))
+
+
+def test_a_plain_chain_gets_the_stacks_answer():
+    blocks, stand_in = _stand_in()
+    x = torch.randn(2, 4)
+    h = x
+    for proxy in stand_in:
+        h = proxy(h)
+    expected = x
+    for b in blocks:
+        expected = b(expected)
+    assert torch.equal(h, expected)
+
+
+def test_work_between_blocks_is_refused_not_lost():
+    _, stand_in = _stand_in()
+    h = torch.randn(2, 4)
+    with pytest.raises(DiffuseError, match=r"changes what blocks\[0\] returned before it calls blocks\[1\]"):
+        for proxy in stand_in:
+            h = proxy(h) + 1.0  # a residual added between blocks
+
+
+def test_blocks_out_of_order_are_refused():
+    _, stand_in = _stand_in()
+    h = stand_in[0](torch.randn(2, 4))
+    with pytest.raises(DiffuseError, match="not run this stack as a chain"):
+        stand_in[2](h)
