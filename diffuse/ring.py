@@ -120,14 +120,26 @@ class Ring:
         self.inbox = t.inbox(_inbox_bind(self.plan.route[0].address))
         hop_keys = [t.new_key() for _ in range(len(self.plan.route) + 1)]
         nexts = data_addresses[1:] + [self.inbox.address]
-        for k, stage in enumerate(self.plan.route):
-            payload = {
-                "session": self.sid, "model": self.plan.model.content_hash, "dtype": self.plan.compute_dtype,
-                "slices": [vars(s) for s in stage.slices],
-                "in_key": hop_keys[k], "out_key": hop_keys[k + 1], "next": nexts[k], "attention": self.attention,
-            }
-            reply = self._sealed_request(stage.address, "open", payload, keys[k], OPEN_TIMEOUT_S)
-            self.whole_steps.update(reply.get("whole_steps") or ())
+        opened = []
+        try:
+            for k, stage in enumerate(self.plan.route):
+                payload = {
+                    "session": self.sid, "model": self.plan.model.content_hash, "dtype": self.plan.compute_dtype,
+                    "slices": [vars(s) for s in stage.slices],
+                    "in_key": hop_keys[k], "out_key": hop_keys[k + 1], "next": nexts[k], "attention": self.attention,
+                }
+                reply = self._sealed_request(stage.address, "open", payload, keys[k], OPEN_TIMEOUT_S)
+                opened.append((stage.address, keys[k]))
+                self.whole_steps.update(reply.get("whole_steps") or ())
+        except BaseException:
+            # a node refused: the ones that said yes free their session now, not at idle-out
+            for address, key in opened:
+                try:
+                    self._sealed_request(address, "close", {"session": self.sid}, key, 5.0)
+                except DiffuseError:
+                    pass
+            self.inbox.close()
+            raise
         self._keys = keys
         self.outbox = t.outbox(data_addresses[0])
         self.send_hop = Hop(self.sid, hop_keys[0])
