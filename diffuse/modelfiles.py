@@ -56,3 +56,36 @@ def content_hash(component_dir: str) -> str:
                 n = int.from_bytes(f.read(8), "little")
                 h.update(name.encode() + f.read(n))
     return h.hexdigest()
+
+
+def load_into(module, prefix: str, wmap: dict[str, str], dtype=None, skip=None, files: dict | None = None) -> int:
+    """Assign ``module``'s tensors from the safetensors files, as ``from_pretrained`` reads them.
+
+    Each tensor is taken where the loader puts it (no copy, no re-layout: that
+    placement is part of bit-exactness) and floating tensors are cast to
+    ``dtype`` or, if None, to the dtype the module was built with — the rule
+    ``from_pretrained`` follows (a bf16 file loads as float32 by default).
+    Names for which ``skip(name)`` is true stay as they are (meta). Returns the
+    number of tensors assigned.
+    """
+    from safetensors import safe_open
+
+    files = {} if files is None else files
+    state = {}
+    for name, current in module.state_dict(keep_vars=True).items():
+        if skip is not None and skip(name):
+            continue
+        full = prefix + name
+        if full not in wmap:
+            raise DiffuseError(f"the weights lack {full}, which {type(module).__name__} declares; "
+                               "is the model folder complete?")
+        fn = wmap[full]
+        if fn not in files:
+            files[fn] = safe_open(fn, "pt")
+        t = files[fn].get_tensor(full)
+        target = dtype if dtype is not None else current.dtype
+        if t.is_floating_point() and current.is_floating_point() and t.dtype != target:
+            t = t.to(target)
+        state[name] = t
+    module.load_state_dict(state, strict=skip is None, assign=True)
+    return len(state)

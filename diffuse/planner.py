@@ -65,14 +65,10 @@ def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list):
     them (same placement, cast to the parameter's dtype as it does), which keeps
     the client's own computation bit-identical to a plain load.
     """
-    from safetensors import safe_open
-
     from diffuse.analysis import build_meta
-    from diffuse.modelfiles import weight_map
+    from diffuse.modelfiles import load_into, weight_map
 
-    component = os.path.join(path, subject.denoiser)
     model = build_meta(subject.denoiser_class(), subject.denoiser_config)
-    wmap = weight_map(component)
 
     def remote(name: str) -> bool:
         for st in stacks:
@@ -81,19 +77,7 @@ def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list):
                 return True
         return False
 
-    state, files = {}, {}
-    for name, current in model.state_dict(keep_vars=True).items():
-        if remote(name):
-            continue
-        if name not in wmap:
-            raise RefusedModel(path, f"the weights lack {name}, which {subject.denoiser_class_name} declares")
-        if wmap[name] not in files:
-            files[wmap[name]] = safe_open(wmap[name], "pt")
-        t = files[wmap[name]].get_tensor(name)
-        if t.is_floating_point() and current.is_floating_point() and t.dtype != current.dtype:
-            t = t.to(current.dtype)
-        state[name] = t
-    model.load_state_dict(state, strict=False, assign=True)
+    load_into(model, "", weight_map(os.path.join(path, subject.denoiser)), skip=remote)
     model.eval()
     return model
 

@@ -19,7 +19,7 @@ import torch
 from diffuse.analysis import ModelSubject, build_meta
 from diffuse.callplan import SlotCache, encode_value, unflatten
 from diffuse.errors import DiffuseError
-from diffuse.modelfiles import content_hash, weight_map
+from diffuse.modelfiles import content_hash, load_into, weight_map
 from diffuse.plan import Slice, StackPlan, split_evenly
 from diffuse.stale import StaleStack
 
@@ -65,18 +65,18 @@ class BlockStore:
         self.model_hash = content_hash(self.component_dir)
         self.blocks: dict[tuple[str, int], torch.nn.Module] = {}
         self.fixed: list[Slice] | None = None  # set by --blocks: the node holds exactly these
-        self.dtype: torch.dtype | None = None
+        self.dtypes: dict[tuple[str, int], torch.dtype] = {}  # what each held block computes in
 
     def covers(self, sl: Slice) -> bool:
         return all((sl.stack, i) in self.blocks for i in range(sl.start, sl.stop))
 
     def load(self, slices: list[Slice], dtype: torch.dtype | None = None) -> None:
-        """Load what ``slices`` name and is not held yet, from the safetensors files only."""
-        wanted = [(sl.stack, i) for sl in slices for i in range(sl.start, sl.stop) if (sl.stack, i) not in self.blocks]
+        """Hold what ``slices`` name, in ``dtype`` (None: as ``from_pretrained`` would load it),
+        reading the safetensors files only; a block held in another dtype is read again."""
+        wanted = [(sl.stack, i) for sl in slices for i in range(sl.start, sl.stop)
+                  if (sl.stack, i) not in self.blocks or (dtype is not None and self.dtypes[(sl.stack, i)] != dtype)]
         if not wanted:
             return
-        from safetensors import safe_open
-
         t0 = time.perf_counter()
         skeleton = build_meta(self.subject.denoiser_class(), self.subject.denoiser_config)
         wmap = weight_map(self.component_dir)
@@ -84,22 +84,11 @@ class BlockStore:
         try:
             for stack, i in wanted:
                 block = skeleton.get_submodule(stack)[i]
-                prefix = f"{stack}.{i}."
-                state = {}
-                for name in block.state_dict(keep_vars=True):
-                    full = prefix + name
-                    if full not in wmap:
-                        raise DiffuseError(f"weights of {self.model_path} lack {full}")
-                    fn = wmap[full]
-                    if fn not in files:
-                        files[fn] = safe_open(fn, "pt")
-                    t = files[fn].get_tensor(full)
-                    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-                        t = t.to(dtype)
-                    state[name] = t
-                block.load_state_dict(state, strict=True, assign=True)
+                load_into(block, f"{stack}.{i}.", wmap, dtype, files=files)
                 block.eval()
                 self.blocks[(stack, i)] = block
+                p = next(block.parameters(), None)
+                self.dtypes[(stack, i)] = p.dtype if p is not None else dtype
         finally:
             files.clear()
         del skeleton

@@ -63,3 +63,20 @@ def check_written_file(family: str, path: str, array: np.ndarray, model: str) ->
         with open(f"{model}/vae/config.json") as f:
             assert info.samplerate == json.load(f)["sampling_rate"]
         assert info.channels == array.shape[1] and info.frames == array.shape[2]
+
+
+def test_a_bf16_checkpoint_loads_on_nodes_as_from_pretrained_loads_it(models, tmp_path, diffuse_home):
+    """Weights stored in bf16 are computed in float32 by a plain load; nodes must do the same."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = str(tmp_path / "wan-bf16")
+    shutil.copytree(models("wan"), model)
+    weights = f"{model}/transformer/diffusion_pytorch_model.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    kwargs = families.call_args("wan")
+    reference = run_reference(model, kwargs, str(tmp_path / "reference.npy"))
+    split, _ = run_split(model, kwargs, tmp_path, nodes=2, home=diffuse_home)
+    assert split.tobytes() == reference.tobytes()
