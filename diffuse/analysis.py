@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from diffuse.errors import PluginError
+from diffuse.errors import DiffuseError, PluginError
 from diffuse.plugins import call_hook
 
 PHASES = ("config", "model", "call")
@@ -50,7 +50,9 @@ class ModelSubject:
     def from_path(cls, path: str, pipeline: Any = None) -> "ModelSubject":
         index_file = os.path.join(path, "model_index.json")
         if not os.path.isfile(index_file):
-            raise FileNotFoundError(f"{path} is not a diffusers pipeline folder: no model_index.json")
+            from diffuse.errors import DiffuseError
+
+            raise DiffuseError(f"{path} is not a diffusers pipeline folder: it has no model_index.json")
         with open(index_file) as f:
             model_index = json.load(f)
         denoiser = next((n for n in ("transformer", "unet", "prior", "denoiser") if n in model_index), None)
@@ -147,7 +149,7 @@ def run_analyzers(phase: str, subject: Any, draft: dict | None = None) -> dict:
         except PluginError:
             raise
         except Exception as exc:
-            if getattr(exc, "__diffuse_expected__", False) or exc.__class__.__module__.startswith("diffuse"):
+            if isinstance(exc, DiffuseError):  # a refusal or a clear error: it already says what happened
                 raise
             raise PluginError(f"analyzer {a.name!r} raised {type(exc).__name__}: {exc}") from exc
         extra = set(found or {}) - set(a.provides)

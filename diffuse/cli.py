@@ -35,8 +35,9 @@ def cmd_plan(argv: list[str]) -> int:
         subject, draft = analyze(resolve_model(a.model))
         plan = make_plan(subject, draft, [f"node{i + 1}" for i in range(a.nodes)])
     except DiffuseError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
-        return 2
+        from diffuse.run import report_error
+
+        return report_error(Console(stderr=True), exc)
     print(plan.to_json())
     return 0
 
@@ -55,8 +56,9 @@ def cmd_check(argv: list[str]) -> int:
     try:
         return print_check(resolve_model(a.model), console)
     except DiffuseError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        return 2
+        from diffuse.run import report_error
+
+        return report_error(console, exc)
 
 
 def cmd_verify(argv: list[str]) -> int:
@@ -86,8 +88,9 @@ def cmd_verify(argv: list[str]) -> int:
                 generate(b, console)
                 arrays[whole] = np.load(b.save_array)
         except DiffuseError as exc:
-            console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-            return 2
+            from diffuse.run import report_error
+
+            return report_error(console, exc)
     diff = float(np.abs(arrays[True].astype(np.float64) - arrays[False]).max())
     same = arrays[True].tobytes() == arrays[False].tobytes()
     print(f"max abs difference, whole vs split ({a.patches} patch{'es' if a.patches > 1 else ''}): {diff:.3g}"

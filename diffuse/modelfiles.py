@@ -46,7 +46,13 @@ def weight_map(component_dir: str) -> dict[str, str]:
 
 
 def content_hash(component_dir: str) -> str:
-    """blake2b over the component's config and its weights' headers (names, shapes, dtypes)."""
+    """A fingerprint of the component's config and weight layout (names, shapes, dtypes).
+
+    It tells two different architectures or checkpoint layouts apart cheaply at
+    every start; it does not read the weight data, so two fine-tunes of one
+    model with identical layouts share it (nodes and client must be given the
+    same folder).
+    """
     h = hashlib.blake2b(digest_size=16)
     with open(os.path.join(component_dir, "config.json"), "rb") as f:
         h.update(f.read())

@@ -57,7 +57,7 @@ class ModelIdentity:
     path: str
     denoiser: str  # pipeline component name, e.g. "transformer"
     denoiser_class: str
-    content_hash: str  # blake2b over the denoiser's config and weights index
+    content_hash: str  # blake2b over the denoiser's config and weight layout (not the weight data)
 
 
 @dataclass

@@ -148,6 +148,7 @@ def generate(a: argparse.Namespace, console) -> dict:
     if a.patches < 1:
         raise DiffuseError("--patches must be at least 1")
     subject, draft = analyze(model)  # refusals happen here, before any node is contacted
+    check_output_path(a.out, draft)
     pipe = load_pipeline(model, subject, None if a.whole else draft["stacks"])
     pipe._diffuse_path = model
     kwargs = call_kwargs(a, pipe)
@@ -197,17 +198,8 @@ def generate(a: argparse.Namespace, console) -> dict:
                 calls=ring.stats.calls, bytes_sent=ring.stats.bytes_sent, bytes_received=ring.stats.bytes_received,
                 per_stack=ring.stats.per_stack, return_maps=plan.return_maps,
                 client_block_params=splitter.held_block_parameters(),
-                node_params=ring.node_params(),
+                node_params=_best_effort(ring.node_params),
             )
-            ring.close()
-            report["node_stats"] = ring.node_stats
-            report["messages"], report["returns"] = ring.stats.messages, ring.stats.returns
-            if a.patches > 1:
-                from diffuse.patches import attention_paths
-
-                report.update(patches=a.patches, patcher_calls=splitter.patcher.calls,
-                              whole_steps={k: v for k, v in splitter.whole_steps.items() if k not in ring.whole_steps},
-                              attention=attention_paths(ring.node_stats))
     finally:
         if ring is not None:
             ring.close()
@@ -215,6 +207,15 @@ def generate(a: argparse.Namespace, console) -> dict:
             from diffuse.localnodes import stop_local_nodes
 
             stop_local_nodes(nodes)
+    if ring is not None:
+        report["node_stats"] = ring.node_stats
+        report["messages"], report["returns"] = ring.stats.messages, ring.stats.returns
+        if a.patches > 1:
+            from diffuse.patches import attention_paths
+
+            report.update(patches=a.patches, patcher_calls=splitter.patcher.calls,
+                          whole_steps={k: v for k, v in splitter.whole_steps.items() if k not in ring.whole_steps},
+                          attention=attention_paths(ring.node_stats))
     if a.save_array:
         np.save(a.save_array, arr.astype(np.float32, copy=False))
     rate = kwargs.get("frame_rate") or kwargs.get("fps")
@@ -225,6 +226,35 @@ def generate(a: argparse.Namespace, console) -> dict:
         with open(a.report, "w") as f:
             json.dump(report, f, indent=1, default=str)
     return report
+
+
+def _best_effort(fn):
+    """Statistics must never cost a finished result."""
+    try:
+        return fn()
+    except DiffuseError as exc:
+        return f"unavailable: {exc}"
+
+
+PROBE_SHAPES = {"image": (1, 8, 8, 3), "video": (1, 2, 8, 8, 3), "audio": (1, 1, 8)}
+
+
+def check_output_path(out: str | None, draft: dict) -> None:
+    """Fail before generating if no writer takes this file name for what the model makes."""
+    import tempfile
+
+    from diffuse.plugins import call_hook
+    from diffuse.writers import DEFAULT_SUFFIX, OutputInfo
+
+    kind = draft.get("output_kind", "image")
+    suffix = os.path.splitext(out or "")[1] or DEFAULT_SUFFIX[kind]
+    with tempfile.TemporaryDirectory(prefix="diffuse-probe-") as tmp:
+        probe = os.path.join(tmp, "probe" + suffix)
+        info = OutputInfo(kind=kind, frame_rate=16, sample_rate=8000)
+        if call_hook("diffuse_write_output", result=np.zeros(PROBE_SHAPES[kind], np.float32), path=probe,
+                     info=info) is None:
+            raise DiffuseError(f"--out {out}: this model makes {kind}, and no output writer makes {kind} "
+                               f"as {suffix}; use e.g. {DEFAULT_SUFFIX[kind]}")
 
 
 def write_output(arr: np.ndarray, out: str | None, draft: dict, pipe) -> str:
@@ -272,9 +302,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         generate(a, console)
     except DiffuseError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        return 2
+        return report_error(console, exc)
     return 0
+
+
+def report_error(console, exc: Exception) -> int:
+    """An expected failure: one clear line, no traceback, exit status 2."""
+    console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    return 2
 
 
 if __name__ == "__main__":

@@ -34,7 +34,10 @@ def parse_blocks(spec: str | None, stacks: list[StackPlan]) -> list[Slice] | Non
     if spec == "all":
         return [Slice(s.path, 0, s.length) for s in stacks]
     if "/" in spec and "[" not in spec:
-        i, n = (int(x) for x in spec.split("/"))
+        try:
+            i, n = (int(x) for x in spec.split("/"))
+        except ValueError:
+            raise DiffuseError(f"--blocks {spec}: a share is I/N with whole numbers, e.g. 2/3") from None
         if not 1 <= i <= n:
             raise DiffuseError(f"--blocks {spec}: share must be between 1/{n} and {n}/{n}")
         return [Slice(s.path, *split_evenly(s.length, n)[i - 1]) for s in stacks]
