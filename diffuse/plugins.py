@@ -82,13 +82,47 @@ def _owner_of(exc: BaseException, hook) -> str:
     return "unknown"
 
 
+def transport_methods() -> list[str]:
+    """What every transport must have: the methods of ``diffuse.transport_api.Transport``."""
+    from diffuse.transport_api import Transport
+
+    return sorted(n for n, v in vars(Transport).items() if not n.startswith("_") and callable(v))
+
+
+def _answering_plugin(hook, scheme: str) -> str:
+    """Which plugin's implementation gives the first answer (pluggy calls the last registered first)."""
+    for impl in reversed(hook.get_hookimpls()):
+        if impl.hookwrapper or getattr(impl, "wrapper", False):
+            continue
+        try:
+            if impl.function(*[{"scheme": scheme}[a] for a in impl.argnames]) is not None:
+                return impl.plugin_name
+        except Exception:
+            return impl.plugin_name
+    return "unknown"
+
+
 def transport_for(url: str):
     """The transport that serves ``url``'s scheme, or a clear error."""
-    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if "://" not in url:
+        raise PluginError(
+            f"address {url!r} has no scheme: write it as tcp://HOST:PORT (a node address may end in #KEY, "
+            "the node's public key, to pin it)"
+        )
+    scheme = url.split("://", 1)[0]
     transport = call_hook("diffuse_transport", scheme=scheme)
     if transport is None:
         raise PluginError(
-            f"no transport serves {scheme or url!r} addresses; installed plugins: "
-            f"{', '.join(plugin_names())}"
+            f"no transport serves {scheme!r} addresses; installed plugins: {', '.join(plugin_names())}"
+        )
+    # a transport missing a method would fail mid-run, far from its cause: refuse it here, naming its plugin
+    missing = [m for m in transport_methods() if not callable(getattr(transport, m, None))]
+    if not isinstance(getattr(transport, "scheme", None), str):
+        missing.append("scheme (a str attribute)")
+    if missing:
+        owner = _answering_plugin(plugin_manager().hook.diffuse_transport, scheme)
+        raise PluginError(
+            f"plugin {owner!r} breaks the transport contract: the {type(transport).__name__} it returns for "
+            f"{scheme}:// lacks {', '.join(missing)} (see diffuse.transport_api.Transport)"
         )
     return transport

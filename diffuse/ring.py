@@ -8,26 +8,51 @@ becomes a NodeError naming what each node says about the session.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import socket
+import time
 from dataclasses import dataclass, field
 
 from diffuse.callplan import SlotCache, decode_value, digest, flatten
-from diffuse.errors import DiffuseError, NodeError
-from diffuse.plan import WIRE_VERSION, SlicingPlan
+from diffuse.errors import DiffuseError, NodeError, WireError
+from diffuse.plan import WIRE_VERSION, Slice, SlicingPlan
 from diffuse.transport_api import Hop
+
+log = logging.getLogger("diffuse.ring")
 
 CONTROL_TIMEOUT_S = 30.0
 OPEN_TIMEOUT_S = 600.0  # opening may load blocks from disk
+CHALLENGE_FRESH_S = 60.0  # older than this, a hello's challenge is fetched again right before the open
 
 
 def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
+def config_home() -> str:
+    """Where Diffuse keeps its keys and known nodes: $DIFFUSE_HOME, else ~/.config/diffuse."""
+    return os.environ.get("DIFFUSE_HOME") or os.path.join(os.path.expanduser("~"), ".config", "diffuse")
+
+
 def known_nodes_file() -> str:
-    home = os.environ.get("DIFFUSE_HOME") or os.path.join(os.path.expanduser("~"), ".config", "diffuse")
-    return os.path.join(home, "known_nodes.json")
+    return os.path.join(config_home(), "known_nodes.json")
+
+
+def _read_known(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            known = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise DiffuseError(f"the known-nodes file {path} cannot be read ({exc}): fix it, or remove it "
+                           "(each node's key is then trusted again on first use)") from None
+    if not isinstance(known, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in known.items()):
+        raise DiffuseError(f"the known-nodes file {path} is damaged (expected a JSON map of node address to hex "
+                           "key): fix it, or remove it (each node's key is then trusted again on first use)")
+    return known
 
 
 def pin_key(address: str, key: bytes, pinned: str | None) -> None:
@@ -38,18 +63,85 @@ def pin_key(address: str, key: bytes, pinned: str | None) -> None:
                             "refusing (wrong node, or someone in between)")
         return
     path = known_nodes_file()
-    known = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            known = json.load(f)
+    known = _read_known(path)
     if address in known and known[address] != key.hex():
         raise NodeError(address, f"key changed since first use (known: {known[address][:16]}..., now: "
                         f"{key.hex()[:16]}...); if the node was re-keyed on purpose, remove it from {path}")
     if address not in known:
         known[address] = key.hex()
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
             json.dump(known, f, indent=1)
+        os.replace(tmp, path)
+
+
+def check_node_address(address: str, key: str = "") -> None:
+    """A node address as --nodes takes it: SCHEME://WHERE, optionally with a 64-hex-digit #KEY."""
+    if "://" not in address:
+        raise DiffuseError(f"node address {address!r} has no scheme: write it as tcp://HOST:PORT "
+                           "(optionally tcp://HOST:PORT#KEY, KEY being the node's public key, to pin it)")
+    if key and not re.fullmatch(r"[0-9a-fA-F]{64}", key):
+        raise DiffuseError(f"node {address}: #{key[:70]} is not a public key (64 hex digits, as the node prints)")
+
+
+def route_from_holds(plan: SlicingPlan, holds: list) -> bool:
+    """Set each stage's slices to what its node says it holds (hello's ``holds``), checking that in
+    route order they chain into every stack exactly. Returns False, changing nothing, unless every
+    node says what it holds."""
+    if not holds or any(h is None for h in holds):
+        return False
+    lengths = {st.path: st.length for st in plan.stacks}
+    held: list[dict[str, Slice]] = []
+    for stage, given in zip(plan.route, holds):
+        mine: dict[str, Slice] = {}
+        for h in given if isinstance(given, list) else [given]:
+            ok = isinstance(h, dict) and isinstance(h.get("stack"), str) and all(
+                isinstance(h.get(k), int) and not isinstance(h.get(k), bool) for k in ("start", "stop"))
+            if not ok:
+                raise NodeError(stage.address, f"says it holds {h!r:.80}, which is not a {{stack, start, stop}} range")
+            sl = Slice(h["stack"], h["start"], h["stop"])
+            if sl.stack not in lengths or not 0 <= sl.start <= sl.stop <= lengths[sl.stack]:
+                raise NodeError(stage.address, f"says it holds {sl}, which this model does not have")
+            if sl.start == sl.stop:
+                continue
+            if sl.stack in mine:
+                raise NodeError(stage.address, f"holds two ranges of {sl.stack} ({mine[sl.stack]} and {sl}); "
+                                "a node's share of a stack must be one contiguous range")
+            mine[sl.stack] = sl
+        held.append(mine)
+    routes: list[list[Slice]] = [[] for _ in plan.route]
+
+    def refuse(why: str):
+        order = "; ".join(f"{st.address}: {', '.join(map(str, h.values())) or 'nothing'}"
+                          for st, h in zip(plan.route, held))
+        return DiffuseError(f"the nodes' blocks do not chain into whole stacks in route order: {why} "
+                            f"(route order: {order}); list the nodes in the order of their blocks, or change "
+                            "their --blocks")
+
+    for st in plan.stacks:
+        pos, last = 0, None
+        for k, (stage, mine) in enumerate(zip(plan.route, held)):
+            sl = mine.get(st.path)
+            if sl is None:  # holds none of this stack: it hands the call on untouched
+                routes[k].append(Slice(st.path, pos, pos))
+                continue
+            if sl.start > pos:
+                raise refuse(f"{st.path}[{pos}:{sl.start}] is held by no node before {stage.address}, "
+                             f"which holds {sl}")
+            if sl.start < pos:
+                raise refuse(f"{st.path}[{sl.start}:{pos}] is held twice, by {plan.route[last].address} "
+                             f"and by {stage.address}")
+            routes[k].append(sl)
+            pos, last = sl.stop, k
+        if pos < st.length:
+            raise refuse(f"{st.path}[{pos}:{st.length}] is held by no node")
+        if last is not None and last != len(plan.route) - 1:
+            raise refuse(f"{st.path} ends on {plan.route[last].address}, but the ring ends on "
+                         f"{plan.route[-1].address}: the last node must hold the last blocks of every stack")
+    for stage, slices in zip(plan.route, routes):
+        stage.slices = slices
+    return True
 
 
 def _inbox_bind(address: str) -> str:
@@ -75,19 +167,28 @@ class RingStats:
     per_stack: dict = field(default_factory=dict)
     messages: list = field(default_factory=list)  # one record per message sent into the ring
     returns: list = field(default_factory=list)  # [seq, bytes] of every answer from the last node
+    dropped: int = 0  # messages on the client's inbox that failed to open (junk, replays) and were dropped
 
 
 class Ring:
     """One session through a ring of nodes, from the client's side."""
 
-    def __init__(self, plan: SlicingPlan, timeout_s: float = 300.0, attention: str | None = None):
+    def __init__(self, plan: SlicingPlan, timeout_s: float = 300.0, attention: str | None = None,
+                 client_key: str | None = None):
+        """``client_key``: a file holding this client's long-term identity (created 0600 if missing),
+        for nodes that serve only some clients (``--allow-client``); None: a fresh identity per session."""
         from diffuse.plugins import transport_for
 
         if not plan.route:
             raise DiffuseError("the plan has no route: give --nodes or --local-nodes")
+        for stage in plan.route:
+            check_node_address(stage.address, stage.key)
         self.plan = plan
         self.timeout_s = timeout_s
         self.transport = transport_for(plan.route[0].address)
+        for stage in plan.route[1:]:
+            transport_for(stage.address)  # every node's scheme is one some transport serves
+        self.identity = self.transport.load_identity(client_key)
         self.sid = os.urandom(16)
         self.stats = RingStats()
         self.node_stats: list[dict] = []
@@ -100,32 +201,49 @@ class Ring:
         self.attention = attention or os.environ.get("DIFFUSE_PATCH_ATTENTION", "auto")
         self.whole_steps: set[str] = set()  # stacks the nodes say must run whole steps (two streams)
 
+    def _hello(self, stage, expect_key: bytes | None = None) -> dict:
+        hello = self.transport.request(stage.address, {"op": "hello", "wire": [WIRE_VERSION]}, CONTROL_TIMEOUT_S)
+        if not hello.get("ok"):
+            raise NodeError(stage.address, str(hello.get("error", "refused hello")))
+        key = hello.get("key")
+        if not isinstance(key, bytes) or len(key) != 32 or not isinstance(hello.get("data"), str):
+            raise NodeError(stage.address, "answered hello without a 32-byte key and a data address")
+        if expect_key is not None:
+            if key != expect_key:
+                raise NodeError(stage.address, "presented another key than a moment ago: refusing")
+        else:
+            pin_key(stage.address, key, stage.key or None)
+        if hello.get("model") != self.plan.model.content_hash:
+            raise NodeError(stage.address, "serves a different model (content hash differs): "
+                            "start it with the same model folder as the client")
+        hello["at"] = time.monotonic()
+        return hello
+
     def open(self) -> None:
         t = self.transport
-        self.identity = t.load_identity(None)  # a fresh client identity per session
-        data_addresses, keys = [], []
+        data_addresses, keys, hellos = [], [], []
         for stage in self.plan.route:
-            hello = t.request(stage.address, {"op": "hello", "wire": [WIRE_VERSION]}, CONTROL_TIMEOUT_S)
-            if not hello.get("ok"):
-                raise NodeError(stage.address, hello.get("error", "refused hello"))
-            pin_key(stage.address, hello["key"], stage.key or None)
-            if hello.get("model") != self.plan.model.content_hash:
-                raise NodeError(stage.address, "serves a different model (content hash differs): "
-                                "start it with the same model folder as the client")
+            hello = self._hello(stage)
             data = hello["data"]
             if "://0.0.0.0:" in data or "://*:" in data:  # bound on all interfaces: dial the host we reached
                 data = stage.address.rsplit(":", 1)[0] + ":" + data.rsplit(":", 1)[1]
             data_addresses.append(data)
             keys.append(hello["key"])
+            hellos.append(hello)
+        # nodes started with --blocks say what they hold: the route is theirs (uneven shares included)
+        route_from_holds(self.plan, [h.get("holds") for h in hellos])
         self.inbox = t.inbox(_inbox_bind(self.plan.route[0].address))
         hop_keys = [t.new_key() for _ in range(len(self.plan.route) + 1)]
         nexts = data_addresses[1:] + [self.inbox.address]
         opened = []
         try:
             for k, stage in enumerate(self.plan.route):
+                hello = hellos[k]
+                if time.monotonic() - hello["at"] > CHALLENGE_FRESH_S:  # earlier nodes took long to load
+                    hello = self._hello(stage, keys[k])
                 payload = {
                     "session": self.sid, "model": self.plan.model.content_hash, "dtype": self.plan.compute_dtype,
-                    "slices": [vars(s) for s in stage.slices],
+                    "slices": [vars(s) for s in stage.slices], "challenge": hello.get("challenge"),
                     "in_key": hop_keys[k], "out_key": hop_keys[k + 1], "next": nexts[k], "attention": self.attention,
                 }
                 reply = self._sealed_request(stage.address, "open", payload, keys[k], OPEN_TIMEOUT_S)
@@ -147,13 +265,26 @@ class Ring:
         self._open = True
 
     def _sealed_request(self, address: str, op: str, payload: dict, node_key: bytes, timeout: float) -> dict:
-        msg = dict(self.transport.seal_control(payload, node_key, self.identity), op=op)
+        """A sealed request; only a reply sealed by ``node_key`` for this very operation counts as an answer.
+        A plain reply can only be a refusal (one made before the node could open the request)."""
+        msg = dict(self.transport.seal_control(dict(payload, op=op), node_key, self.identity), op=op)
         reply = self.transport.request(address, msg, timeout)
-        if "box" in reply:
-            reply, _ = self.transport.open_control(reply, self.identity)
-        if not reply.get("ok"):
-            raise NodeError(address, reply.get("error", f"refused {op}"))
-        return reply
+        if "box" not in reply:
+            if reply.get("ok"):
+                raise NodeError(address, f"answered {op} without sealing the reply: refusing "
+                                "(not the node whose key is pinned, or someone in between)")
+            raise NodeError(address, str(reply.get("error", f"refused {op}")))
+        try:
+            inner, sender = self.transport.open_control(reply, self.identity)
+        except WireError as exc:
+            raise NodeError(address, f"its {op} reply failed to open ({exc}): refusing") from None
+        if sender != node_key:
+            raise NodeError(address, f"its {op} reply is sealed by another key than the node's: refusing")
+        if not isinstance(inner, dict) or inner.get("re") != op:
+            raise NodeError(address, f"its sealed reply does not answer {op}: refusing")
+        if not inner.get("ok"):
+            raise NodeError(address, str(inner.get("error", f"refused {op}")))
+        return inner
 
     def call(self, stack: str, args: tuple, kwargs: dict, return_map: dict, patch: dict | None = None):
         """One pass of ``stack`` through the ring; returns what its last block returns."""
@@ -222,10 +353,18 @@ class Ring:
         return self._seq
 
     def _receive(self, seq: int):
-        reply = self.inbox.recv(self.timeout_s)
-        if reply is None:
-            raise NodeError(self.plan.route[0].address, self._diagnose())
-        out_header, out_tensors = self.transport.open(self.recv_hop, reply)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            reply = self.inbox.recv(left) if left > 0 else None
+            if reply is None:
+                raise NodeError(self.plan.route[0].address, self._diagnose())
+            try:
+                out_header, out_tensors = self.transport.open(self.recv_hop, reply)
+                break
+            except WireError as exc:  # anyone can reach the inbox: junk costs itself, not the run
+                self.stats.dropped += 1
+                log.warning("dropped a message on the client's inbox: %s", exc)
         if out_header.get("op") == "error":
             raise NodeError(out_header.get("node", "?"), out_header.get("message", "failed"))
         if out_header.get("seq") != seq or out_header.get("op") != "result":

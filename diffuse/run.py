@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="any other pipeline argument; VALUE is JSON where it parses, else a string")
     ap.add_argument("--threads", type=int, help="torch threads here and on local nodes (equal counts give equal bits)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for one pass through the ring")
+    ap.add_argument("--client-key", metavar="FILE", help="this client's long-term identity (created 0600 if "
+                    "missing; its public key is printed), for nodes run with --allow-client; default: a fresh one per run")
     ap.add_argument("--report", metavar="FILE.json", help="write run statistics as JSON")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap
@@ -178,7 +180,9 @@ def generate(a: argparse.Namespace, console) -> dict:
                 nodes = start_local_nodes(model, n, threads, scheme=a.local_transport)
                 addresses, keys = [nd.address for nd in nodes], [nd.key for nd in nodes]
             plan = make_plan(subject, draft, addresses, keys, denoiser_dtype(denoiser))
-            ring = Ring(plan, timeout_s=a.timeout)
+            ring = Ring(plan, timeout_s=a.timeout, client_key=a.client_key)
+            if a.client_key:
+                console.print(f"client key {ring.identity.public_hex}", highlight=False, soft_wrap=True)
             report["transport"] = ring.transport.scheme
             ring.open()
             for stage in plan.route:

@@ -35,9 +35,12 @@ class Endpoint(Protocol):
     def wait(self, timeout_s: float) -> list[str]:
         """Which of "control" / "data" have a message ready (empty on timeout)."""
 
-    def recv_control(self) -> dict: ...
+    def recv_control(self) -> dict:
+        """One whole control request (a dict). A WireError after the request was taken off the socket
+        (not one part, not CBOR, not a map) still obliges the caller to ``reply_control``."""
 
-    def reply_control(self, reply: dict) -> None: ...
+    def reply_control(self, reply: dict) -> None:
+        """Answer the request last received (a no-op if nothing is owed an answer)."""
 
     def recv_data(self) -> list[bytes]:
         """The raw frames of one data message (still sealed)."""
@@ -56,15 +59,21 @@ class Transport(Protocol):
         """Seal a control payload for ``peer_public``; returns a plain dict to send."""
 
     def open_control(self, sealed: dict, own: Any) -> tuple[dict, bytes]:
-        """Open a sealed control dict; returns (payload, sender public key)."""
+        """Open a sealed control dict; returns (payload: a dict, sender public key). WireError if it
+        does not open or is malformed (the node answers with an error and goes on)."""
+
+    def new_key(self) -> bytes:
+        """A fresh random hop key (32 bytes), one per hop per session."""
 
     def seal(self, hop: Hop, header: dict, tensors: list) -> list[bytes]: ...
 
     def envelope(self, frames: list[bytes]) -> dict:
-        """The plaintext envelope (session id, counter, frame count), unauthenticated."""
+        """The plaintext envelope (session id, counter, frame count), unauthenticated but checked for
+        shape: ``"s"`` is 16 bytes and ``"c"`` an int in [1, 2**64); WireError otherwise."""
 
     def open(self, hop: Hop, frames: list[bytes]) -> tuple[dict, list]:
-        """Authenticate and decode; raises WireError naming the reason."""
+        """Authenticate, then decode; the header is a dict. Raises WireError naming the reason, never
+        anything else, whatever the frames hold."""
 
     # --- sockets -----------------------------------------------------------------
     def serve(self, listen: str) -> Endpoint: ...
@@ -76,4 +85,5 @@ class Transport(Protocol):
         """A sending end toward a node's data address: ``.send(frames)``, ``.close()``."""
 
     def request(self, address: str, message: dict, timeout_s: float) -> dict:
-        """One control request/reply to the node at data ``address``; NodeError on timeout."""
+        """One control request/reply to the node whose control ``address`` is given (the address it is
+        dialled at, not its data address); NodeError on timeout or on a reply that is not a map."""

@@ -13,8 +13,8 @@ from conftest import THREADS, subprocess_env, run_split
 
 
 def _node(model, share):
-    cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--blocks", share, "--ephemeral-key",
-           "--threads", str(THREADS)]
+    cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--ephemeral-key", "--threads", str(THREADS)]
+    cmd += ["--blocks", share] if share else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env())
     return proc, json.loads(proc.stdout.readline())
 
@@ -31,18 +31,25 @@ def _client(model, nodes, tmp_path, home, prelude=""):
 
 def test_node_asked_for_blocks_it_does_not_hold_answers_with_an_error(models, tmp_path, diffuse_home):
     model = models("wan")
-    first, second = _node(model, "1/2"), _node(model, "2/2")
+    first, second, free = _node(model, "1/2"), _node(model, "2/2"), _node(model, None)
+    pinned = [f"{n[1]['address']}#{n[1]['key']}" for n in (first, second, free)]
     try:
-        # route the ring the wrong way round: the node holding blocks[0:2] is asked for blocks[2:4]
-        run = _client(model, [f"{second[1]['address']}#{second[1]['key']}",
-                              f"{first[1]['address']}#{first[1]['key']}"], tmp_path, diffuse_home)
+        # the ring the wrong way round: every node says what it holds, and the client sees they do not chain
+        backwards = _client(model, [pinned[1], pinned[0]], tmp_path, diffuse_home)
+        # a node that loads what it is asked for says nothing, so the route is the even split: the node
+        # holding blocks[2:4] is asked for blocks[0:2], and says so
+        asked = _client(model, [pinned[1], pinned[2]], tmp_path, diffuse_home)
     finally:
-        for p, _ in (first, second):
+        for p, _ in (first, second, free):
             p.terminate()
             p.wait(10)
-    assert run.returncode == 2
-    assert "asked for blocks blocks[0:2], but this node holds only blocks[2:4]" in run.stderr
-    assert "Traceback" not in run.stderr
+    assert backwards.returncode == 2
+    said = " ".join(backwards.stderr.split())
+    assert "do not chain into whole stacks in route order: blocks[0:2] is held by no node before" in said
+    assert "list the nodes in the order of their blocks" in said
+    assert asked.returncode == 2
+    assert "asked for blocks blocks[0:2], but this node holds only blocks[2:4]" in " ".join(asked.stderr.split())
+    assert "Traceback" not in backwards.stderr + asked.stderr
 
 
 def test_wire_version_mismatch_is_refused_at_hello(models, tmp_path, diffuse_home):

@@ -9,6 +9,8 @@ tensors are copied into fresh memory, as a locally computed one would be.
 
 from __future__ import annotations
 
+import math
+
 import cbor2
 import torch
 
@@ -32,12 +34,33 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dim() else memoryview(t.reshape(1).view(torch.uint8).numpy())
 
 
-def tensor_from(meta: dict, raw: bytes) -> torch.Tensor:
+SESSION_ID_BYTES = 16
+COUNTER_LIMIT = 1 << 64  # the nonce holds the counter in 8 bytes
+MAX_ENVELOPE_BYTES = 256  # a real envelope is about 40 bytes; nothing larger is decoded
+MAX_FRAMES = 1 << 16
+MAX_DIMS = 32
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_meta(meta) -> tuple[torch.dtype, tuple[int, ...]]:
+    """A tensor's description from an (authenticated) header, checked before it is trusted."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("dtype"), str) or not isinstance(meta.get("shape"), list):
+        raise WireError("malformed tensor description in the header (expected {dtype: str, shape: [int, ...]})")
     dtype = _DTYPES.get(meta["dtype"])
     if dtype is None:
-        raise WireError(f"unknown tensor dtype {meta['dtype']!r} on the wire")
-    shape = tuple(meta["shape"])
-    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        raise WireError(f"unknown tensor dtype {meta['dtype'][:32]!r} on the wire")
+    shape = meta["shape"]
+    if len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+        raise WireError(f"malformed tensor shape in the header (at most {MAX_DIMS} non-negative integers)")
+    return dtype, tuple(shape)
+
+
+def tensor_from(meta: dict, raw: bytes) -> torch.Tensor:
+    dtype, shape = _check_meta(meta)
+    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if len(raw) != expected:
         raise WireError(f"tensor frame holds {len(raw)} bytes, its header promises {expected} for {meta}")
     if expected == 0:
@@ -51,18 +74,32 @@ def tensor_meta(t: torch.Tensor) -> dict:
 
 
 def envelope_of(frames: list[bytes]) -> dict:
+    """The plaintext envelope, checked for shape only (it is authenticated later, with the frames)."""
     if not frames:
         raise WireError("empty message")
+    raw = bytes(frames[0])
+    if len(raw) > MAX_ENVELOPE_BYTES:
+        raise WireError(f"envelope of {len(raw)} bytes is too large to be one")
     try:
-        env = cbor2.loads(bytes(frames[0]))
+        env = cbor2.loads(raw)
     except Exception as exc:
-        raise WireError(f"envelope is not CBOR: {exc}") from exc
+        raise WireError(f"envelope is not CBOR: {type(exc).__name__}") from exc
     if not isinstance(env, dict) or not {"v", "s", "c", "n"} <= set(env):
         raise WireError("envelope lacks version, session, counter or frame count")
+    if not _is_int(env["v"]):
+        raise WireError("envelope's wire version is not an integer")
+    if not isinstance(env["s"], bytes) or len(env["s"]) != SESSION_ID_BYTES:
+        raise WireError(f"envelope's session id is not {SESSION_ID_BYTES} bytes")
+    if not _is_int(env["c"]) or not 1 <= env["c"] < COUNTER_LIMIT:
+        raise WireError("envelope's counter is not an integer in [1, 2**64)")
+    if not _is_int(env["n"]) or not 2 <= env["n"] <= MAX_FRAMES:
+        raise WireError(f"envelope's frame count is not an integer in [2, {MAX_FRAMES}]")
     return env
 
 
 def seal_message(hop, header: dict, tensors: list[torch.Tensor]) -> list[bytes]:
+    if hop.sent + 1 >= COUNTER_LIMIT:
+        raise WireError("this hop's counter is spent: open a new session")
     hop.sent += 1
     counter = hop.sent
     header = dict(header, tensors=[tensor_meta(t) for t in tensors])
@@ -81,15 +118,26 @@ def open_message(hop, frames: list[bytes]) -> tuple[dict, list[torch.Tensor]]:
     if env["s"] != hop.session:
         raise WireError("message is for another session")
     counter = env["c"]
-    if not isinstance(counter, int) or counter <= hop.seen:
+    if counter <= hop.seen:
         raise WireError(f"replayed or reordered message: counter {counter}, last accepted {hop.seen}")
     if len(frames) != env["n"]:
         raise WireError(f"truncated message: {len(frames)} frames, envelope promises {env['n']}")
     raw_env = bytes(frames[0])
-    header = cbor2.loads(seal.open_frame(hop.key, counter, 1, raw_env, bytes(frames[1])))
+    plain = seal.open_frame(hop.key, counter, 1, raw_env, bytes(frames[1]))
+    # authenticated from here on, but still checked: a bug on the sending side must not crash the receiver
+    try:
+        header = cbor2.loads(plain)
+    except Exception as exc:
+        raise WireError(f"header is not CBOR: {type(exc).__name__}") from exc
+    if not isinstance(header, dict):
+        raise WireError(f"header is a {type(header).__name__}, not a map")
     metas = header.pop("tensors", [])
+    if not isinstance(metas, list):
+        raise WireError("header's tensor list is not a list")
     if len(metas) != len(frames) - 2:
         raise WireError(f"header lists {len(metas)} tensors, message carries {len(frames) - 2}")
+    for m in metas:
+        _check_meta(m)
     tensors = [
         tensor_from(m, seal.open_frame(hop.key, counter, 2 + i, raw_env, bytes(f)))
         for i, (m, f) in enumerate(zip(metas, frames[2:]))

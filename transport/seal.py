@@ -25,6 +25,8 @@ if ctypes.util.find_library("sodium") is None:  # pysodium would fail with a bar
 import pysodium  # noqa: E402
 
 KEY_BYTES = pysodium.crypto_aead_xchacha20poly1305_ietf_KEYBYTES
+PUBLIC_BYTES = pysodium.crypto_box_PUBLICKEYBYTES
+BOX_NONCE_BYTES = pysodium.crypto_box_NONCEBYTES
 NONCE_PREFIX = b"diffuse\x00"
 
 
@@ -39,21 +41,24 @@ class Identity:
 
 
 def load_identity(path: str | None) -> Identity:
-    """Read a node's long-term X25519 key pair from ``path``, creating it (0600) if absent."""
+    """Read a long-term X25519 key pair from ``path``, creating it (0600) if absent; None: a fresh one."""
     if path is None:
         return Identity(*pysodium.crypto_box_keypair())
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            raw = f.read()
-        if len(raw) != 64:
-            raise DiffuseError(f"identity key file {path} is damaged ({len(raw)} bytes, expected 64)")
-        return Identity(raw[:32], raw[32:])
-    pk, sk = pysodium.crypto_box_keypair()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(pk + sk)
-    return Identity(pk, sk)
+    try:
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                raw = f.read()
+            if len(raw) != 64:
+                raise DiffuseError(f"identity key file {path} is damaged ({len(raw)} bytes, expected 64)")
+            return Identity(raw[:32], raw[32:])
+        pk, sk = pysodium.crypto_box_keypair()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pk + sk)
+        return Identity(pk, sk)
+    except OSError as exc:
+        raise DiffuseError(f"identity key file {path}: {exc.strerror or exc}") from None
 
 
 def new_key() -> bytes:
@@ -73,6 +78,8 @@ def unbox(nonce: bytes, sealed: bytes, peer_public: bytes, own: Identity) -> byt
 
 
 def _nonce(counter: int, index: int) -> bytes:
+    if not (0 <= counter < 1 << 64 and 0 <= index < 1 << 32):
+        raise WireError(f"counter or frame index out of range for a nonce (frame {index})")
     return NONCE_PREFIX + struct.pack(">QI", counter, index) + b"\x00" * 4
 
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 import cbor2
 import zmq
 
-from diffuse.errors import NodeError, WireError
+from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.hookspecs import hookimpl
 from transport import frames as _frames
 from transport import seal as _seal
+
+
+MAX_CONTROL_BYTES = 1 << 20  # a control request is a small map; a peer sending more is cut off
 
 
 class ZmqEndpoint:
@@ -22,6 +25,8 @@ class ZmqEndpoint:
         self.data = ctx.socket(zmq.PULL)
         for s in (self.control, self.data):
             s.setsockopt(zmq.LINGER, 0)
+        self.control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
+        self._owe_reply = False  # REP: every request received must be answered before the next
         if scheme == "tcp":
             host = listen.split("://", 1)[1].rsplit(":", 1)[0]
             self.control.bind(listen)
@@ -41,17 +46,29 @@ class ZmqEndpoint:
         return [n for n, s in (("control", self.control), ("data", self.data)) if s in ready]
 
     def recv_control(self) -> dict:
-        raw = self.control.recv()
+        """One request. A WireError raised here comes after the request was taken off the
+        socket: the caller must still answer it (with ``reply_control``)."""
+        parts = self.control.recv_multipart()  # all of it: a REP socket must take a request whole
+        self._owe_reply = True
+        if len(parts) != 1:
+            raise WireError(f"control request came in {len(parts)} parts; a request is one CBOR map")
         try:
-            msg = cbor2.loads(raw)
+            msg = cbor2.loads(parts[0])
         except Exception as exc:
-            raise WireError(f"control request is not CBOR: {exc}") from exc
+            raise WireError(f"control request is not CBOR: {type(exc).__name__}") from exc
         if not isinstance(msg, dict):
             raise WireError("control request is not a map")
         return msg
 
     def reply_control(self, reply: dict) -> None:
-        self.control.send(cbor2.dumps(reply))
+        if not self._owe_reply:
+            return  # nothing was received (the receive itself failed): there is nobody to answer
+        try:
+            raw = cbor2.dumps(reply)
+        except Exception as exc:
+            raw = cbor2.dumps({"ok": False, "error": f"the node could not encode its reply: {type(exc).__name__}"})
+        self._owe_reply = False
+        self.control.send(raw)
 
     def recv_data(self) -> list[bytes]:
         return self.data.recv_multipart(copy=True)
@@ -115,7 +132,17 @@ class ZmqTransport:
             sender, nonce, body = sealed["from"], sealed["nonce"], sealed["box"]
         except (KeyError, TypeError) as exc:
             raise WireError("sealed control message lacks from/nonce/box") from exc
-        return cbor2.loads(_seal.unbox(nonce, body, sender, own)), sender
+        if not (isinstance(sender, bytes) and len(sender) == _seal.PUBLIC_BYTES
+                and isinstance(nonce, bytes) and len(nonce) == _seal.BOX_NONCE_BYTES and isinstance(body, bytes)):
+            raise WireError("sealed control message has a malformed sender key, nonce or box")
+        plain = _seal.unbox(nonce, body, sender, own)
+        try:
+            payload = cbor2.loads(plain)
+        except Exception as exc:
+            raise WireError(f"sealed control payload is not CBOR: {type(exc).__name__}") from exc
+        if not isinstance(payload, dict):
+            raise WireError("sealed control payload is not a map")
+        return payload, sender
 
     def seal(self, hop, header, tensors):
         return _frames.seal_message(hop, header, tensors)
@@ -137,7 +164,10 @@ class ZmqTransport:
         return ZmqInbox(self.ctx, bind)
 
     def outbox(self, address: str) -> ZmqOutbox:
-        return ZmqOutbox(self.ctx, address)
+        try:
+            return ZmqOutbox(self.ctx, address)
+        except zmq.ZMQError as exc:
+            raise DiffuseError(f"cannot send to {address!r}: {exc}") from exc
 
     def request(self, address: str, message: dict, timeout_s: float) -> dict:
         sock = self.ctx.socket(zmq.REQ)
@@ -147,9 +177,13 @@ class ZmqTransport:
             sock.send(cbor2.dumps(message))
             if not sock.poll(int(timeout_s * 1000)):
                 raise NodeError(address, f"no answer to {message.get('op')!r} within {timeout_s:.0f} s")
-            reply = cbor2.loads(sock.recv())
+            raw = sock.recv()
         finally:
             sock.close(0)
+        try:
+            reply = cbor2.loads(raw)
+        except Exception:
+            reply = None
         if not isinstance(reply, dict):
             raise NodeError(address, "answered with something that is not a map")
         return reply
