@@ -2,7 +2,15 @@
 
 The node prints one JSON line when it is ready (its control address, data
 address and public key), then serves until stopped. A bad frame is logged with
-its reason and dropped; the node goes on serving.
+its reason and dropped; the node goes on serving, whatever a message holds.
+
+Control: ``hello`` (plain) gives the node's key, data address, what it holds
+(``--blocks``, as ``{stack, start, stop}`` ranges) and a one-time challenge.
+``open`` and ``close`` are sealed to the node's key, carry their own ``op``
+inside the seal, and are answered sealed to the sender with ``re`` naming the
+operation. An open must carry an unspent, unexpired challenge and a session id
+the node has never seen; the session then belongs to the key that opened it,
+and only that key may close it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
 
 The client sends into the first node and receives from the last; nodes hand
 activations to each other. Every wait is bounded: a ring that does not answer
-becomes a NodeError naming what each node says about the session.
+becomes a NodeError naming what each node says about the session. Only a
+reply sealed by the node's pinned key, for the operation asked, counts as an
+answer to open or close; a message on the client's inbox that fails to open is
+dropped and the wait goes on.
 """
 
 from __future__ import annotations
