@@ -493,10 +493,13 @@ def test_route_from_what_nodes_hold_checks_the_chain():
         ([[_r("blocks", 0, 1), _r("single", 0, 2)], [_r("blocks", 2, 4)]], r"blocks\[1:2\] is held by no node before tcp://n1:1"),
         ([[_r("blocks", 0, 2), _r("single", 0, 2)], [_r("blocks", 1, 4)]], r"blocks\[1:2\] is held twice"),
         ([[_r("blocks", 0, 1), _r("single", 0, 2)], [_r("blocks", 1, 3)]], r"blocks\[3:4\] is held by no node"),
-        ([[_r("blocks", 0, 4), _r("single", 0, 2)], [_r("blocks", 4, 4)]], r"blocks ends on tcp://n0:1, but the ring"),
     ]:
         with pytest.raises(DiffuseError, match=why):
             route_from_holds(_plan(), holds)
+    # a node after the one holding a stack's last blocks holds nothing of it: it passes the result on
+    plan = _plan()
+    assert route_from_holds(plan, [[_r("blocks", 0, 4), _r("single", 0, 2)], [_r("blocks", 4, 4)]])
+    assert [str(s) for s in plan.route[1].slices] == ["blocks[4:4]", "single[2:2]"]
 
 
 def test_uneven_blocks_run_byte_identical_to_the_whole_model(models, tmp_path, diffuse_home):
