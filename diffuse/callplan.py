@@ -112,6 +112,14 @@ def slot_names(tree: dict) -> list[str]:
     return [names[i] for i in sorted(names)]
 
 
+def thread_outputs(values: list, out, return_map: dict) -> None:
+    """Put what a block returned into the slots it replaces, ready for the next block."""
+    outs = (out,) if return_map["single"] else out
+    for j, slot in enumerate(return_map["outputs"]):
+        if slot is not None and outs[j] is not None:
+            values[slot] = outs[j]
+
+
 def digest(t: torch.Tensor) -> bytes:
     """Content hash of a tensor (dtype, shape and bytes), to send each value once."""
     t = t.detach().contiguous()

@@ -17,7 +17,7 @@ import time
 import torch
 
 from diffuse.analysis import ModelSubject, build_meta
-from diffuse.callplan import SlotCache, encode_value, unflatten
+from diffuse.callplan import SlotCache, encode_value, thread_outputs, unflatten
 from diffuse.errors import DiffuseError
 from diffuse.modelfiles import content_hash, load_into, weight_map
 from diffuse.plan import Slice, StackPlan, split_evenly
@@ -170,10 +170,7 @@ class StageSession:
                 for block in self.store.run(stack, sl.start, sl.stop):
                     args, kwargs = unflatten(self.trees[stack], values)
                     out = block(*args, **kwargs)
-                    outs = (out,) if rmap["single"] else out
-                    for j, slot in enumerate(rmap["outputs"]):
-                        if slot is not None and outs[j] is not None:
-                            values[slot] = outs[j]
+                    thread_outputs(values, out, rmap)
         if sl.stop == self.store.stacks[stack].length:
             tree, out_tensors = encode_value(out)
             return {"op": "result", "stack": stack, "seq": header["seq"], "out": tree}, out_tensors

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from diffuse.attention import AttentionBuffer, attention_scope, relative_error
-from diffuse.callplan import unflatten
+from diffuse.callplan import thread_outputs, unflatten
 from diffuse.errors import DiffuseError
 
 QUICK_TOLERANCE = 1e-4  # relative, ||quick - plain|| / ||plain|| on the first real patch
@@ -65,7 +65,7 @@ class StaleStack:
                 with attention_scope(block, "record", tokens, buf):
                     out = block(*args, **kwargs)
                 self.kv[(branch, idx)] = buf
-            _thread(values, out, rmap)
+            thread_outputs(values, out, rmap)
         return out
 
     # -- patch passes ----------------------------------------------------------
@@ -88,7 +88,7 @@ class StaleStack:
                 if cut is None:
                     cut = _cut(values, stream, tokens, lo, count)
                 out, _ = self._quick(idx, block, tree, values, cut, stream, branch, lo, count, tokens)
-            _thread(values, out, rmap)
+            thread_outputs(values, out, rmap)
             if cut is not None:
                 cut[stream] = values[stream]
         return out
@@ -159,13 +159,6 @@ def _cut(values: list, stream: int, tokens: int, lo: int, count: int) -> list:
         ax = None if i == stream else per_token_axis(t, tokens)
         out.append(t if ax is None else t.narrow(ax, lo, count))
     return out
-
-
-def _thread(values: list, out, rmap: dict) -> None:
-    outs = (out,) if rmap["single"] else out
-    for j, slot in enumerate(rmap["outputs"]):
-        if slot is not None and outs[j] is not None:
-            values[slot] = outs[j]
 
 
 def _stream_of(out, rmap: dict, stream: int) -> torch.Tensor:
