@@ -288,14 +288,19 @@ def summarize(r: dict, console) -> None:
         if r.get("patches", 1) > 1 and r.get("patcher_calls", {}).get("patched"):
             honoured = r["patches"]
         console.print(f"  {r['calls']} ring passes, {wire / steps / 1024:.1f} KiB on the client's wire per step "
-                      f"({wire / 1024:.1f} KiB in all); patches honoured: {honoured}")
+                      f"({wire / 1024:.1f} KiB in all); patches honoured: {honoured}", soft_wrap=True)
+        for i, ns in enumerate(r.get("node_stats") or [], 1):
+            if ns:
+                console.print(f"  node {i}: {ns.get('messages', 0)} messages, {ns.get('bytes_in', 0) / 1024:.1f} KiB in, "
+                              f"{ns.get('bytes_out', 0) / 1024:.1f} KiB out, busy {ns.get('busy_s', 0.0):.1f} s",
+                              soft_wrap=True)
         if r.get("patches", 1) > 1:
             from diffuse.patches import describe_paths
 
             for stack, why in r.get("whole_steps", {}).items():
-                console.print(f"  {stack}: whole steps ({why})")
+                console.print(f"  {stack}: whole steps ({why})", soft_wrap=True)
             for line in describe_paths(r.get("attention", {})):
-                console.print(f"  {line}")
+                console.print(f"  {line}", soft_wrap=True)
 
 
 def main(argv: list[str] | None = None) -> int:
