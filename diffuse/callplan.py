@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -120,13 +121,19 @@ def thread_outputs(values: list, out, return_map: dict) -> None:
             values[slot] = outs[j]
 
 
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes as they lie in memory (dtype kept, no conversion): what travels and is hashed."""
+    t = t.detach().contiguous().cpu()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
 def digest(t: torch.Tensor) -> bytes:
     """Content hash of a tensor (dtype, shape and bytes), to send each value once."""
-    t = t.detach().contiguous()
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-    if t.numel():
-        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    h.update(raw_bytes(t))
     return h.digest()
 
 
@@ -142,8 +149,6 @@ class SlotCache:
     CAPACITY = 4
 
     def __init__(self):
-        from collections import OrderedDict
-
         self._slots: dict[int, OrderedDict] = {}
 
     def get(self, slot: int, h: bytes):
@@ -158,13 +163,11 @@ class SlotCache:
         return h in self._slots.get(slot, ())
 
     def put(self, slot: int, h: bytes, value=True) -> None:
-        from collections import OrderedDict
-
-        od = self._slots.setdefault(slot, OrderedDict())
+        od = self._slots.get(slot)
+        if od is None:
+            od = self._slots[slot] = OrderedDict()
         od[h] = value
         od.move_to_end(h)
         while len(od) > self.CAPACITY:
             od.popitem(last=False)
 
-    def clear(self) -> None:
-        self._slots.clear()

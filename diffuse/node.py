@@ -26,7 +26,7 @@ from collections import OrderedDict
 import torch
 
 from diffuse.errors import DiffuseError, WireError
-from diffuse.plan import WIRE_VERSION, Slice, StackPlan
+from diffuse.plan import SESSION_ID_BYTES, WIRE_VERSION, Slice, StackPlan
 from diffuse.ring import config_home
 from diffuse.transport_api import Hop
 
@@ -37,7 +37,6 @@ CHALLENGE_TTL_S = 300.0  # an open must come this soon after the hello that gave
 MAX_CHALLENGES = 1024  # outstanding hello challenges kept (oldest dropped first)
 MAX_CLOSED = 4096  # closed session ids remembered, so none is opened twice
 MAX_ERRORS = 256  # last errors kept for `status` (oldest dropped first)
-SESSION_ID_BYTES = 16
 
 
 def _error(text: str) -> dict:

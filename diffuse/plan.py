@@ -12,6 +12,7 @@ from typing import Any
 
 PLAN_VERSION = 1
 WIRE_VERSION = 1
+SESSION_ID_BYTES = 16  # a session id on the wire
 
 PATCHABLE = "patchable"
 WHOLE_STEPS = "whole-steps"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from diffuse.callplan import SlotCache, decode_value, digest, flatten
 from diffuse.errors import DiffuseError, NodeError, WireError
-from diffuse.plan import WIRE_VERSION, Slice, SlicingPlan
+from diffuse.plan import SESSION_ID_BYTES, WIRE_VERSION, Slice, SlicingPlan
 from diffuse.transport_api import Hop
 
 log = logging.getLogger("diffuse.ring")
@@ -190,7 +190,7 @@ class Ring:
         for stage in plan.route[1:]:
             transport_for(stage.address)  # every node's scheme is one some transport serves
         self.identity = self.transport.load_identity(client_key)
-        self.sid = os.urandom(16)
+        self.sid = os.urandom(SESSION_ID_BYTES)
         self.stats = RingStats()
         self.node_stats: list[dict] = []
         self._seq = 0

@@ -14,8 +14,9 @@ import math
 import cbor2
 import torch
 
+from diffuse.callplan import raw_bytes
 from diffuse.errors import WireError
-from diffuse.plan import WIRE_VERSION
+from diffuse.plan import SESSION_ID_BYTES, WIRE_VERSION
 from transport import seal
 
 _DTYPES = {
@@ -27,14 +28,6 @@ _DTYPES = {
 }
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach().contiguous().cpu()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dim() else memoryview(t.reshape(1).view(torch.uint8).numpy())
-
-
-SESSION_ID_BYTES = 16
 COUNTER_LIMIT = 1 << 64  # the nonce holds the counter in 8 bytes
 MAX_ENVELOPE_BYTES = 256  # a real envelope is about 40 bytes; nothing larger is decoded
 MAX_FRAMES = 1 << 16
@@ -58,11 +51,12 @@ def _check_meta(meta) -> tuple[torch.dtype, tuple[int, ...]]:
     return dtype, tuple(shape)
 
 
-def tensor_from(meta: dict, raw: bytes) -> torch.Tensor:
-    dtype, shape = _check_meta(meta)
-    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+def tensor_from(dtype: torch.dtype, shape: tuple[int, ...], raw: bytes) -> torch.Tensor:
+    """A received tensor (described by a checked header entry), copied into fresh memory."""
+    expected = math.prod(shape) * dtype.itemsize
     if len(raw) != expected:
-        raise WireError(f"tensor frame holds {len(raw)} bytes, its header promises {expected} for {meta}")
+        raise WireError(f"tensor frame holds {len(raw)} bytes, its header promises {expected} "
+                        f"for {str(dtype).removeprefix('torch.')}{list(shape)}")
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
     flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -106,7 +100,7 @@ def seal_message(hop, header: dict, tensors: list[torch.Tensor]) -> list[bytes]:
     env = cbor2.dumps({"v": WIRE_VERSION, "s": hop.session, "c": counter, "n": 2 + len(tensors)})
     frames = [env, seal.seal_frame(hop.key, counter, 1, env, cbor2.dumps(header))]
     for i, t in enumerate(tensors):
-        frames.append(seal.seal_frame(hop.key, counter, 2 + i, env, tensor_bytes(t)))
+        frames.append(seal.seal_frame(hop.key, counter, 2 + i, env, raw_bytes(t)))
     return frames
 
 
@@ -136,11 +130,10 @@ def open_message(hop, frames: list[bytes]) -> tuple[dict, list[torch.Tensor]]:
         raise WireError("header's tensor list is not a list")
     if len(metas) != len(frames) - 2:
         raise WireError(f"header lists {len(metas)} tensors, message carries {len(frames) - 2}")
-    for m in metas:
-        _check_meta(m)
+    checked = [_check_meta(m) for m in metas]  # every description, before any tensor is built
     tensors = [
-        tensor_from(m, seal.open_frame(hop.key, counter, 2 + i, raw_env, bytes(f)))
-        for i, (m, f) in enumerate(zip(metas, frames[2:]))
+        tensor_from(dtype, shape, seal.open_frame(hop.key, counter, 2 + i, raw_env, bytes(f)))
+        for i, ((dtype, shape), f) in enumerate(zip(checked, frames[2:]))
     ]
     hop.seen = counter  # only a message that opened completely moves the counter
     return header, tensors
