@@ -14,6 +14,8 @@ from diffuse.analysis import Analyzer
 from diffuse.callplan import flatten, slot_names
 from diffuse.errors import DiffuseError
 from diffuse.hookspecs import hookimpl
+from diffuse.pipefusion.attention import relative_error
+from diffuse.plan import CallPlan, ReturnMap, TensorSpec
 
 
 class CallRecorder(Analyzer):
@@ -24,11 +26,9 @@ class CallRecorder(Analyzer):
 
     def analyze(self, call, draft):
         tree, tensors = flatten(call.args, call.kwargs)
-        return {"call_plan": {
-            "tree": tree,
-            "slots": slot_names(tree),
-            "tensors": [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for t in tensors],
-        }}
+        return {"call_plan": CallPlan(
+            tree=tree, slot_names=slot_names(tree),
+            tensors=[TensorSpec(str(t.dtype).removeprefix("torch."), list(t.shape)) for t in tensors])}
 
 
 class ReturnMapper(Analyzer):
@@ -44,7 +44,7 @@ class ReturnMapper(Analyzer):
             out = call.block(*call.args, **call.kwargs)
         single = isinstance(out, torch.Tensor)
         outs = [out] if single else list(out)
-        names = draft["call_plan"]["slots"]
+        names = draft["call_plan"].slot_names
         mapping, taken = [None] * len(outs), set()
         # closest pairs first, so two same-shaped streams each find their own input
         pairs = []
@@ -60,7 +60,7 @@ class ReturnMapper(Analyzer):
                     f"block {call.stack.path}[0] returns a tensor of shape {tuple(o.shape)} at position {j} "
                     f"that matches no input (inputs: {[(n, tuple(t.shape)) for n, t in zip(names, inputs)]})")
             for i in cands:
-                pairs.append((_distance(o, inputs[i]), j, i))
+                pairs.append((relative_error(o, inputs[i]), j, i))
         for _, j, i in sorted(pairs):
             if mapping[j] is None and i not in taken:
                 mapping[j] = i
@@ -68,19 +68,8 @@ class ReturnMapper(Analyzer):
         for j, o in enumerate(outs):
             if o is not None and mapping[j] is None:
                 raise DiffuseError(f"block {call.stack.path}[0]: returned tensor {j} could not be matched to a distinct input")
-        return {"return_map": {
-            "single": single,
-            "outputs": mapping,
-            "streams": sorted(i for i in mapping if i is not None),
-            "names": [names[i] if i is not None else None for i in mapping],
-        }}
-
-
-def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    if a.is_complex():
-        a, b = torch.view_as_real(a), torch.view_as_real(b)
-    return float((a - b).norm() / (b.norm() + 1e-12))
+        return {"return_map": ReturnMap(single=single, outputs=mapping,
+                                        names=[names[i] if i is not None else None for i in mapping])}
 
 
 @hookimpl

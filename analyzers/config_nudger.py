@@ -46,8 +46,6 @@ class ConfigNudger(Analyzer):
             changed = [p for p in lengths if grown[p] != lengths[p]]
             if len(changed) == 1 and grown[changed[0]] == lengths[changed[0]] + 1 and changed[0] not in keys:
                 keys[changed[0]] = key
-        for s in stacks:
-            s.config_key = keys.get(s.path)
         return {"stack_config_keys": keys}
 
 

@@ -15,14 +15,14 @@ from typing import Any, ClassVar
 from diffuse.errors import DiffuseError, PluginError
 from diffuse.plugins import call_hook
 
-PHASES = ("config", "model", "call")
+PHASES = ("config", "call")
 
 
 class Analyzer:
     """Base class for a shape analyzer. Subclasses set the class attributes and ``analyze``."""
 
     name: ClassVar[str] = ""
-    phase: ClassVar[str] = "config"  # config | model | call
+    phase: ClassVar[str] = "config"  # config | call
     needs: ClassVar[tuple[str, ...]] = ()
     provides: ClassVar[tuple[str, ...]] = ()
     description: ClassVar[str] = ""
@@ -33,21 +33,17 @@ class Analyzer:
 
 @dataclass
 class ModelSubject:
-    """What the config- and model-phase analyzers look at.
-
-    ``path`` is a local diffusers pipeline folder. ``pipeline`` is None in the
-    config phase (``diffuse check``): only config.json files may be read then.
-    """
+    """What the config-phase analyzers look at: a local diffusers pipeline folder, read from its
+    config.json files only (and weightless builds), never its weights."""
 
     path: str
     model_index: dict
     denoiser: str  # component name: "transformer", "unet", ...
     denoiser_config: dict
-    pipeline: Any = None
     _meta: Any = field(default=None, repr=False)
 
     @classmethod
-    def from_path(cls, path: str, pipeline: Any = None) -> "ModelSubject":
+    def from_path(cls, path: str) -> "ModelSubject":
         index_file = os.path.join(path, "model_index.json")
         if not os.path.isfile(index_file):
             from diffuse.errors import DiffuseError
@@ -67,7 +63,7 @@ class ModelSubject:
         if denoiser is not None:
             with open(os.path.join(path, denoiser, "config.json")) as f:
                 cfg = json.load(f)
-        return cls(path=path, model_index=model_index, denoiser=denoiser or "", denoiser_config=cfg, pipeline=pipeline)
+        return cls(path=path, model_index=model_index, denoiser=denoiser or "", denoiser_config=cfg)
 
     @property
     def denoiser_class_name(self) -> str:
@@ -137,8 +133,11 @@ def _provided_by_any(fieldname: str, analyzers: list[Analyzer]) -> bool:
     return any(fieldname in a.provides for a in analyzers)
 
 
-def run_analyzers(phase: str, subject: Any, draft: dict | None = None) -> dict:
-    """Run every analyzer of ``phase`` on ``subject``; return the merged draft."""
+def run_analyzers(phase: str, subject: Any, draft: dict | None = None, required: dict | None = None) -> dict:
+    """Run every analyzer of ``phase`` on ``subject``; return the merged draft.
+
+    ``required``: the fields the core reads from this phase, each with the type it must have; one
+    that no installed analyzer provides, or one of another type, is a PluginError naming it."""
     draft = dict(draft or {})
     for a in installed_analyzers(phase):
         missing = [n for n in a.needs if n not in draft]
@@ -156,6 +155,13 @@ def run_analyzers(phase: str, subject: Any, draft: dict | None = None) -> dict:
         if extra:
             raise PluginError(f"analyzer {a.name!r} returned fields it does not declare: {sorted(extra)}")
         draft.update(found or {})
+    for name, kind in (required or {}).items():
+        if name not in draft:
+            raise PluginError(f"no installed analyzer provides {name!r}, which Diffuse needs "
+                              f"(installed: {', '.join(a.name for a in installed_analyzers(phase)) or 'none'})")
+        if not isinstance(draft[name], kind):
+            raise PluginError(f"the analyzer that provides {name!r} gave a {type(draft[name]).__name__}, "
+                              f"not a {getattr(kind, '__name__', kind)}")
     return draft
 
 

@@ -83,29 +83,21 @@ def denoise(transformer, x: dict, steps: int) -> tuple[list[float], "torch.Tenso
 
 
 def split_run(path: str, nodes, x: dict, steps: int, patches: int, attention: str = "auto") -> dict:
-    from diffuse.patches import attention_paths
-    from diffuse.planner import analyze, make_plan
-    from diffuse.ring import Ring
-    from diffuse.standin import Splitter
+    import diffuse
 
-    subject, draft = analyze(path)
-    plan = make_plan(subject, draft, [n.address for n in nodes], [n.key for n in nodes], "float32")
     transformer = load_transformer(path)
-    ring = Ring(plan, timeout_s=600, attention=attention)
-    ring.open()
-    try:
-        Splitter(transformer, plan, ring, patches=patches).install()
+    with diffuse.split(transformer, nodes=[f"{n.address}#{n.key}" for n in nodes], patches=patches,
+                       attention=attention, timeout=600, model=path) as split:
         times, out = denoise(transformer, x, steps)
-    finally:
-        ring.close()
-    later = [m for m in ring.stats.messages if m.get("step", 2) > 1]
-    seqs = {m["seq"] for m in later} if patches > 1 else {m["seq"] for m in ring.stats.messages[1:]}
-    sent = sum(m["bytes_out"] for m in ring.stats.messages if m["seq"] in seqs)
-    back = sum(n for seq, n in ring.stats.returns if seq in seqs)
-    hops = [sum(n for seq, n in ns.get("hop_bytes", []) if seq in seqs) for ns in ring.node_stats[1:]]
+    st, reports = split.ring.channel_stats, split.node_reports
+    later = [m for m in st.messages if m.get("step", 2) > 1]
+    seqs = {m["seq"] for m in later} if patches > 1 else {m["seq"] for m in st.messages[1:]}
+    sent = sum(m["bytes_out"] for m in st.messages if m["seq"] in seqs)
+    back = sum(n for seq, n in st.returns if seq in seqs)
+    hops = [sum(n for seq, n in r.get("hop_bytes", []) if seq in seqs) for r in reports[1:]]
     return {"times": times, "out": out, "bytes_per_step": (sent + back + sum(hops)) / max(1, steps - 1),
-            "hops": 2 + len(hops), "paths": attention_paths(ring.node_stats),
-            "busy": [ns.get("busy_s", 0.0) for ns in ring.node_stats]}
+            "hops": 2 + len(hops), "paths": split.attention_paths(),
+            "busy": [r.get("busy_s", 0.0) for r in reports]}
 
 
 def patch_times(path: str, cfg: dict, x: dict, patches: int, repeat: int = 3) -> dict:
@@ -113,7 +105,8 @@ def patch_times(path: str, cfg: dict, x: dict, patches: int, repeat: int = 3) ->
     import torch
 
     from diffuse.callplan import flatten
-    from diffuse.stale import StaleStack
+    from diffuse.pipefusion import StaleStack
+    from diffuse.plan import Patch, ReturnMap
 
     transformer = load_transformer(path)
     block = transformer.blocks[0]
@@ -128,20 +121,22 @@ def patch_times(path: str, cfg: dict, x: dict, patches: int, repeat: int = 3) ->
                     return_dict=False)
     hook.remove()
     tree, values = flatten(*seen["call"])
-    rmap = {"single": True, "outputs": [0], "streams": [0], "names": ["args[0]"]}
+    rmap = ReturnMap(single=True, outputs=[0], names=["args[0]"])
     tokens = values[0].shape[1]
     count = tokens // patches
+    uncut = Patch(branch=0, step=1, axis=1, tokens=tokens, uncut=True)
+    rows = Patch(branch=0, step=2, axis=1, tokens=tokens).cut(0, 0, count)
     result = {}
     for path_name in ("quick", "plain"):
         stale = StaleStack("blocks", "plain" if path_name == "plain" else "auto")
         with torch.no_grad():
-            stale.run_whole([(0, block)], tree, list(values), rmap, 0, 0, tokens)
+            stale.run([(0, block)], tree, list(values), rmap, uncut)
             patch = values[0].narrow(1, 0, count).clone()
-            stale.run_patch([(0, block)], tree, [patch] + values[1:], rmap, 0, 0, 1, 0, count, tokens)  # chooses
+            stale.run([(0, block)], tree, [patch] + values[1:], rmap, rows)  # chooses
             assert stale.paths[0]["path"] == path_name, stale.paths[0]
             t0 = time.perf_counter()
             for _ in range(repeat):
-                stale.run_patch([(0, block)], tree, [patch] + values[1:], rmap, 0, 0, 1, 0, count, tokens)
+                stale.run([(0, block)], tree, [patch] + values[1:], rmap, rows)
             result[path_name] = (time.perf_counter() - t0) / repeat
         result[f"{path_name}_agreement"] = stale.paths[0]["agreement"]
     return result

@@ -113,10 +113,13 @@ def slot_names(tree: dict) -> list[str]:
     return [names[i] for i in sorted(names)]
 
 
-def thread_outputs(values: list, out, return_map: dict) -> None:
-    """Put what a block returned into the slots it replaces, ready for the next block."""
-    outs = (out,) if return_map["single"] else out
-    for j, slot in enumerate(return_map["outputs"]):
+def thread_outputs(values: list, out, return_map) -> None:
+    """Put what a block returned into the slots it replaces (``return_map``: a ``diffuse.plan.ReturnMap``),
+    ready for the next block."""
+    outs = (out,) if return_map.single else out
+    if len(outs) != len(return_map.outputs):
+        raise DiffuseError(f"a block returned {len(outs)} values; its return map expects {len(return_map.outputs)}")
+    for j, slot in enumerate(return_map.outputs):
         if slot is not None and outs[j] is not None:
             values[slot] = outs[j]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from diffuse.analysis import ModelSubject, run_analyzers
+from diffuse.analysis import ModelSubject
 from diffuse.errors import RefusedModel
-from diffuse.plan import PATCHABLE, WHOLE_STEPS
+from diffuse.plan import PATCHABLE, UNCUT_STEPS
 
 SPLITTABLE, REFUSED = "splittable", "refused"
 EXIT_CODES = {SPLITTABLE: 0, REFUSED: 2}
@@ -25,7 +25,9 @@ def check(path: str) -> dict:
     subject = ModelSubject.from_path(path)
     result = {"model": path, "denoiser": f"{subject.denoiser}: {subject.denoiser_class_name}" if subject.denoiser else None}
     try:
-        draft = run_analyzers("config", subject)
+        from diffuse.planner import config_draft
+
+        draft = config_draft(subject)
     except RefusedModel as exc:
         return {**result, "verdict": REFUSED, "reason": exc.reason, "stacks": [],
                 "seconds": time.perf_counter() - start}
@@ -34,7 +36,7 @@ def check(path: str) -> dict:
         "path": s.path, "length": s.length, "config_key": s.config_key, "block_class": s.block_class,
         "params_per_block": s.params_per_block, "width": draft.get("stack_widths", {}).get(s.path),
         "two_stream": bool(two.get(s.path)), "two_stream_evidence": why.get(s.path),
-        "patch_policy": WHOLE_STEPS if two.get(s.path) else PATCHABLE,
+        "patch_policy": UNCUT_STEPS if two.get(s.path) else PATCHABLE,
     } for s in draft["stacks"]]
     return {
         **result,
@@ -45,7 +47,7 @@ def check(path: str) -> dict:
         "output_evidence": draft.get("output_evidence"),
         "frame_rate": draft.get("frame_rate"),
         "sample_rate": draft.get("sample_rate"),
-        "patches": WHOLE_STEPS if any(s["two_stream"] for s in stacks) else PATCHABLE,
+        "patches": UNCUT_STEPS if any(s["two_stream"] for s in stacks) else PATCHABLE,
         "other_lists": draft.get("other_lists", {}),
         "seconds": time.perf_counter() - start,
     }
@@ -78,9 +80,9 @@ def print_check(path: str, console=None) -> int:
                                   r["sample_rate"] and f"{r['sample_rate']} Hz") if x)
     console.print(f"output: {r['output_kind']}{f' ({rates})' if rates else ''}  [dim]({r['output_evidence']})[/]",
                   highlight=False)
-    if r["patches"] == WHOLE_STEPS:
+    if r["patches"] == UNCUT_STEPS:
         two = ", ".join(s["path"] for s in r["stacks"] if s["two_stream"])
-        console.print(f"--patches: runs as whole steps (blocks of {two} carry two streams)", highlight=False)
+        console.print(f"--patches: steps run uncut (blocks of {two} carry two streams)", highlight=False)
     else:
         console.print("--patches: patchable (every stack carries one stream)", highlight=False)
     for p, what in r["other_lists"].items():

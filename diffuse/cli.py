@@ -62,37 +62,39 @@ def cmd_check(argv: list[str]) -> int:
 
 
 def cmd_verify(argv: list[str]) -> int:
-    import copy
-    import tempfile
-
     import numpy as np
+    import torch
     from rich.console import Console
 
+    import diffuse
+    from diffuse.api import ModelInfo
     from diffuse.errors import DiffuseError
-    from diffuse.run import build_parser, generate
+    from diffuse.planner import load_pipeline
+    from diffuse.run import build_parser, call_kwargs, output_array, report_error
 
     ap = build_parser()
     ap.prog = "diffuse verify"
+    ap.description = "Run the model whole and split with the same arguments; print the largest difference."
     ap.add_argument("model_pos", nargs="?", metavar="MODEL")
     a = ap.parse_args(argv)
     a.model = a.model or a.model_pos
     console = Console(stderr=True)
-    arrays = {}
-    with tempfile.TemporaryDirectory(prefix="diffuse-verify-") as tmp:
-        try:
-            for whole in (True, False):
-                b = copy.copy(a)
-                b.whole, b.quiet, b.report = whole, True, None
-                b.save_array = os.path.join(tmp, f"{int(whole)}.npy")
-                b.out = os.path.join(tmp, f"{int(whole)}")  # the writer adds the suffix for the kind
-                generate(b, console)
-                arrays[whole] = np.load(b.save_array)
-        except DiffuseError as exc:
-            from diffuse.run import report_error
-
-            return report_error(console, exc)
-    diff = float(np.abs(arrays[True].astype(np.float64) - arrays[False]).max())
-    same = arrays[True].tobytes() == arrays[False].tobytes()
+    try:
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        info = ModelInfo.of(a.model)
+        whole = load_pipeline(info.path)
+        with torch.no_grad():
+            reference = output_array(whole(**call_kwargs(a, whole, info)))
+        del whole
+        pipe = diffuse.from_pretrained(info.path)
+        with diffuse.split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches, threads=a.threads,
+                           timeout=a.timeout, local_transport=a.local_transport), torch.no_grad():
+            split = output_array(pipe(**call_kwargs(a, pipe, info)))
+    except DiffuseError as exc:
+        return report_error(console, exc)
+    diff = float(np.abs(reference.astype(np.float64) - split).max())
+    same = reference.tobytes() == split.tobytes()
     print(f"max abs difference, whole vs split ({a.patches} patch{'es' if a.patches > 1 else ''}): {diff:.3g}"
           f"{'  (byte-identical)' if same else ''}")
     return 0 if (same or a.patches > 1) else 1

@@ -27,14 +27,24 @@ class LocalNode:
             return ""
 
 
+class LocalNodes(list):
+    """The nodes started here, in route order; ``stop()`` ends them all."""
+
+    def stop(self) -> None:
+        stop_local_nodes(self)
+
+
 def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: str = "tcp",
-                      extra: list[str] = ()) -> list[LocalNode]:
-    """Start ``n`` nodes holding even shares of every stack; wait until each prints its address."""
-    nodes: list[LocalNode] = []
+                      extra: list[str] = ()) -> LocalNodes:
+    """Start ``n`` nodes holding even slices of every stack; wait until each prints its address."""
+    from diffuse.plugins import transport_for
+
+    transport = transport_for(f"{scheme}://")
+    nodes = LocalNodes()
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     try:
         for i in range(n):
-            listen = "tcp://127.0.0.1:0" if scheme == "tcp" else f"{scheme}://{tempfile.gettempdir()}/diffuse-node-{os.getpid()}-{i}"
+            listen = transport.local_listen(f"node-{os.getpid()}-{i}")
             log_fd, log_path = tempfile.mkstemp(prefix=f"diffuse-node{i + 1}-", suffix=".log")
             cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--listen", listen,
                    "--blocks", f"{i + 1}/{n}", "--ephemeral-key", "--exit-with", str(os.getpid()), *extra]
@@ -80,7 +90,7 @@ def stop_local_nodes(nodes: list[LocalNode]) -> None:
     for node in nodes:
         if node.proc.poll() is None:
             node.proc.terminate()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 1.5  # a node stops at once on SIGTERM; one that does not is killed
     for node in nodes:
         try:
             node.proc.wait(max(0.1, deadline - time.monotonic()))

@@ -1,13 +1,29 @@
-"""From a model folder to a slicing plan: refusals first, then shape analysis."""
+"""From a model folder to a slicing plan: refusals first, then shape analysis.
+
+The core reads few fields of the analyzers' draft, and declares them here with
+their types: a missing one is an error naming it, not a KeyError later.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
-from diffuse.analysis import ModelSubject, run_analyzers
+from diffuse.analysis import ModelSubject, StackCall, run_analyzers
 from diffuse.errors import RefusedModel
 from diffuse.modelfiles import content_hash
-from diffuse.plan import PATCHABLE, WHOLE_STEPS, ModelIdentity, SlicingPlan, make_route
+from diffuse.plan import PATCHABLE, UNCUT_STEPS, CallPlan, ModelIdentity, ReturnMap, SlicingPlan, even_route
+
+CONFIG_FIELDS = {"stacks": list}  # what the core reads from the config phase (others are optional)
+CALL_FIELDS = {"call_plan": CallPlan, "return_map": ReturnMap}  # ... and from a stack's first call
+
+
+def config_draft(subject: ModelSubject) -> dict:
+    """The config-phase analyzers' draft, with each stack's sizing config key (if found) set on it."""
+    draft = run_analyzers("config", subject, required=CONFIG_FIELDS)
+    keys = draft.get("stack_config_keys") or {}
+    draft["stacks"] = [dataclasses.replace(s, config_key=keys.get(s.path, s.config_key)) for s in draft["stacks"]]
+    return draft
 
 
 def analyze(path: str) -> tuple[ModelSubject, dict]:
@@ -15,26 +31,30 @@ def analyze(path: str) -> tuple[ModelSubject, dict]:
     subject = ModelSubject.from_path(path)
     if not subject.denoiser:
         raise RefusedModel(path, "no denoiser component (transformer/unet) in model_index.json")
-    return subject, run_analyzers("config", subject)
+    return subject, config_draft(subject)
+
+
+def learn_call(stack, args: tuple, kwargs: dict, block) -> tuple[CallPlan, ReturnMap]:
+    """The call-phase analyzers on a stack's first call (``block``: its real first block, run once)."""
+    found = run_analyzers("call", StackCall(stack, args, kwargs, block), required=CALL_FIELDS)
+    return found["call_plan"], found["return_map"]
 
 
 def make_plan(subject: ModelSubject, draft: dict, addresses: list[str] = (), keys: list[str] | None = None,
               compute_dtype: str = "float32") -> SlicingPlan:
-    stacks = draft["stacks"]
+    stacks = tuple(draft["stacks"])
     two = draft.get("two_stream", {})
-    plan = SlicingPlan(
+    return SlicingPlan(
         model=ModelIdentity(
             path=subject.path, denoiser=subject.denoiser, denoiser_class=subject.denoiser_class_name,
             content_hash=content_hash(os.path.join(subject.path, subject.denoiser)),
         ),
         stacks=stacks,
         output_kind=draft.get("output_kind", "image"),
-        two_stream={s.path: bool(two.get(s.path)) for s in stacks},
-        patch_policy={s.path: WHOLE_STEPS if two.get(s.path) else PATCHABLE for s in stacks},
+        patch_policy={s.path: UNCUT_STEPS if two.get(s.path) else PATCHABLE for s in stacks},
         compute_dtype=compute_dtype,
-        route=make_route(stacks, list(addresses), keys),
+        route=even_route(stacks, list(addresses), keys),
     )
-    return plan
 
 
 def load_pipeline(path: str, subject: ModelSubject | None = None, stacks: list | None = None):

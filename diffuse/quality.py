@@ -30,15 +30,7 @@ def _generate(pipe, prompt: str, steps: int, seed: int) -> np.ndarray:
 
 
 def _call_defaults(pipe) -> dict:
-    import json
-
-    from diffuse.run import MODEL_DEFAULTS_FILE
-
-    path = os.path.join(pipe._diffuse_path, MODEL_DEFAULTS_FILE)
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return {k: v for k, v in json.load(f).items() if k != "num_inference_steps"}
+    return {k: v for k, v in pipe._diffuse.call_defaults().items() if k != "num_inference_steps"}
 
 
 def _holds(prompt: str, frames: np.ndarray) -> bool:
@@ -53,11 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from diffuse.default_model import default_model_dir
-    from diffuse.localnodes import start_local_nodes, stop_local_nodes
-    from diffuse.planner import analyze, denoiser_dtype, load_pipeline, make_plan
-    from diffuse.ring import Ring
-    from diffuse.standin import Splitter
+    import diffuse
+    from diffuse.api import ModelInfo
+    from diffuse.localnodes import start_local_nodes
+    from diffuse.planner import load_pipeline
     from diffuse.train.data import heldout_prompts
     from diffuse.writers import to_uint8
 
@@ -70,38 +61,31 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     console = Console()
     torch.set_num_threads(1)
-    model = a.model or default_model_dir()
+    info = ModelInfo.of(a.model)
+    model = info.path
     prompts = heldout_prompts()[: a.prompts]
     patch_counts = [int(p) for p in a.patches.split(",")]
-    subject, draft = analyze(model)
 
     whole_pipe = load_pipeline(model)
-    whole_pipe._diffuse_path = model
+    whole_pipe._diffuse = info
     whole = {p: _generate(whole_pipe, p, a.steps, a.seed) for p in prompts}
     rows = []
+    pipe = diffuse.from_pretrained(model)
     nodes = start_local_nodes(model, 2, threads=1)
+    addresses = [f"{n.address}#{n.key}" for n in nodes]
     try:
         for patches in patch_counts:
             diffs, holds, t0 = [], 0, time.perf_counter()
             for prompt in prompts:
                 # a fresh session per prompt: stale buffers never carry over from another picture
-                pipe = load_pipeline(model, subject, draft["stacks"])
-                pipe._diffuse_path = model
-                plan = make_plan(subject, draft, [n.address for n in nodes], [n.key for n in nodes],
-                                 denoiser_dtype(getattr(pipe, subject.denoiser)))
-                ring = Ring(plan)
-                ring.open()
-                try:
-                    Splitter(getattr(pipe, subject.denoiser), plan, ring, patches=patches).install()
+                with diffuse.split(pipe, nodes=addresses, patches=patches):
                     split = _generate(pipe, prompt, a.steps, a.seed)
-                finally:
-                    ring.close()
                 diffs.append(np.abs(to_uint8(split).astype(np.int16) - to_uint8(whole[prompt]).astype(np.int16)))
                 holds += _holds(prompt, split)
             d = np.stack(diffs)
             rows.append((patches, float(d.mean()), int(d.max()), holds, time.perf_counter() - t0))
     finally:
-        stop_local_nodes(nodes)
+        nodes.stop()
 
     whole_holds = sum(_holds(p, whole[p]) for p in prompts)
     table = Table(title=f"split vs whole: {os.path.basename(model)}, 2 nodes, {a.steps} steps, "

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
@@ -22,7 +22,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from diffuse.errors import DiffuseError  # noqa: E402
 
-MODEL_DEFAULTS_FILE = "diffuse_defaults.json"
 FLAG_TO_ARG = {  # flag -> pipeline __call__ argument
     "prompt": "prompt", "negative_prompt": "negative_prompt", "steps": "num_inference_steps",
     "height": "height", "width": "width", "frames": "num_frames",
@@ -65,7 +64,7 @@ def parse_value(text: str):
         return text
 
 
-def call_kwargs(a: argparse.Namespace, pipe) -> dict:
+def call_kwargs(a: argparse.Namespace, pipe, info) -> dict:
     import torch
 
     params = inspect.signature(type(pipe).__call__).parameters
@@ -84,13 +83,9 @@ def call_kwargs(a: argparse.Namespace, pipe) -> dict:
         if key not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             raise DiffuseError(f"--arg {key}: {type(pipe).__name__}.__call__ has no such argument")
         kwargs[key] = parse_value(value)
-    # a model folder may declare call defaults for the size it is made for (the embedded model does)
-    defaults_file = os.path.join(getattr(pipe, "_diffuse_path", ""), MODEL_DEFAULTS_FILE)
-    if os.path.isfile(defaults_file):
-        with open(defaults_file) as f:
-            for k, v in json.load(f).items():
-                if k in params:
-                    kwargs.setdefault(k, v)
+    for k, v in info.call_defaults().items():  # what the folder declares for its size (the embedded model does)
+        if k in params:
+            kwargs.setdefault(k, v)
     kwargs["generator"] = torch.Generator("cpu").manual_seed(a.seed)
     kwargs["output_type"] = "np"
     return kwargs
@@ -134,110 +129,72 @@ def output_array(result) -> np.ndarray:
 
 
 def generate(a: argparse.Namespace, console) -> dict:
+    """One run of the pipeline, whole (``--whole``) or split; writes the output; returns the report."""
     import torch
 
-    from diffuse.modelfiles import resolve_model
-    from diffuse.planner import analyze, denoiser_dtype, load_pipeline, make_plan
+    import diffuse
+    from diffuse.api import ModelInfo, Split
+    from diffuse.planner import load_pipeline
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    if a.model:
-        model = resolve_model(a.model)
-    else:
-        from diffuse.default_model import default_model_dir
-
-        model = default_model_dir()
     if a.patches < 1:
         raise DiffuseError("--patches must be at least 1")
-    subject, draft = analyze(model)  # refusals happen here, before any node is contacted
-    check_output_path(a.out, draft)
-    pipe = load_pipeline(model, subject, None if a.whole else draft["stacks"])
-    pipe._diffuse_path = model
-    kwargs = call_kwargs(a, pipe)
-    denoiser = getattr(pipe, subject.denoiser)
-    report: dict = {"model": model, "mode": "whole" if a.whole else "split"}
-    nodes, ring, splitter = [], None, None
+    info = ModelInfo.of(a.model)  # refusals happen here, before any node is contacted
+    check_output_path(a.out, info.draft)
+    if a.whole:
+        pipe = load_pipeline(info.path)
+        pipe._diffuse = info
+    else:
+        pipe = diffuse.from_pretrained(info.path)
+    kwargs = call_kwargs(a, pipe, info)
+    report: dict = {"model": info.path, "mode": "whole" if a.whole else "split"}
     t0 = time.perf_counter()
-    try:
-        if not a.whole:
-            from diffuse.ring import Ring
-            from diffuse.standin import Splitter
-
-            if a.nodes:
-                addresses, keys = [], []
-                for item in a.nodes.split(","):
-                    addr, _, key = item.strip().partition("#")
-                    addresses.append(addr)
-                    keys.append(key)
-            else:
-                from diffuse.localnodes import start_local_nodes
-
-                n = a.local_nodes if a.local_nodes is not None else 2
-                if n < 1:
-                    raise DiffuseError("--local-nodes must be at least 1")
-                threads = a.threads or max(1, (os.cpu_count() or 2) // n)
-                console.print(f"starting {n} local nodes ({threads} thread{'s' if threads > 1 else ''} each)")
-                nodes = start_local_nodes(model, n, threads, scheme=a.local_transport)
-                addresses, keys = [nd.address for nd in nodes], [nd.key for nd in nodes]
-            plan = make_plan(subject, draft, addresses, keys, denoiser_dtype(denoiser))
-            ring = Ring(plan, timeout_s=a.timeout, client_key=a.client_key)
+    split = None
+    if not a.whole:
+        split = Split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches, threads=a.threads,
+                      timeout=a.timeout, client_key=a.client_key, local_transport=a.local_transport)
+        if split.local is not None:
+            for note in split.local.notes:
+                console.print(note, soft_wrap=True)
+            console.print(f"starting {split.local.count} local nodes ({split.local.threads} "
+                          f"thread{'s' if split.local.threads > 1 else ''} each)")
+    with split or nullcontext():
+        if split is not None:
             if a.client_key:
-                console.print(f"client key {ring.identity.public_hex}", highlight=False, soft_wrap=True)
-            report["transport"] = ring.transport.scheme
-            ring.open()
-            for stage in plan.route:
+                console.print(f"client key {split.ring.identity.public_hex}", highlight=False, soft_wrap=True)
+            for stage in split.plan.route:
                 console.print(f"  node {stage.address}: {', '.join(map(str, stage.slices))}")
-            if a.patches > 1 and ring.whole_steps:
-                console.print(f"{', '.join(sorted(ring.whole_steps))}: two streams per block (image and text side "
-                              f"by side), so whole steps run there; --patches {a.patches} not applied", soft_wrap=True)
-            splitter = Splitter(denoiser, plan, ring, patches=a.patches)
-            splitter.install()
+            if a.patches > 1 and split.ring.uncut:
+                console.print(f"{', '.join(sorted(split.ring.uncut))}: two streams per block (image and text side "
+                              f"by side), so steps run uncut there; --patches {a.patches} not applied", soft_wrap=True)
         with torch.no_grad(), step_progress(pipe, a.quiet) as steps:
             result = pipe(**kwargs)
-        elapsed = time.perf_counter() - t0
-        arr = output_array(result)
-        report.update(seconds=elapsed, steps=steps["steps"], shape=list(arr.shape), kind=draft.get("output_kind"))
-        if ring is not None:
-            report.update(
-                calls=ring.stats.calls, bytes_sent=ring.stats.bytes_sent, bytes_received=ring.stats.bytes_received,
-                per_stack=ring.stats.per_stack, return_maps=plan.return_maps,
-                client_block_params=splitter.held_block_parameters(),
-                node_params=_best_effort(ring.node_params),
-            )
-    finally:
-        if ring is not None:
-            ring.close()
-        if nodes:
-            from diffuse.localnodes import stop_local_nodes
-
-            stop_local_nodes(nodes)
-    if ring is not None:
-        report["node_stats"] = ring.node_stats
-        report["messages"], report["returns"] = ring.stats.messages, ring.stats.returns
+    elapsed = time.perf_counter() - t0
+    arr = output_array(result)
+    report.update(seconds=elapsed, steps=steps["steps"], shape=list(arr.shape), kind=info.output_kind)
+    if split is not None:
+        st = split.ring.channel_stats
+        report.update(
+            transport=split.ring.scheme, calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
+            per_stack=st.per_stack, return_maps={k: v.to_dict() for k, v in split.splitter.plan.return_maps.items()},
+            client_block_params=split.splitter.held_block_parameters(),
+            node_params=[r.get("params") for r in split.node_reports], node_stats=split.node_reports,
+            messages=st.messages, returns=st.returns)
         if a.patches > 1:
-            from diffuse.patches import attention_paths
-
-            report.update(patches=a.patches, patcher_calls=splitter.patcher.calls,
-                          whole_steps={k: v for k, v in splitter.whole_steps.items() if k not in ring.whole_steps},
-                          attention=attention_paths(ring.node_stats))
+            report.update(patches=a.patches, patcher_calls=split.patch_calls, patches_used=split.patches_used,
+                          uncut={k: v for k, v in split.uncut.items() if k not in split.ring.uncut},
+                          attention=split.attention_paths())
     if a.save_array:
         np.save(a.save_array, arr.astype(np.float32, copy=False))
     rate = kwargs.get("frame_rate") or kwargs.get("fps")
-    out = write_output(arr, a.out, dict(draft, frame_rate=rate) if rate else draft, pipe)
+    out = write_output(arr, a.out, dict(info.draft, frame_rate=rate) if rate else info.draft, pipe)
     report["out"] = out
     summarize(report, console)
     if a.report:
         with open(a.report, "w") as f:
             json.dump(report, f, indent=1, default=str)
     return report
-
-
-def _best_effort(fn):
-    """Statistics must never cost a finished result."""
-    try:
-        return fn()
-    except DiffuseError as exc:
-        return f"unavailable: {exc}"
 
 
 PROBE_SHAPES = {"image": (1, 8, 8, 3), "video": (1, 2, 8, 8, 3), "audio": (1, 1, 8)}
@@ -284,21 +241,21 @@ def summarize(r: dict, console) -> None:
     if r.get("calls"):
         steps = max(1, r.get("steps") or 1)
         wire = r["bytes_sent"] + r["bytes_received"]
-        honoured = 1
-        if r.get("patches", 1) > 1 and r.get("patcher_calls", {}).get("patched"):
-            honoured = r["patches"]
         console.print(f"  {r['calls']} ring passes, {wire / steps / 1024:.1f} KiB on the client's wire per step "
-                      f"({wire / 1024:.1f} KiB in all); patches honoured: {honoured}", soft_wrap=True)
+                      f"({wire / 1024:.1f} KiB in all)", soft_wrap=True)
         for i, ns in enumerate(r.get("node_stats") or [], 1):
             if ns:
                 console.print(f"  node {i}: {ns.get('messages', 0)} messages, {ns.get('bytes_in', 0) / 1024:.1f} KiB in, "
                               f"{ns.get('bytes_out', 0) / 1024:.1f} KiB out, busy {ns.get('busy_s', 0.0):.1f} s",
                               soft_wrap=True)
         if r.get("patches", 1) > 1:
-            from diffuse.patches import describe_paths
+            from diffuse.pipefusion import describe_paths
 
-            for stack, why in r.get("whole_steps", {}).items():
-                console.print(f"  {stack}: whole steps ({why})", soft_wrap=True)
+            for stack, used in (r.get("patches_used") or {}).items():
+                why = f" ({used['why']})" if used.get("why") else ""
+                console.print(f"  {stack}: patches used {used['used']} of {used['asked']} asked{why}", soft_wrap=True)
+            for stack, why in r.get("uncut", {}).items():
+                console.print(f"  {stack}: uncut steps ({why})", soft_wrap=True)
             for line in describe_paths(r.get("attention", {})):
                 console.print(f"  {line}", soft_wrap=True)
 

@@ -1,11 +1,12 @@
-"""A node's share of the model and the loop that threads hidden states through it.
+"""A node's slices of the model and the loop that threads hidden states through them.
 
 ``BlockStore`` loads single blocks straight from the safetensors files into a
 weightless skeleton, leaving each tensor where the loader puts it (the same
 placement ``from_pretrained`` gives, which keeps results bit-identical).
-``StageSession`` is one client's session: its hop keys, its remembered call
-plans and return maps, and its slot caches. A call that carries ``patch`` (PipeFusion)
-runs through the session's ``diffuse.stale.StaleStack`` for that stack instead.
+``StageSession`` is one client's session: its stage plan, hop keys, remembered
+call plans and return maps, and slot caches. A call that carries a ``Patch``
+(PipeFusion) runs through the session's ``diffuse.pipefusion.StaleStack`` for
+that stack instead.
 """
 
 from __future__ import annotations
@@ -20,41 +21,10 @@ from diffuse.analysis import ModelSubject, build_meta
 from diffuse.callplan import SlotCache, encode_value, thread_outputs, unflatten
 from diffuse.errors import DiffuseError
 from diffuse.modelfiles import content_hash, load_into, weight_map
-from diffuse.plan import Slice, StackPlan, split_evenly
-from diffuse.stale import StaleStack
+from diffuse.pipefusion import StaleStack, why_uncut
+from diffuse.plan import PATCHABLE, Patch, ReturnMap, Slice, SlotRef, StackPlan, StagePlan
 
 log = logging.getLogger("diffuse.node")
-
-
-def parse_blocks(spec: str | None, stacks: list[StackPlan]) -> list[Slice] | None:
-    """``"2/3"`` (the 2nd of 3 even shares of every stack), ``"all"``, or ``"blocks[0:4],x[2:3]"``."""
-    if spec is None:
-        return None
-    spec = spec.strip()
-    if spec == "all":
-        return [Slice(s.path, 0, s.length) for s in stacks]
-    if "/" in spec and "[" not in spec:
-        try:
-            i, n = (int(x) for x in spec.split("/"))
-        except ValueError:
-            raise DiffuseError(f"--blocks {spec}: a share is I/N with whole numbers, e.g. 2/3") from None
-        if not 1 <= i <= n:
-            raise DiffuseError(f"--blocks {spec}: share must be between 1/{n} and {n}/{n}")
-        return [Slice(s.path, *split_evenly(s.length, n)[i - 1]) for s in stacks]
-    out = []
-    for part in spec.split(","):
-        try:
-            path, rng = part.strip().rstrip("]").split("[")
-            a, b = (int(x) for x in rng.split(":"))
-        except ValueError:
-            raise DiffuseError(f"--blocks {part!r}: expected STACK[START:STOP], e.g. blocks[0:20]") from None
-        st = next((s for s in stacks if s.path == path), None)
-        if st is None:
-            raise DiffuseError(f"--blocks {part!r}: the model has no stack {path!r} (stacks: {[s.path for s in stacks]})")
-        if not 0 <= a <= b <= st.length:
-            raise DiffuseError(f"--blocks {part!r}: {path} has {st.length} blocks")
-        out.append(Slice(path, a, b))
-    return out
 
 
 class BlockStore:
@@ -98,8 +68,9 @@ class BlockStore:
         gc.collect()
         log.info("loaded %d blocks in %.2f s", len(wanted), time.perf_counter() - t0)
 
-    def run(self, stack: str, start: int, stop: int):
-        return [self.blocks[(stack, i)] for i in range(start, stop)]
+    def blocks_of(self, sl: Slice) -> list[tuple[int, torch.nn.Module]]:
+        """(index, block) for each block of ``sl``, in order."""
+        return [(i, self.blocks[(sl.stack, i)]) for i in range(sl.start, sl.stop)]
 
     def held_parameters(self) -> int:
         """Elements of every real (non-meta) parameter alive in this process."""
@@ -112,19 +83,16 @@ class BlockStore:
 class StageSession:
     """One client's session on this node."""
 
-    def __init__(self, sid: bytes, store: BlockStore, slices: list[Slice], in_hop, out_hop, next_address: str,
-                 attention: str = "auto"):
+    def __init__(self, sid: bytes, store: BlockStore, stage: StagePlan, in_hop, out_hop):
         self.sid = sid
-        self.attention = attention  # PipeFusion attention path: "auto" (quick where verified) or "plain"
+        self.stage = stage
         self.stale: dict[str, StaleStack] = {}  # per stack, made by the first call that carries a patch
         self.hop_log: list[list[int]] = []  # [seq, bytes] of every message that arrived on this hop
         self.busy_s = 0.0  # seconds spent running blocks (handle), for the benchmark's utilisation
         self.store = store
-        self.slices = {s.stack: s for s in slices}
         self.in_hop, self.out_hop = in_hop, out_hop
-        self.next_address = next_address
         self.trees: dict[str, dict] = {}
-        self.rmaps: dict[str, dict] = {}
+        self.rmaps: dict[str, ReturnMap] = {}
         self.caches: dict[str, SlotCache] = {}
         self.last_used = time.monotonic()
         self.bytes_in = self.bytes_out = self.messages = 0
@@ -134,58 +102,59 @@ class StageSession:
         self.last_used = time.monotonic()
         if header.get("op") != "call":
             return header, tensors  # results and errors pass through to the client
-        stack = header["stack"]
-        sl = self.slices.get(stack)
+        stack = header.get("stack")
+        sl = self.stage.slice_of(stack) if isinstance(stack, str) else None
         if sl is None:
-            raise DiffuseError(f"this session gave the node no slice of stack {stack!r}")
+            raise DiffuseError(f"this session gave the node no slice of stack {str(stack)[:64]!r}")
         if "tree" in header:
+            if not isinstance(header["tree"], dict) or set(header["tree"]) != {"args", "kwargs"}:
+                raise DiffuseError("malformed call plan")
             self.trees[stack] = header["tree"]
         if "rmap" in header:
-            self.rmaps[stack] = header["rmap"]
+            self.rmaps[stack] = ReturnMap.from_dict(header["rmap"])
         if stack not in self.trees or stack not in self.rmaps:
             raise DiffuseError(f"first call into {stack!r} arrived without its call plan")
-        values, forward = self._resolve(stack, header["slots"], tensors)
-        if sl.start == sl.stop:
-            return header, tensors
+        if not isinstance(header.get("slots"), list):
+            raise DiffuseError("a call must list its slots")
+        refs = [SlotRef.from_wire(w, len(tensors)) for w in header["slots"]]
         rmap = self.rmaps[stack]
-        out = None
-        patch = header.get("patch")
-        if patch is not None:
-            if len(rmap["streams"]) != 1:
-                raise DiffuseError(f"{stack!r} carries {len(rmap['streams'])} streams: it runs whole steps, not patches")
-            stale = self.stale.get(stack)
-            if stale is None:
-                stale = self.stale[stack] = StaleStack(stack, self.attention)
-            blocks = list(zip(range(sl.start, sl.stop), self.store.run(stack, sl.start, sl.stop)))
-            stream = rmap["streams"][0]
-            with torch.no_grad():
-                if patch.get("whole"):
-                    out = stale.run_whole(blocks, self.trees[stack], values, rmap, stream, patch["branch"],
-                                          patch["tokens"])
-                else:
-                    out = stale.run_patch(blocks, self.trees[stack], values, rmap, stream, patch["branch"],
-                                          patch["axis"], patch["lo"], patch["count"], patch["tokens"])
-        else:
-            with torch.no_grad():
-                for block in self.store.run(stack, sl.start, sl.stop):
-                    args, kwargs = unflatten(self.trees[stack], values)
+        if any(i >= len(refs) for i in rmap.streams):
+            raise DiffuseError("the return map threads slots this call does not have")
+        values, forward = self._resolve(stack, refs, tensors)
+        if sl.empty:
+            return header, tensors
+        blocks = self.store.blocks_of(sl)
+        tree = self.trees[stack]
+        with torch.no_grad():
+            if header.get("patch") is not None:
+                patch = Patch.from_wire(header["patch"])
+                why = why_uncut(rmap, PATCHABLE, False)
+                if why:
+                    raise DiffuseError(f"{stack!r}: {why}, so its steps are never cut into patches")
+                stale = self.stale.get(stack)
+                if stale is None:
+                    stale = self.stale[stack] = StaleStack(stack, self.stage.attention)
+                out = stale.run(blocks, tree, values, rmap, patch)
+            else:
+                for _, block in blocks:
+                    args, kwargs = unflatten(tree, values)
                     out = block(*args, **kwargs)
                     thread_outputs(values, out, rmap)
         if sl.stop == self.store.stacks[stack].length:
             tree, out_tensors = encode_value(out)
-            return {"op": "result", "stack": stack, "seq": header["seq"], "out": tree}, out_tensors
+            return {"op": "result", "stack": stack, "seq": header.get("seq"), "out": tree}, out_tensors
         # hand on: stream slots carry this node's output; new cached tensors travel on once
-        streams = set(rmap["streams"])
+        streams = set(rmap.streams)
         slots, sent = [], []
-        for i, desc in enumerate(header["slots"]):
+        for i, ref in enumerate(refs):
             if i in streams:
-                slots.append(["f", len(sent)])
+                slots.append(SlotRef(frame=len(sent)).to_wire())
                 sent.append(values[i])
-            elif desc[0] == "f":
-                slots.append(["f", len(sent), *desc[2:]])
+            elif not ref.held:
+                slots.append(SlotRef(frame=len(sent), digest=ref.digest).to_wire())
                 sent.append(forward[i])
             else:
-                slots.append(desc)
+                slots.append(ref.to_wire())
         return dict(header, slots=slots), sent
 
     def report(self) -> dict:
@@ -193,20 +162,18 @@ class StageSession:
         return {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "messages": self.messages,
                 "hop_bytes": self.hop_log, "busy_s": self.busy_s, "stale": {k: v.report() for k, v in self.stale.items()}}
 
-    def _resolve(self, stack: str, slots: list, tensors: list) -> tuple[list, dict]:
+    def _resolve(self, stack: str, refs: list[SlotRef], tensors: list) -> tuple[list, dict]:
         cache = self.caches.setdefault(stack, SlotCache())
         values, forward = [], {}
-        for i, desc in enumerate(slots):
-            if desc[0] == "f":
-                t = tensors[desc[1]]
-                forward[i] = t
-                if len(desc) > 2:
-                    cache.put(i, desc[2], t)
-            elif desc[0] == "h":
-                t = cache.get(i, desc[1])
+        for i, ref in enumerate(refs):
+            if ref.held:
+                t = cache.get(i, ref.digest)
                 if t is None:
                     raise DiffuseError(f"slot {i} of {stack!r} refers to a tensor this node no longer holds")
             else:
-                raise DiffuseError(f"malformed slot descriptor {desc!r}")
+                t = tensors[ref.frame]
+                forward[i] = t
+                if ref.digest is not None:
+                    cache.put(i, ref.digest, t)
             values.append(t)
         return values, forward

@@ -8,8 +8,8 @@ returned; the others, called in order with that answer threaded back in, hand
 the same answer on. The pipeline's ``__call__`` is never modified.
 
 With ``patches > 1`` a stack that carries one stream goes through a
-``diffuse.patches.Patcher`` (cut into token patches, pipelined through the
-ring); a stack with two streams runs whole steps, and ``whole_steps`` says why.
+``diffuse.pipefusion.Patcher`` (cut into token patches, pipelined through the
+ring); a stack with two streams runs uncut steps, and ``uncut`` says why.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffuse.analysis import StackCall, run_analyzers
 from diffuse.callplan import flatten
 from diffuse.errors import DiffuseError
-from diffuse.patches import Patcher
-from diffuse.plan import PATCHABLE, SlicingPlan, StackPlan
+from diffuse.pipefusion import Patcher, why_uncut
+from diffuse.plan import PATCHABLE, ReturnMap, SlicingPlan, StackPlan
+from diffuse.planner import learn_call
 
 
 class BlockProxy(nn.Module):
@@ -73,17 +73,29 @@ class StandIn(nn.ModuleList):
 
 
 class Splitter:
-    """Installs stand-ins on a loaded denoiser and runs their calls through a ring."""
+    """Installs stand-ins on a loaded denoiser (once) and runs their calls through the ring attached
+    to it. What a stack's first call teaches (call plan, return map) is kept across rings."""
 
-    def __init__(self, denoiser: nn.Module, plan: SlicingPlan, ring, patches: int = 1):
+    def __init__(self, denoiser: nn.Module, plan: SlicingPlan):
         self.denoiser = denoiser
         self.plan = plan
-        self.ring = ring
-        self.patches = patches
         self.originals: dict[str, nn.ModuleList] = {}
         self._first_blocks: dict[str, nn.Module] = {}
-        self.patcher = Patcher(ring, patches) if patches > 1 else None
-        self.whole_steps: dict[str, str] = {}  # stack -> why it runs whole steps although --patches > 1
+        self.ring = None
+        self.patcher = None
+        self.uncut: dict[str, str] = {}  # stack -> why its steps run uncut although patches > 1
+
+    @classmethod
+    def on(cls, denoiser: nn.Module, plan: SlicingPlan) -> "Splitter":
+        """The denoiser's splitter, installed on first use; the blocks it hands out are freed."""
+        splitter = getattr(denoiser, "_diffuse_splitter", None)
+        if splitter is None:
+            splitter = cls(denoiser, plan)
+            splitter.install()
+            denoiser._diffuse_splitter = splitter
+        elif splitter.plan.model.content_hash != plan.model.content_hash:
+            raise DiffuseError("this denoiser was split for another model")
+        return splitter
 
     def install(self) -> None:
         for st in self.plan.stacks:
@@ -97,12 +109,21 @@ class Splitter:
                 block.to("meta")
             setattr(parent, name, StandIn(st, self))
 
+    def attach(self, ring, patches: int = 1) -> None:
+        self.ring = ring
+        self.patcher = Patcher(ring, patches) if patches > 1 else None
+        self.uncut = {}
+
+    def detach(self) -> None:
+        self.ring = self.patcher = None
+
     def run_stack(self, stack: StackPlan, args: tuple, kwargs: dict):
+        if self.ring is None:
+            raise DiffuseError("this pipeline's blocks are held by nodes: call it inside `with diffuse.split(...)`")
         if stack.path in self._first_blocks:
             block = self._first_blocks.pop(stack.path)
-            found = run_analyzers("call", StackCall(stack, args, kwargs, block))
-            self.plan.call_plans[stack.path] = found["call_plan"]
-            self.plan.return_maps[stack.path] = found["return_map"]
+            call_plan, rmap = learn_call(stack, args, kwargs, block)
+            self.plan = self.plan.with_call(stack.path, call_plan, rmap)
             block.to("meta")
         rmap = self.plan.return_maps[stack.path]
         if self.patcher is not None and self._patchable(stack.path, rmap):
@@ -110,21 +131,13 @@ class Splitter:
             return self.patcher.run(stack.path, tree, tensors, rmap)
         return self.ring.call(stack.path, args, kwargs, rmap)
 
-    def _patchable(self, path: str, rmap: dict) -> bool:
-        """Patches need one stream; two (image and text side by side) run whole steps."""
-        if path in self.whole_steps:
+    def _patchable(self, path: str, rmap: ReturnMap) -> bool:
+        if path in self.uncut:
             return False
-        why = None
-        if path in getattr(self.ring, "whole_steps", ()):
-            why = "the nodes say its blocks carry two streams (image and text side by side)"
-        elif self.plan.patch_policy.get(path, PATCHABLE) != PATCHABLE:
-            why = "the plan says its blocks carry two streams (image and text side by side)"
-        elif len(rmap["streams"]) != 1:
-            why = f"its blocks return {len(rmap['streams'])} streams ({', '.join(map(str, rmap['names']))})"
+        why = why_uncut(rmap, self.plan.patch_policy.get(path, PATCHABLE), path in self.ring.uncut)
         if why:
-            self.whole_steps[path] = why
-            return False
-        return True
+            self.uncut[path] = why
+        return not why
 
     def held_block_parameters(self) -> int:
         """Elements of the handed-out blocks' parameters still held here (0 once all are freed)."""

@@ -98,8 +98,8 @@ def build_word_tokenizer(
     vocab_words: Sequence[str] = DEFAULT_WORDS,
     model_max_length: int | None = None,
 ):
-    """A ``PreTrainedTokenizerFast`` over ``vocab_words`` (lower-cased, split on
-    whitespace and punctuation) with ``kind``'s special tokens and layout.
+    """A ``PreTrainedTokenizerFast`` over ``vocab_words`` (NFKC, lower-cased, split
+    on whitespace and punctuation) with ``kind``'s special tokens and layout.
 
     ``model_max_length`` defaults to the kind's usual value (77 for CLIP, which
     pipelines pad to). The vocabulary is the special tokens, then the words in
@@ -116,7 +116,7 @@ def build_word_tokenizer(
         vocab.setdefault(token if token in layout["specials"] or token == "\n" else token.lower(), len(vocab))
 
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=layout["roles"]["unk_token"]))
-    tok.normalizer = normalizers.Lowercase()
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])  # full-width "ｒｅｄ" is "red"
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     # Special tokens are matched on the raw text, before normalization and splitting.
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in layout["specials"]])

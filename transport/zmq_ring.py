@@ -1,8 +1,10 @@
 """The ZeroMQ ring: REQ/REP control per node, PUSH/PULL data between stages.
 
-A node is dialled at one address, its control socket; the hello reply tells
-the data address (a second port, or ``<path>.data`` for ipc). Every wait is
-bounded: a silent peer becomes a NodeError, never a hang.
+Sockets only: what the bytes mean, and who may read them, is core's business
+(``diffuse.frames``, ``diffuse.sealing``). A node is dialled at one address,
+its control socket; the hello reply tells the data address (a second port, or
+``<path>.data`` for a path scheme). Every wait is bounded: a silent peer
+becomes a NodeError, never a hang.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ import zmq
 
 from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.hookspecs import hookimpl
-from transport import frames as _frames
-from transport import seal as _seal
 
 
 MAX_CONTROL_BYTES = 1 << 20  # a control request is a small map; a peer sending more is cut off
@@ -113,50 +113,39 @@ class ZmqOutbox:
 
 
 class ZmqTransport:
-    """The reference transport; serves ``tcp://`` (and ``ipc://`` when a plugin asks)."""
+    """The reference transport for ``tcp://``. A plugin may serve another scheme ZeroMQ speaks
+    (``ipc://``) by returning ``ZmqTransport(scheme)``: this class is the built-in's public face."""
 
     def __init__(self, scheme: str = "tcp"):
         self.scheme = scheme
         self.ctx = zmq.Context.instance()
 
-    # identities and sealing
-    def load_identity(self, path):
-        return _seal.load_identity(path)
-
-    def seal_control(self, payload: dict, peer_public: bytes, own) -> dict:
-        nonce, sealed = _seal.box(cbor2.dumps(payload), peer_public, own)
-        return {"from": own.public, "nonce": nonce, "box": sealed}
-
-    def open_control(self, sealed: dict, own) -> tuple[dict, bytes]:
-        try:
-            sender, nonce, body = sealed["from"], sealed["nonce"], sealed["box"]
-        except (KeyError, TypeError) as exc:
-            raise WireError("sealed control message lacks from/nonce/box") from exc
-        if not (isinstance(sender, bytes) and len(sender) == _seal.PUBLIC_BYTES
-                and isinstance(nonce, bytes) and len(nonce) == _seal.BOX_NONCE_BYTES and isinstance(body, bytes)):
-            raise WireError("sealed control message has a malformed sender key, nonce or box")
-        plain = _seal.unbox(nonce, body, sender, own)
-        try:
-            payload = cbor2.loads(plain)
-        except Exception as exc:
-            raise WireError(f"sealed control payload is not CBOR: {type(exc).__name__}") from exc
-        if not isinstance(payload, dict):
-            raise WireError("sealed control payload is not a map")
-        return payload, sender
-
-    def seal(self, hop, header, tensors):
-        return _frames.seal_message(hop, header, tensors)
-
-    def envelope(self, frames):
-        return _frames.envelope_of(frames)
-
-    def open(self, hop, frames):
-        return _frames.open_message(hop, frames)
-
-    def new_key(self) -> bytes:
-        return _seal.new_key()
-
     # sockets
+    def local_listen(self, name: str) -> str:
+        """Where a node started on this machine listens (``name`` tells nodes apart)."""
+        if self.scheme == "tcp":
+            return "tcp://127.0.0.1:0"
+        import tempfile
+
+        return f"{self.scheme}://{tempfile.gettempdir()}/diffuse-{name}"
+
+    def inbox_address(self, first_node: str) -> str:
+        """Where the client's inbox binds so that the ring's last node can reach it: the interface this
+        machine uses to reach the first node (loopback for loopback); a fresh path for a path scheme."""
+        if self.scheme != "tcp":
+            import os
+            import tempfile
+
+            return f"{self.scheme}://{tempfile.gettempdir()}/diffuse-client-{os.getpid()}-{os.urandom(4).hex()}"
+        host = first_node.split("://", 1)[1].rsplit(":", 1)[0]
+        if host in ("127.0.0.1", "localhost", "[::1]"):
+            return "tcp://127.0.0.1:0"
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return f"tcp://{s.getsockname()[0]}:0"
+
     def serve(self, listen: str) -> ZmqEndpoint:
         return ZmqEndpoint(self.ctx, listen, self.scheme)
 

@@ -1,12 +1,21 @@
-"""Offline construction of the tiny Wan text-to-video pipeline's parts."""
+"""The one builder of tiny Wan text-to-video pipelines, offline and seeded.
+
+``full`` is what the shipped tiny-wan-shapes was trained from (it must keep
+building the same weights bit for bit); ``quick`` is for the training test;
+``tiny`` (4 blocks, 12 tokens at 32x32x9) is for tests that need a Wan of
+their own to split: ``save_pipeline(out_dir, "tiny")``.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+
+from diffuse.tiny_tokenizers import build_word_tokenizer
 
 from .data import FRAMES, SIZE, WORDS
 
@@ -25,27 +34,18 @@ SIZES = {
         transformer=dict(num_attention_heads=2, attention_head_dim=24, ffn_dim=96, num_layers=2),
         text=dict(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4),
     ),
+    "tiny": dict(  # diffusers' own Wan test components, with 4 blocks
+        vae=dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                 temperal_downsample=[False, True, True]),
+        transformer=dict(num_attention_heads=2, attention_head_dim=12, ffn_dim=32, num_layers=4),
+        text=dict(d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4),
+    ),
 }
 
 
 def build_tokenizer():
-    """A word-level tokenizer over the prompt vocabulary, T5 layout (`</s>` appended)."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
-    for w in WORDS:
-        vocab.setdefault(w, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
-        model_max_length=512, padding_side="right",
-    )
+    """Word-level, T5 layout, over the prompt vocabulary: every word its own token."""
+    return build_word_tokenizer("t5", WORDS)
 
 
 def build_text_encoder(size: str, vocab_size: int, seed: int):
@@ -103,3 +103,13 @@ def build_pipeline(size: str = "full", seed: int = 0):
 
 
 GEN_KW = dict(height=SIZE, width=SIZE, num_frames=FRAMES)
+# written beside a saved model: `diffuse run` then makes the size it was built for, not Wan's 480x832x81
+CALL_DEFAULTS = dict(GEN_KW, num_inference_steps=20)
+
+
+def save_pipeline(out_dir: str, size: str = "tiny", seed: int = 0) -> str:
+    """``build_pipeline(size, seed)`` saved (safetensors) into ``out_dir`` with its call defaults; returns ``out_dir``."""
+    build_pipeline(size, seed).save_pretrained(out_dir, safe_serialization=True)
+    with open(os.path.join(out_dir, "diffuse_defaults.json"), "w") as f:
+        json.dump(CALL_DEFAULTS, f)
+    return str(out_dir)

@@ -1,9 +1,11 @@
-"""A Diffuse transport plugin for ``ipc://`` addresses.
+"""A Diffuse transport plugin for ``ipc://`` addresses (Unix domain sockets).
 
-It reuses the built-in ZeroMQ ring (sockets, CBOR frames, libsodium sealing)
-and only claims a new URL scheme; a transport over something other than
-ZeroMQ would return its own object with the same methods
-(see ``diffuse.transport_api.Transport``).
+A transport provides sockets only (see ``diffuse.transport_api.Transport``):
+sealing, envelopes and replay counters are the core's, the same for every
+scheme. ZeroMQ speaks ipc as well as tcp, so this plugin claims the scheme and
+hands back the built-in ZeroMQ transport's public class for it; a transport
+over something other than ZeroMQ would return its own object with the same
+methods.
 """
 
 from diffuse.hookspecs import hookimpl

@@ -1,5 +1,8 @@
 """Sealing with libsodium: node identities, sealed control payloads, per-hop AEAD.
 
+This is core, not transport: a transport moves bytes; what they mean and who may
+read them is decided here, the same for every transport.
+
 Data frames use XChaCha20-Poly1305 under a per-session, per-hop key. The nonce
 is derived from the hop counter and the frame index (each key seals in one
 direction only, so the pair never repeats under one key); the plaintext
@@ -96,3 +99,29 @@ def open_frame(key: bytes, counter: int, index: int, envelope: bytes, sealed: by
         )
     except ValueError as exc:
         raise WireError(f"frame {index} failed authentication (tampered, or sealed under another key)") from exc
+
+
+def seal_control(payload: dict, peer_public: bytes, own: Identity) -> dict:
+    """A control payload sealed for ``peer_public``, as a plain map to send."""
+    import cbor2
+
+    nonce, sealed = box(cbor2.dumps(payload), peer_public, own)
+    return {"from": own.public, "nonce": nonce, "box": sealed}
+
+
+def open_control(sealed: dict, own: Identity) -> tuple[dict, bytes]:
+    """(payload, sender's public key) of a sealed control map; WireError if it does not open or is malformed."""
+    import cbor2
+
+    sender, nonce, body = sealed.get("from"), sealed.get("nonce"), sealed.get("box")
+    if not (isinstance(sender, bytes) and len(sender) == PUBLIC_BYTES
+            and isinstance(nonce, bytes) and len(nonce) == BOX_NONCE_BYTES and isinstance(body, bytes)):
+        raise WireError("sealed control message lacks a well-formed sender key, nonce or box")
+    plain = unbox(nonce, body, sender, own)
+    try:
+        payload = cbor2.loads(plain)
+    except Exception as exc:
+        raise WireError(f"sealed control payload is not CBOR: {type(exc).__name__}") from exc
+    if not isinstance(payload, dict):
+        raise WireError("sealed control payload is not a map")
+    return payload, sender

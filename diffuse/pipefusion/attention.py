@@ -1,4 +1,17 @@
-"""The quick attention path: a patch's queries against buffered keys and values.
+"""PipeFusion's attention paths, and the quick path's mechanism: a patch's queries against buffered keys and values.
+
+``PATHS`` holds the two ways a node runs one block on one patch, registered with
+``@attention_path``; each is ``(stale, idx, block, pass) -> out``:
+
+- *plain*: the patch's fresh rows go into the block's buffered input over all N
+  tokens, the block runs on the whole buffer, the patch's rows are taken out.
+  Right for any block; costs the whole picture per patch.
+- *quick*: the block runs on the patch's rows alone, with per-token arguments
+  (rotary tables) cut to the patch, and self-attention reads buffered keys and
+  values. What makes patching pay, where it is right.
+
+Which one a block keeps is decided in ``diffuse.pipefusion.buffers``: both run on
+its first patch and quick is kept only if it agrees with plain.
 
 A block's self-attention is found, not assumed: every module of the block that
 has an attention ``processor`` gets a stand-in processor for the duration of one
@@ -6,36 +19,38 @@ call (``attention_scope``, which always restores the originals), and
 ``torch.nn.functional.scaled_dot_product_attention`` is intercepted inside it.
 The stand-in processor only says which attention module is running; the
 processor's own code (projections, norms, rotary) runs unchanged, so nothing
-about a family's layout is reimplemented here.
+about a family's layout is reimplemented here. Two scope modes:
 
-Two modes:
-
-- ``record`` (a whole pass over all N tokens): every attention call whose queries
-  and keys both span the N tokens is self-attention over the picture; its keys
-  and values (after projection and rotary) are kept. The kernel is called with
+- ``record`` (a pass over all N tokens): every attention call whose queries and
+  keys both span the N tokens is self-attention over the picture; its keys and
+  values (after projection and rotary) are kept. The kernel is called with
   exactly the arguments it was given, so recording changes no bit.
 - ``quick`` (one patch of n tokens, rows [lo, lo+n)): for a module recorded as
   self-attention, the patch's fresh keys and values replace their rows in the
   kept buffer and the patch's n queries attend over all N keys.
 
-Whether quick is right for a given block is not decided here: the node runs
-both paths on the first real patch and compares (see ``diffuse.stage``).
-Anything quick cannot honour (a mask over the patch, a causal flag) raises
-``QuickUnsupported``, which makes that block use the plain path.
+Anything quick cannot honour (a mask over the patch, a causal flag, no
+self-attention found at all) raises ``QuickUnsupported``, which makes that
+block use the plain path.
 """
 
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 
+from diffuse.callplan import unflatten
 from diffuse.errors import DiffuseError
 
-__all__ = ["AttentionBuffer", "QuickUnsupported", "attention_scope", "relative_error"]
+if TYPE_CHECKING:
+    from diffuse.pipefusion.buffers import Pass, StaleStack
+
+__all__ = ["PATHS", "AttentionBuffer", "QuickUnsupported", "attention_path", "attention_scope", "relative_error"]
 
 _REAL_SDPA = F.scaled_dot_product_attention
 _SDPA_NAMES = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
@@ -175,9 +190,58 @@ def attention_scope(block: torch.nn.Module, mode: str, tokens: int, buffer: Atte
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in double precision (inf when shapes differ or values are not finite)."""
+    """||a - b|| / ||b|| in double precision (complex as pairs of reals; inf when shapes differ or
+    values are not finite).
+
+    >>> relative_error(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.0])), relative_error(torch.ones(2), torch.ones(3))
+    (0.0, inf)
+    """
     if a.shape != b.shape:
         return float("inf")
-    a, b = a.detach().double(), b.detach().double()
+    a, b = (torch.view_as_real(t) if t.is_complex() else t for t in (a.detach(), b.detach()))
+    a, b = a.double(), b.double()
     err = float((a - b).norm() / b.norm().clamp_min(1e-30))
     return err if err == err else float("inf")
+
+
+# --------------------------------------------------------------------------- the two paths
+
+PATHS: dict[str, Callable] = {}  # name -> (stale, idx, block, pass) -> the block's answer for the patch's rows
+
+
+def attention_path(name: str):
+    """Register an attention path under ``name``."""
+    def register(fn):
+        PATHS[name] = fn
+        return fn
+    return register
+
+
+@attention_path("plain")
+def plain(stale: StaleStack, idx: int, block, p: Pass):
+    """The whole buffered input with the patch's rows fresh; the patch's rows of the answer. While a
+    path is being chosen (``p.check``), this step's keys and values are recorded for quick to read."""
+    pt = p.patch
+    buf = stale.inputs[(pt.branch, idx)]
+    buf.narrow(pt.axis, pt.lo, pt.count).copy_(p.values[p.stream])
+    full = list(p.values)
+    full[p.stream] = buf
+    args, kwargs = unflatten(p.tree, full)
+    with nullcontext() if p.check is None else attention_scope(block, "record", pt.tokens, p.check):
+        out = block(*args, **kwargs)
+    return p.rows(out)
+
+
+@attention_path("quick")
+def quick(stale: StaleStack, idx: int, block, p: Pass):
+    """The patch's rows alone against buffered keys and values (``p.check``'s while being chosen;
+    then the linear projections of repeated inputs, like the text, are not reused either)."""
+    pt = p.patch
+    args, kwargs = unflatten(p.tree, p.cut())
+    kv = p.check if p.check is not None else stale.kv[(pt.branch, idx)]
+    memo = stale.memo.setdefault((pt.branch, idx), {}) if p.check is None else None
+    with attention_scope(block, "quick", pt.tokens, kv, pt.lo, pt.count, memo) as scope:
+        out = block(*args, **kwargs)
+    if not scope.hits:
+        raise QuickUnsupported("no self-attention over the tokens was found")
+    return out

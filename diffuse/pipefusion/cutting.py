@@ -3,7 +3,7 @@
 A patchable stack carries one stream (the return map's single stream slot). Its
 token axis is found by shape; the stream is cut into P contiguous token ranges,
 sent into the ring back to back, and the answers are put back together. The
-first step of each branch runs whole, because nodes have nothing to borrow from
+first step of each branch runs uncut, because nodes have nothing to borrow from
 yet; every later step of that branch is cut.
 
 Branches (classifier-free guidance done as separate calls) are told apart by
@@ -16,12 +16,10 @@ two in one call is one branch whose buffers hold both rows, which never mix.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from diffuse.callplan import digest
-from diffuse.plan import split_evenly
+from diffuse.plan import Patch, ReturnMap, split_evenly
 
 
 def token_axis(shape) -> int:
@@ -37,7 +35,12 @@ def token_axis(shape) -> int:
 
 
 def patch_ranges(tokens: int, patches: int) -> list[tuple[int, int]]:
-    """``patches`` contiguous token ranges covering [0, tokens) (fewer if there are fewer tokens)."""
+    """``patches`` contiguous token ranges covering [0, tokens); fewer if there are fewer tokens,
+    which is why a run reports the patches it used, not the ones it asked for.
+
+    >>> patch_ranges(10, 3), patch_ranges(2, 4)
+    ([(0, 4), (4, 7), (7, 10)], [(0, 1), (1, 2)])
+    """
     return split_evenly(tokens, max(1, min(patches, tokens)))
 
 
@@ -75,74 +78,57 @@ class BranchTracker:
         return branch, self.steps, first
 
 
-def reassemble(answers: list, axis: int, rmap: dict):
+def reassemble(answers: list, axis: int, rmap: ReturnMap):
     """The patches' answers (each the last block's return value) as one answer over all tokens."""
-    if rmap["single"]:
+    if rmap.single:
         return torch.cat(answers, dim=axis)
     out = []
-    for j, slot in enumerate(rmap["outputs"]):
+    for j, slot in enumerate(rmap.outputs):
         parts = [a[j] for a in answers]
         out.append(None if parts[0] is None else torch.cat(parts, dim=axis) if slot is not None else parts[0])
     return type(answers[0])(out)
 
 
 class Patcher:
-    """Runs one patchable stack's calls as patches through a ring (owned by the ``Splitter``)."""
+    """Runs one-stream stacks' calls through a ring: uncut on a branch's first step, else as patches.
+
+    The ring is used through ``send`` (returns a sequence number) and ``receive(seq)`` only. All
+    patches of a step are sent before any answer is awaited, so each node works on one patch while
+    the next node works on the one before. ``calls`` counts uncut and cut calls; ``used`` says per
+    stack how many patches were asked, the most actually used, and why fewer where they were.
+    """
 
     def __init__(self, ring, patches: int):
         self.ring = ring
         self.patches = patches
         self.trackers: dict[str, BranchTracker] = {}
-        # test-only: one buffer for all branches, to show that sharing them changes the output
-        self.share_branches = os.environ.get("DIFFUSE_SHARE_BRANCHES") == "1"
-        self.calls = {"whole": 0, "patched": 0}
+        self.calls = {"uncut": 0, "cut": 0}
+        self.used: dict[str, dict] = {}
 
-    def run(self, stack: str, tree: dict, tensors: list, rmap: dict):
-        stream = rmap["streams"][0]
+    def run(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap):
+        stream = rmap.streams[0]
         x = tensors[stream]
         axis = token_axis(x.shape)
         tokens = x.shape[axis]
         digests = [b"" if i == stream else digest(t) for i, t in enumerate(tensors)]  # once per call, not per patch
         branch, step, first = self.trackers.setdefault(stack, BranchTracker()).identify(tensors, stream, digests)
-        info = {"branch": 0 if self.share_branches else branch, "step": step, "axis": axis, "tokens": tokens}
+        patch = Patch(branch, step, axis, tokens, uncut=True)
         ranges = patch_ranges(tokens, self.patches)
+        self._note(stack, 1 if first else len(ranges), tokens, len(ranges))
         if first or len(ranges) < 2:
-            self.calls["whole"] += 1
-            return self.ring.call_flat(stack, tree, tensors, rmap, dict(info, whole=True), digests)
-        self.calls["patched"] += 1
-        answers = self.ring.call_patches(stack, tree, tensors, rmap, stream, axis, ranges, info, digests)
-        return reassemble(answers, axis, rmap)
+            self.calls["uncut"] += 1
+            return self.ring.receive(self.ring.send(stack, tree, tensors, rmap, patch, digests))
+        self.calls["cut"] += 1
+        seqs = []
+        for i, (lo, hi) in enumerate(ranges):
+            cut = list(tensors)
+            cut[stream] = x.narrow(axis, lo, hi - lo)
+            seqs.append(self.ring.send(stack, tree, cut, rmap, patch.cut(i, lo, hi), digests))
+        return reassemble([self.ring.receive(seq) for seq in seqs], axis, rmap)
 
-
-def attention_paths(node_stats: list[dict]) -> dict[str, dict]:
-    """Per stack, the attention path its blocks took, merged over the nodes' close reports:
-    ``{"path": "quick" | "plain" | "mixed", "blocks": {i: ...}, "agreement": worst measured}``."""
-    merged: dict[str, dict] = {}
-    for ns in node_stats:
-        for stack, rep in ((ns or {}).get("stale") or {}).items():
-            m = merged.setdefault(stack, {"blocks": {}, "branches": 0, "patches": 0})
-            m["blocks"].update({int(k): v for k, v in rep["paths"].items()})
-            m["branches"] = max(m["branches"], rep["branches"])
-            m["patches"] = max(m["patches"], rep["patches"])
-    for m in merged.values():
-        kinds = {b["path"] for b in m["blocks"].values()}
-        m["path"] = kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "none")
-        errs = [b["agreement"] for b in m["blocks"].values() if b.get("agreement") is not None]
-        m["agreement"] = max(errs) if errs else None
-        m["blocks"] = dict(sorted(m["blocks"].items()))
-    return merged
-
-
-def describe_paths(paths: dict[str, dict]) -> list[str]:
-    """One line per stack for the run summary."""
-    lines = []
-    for stack, m in paths.items():
-        n = len(m["blocks"])
-        agree = "" if m["agreement"] is None else f", quick vs plain {m['agreement']:.1e} (relative; kept under 1e-4)"
-        if m["path"] == "mixed":
-            quick = sum(b["path"] == "quick" for b in m["blocks"].values())
-            lines.append(f"{stack}: quick attention in {quick} of {n} blocks, plain in the rest{agree}")
-        else:
-            why = next((b["why"] for b in m["blocks"].values() if b.get("why")), "")
-            lines.append(f"{stack}: {m['path']} attention in all {n} blocks{agree}" + (f" ({why})" if why and m["path"] == "plain" else ""))
-    return lines
+    def _note(self, stack: str, n: int, tokens: int, possible: int) -> None:
+        u = self.used.setdefault(stack, {"asked": self.patches, "used": 0, "why": ""})
+        if n >= u["used"]:
+            u["used"] = n
+            u["why"] = ("" if n == self.patches else f"only {tokens} tokens" if possible < self.patches
+                        else "no step after a branch's first, which runs uncut")

@@ -10,6 +10,7 @@ tensors are copied into fresh memory, as a locally computed one would be.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import cbor2
 import torch
@@ -17,7 +18,7 @@ import torch
 from diffuse.callplan import raw_bytes
 from diffuse.errors import WireError
 from diffuse.plan import SESSION_ID_BYTES, WIRE_VERSION
-from transport import seal
+from diffuse import sealing as seal
 
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -26,6 +27,18 @@ _DTYPES = {
         torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
     )
 }
+
+
+
+
+@dataclass
+class Hop:
+    """The key and counters for one direction of one hop of one session's ring."""
+
+    session: bytes  # 16-byte session id
+    key: bytes  # 32-byte XChaCha20-Poly1305 key
+    sent: int = 0  # last counter sealed by us
+    seen: int = 0  # last counter accepted by us
 
 
 COUNTER_LIMIT = 1 << 64  # the nonce holds the counter in 8 bytes

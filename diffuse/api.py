@@ -1,0 +1,226 @@
+"""The Python API, and the one place a split run is assembled.
+
+    import diffuse
+    pipe = diffuse.from_pretrained("path/to/wan")      # the pipeline without the blocks nodes will hold
+    with diffuse.split(pipe, local_nodes=2) as ring:   # or nodes=["tcp://h1:7000#KEY", ...], patches=P
+        frames = pipe(prompt="a paper boat", generator=torch.Generator("cpu").manual_seed(7)).frames
+    print(ring.stats)                                  # passes, bytes, per-node busy time
+
+Inside ``split`` the pipeline's own ``__call__`` runs unchanged; its block stacks
+are stand-ins that ship hidden states through the ring. ``split`` also takes a
+pipeline loaded by diffusers' own ``from_pretrained`` (it frees the blocks it
+hands out), or a denoiser alone with ``model=`` naming its pipeline folder. The
+CLI, ``diffuse verify``, the benchmarks and the tests all go through here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from diffuse.errors import DiffuseError
+
+MODEL_DEFAULTS_FILE = "diffuse_defaults.json"  # call defaults a model folder may declare for its size
+
+
+@dataclass
+class ModelInfo:
+    """What the config-phase analysis found about a pipeline folder (kept on pipelines loaded here)."""
+
+    path: str
+    subject: object  # diffuse.analysis.ModelSubject
+    draft: dict
+
+    @classmethod
+    def of(cls, model: str | None) -> "ModelInfo":
+        from diffuse.modelfiles import resolve_model
+        from diffuse.planner import analyze
+
+        if model is None:
+            from diffuse.default_model import default_model_dir
+
+            path = default_model_dir()
+        else:
+            path = resolve_model(model)
+        return cls(path, *analyze(path))  # refusals happen here, before anything is loaded
+
+    @property
+    def output_kind(self) -> str:
+        return self.draft.get("output_kind", "image")
+
+    def call_defaults(self) -> dict:
+        """Call arguments the folder declares for the size it is made for (the embedded model does)."""
+        f = os.path.join(self.path, MODEL_DEFAULTS_FILE)
+        if not os.path.isfile(f):
+            return {}
+        with open(f) as fh:
+            return json.load(fh)
+
+
+def from_pretrained(model: str | None = None):
+    """The pipeline at ``model`` (a folder, a shipped model's name, a Hub id in the local cache; None:
+    the embedded model), loaded by diffusers from safetensors without the blocks the nodes will hold."""
+    from diffuse.planner import load_pipeline
+
+    info = ModelInfo.of(model)
+    pipe = load_pipeline(info.path, info.subject, info.draft["stacks"])
+    pipe._diffuse = info
+    return pipe
+
+
+def model_info(pipe_or_model, model: str | None = None) -> ModelInfo:
+    """The analysis of the folder a pipeline (or a denoiser) came from."""
+    info = getattr(pipe_or_model, "_diffuse", None)
+    if info is not None and (model is None or info.path == model):
+        return info
+    if model is None:
+        model = getattr(pipe_or_model, "name_or_path", None) or getattr(
+            getattr(pipe_or_model, "config", None), "_name_or_path", None)
+        if model and not os.path.isfile(os.path.join(model, "model_index.json")):
+            parent = os.path.dirname(os.path.normpath(model))  # a denoiser saved inside its pipeline folder
+            model = parent if os.path.isfile(os.path.join(parent, "model_index.json")) else None
+    if not model:
+        raise DiffuseError("cannot tell which pipeline folder this came from: pass model=PATH")
+    return ModelInfo.of(model)
+
+
+@dataclass
+class LocalNodesPlan:
+    """How many local nodes to start, at how many torch threads, and why."""
+
+    count: int
+    threads: int
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_local_nodes(asked: int, stacks, patches: int, threads: int | None) -> LocalNodesPlan:
+    """At one patch only one node computes at a time, so each may use the client's thread count, which
+    keeps the bits of a whole run; with patches the nodes compute at once and share the cores."""
+    import torch
+
+    if asked < 1:
+        raise DiffuseError("--local-nodes must be at least 1")
+    notes = []
+    longest = max((s.length for s in stacks), default=1)
+    count = min(asked, longest)
+    if count < asked:
+        notes.append(f"{asked - count} of {asked} local nodes would hold no block (the longest stack has "
+                     f"{longest}): starting {count}")
+    if threads is None:
+        threads = torch.get_num_threads() if patches == 1 else max(1, (os.cpu_count() or 2) // count)
+    return LocalNodesPlan(count, threads, notes)
+
+
+class Split:
+    """A pipeline (or denoiser) split over a ring for the duration of a ``with`` block."""
+
+    def __init__(self, pipe_or_model, nodes=None, local_nodes: int | None = None, patches: int = 1,
+                 threads: int | None = None, timeout: float = 300.0, client_key: str | None = None,
+                 attention: str = "auto", local_transport: str = "tcp", model: str | None = None,
+                 started=None):
+        from diffuse.known_nodes import parse_nodes
+
+        if patches < 1:
+            raise DiffuseError("--patches must be at least 1")
+        if nodes is not None and local_nodes is not None:
+            raise DiffuseError("give nodes or local_nodes, not both")
+        self.target = pipe_or_model
+        self.info = model_info(pipe_or_model, model)
+        self.nodes = parse_nodes(nodes) if nodes is not None else None
+        self.local = None if nodes is not None else plan_local_nodes(
+            local_nodes if local_nodes is not None else 2, self.info.draft["stacks"], patches, threads)
+        self.patches, self.timeout, self.client_key = patches, timeout, client_key
+        self.attention, self.local_transport = attention, local_transport
+        self.started = started  # local nodes already started by the caller (a diffuse.localnodes.LocalNodes)
+        self.local_nodes = None
+        self.ring = None
+        self.splitter = None
+        self.patcher = None
+        self.stats = None
+
+    @property
+    def denoiser(self):
+        sub = self.info.subject.denoiser
+        return getattr(self.target, sub) if hasattr(self.target, "components") else self.target
+
+    @property
+    def plan(self):
+        return self.ring.plan if self.ring is not None else None
+
+    def start_local_nodes(self):
+        from diffuse.localnodes import start_local_nodes
+
+        return start_local_nodes(self.info.path, self.local.count, self.local.threads, scheme=self.local_transport)
+
+    def __enter__(self) -> "Split":
+        from diffuse.planner import denoiser_dtype, make_plan
+        from diffuse.ring import Ring
+        from diffuse.standin import Splitter
+
+        try:
+            if self.nodes is None:
+                self.local_nodes = self.started or self.start_local_nodes()
+                self.nodes = [(n.address, n.key) for n in self.local_nodes]
+            denoiser = self.denoiser
+            plan = make_plan(self.info.subject, self.info.draft, [a for a, _ in self.nodes],
+                             [k for _, k in self.nodes], denoiser_dtype(denoiser))
+            self.ring = Ring(plan, self.timeout, self.attention, self.client_key)
+            self.ring.open()
+            self.splitter = Splitter.on(denoiser, plan)
+            self.splitter.attach(self.ring, self.patches)
+        except BaseException:
+            self._close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        try:
+            if self.splitter is not None:
+                self.patcher = self.splitter.patcher  # what it did stays readable after the ring is gone
+                self.splitter.detach()
+            if self.ring is not None:
+                self.ring.close()
+                self.stats = self.ring.stats
+        finally:
+            if self.local_nodes is not None:
+                self.local_nodes.stop()
+                self.local_nodes = None
+
+    # what the run did, for summaries and tests
+    @property
+    def node_reports(self) -> list[dict]:
+        return self.ring.node_reports if self.ring else []
+
+    @property
+    def patch_calls(self) -> dict | None:
+        patcher = self.patcher or (self.splitter.patcher if self.splitter else None)
+        return patcher.calls if patcher else None
+
+    @property
+    def patches_used(self) -> dict | None:
+        """Per stack: patches asked, patches actually used, and why fewer."""
+        patcher = self.patcher or (self.splitter.patcher if self.splitter else None)
+        return patcher.used if patcher else None
+
+    @property
+    def uncut(self) -> dict[str, str]:
+        """Stacks whose steps ran uncut although patches > 1, and why."""
+        return dict(self.splitter.uncut) if self.splitter else {}
+
+    def attention_paths(self) -> dict:
+        from diffuse.pipefusion import attention_paths
+
+        return attention_paths(self.node_reports)
+
+
+def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: int = 1, **options) -> Split:
+    """Split ``pipe_or_model`` over ``nodes`` (addresses, each optionally ``#KEY``) or over
+    ``local_nodes`` started here (default 2); a context manager. ``patches > 1``: PipeFusion.
+    Options: ``threads`` (local nodes' torch threads; default: the client's at one patch, which keeps
+    the bits of a whole run), ``timeout`` (seconds for one pass), ``client_key``, ``attention``,
+    ``local_transport``, ``model`` (the pipeline folder, when it cannot be told)."""
+    return Split(pipe_or_model, nodes=nodes, local_nodes=local_nodes, patches=patches, **options)

@@ -1,0 +1,134 @@
+"""The client's data channel of one session: seal and send into the first node, receive and open
+from the last.
+
+Non-stream tensors are sent once: the channel keeps a mirror (hashes only) of
+what every node's slot cache holds, updated by the same rule, and refers to a
+kept tensor by its digest. While it waits for an answer the channel asks
+``probe`` every few seconds whether the ring is still alive, so a dead or
+frozen node is named within seconds rather than at the timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from diffuse import frames
+from diffuse.callplan import SlotCache, decode_value, digest
+from diffuse.errors import DiffuseError, NodeError, WireError
+from diffuse.plan import Patch, ReturnMap, SlotRef
+
+log = logging.getLogger("diffuse.ring")
+
+PROBE_EVERY_S = 1.5  # while waiting for an answer, ask the nodes this often whether they are alive
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class ChannelStats:
+    passes: int = 0  # answers received from the last node
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    per_stack: dict = field(default_factory=dict)
+    messages: list = field(default_factory=list)  # one record per message sent into the ring
+    returns: list = field(default_factory=list)  # [seq, bytes] of every answer from the last node
+    dropped: int = 0  # messages on the client's inbox that failed to open (junk, replays) and were dropped
+
+
+class Channel:
+    def __init__(self, outbox, inbox, send_hop: frames.Hop, recv_hop: frames.Hop, timeout_s: float, probe=None):
+        self.outbox, self.inbox = outbox, inbox
+        self.send_hop, self.recv_hop = send_hop, recv_hop
+        self.timeout_s = timeout_s
+        self.probe = probe  # called while waiting; raises NodeError naming a node that stopped answering
+        self.stats = ChannelStats()
+        self._seq = 0
+        self._trees: dict[str, dict] = {}
+        self._sent_rmap: set[str] = set()
+        self._mirrors: dict[str, SlotCache] = {}
+
+    def send(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, patch: Patch | None = None,
+             digests: list | None = None) -> int:
+        """Seal and send one pass of ``stack``; returns its sequence number (``digests``: the tensors'
+        digests where already known, so each is hashed once per call)."""
+        self._seq += 1
+        header = {"op": "call", "stack": stack, "seq": self._seq}
+        if self._trees.get(stack) != tree:
+            header["tree"] = self._trees[stack] = tree
+        if stack not in self._sent_rmap:
+            header["rmap"] = rmap.to_dict()
+            self._sent_rmap.add(stack)
+        if patch is not None:
+            header["patch"] = patch.to_wire()
+        streams = set(rmap.streams)
+        mirror = self._mirrors.setdefault(stack, SlotCache())
+        refs, sent, fresh = [], [], []
+        for i, t in enumerate(tensors):
+            if i in streams:
+                refs.append(SlotRef(frame=len(sent)))
+                sent.append(t)
+                continue
+            h = digests[i] if digests else digest(t)
+            if (i, h) in mirror:
+                mirror.get(i, h)
+                refs.append(SlotRef(digest=h))
+            else:
+                mirror.put(i, h)
+                refs.append(SlotRef(frame=len(sent), digest=h))
+                sent.append(t)
+                fresh.append(i)
+        header["slots"] = [r.to_wire() for r in refs]
+        out = frames.seal_message(self.send_hop, header, sent)
+        self.outbox.send(out)
+        n_out = sum(len(f) for f in out)
+        self.stats.bytes_sent += n_out
+        s = self.stats.per_stack.setdefault(stack, {"calls": 0, "bytes": []})
+        s["calls"] += 1
+        s["bytes"].append(n_out)
+        self.stats.messages.append({
+            "seq": self._seq, "stack": stack, "bytes_out": n_out,
+            "stream_bytes": sum(_nbytes(tensors[i]) for i in streams),
+            "fresh_slots": fresh, "fresh_bytes": sum(_nbytes(tensors[i]) for i in fresh),
+            **({"branch": patch.branch, "step": patch.step, "uncut": patch.uncut, "index": patch.index}
+               if patch else {}),
+        })
+        return self._seq
+
+    def receive(self, seq: int):
+        """The last block's answer to message ``seq``."""
+        deadline = time.monotonic() + self.timeout_s
+        next_probe = time.monotonic() + PROBE_EVERY_S
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                raise DiffuseError(f"the ring gave no answer within {self.timeout_s:.0f} s although every node "
+                                   "still answers: a pass is slower than --timeout allows (raise --timeout)")
+            reply = self.inbox.recv(min(deadline, next_probe) - now)
+            if reply is None:
+                if self.probe is not None and time.monotonic() >= next_probe:
+                    self.probe()
+                    next_probe = time.monotonic() + PROBE_EVERY_S
+                continue
+            try:
+                header, tensors = frames.open_message(self.recv_hop, reply)
+                break
+            except WireError as exc:  # anyone can reach the inbox: junk costs itself, not the run
+                self.stats.dropped += 1
+                log.warning("dropped a message on the client's inbox: %s", exc)
+        if header.get("op") == "error":
+            raise NodeError(str(header.get("node", "?"))[:200], str(header.get("message", "failed"))[:2000])
+        if header.get("seq") != seq or header.get("op") != "result":
+            raise DiffuseError(f"ring answered {header.get('op')!r:.32} #{header.get('seq')!r:.32} to call #{seq}")
+        n_in = sum(len(f) for f in reply)
+        self.stats.passes += 1
+        self.stats.bytes_received += n_in
+        self.stats.returns.append([seq, n_in])
+        return decode_value(header["out"], tensors)
+
+    def close(self) -> None:
+        self.outbox.close()
+        self.inbox.close()
