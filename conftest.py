@@ -63,13 +63,14 @@ def diffuse_home(tmp_path_factory) -> str:
 _REFERENCES: dict[tuple, np.ndarray] = {}
 
 
-def run_reference(model: str, kwargs: dict, out: str, seed: int = 0) -> np.ndarray:
-    """The pipeline run whole by plain diffusers in a fresh process (computed once per model and arguments)."""
-    key = (model, json.dumps(kwargs, sort_keys=True), seed)
+def run_reference(model: str, kwargs: dict, out: str, seed: int = 0, threads: int = THREADS) -> np.ndarray:
+    """The pipeline run whole by plain diffusers in a fresh process (computed once per model and arguments;
+    ``threads`` 0: torch's own default)."""
+    key = (model, json.dumps(kwargs, sort_keys=True), seed, threads)
     if key in _REFERENCES:
         return _REFERENCES[key].copy()
     cmd = [sys.executable, os.path.join(TESTS, "reference.py"), "--model", model, "--kwargs", json.dumps(kwargs),
-           "--seed", str(seed), "--threads", str(THREADS), "--out", out]
+           "--seed", str(seed), "--threads", str(threads), "--out", out]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _REFERENCES[key] = np.load(out)

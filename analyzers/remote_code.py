@@ -67,7 +67,12 @@ def _shipped_file(root: str, component: str, lib: str) -> str | None:
 
 
 def _is_builtin(lib: str) -> bool:
-    """Libraries diffusers loads from itself: diffusers, transformers, ... and diffusers' own pipeline modules."""
+    """Libraries diffusers loads from itself: diffusers, transformers, ... and diffusers' own pipeline modules.
+
+    The two every checkpoint names are answered first: asking diffusers' loader imports every model class
+    it knows, which is most of the time ``diffuse check`` would take."""
+    if lib in ("diffusers", "transformers"):
+        return True
     from diffusers import pipelines
 
     try:

@@ -1,7 +1,16 @@
-"""`diffuse check MODEL`: the verdict and its reasons, from config.json files alone (no weights read)."""
+"""`diffuse check MODEL`: the verdict and its reasons, from config.json files alone (no weights read).
+
+Nearly all of a first check is Python importing torch and diffusers' model
+code (a few seconds); the analysis itself takes milliseconds. So a verdict is
+kept under ``$DIFFUSE_HOME/cache/`` keyed by everything it rests on, and a
+repeated check of an unchanged model with unchanged code imports neither.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 
 from diffuse.analysis import ModelSubject
@@ -10,18 +19,87 @@ from diffuse.plan import PATCHABLE, UNCUT_STEPS
 
 SPLITTABLE, REFUSED = "splittable", "refused"
 EXIT_CODES = {SPLITTABLE: 0, REFUSED: 2}
+_SMALL = 1 << 20  # bytes: configs and shipped code are small; a weights index is not read
+_LIBRARIES = ("diffusers", "transformers", "torch", "accelerate")
 
 
-def check(path: str) -> dict:
+def check(path: str, cache: bool = False) -> dict:
     """Run the config-phase analyzers on a local pipeline folder and sum up what they found.
 
     Returns a plain dict: ``verdict`` ("splittable" or "refused"), ``reason``
     (the refusal, or None), ``denoiser``, ``stacks`` (path, length, config key,
     block class, params per block, width, two-stream and why), ``output_kind``,
     ``frame_rate``, ``sample_rate``, ``patches`` (how ``--patches P>1`` will run),
-    ``other_lists`` and ``seconds``.
+    ``other_lists`` and ``seconds``. With ``cache``, a verdict found before for
+    the same model and code is reused (``cached``: its file) and a new one kept.
     """
     start = time.perf_counter()
+    if not cache:
+        return _check(path, start)
+    file = os.path.join(_cache_dir(), f"check-{cache_key(path)}.json")
+    try:
+        with open(file) as f:
+            return {**json.load(f), "model": path, "seconds": time.perf_counter() - start, "cached": file}
+    except (OSError, ValueError):  # none yet, or unreadable: check afresh
+        pass
+    result = _check(path, start)
+    try:
+        os.makedirs(os.path.dirname(file), exist_ok=True)
+        with open(f"{file}.{os.getpid()}", "w") as f:
+            json.dump(result, f)
+        os.replace(f"{file}.{os.getpid()}", file)  # whole or absent, even with two checks at once
+    except OSError:  # a read-only home: the verdict stands without it
+        pass
+    return result
+
+
+def cache_key(path: str) -> str:
+    """A fingerprint of what a verdict rests on: the checkpoint's small files (model_index.json, every
+    config, any .py) and weight layouts (``content_hash``) in its top two levels, and the code that judges
+    it: library versions plus the size and time of every file of the installed plugins and of the
+    component libraries model_index.json names (an edited analyzer is new code)."""
+    from importlib.metadata import PackageNotFoundError, entry_points, version
+    from importlib.util import find_spec
+
+    from diffuse.modelfiles import content_hash
+
+    h = hashlib.blake2b(digest_size=16)
+    for folder in ["", *sorted(e.name for e in os.scandir(path) if e.is_dir())]:
+        here = os.path.join(path, folder)
+        for name in sorted(os.listdir(here)):
+            full = os.path.join(here, name)
+            h.update(f"{folder}/{name}\0".encode())
+            if name.endswith((".json", ".py")) and os.path.isfile(full) and os.path.getsize(full) <= _SMALL:
+                with open(full, "rb") as f:
+                    h.update(f.read())
+        if folder and os.path.isfile(os.path.join(here, "config.json")):
+            h.update(content_hash(here).encode())
+    for lib in _LIBRARIES:
+        try:
+            h.update(f"{lib}={version(lib)}".encode())
+        except PackageNotFoundError:
+            pass
+    with open(os.path.join(path, "model_index.json")) as f:
+        named = [e[0] for e in json.load(f).values() if isinstance(e, list) and e and isinstance(e[0], str)]
+    tops = {ep.value.split(".")[0].split(":")[0] for ep in entry_points(group="diffuse")} | {n.split(".")[0] for n in named}
+    for top in sorted(tops - set(_LIBRARIES)):
+        spec = find_spec(top)
+        roots = list(spec.submodule_search_locations or []) if spec else []
+        files = [spec.origin] if spec and spec.origin and not roots else []
+        files += [os.path.join(d, n) for r in roots for d, _, ns in os.walk(r) for n in ns if n.endswith(".py")]
+        for f in sorted(files):
+            st = os.stat(f)
+            h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def _cache_dir() -> str:
+    from diffuse.home import config_home
+
+    return os.path.join(config_home(), "cache")
+
+
+def _check(path: str, start: float) -> dict:
     subject = ModelSubject.from_path(path)
     result = {"model": path, "denoiser": f"{subject.denoiser}: {subject.denoiser_class_name}" if subject.denoiser else None}
     try:
@@ -53,7 +131,7 @@ def check(path: str) -> dict:
     }
 
 
-def print_check(path: str, console=None) -> int:
+def print_check(path: str, console=None, cache: bool = False) -> int:
     """Print the verdict (first line: "splittable" or "refused: <reason>") and what it rests on.
 
     Returns the exit status for ``diffuse check``: 0 splittable, 2 refused.
@@ -61,14 +139,14 @@ def print_check(path: str, console=None) -> int:
     from rich.console import Console
 
     console = console or Console()
-    r = check(path)
+    r = check(path, cache=cache)
+    when = f"checked in {r['seconds']:.2f} s" + (" (cached)" if r.get("cached") else "")
     if r["verdict"] == REFUSED:
         console.print(f"[bold red]refused[/]: {r['reason']}", highlight=False)
-        console.print(f"model {path} ({r['denoiser']}), checked in {r['seconds']:.2f} s", style="dim", highlight=False)
+        console.print(f"model {path} ({r['denoiser']}), {when}", style="dim", highlight=False)
         return EXIT_CODES[REFUSED]
     console.print("[bold green]splittable[/]", highlight=False)
-    console.print(f"model {path} ({r['denoiser']}), checked in {r['seconds']:.2f} s from config.json alone",
-                  style="dim", highlight=False)
+    console.print(f"model {path} ({r['denoiser']}), {when} from config.json alone", style="dim", highlight=False)
     console.print("block stacks, in call order:", highlight=False)
     for s in r["stacks"]:
         console.print(f"  [bold]{s['path']}[/]: {s['length']} x {s['block_class'].rpartition('.')[2]}, sized by "

@@ -82,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="folder written by save_pretrained")
     parser.add_argument("--kwargs", default="{}", help="JSON object of __call__ keyword arguments")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's own default)")
     parser.add_argument("--out", action="append", required=True, help="where to np.save the array (repeatable)")
     args = parser.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     kwargs = json.loads(args.kwargs)
     if not isinstance(kwargs, dict):
         parser.error("--kwargs must be a JSON object")

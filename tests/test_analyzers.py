@@ -20,10 +20,11 @@ torch.set_num_threads(1)
 
 import diffusers  # noqa: E402
 
-from diffuse.analysis import ModelSubject, run_analyzers  # noqa: E402
+from diffuse.analysis import ModelSubject  # noqa: E402
 from diffuse.check import check, print_check  # noqa: E402
 from diffuse.errors import RefusedModel  # noqa: E402
-from diffuse.plan import ModelIdentity, SlicingPlan, make_route  # noqa: E402
+from diffuse.plan import ModelIdentity, ReturnMap, SlicingPlan, even_route  # noqa: E402
+from diffuse.planner import config_draft, learn_call  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -124,7 +125,7 @@ def family_checkpoint(root, family: str, full_size: bool = False) -> str:
 
 
 def analyze(path: str) -> dict:
-    return run_analyzers("config", ModelSubject.from_path(path))
+    return config_draft(ModelSubject.from_path(path))
 
 
 @pytest.fixture(scope="module")
@@ -337,7 +338,7 @@ def test_check_gives_the_verdict_and_the_patch_policy(checkpoints, tmp_path):
     assert flux["verdict"] == "splittable" and flux["reason"] is None
     assert [(s["path"], s["length"], s["config_key"], s["two_stream"]) for s in flux["stacks"]] == [
         ("transformer_blocks", 2, "num_layers", True), ("single_transformer_blocks", 3, "num_single_layers", True)]
-    assert flux["patches"] == "whole-steps" and flux["output_kind"] == "image"
+    assert flux["patches"] == "uncut-steps" and flux["output_kind"] == "image"
     assert check(checkpoints["wan"])["patches"] == "patchable"
     refused = check(write_checkpoint(tmp_path, "StableDiffusionXLPipeline",
                                      {"unet": ("diffusers", _config_of(diffusers.UNet2DConditionModel, SDXL_UNET))}))
@@ -357,16 +358,33 @@ def test_print_check_puts_the_verdict_on_the_first_line(checkpoints, tmp_path, o
     assert console.export_text().splitlines()[0] == "refused: no ModuleList of repeated blocks found in NoStackTransformer"
 
 
-def test_the_plan_survives_a_json_round_trip(checkpoints, drafts):
+def test_the_plan_survives_a_json_round_trip_with_what_a_first_call_taught(checkpoints, drafts):
+    from torch import nn
+
+    class Block(nn.Module):  # hidden states, rotary (cos, sin), a None and a constant, as real blocks are called
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x, rotary, mask=None, scale=1.0, context=None):
+            return self.proj(x) * scale + rotary[0].sum(), context
+
+    torch.manual_seed(0)
+    x, ctx = torch.randn(1, 6, 8), torch.randn(1, 3, 8)
+    call_plan, rmap = learn_call(drafts["hunyuan_video"]["stacks"][0], (x, (torch.randn(6, 4), torch.randn(6, 4))),
+                                 {"mask": None, "scale": 0.5, "context": ctx}, Block())
+    assert call_plan.slot_names == ["args[0]", "args[1][0]", "args[1][1]", "context"]
+    assert rmap == ReturnMap(single=False, outputs=[0, 3], names=["args[0]", "context"])
     draft = drafts["hunyuan_video"]
-    stacks = draft["stacks"]
+    stacks = tuple(draft["stacks"])
     plan = SlicingPlan(
         model=ModelIdentity(path=checkpoints["hunyuan_video"], denoiser="transformer",
                             denoiser_class="HunyuanVideoTransformer3DModel", content_hash="0" * 16),
-        stacks=stacks, output_kind=draft["output_kind"], two_stream=draft["two_stream"],
-        route=make_route(stacks, ["tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"]),
-    )
+        stacks=stacks, output_kind=draft["output_kind"],
+        route=even_route(stacks, ["tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"]),
+    ).with_call("transformer_blocks", call_plan, rmap)
     text = plan.to_json()
     again = SlicingPlan.from_json(text)
-    assert again.to_json() == text
+    assert again == plan  # every field, typed, not only the same text
+    assert again.call_plans["transformer_blocks"].tensors[1].shape == [6, 4]
     assert again.stack("single_transformer_blocks").config_key == "num_single_layers"

@@ -25,7 +25,7 @@ def test_plan_prints_json_that_round_trips_unchanged(models, tmp_path):
     # three stages, each holding a contiguous range of every stack, together covering it once
     assert len(plan.route) == 3
     for st in plan.stacks:
-        ranges = [stage.holds(st.path) for stage in plan.route]
+        ranges = [stage.slice_of(st.path) for stage in plan.route]
         assert ranges[0].start == 0 and ranges[-1].stop == st.length
         assert all(a.stop == b.start for a, b in zip(ranges, ranges[1:]))
 

@@ -114,12 +114,31 @@ def test_reference_is_byte_identical_across_processes(reference_runs, model):
     assert here.tobytes() == run.arrays[0].tobytes()
 
 
-def test_output_ranks_name_the_output_kind():
-    ranks = {"image": 4, "video": 5, "audio": 3}
-    for name in [*families.FAMILIES, "sdxl", "odd", "no_stack", "recurrent"]:
-        assert len(families.expected_shape(name)) == ranks[families.output_kind(name)]
-    assert families.output_kind("stable_audio") == "audio"
-    assert families.output_kind("wan") == "video"
+# the first field of a diffusers pipeline output names what it made (ImagePipelineOutput.images, ...)
+_FIELD_KINDS = {"images": "image", "frames": "video", "audios": "audio"}
+
+
+@pytest.mark.parametrize("model", REFERENCE_MODELS)
+def test_output_kind_is_the_field_plain_diffusers_fills(reference_runs, model):
+    """The kind the tests expect (families, by rank) and the one ``diffuse check`` reads from config are
+    both the field the pipeline's own output carries, seen in a one-step run of plain diffusers."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    import reference
+    from diffuse.check import check
+
+    run = _run(reference_runs, model)
+    reference.import_component_libraries(run.model_dir)
+    pipe = DiffusionPipeline.from_pretrained(run.model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        out = pipe(**dict(families.call_args(model), num_inference_steps=1),
+                   generator=torch.Generator("cpu").manual_seed(SEED), output_type="np")
+    field = next(iter(out.keys()))
+    assert field in _FIELD_KINDS, f"{type(pipe).__name__} returned {type(out).__name__} with fields {list(out.keys())}"
+    assert families.output_kind(model) == _FIELD_KINDS[field]
+    assert check(run.model_dir)["output_kind"] == _FIELD_KINDS[field]
 
 
 def test_call_args_are_json_and_carry_no_generator():

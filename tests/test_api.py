@@ -1,0 +1,103 @@
+"""The Python API: ``diffuse.from_pretrained`` and ``diffuse.split``, against plain diffusers.
+
+The snippet the README shows runs here on tiny pipelines saved to disk, through
+two real local nodes, and must equal plain diffusers run whole in a subprocess
+byte for byte. The README's own example runs as written, at torch's default
+thread count: a default split run is exact without asking for it.
+"""
+
+from __future__ import annotations
+
+import ast
+import ast
+import os
+import re
+import subprocess
+import sys
+
+import families
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, THREADS, run_reference, subprocess_env
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("family", ["wan", "flux"])
+def test_the_readme_snippet_is_byte_identical_to_plain_diffusers(family, models, tmp_path, diffuse_home, one_thread):
+    import diffuse
+
+    model = models(family)
+    kwargs = dict(families.call_args(family), prompt="a paper boat")
+    reference = run_reference(model, kwargs, str(tmp_path / "reference.npy"), seed=7)
+
+    pipe = diffuse.from_pretrained(model)
+    with diffuse.split(pipe, local_nodes=2) as ring:
+        out = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(7), output_type="np")
+    split = np.asarray(out[0])
+    assert split.tobytes() == reference.tobytes(), f"max abs diff {np.abs(split - reference).max()}"
+    # the client held none of the blocks; the nodes did the passes and say how long they were busy
+    held = [p for stack in ring.splitter.originals.values() for p in stack.parameters()]
+    assert held and all(p.device.type == "meta" for p in held)
+    stats = ring.stats
+    assert stats.passes > 0 and stats.bytes_sent > 0 and len(stats.nodes) == 2
+    assert all(n.messages == stats.passes and n.busy_s > 0 for n in stats.nodes)
+    assert f"{stats.passes} passes" in str(stats)
+
+
+def test_a_pipeline_from_diffusers_itself_splits_and_can_be_split_again(models, tmp_path, diffuse_home, one_thread):
+    import diffusers
+
+    import diffuse
+
+    model = models("wan")
+    kwargs = families.call_args("wan")
+    reference = run_reference(model, kwargs, str(tmp_path / "reference.npy"))
+    pipe = diffusers.DiffusionPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    runs = []
+    for _ in range(2):  # a second split of the same pipeline: new nodes, new session, the same answer
+        with diffuse.split(pipe, local_nodes=2):
+            runs.append(pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0), output_type="np")[0])
+    assert runs[0].tobytes() == runs[1].tobytes() == reference.tobytes()
+    # the blocks it handed out are freed here (meta), and outside a split the pipeline says why it cannot run
+    assert all(p.device.type == "meta" for p in pipe.transformer.blocks.parameters())
+    with pytest.raises(diffuse.DiffuseError, match="inside `with diffuse.split"):
+        pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0), output_type="np")
+
+
+def _readme_example() -> str:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "diffuse.split(" in b]
+    assert len(blocks) == 1, "the README shows one diffuse.split example"
+    return blocks[0]
+
+
+def test_the_readme_example_runs_as_written_and_is_exact_at_default_threads(tmp_path, diffuse_home):
+    example = _readme_example()
+    # the example as written, plus one line that saves what it made
+    script = example + "\nimport numpy as np\nnp.save(%r, np.asarray(frames))\n" % str(tmp_path / "split.npy")
+    run = subprocess.run([sys.executable, "-c", script], env=subprocess_env(diffuse_home), capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "passes" in run.stdout  # print(ring.stats)
+    # the same call, whole, by plain diffusers in a fresh process at torch's default thread count
+    call = next(n for n in ast.walk(ast.parse(example)) if isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Name) and n.func.id == "pipe")
+    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg != "generator"}
+    model = ast.literal_eval(next(n for n in ast.walk(ast.parse(example)) if isinstance(n, ast.Call)
+                                  and getattr(n.func, "attr", "") == "from_pretrained").args[0])
+    from diffuse.modelfiles import resolve_model
+
+    reference = run_reference(resolve_model(model), kwargs, str(tmp_path / "reference.npy"), seed=7, threads=0)
+    split = np.load(tmp_path / "split.npy")
+    assert split.tobytes() == reference.tobytes(), f"max abs diff {np.abs(split - reference).max()}"
