@@ -169,25 +169,26 @@ class Split:
             self.ring.open()
             self.splitter = Splitter.on(denoiser, plan)
             self.splitter.attach(self.ring, self.patches)
-        except BaseException:
-            self._close()
+        except BaseException as exc:
+            self._close(hurry=True)
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._close()
+    def __exit__(self, kind, *_) -> None:
+        self._close(hurry=kind is not None)  # after a failure, a dead node is not waited for
 
-    def _close(self) -> None:
+    def _close(self, hurry: bool = False) -> None:
         try:
             if self.splitter is not None:
                 self.patcher = self.splitter.patcher  # what it did stays readable after the ring is gone
                 self.splitter.detach()
             if self.ring is not None:
-                self.ring.close()
+                # local nodes end with their sessions; remote ones are told, briefly when in a hurry
+                self.ring.close(hurry, tell_nodes=not (hurry and self.local_nodes is not None))
                 self.stats = self.ring.stats
         finally:
             if self.local_nodes is not None:
-                self.local_nodes.stop()
+                self.local_nodes.stop(hurry)
                 self.local_nodes = None
 
     # what the run did, for summaries and tests

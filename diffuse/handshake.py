@@ -177,12 +177,12 @@ class Handshake:
             if st.get("session_known") is False:
                 raise NodeError(stage.address, "no longer has this session (restarted, or it timed the session out)")
 
-    def close(self) -> list[dict]:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> list[dict]:
         """Close the session wherever it is open; each node's report of what it did ({} if it did not say)."""
         reports = {}
         for k in self.opened:
             try:
-                reports[k] = self.sealed(k, "close", {"session": self.sid}, CLOSE_TIMEOUT_S)
+                reports[k] = self.sealed(k, "close", {"session": self.sid}, timeout)
             except DiffuseError:
                 reports[k] = {}
         self.opened = []

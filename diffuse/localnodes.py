@@ -30,8 +30,8 @@ class LocalNode:
 class LocalNodes(list):
     """The nodes started here, in route order; ``stop()`` ends them all."""
 
-    def stop(self) -> None:
-        stop_local_nodes(self)
+    def stop(self, hurry: bool = False) -> None:
+        stop_local_nodes(self, 0.5 if hurry else 1.5)
 
 
 def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: str = "tcp",
@@ -86,11 +86,12 @@ def _read_ready(node: LocalNode) -> dict:
     return result
 
 
-def stop_local_nodes(nodes: list[LocalNode]) -> None:
+def stop_local_nodes(nodes: list[LocalNode], grace_s: float = 1.5) -> None:
+    """SIGTERM, then SIGKILL for a node still there after ``grace_s`` (one busy in a block, or frozen)."""
     for node in nodes:
         if node.proc.poll() is None:
             node.proc.terminate()
-    deadline = time.monotonic() + 1.5  # a node stops at once on SIGTERM; one that does not is killed
+    deadline = time.monotonic() + grace_s
     for node in nodes:
         try:
             node.proc.wait(max(0.1, deadline - time.monotonic()))

@@ -88,10 +88,13 @@ class Ring:
     def receive(self, seq: int):
         return self.channel.receive(seq)
 
-    def close(self) -> None:
+    def close(self, hurry: bool = False, tell_nodes: bool = True) -> None:
+        """Close the session on every node (``hurry``: on the way out of a failure or an interrupt, barely
+        waiting; ``tell_nodes`` False: only this end, for nodes that are being stopped anyway)."""
         if self.channel is None and not self.handshake.opened:
             return
-        self.node_reports = self.handshake.close()
+        if tell_nodes:
+            self.node_reports = self.handshake.close(0.3 if hurry else 5.0)
         if self.channel is not None:
             self.channel.close()
             self.channel = None

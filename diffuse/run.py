@@ -28,19 +28,37 @@ FLAG_TO_ARG = {  # flag -> pipeline __call__ argument
 }
 
 
+def positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is less than 1")
+    return n
+
+
+class Parser(argparse.ArgumentParser):
+    """A flag mistake is one line and exit status 2, before anything is loaded or started."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m diffuse.run", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m diffuse.run", description=__doc__.split("\n")[0].replace("``", ""))
     ap.add_argument("--model", help="diffusers pipeline folder (default: the embedded tiny model)")
     ap.add_argument("--prompt")
     ap.add_argument("--negative-prompt")
-    ap.add_argument("--steps", type=int, help="denoising steps (default: the pipeline's)")
-    ap.add_argument("--patches", type=int, default=1, help="patches per step (1: exact; >1: PipeFusion)")
+    ap.add_argument("--steps", type=positive, help="denoising steps (default: the pipeline's)")
+    ap.add_argument("--patches", type=positive, default=1, help="patches per step (1: exact; >1: PipeFusion)")
     ap.add_argument("--seed", type=int, default=0, help='generator=torch.Generator("cpu").manual_seed(SEED)')
-    ap.add_argument("--height", type=int)
-    ap.add_argument("--width", type=int)
-    ap.add_argument("--frames", type=int, help="video frames (num_frames)")
+    ap.add_argument("--height", type=positive)
+    ap.add_argument("--width", type=positive)
+    ap.add_argument("--frames", type=positive, help="video frames (num_frames)")
     ap.add_argument("--nodes", help="comma-separated node addresses, each optionally #HEXKEY to pin its key")
-    ap.add_argument("--local-nodes", type=int, default=None, help="start N nodes on this machine (default 2)")
+    ap.add_argument("--local-nodes", type=positive, default=None, help="start N nodes on this machine (default 2; "
+                    "never more than the longest stack has blocks)")
     ap.add_argument("--local-transport", default="tcp", metavar="SCHEME",
                     help="URL scheme local nodes listen on (tcp; ipc with the diffuse-ipc plugin)")
     ap.add_argument("--out", help="output file (.png / .mp4 / .wav by what the model makes)")
@@ -48,8 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--whole", action="store_true", help="run unsplit in this process (the reference)")
     ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                     help="any other pipeline argument; VALUE is JSON where it parses, else a string")
-    ap.add_argument("--threads", type=int, help="torch threads here and on local nodes (equal counts give equal bits)")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for one pass through the ring")
+    ap.add_argument("--threads", type=positive, help="torch threads here and on local nodes; equal bits need equal "
+                    "counts here, on every node and in the run compared with (default: torch's here, and at "
+                    "--patches 1 the same on local nodes, so a default run equals a default whole run)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds one pass through the ring may take while "
+                    "every node still answers pings (a dead or frozen node is named within seconds regardless)")
     ap.add_argument("--client-key", metavar="FILE", help="this client's long-term identity (created 0600 if "
                     "missing; its public key is printed), for nodes run with --allow-client; default: a fresh one per run")
     ap.add_argument("--report", metavar="FILE.json", help="write run statistics as JSON")
@@ -83,12 +104,41 @@ def call_kwargs(a: argparse.Namespace, pipe, info) -> dict:
         if key not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             raise DiffuseError(f"--arg {key}: {type(pipe).__name__}.__call__ has no such argument")
         kwargs[key] = parse_value(value)
+        default = params[key].default if key in params else None
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and (
+                not isinstance(kwargs[key], (int, float)) or isinstance(kwargs[key], bool)):
+            raise DiffuseError(f"--arg {key}={value}: {type(pipe).__name__} takes a number there "
+                               f"(default {default!r})")
     for k, v in info.call_defaults().items():  # what the folder declares for its size (the embedded model does)
         if k in params:
             kwargs.setdefault(k, v)
     kwargs["generator"] = torch.Generator("cpu").manual_seed(a.seed)
     kwargs["output_type"] = "np"
+    check_inputs(pipe, kwargs)
     return kwargs
+
+
+def check_inputs(pipe, kwargs: dict) -> None:
+    """The pipeline's own input check, run before any node starts: what it refuses is refused now,
+    in one line. Arguments it takes that the call does not give are passed as None (its default
+    where it has one); a check that cannot be called that way is skipped, not guessed at."""
+    import inspect as _inspect
+
+    fn = getattr(pipe, "check_inputs", None)
+    if fn is None:
+        return
+    given = {}
+    for name, p in _inspect.signature(fn).parameters.items():
+        if name in kwargs:
+            given[name] = kwargs[name]
+        elif p.default is _inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            given[name] = None
+    try:
+        fn(**given)
+    except ValueError as exc:
+        raise DiffuseError(f"{type(pipe).__name__} refuses these arguments: {' '.join(str(exc).split())}") from None
+    except (TypeError, AttributeError):
+        pass
 
 
 @contextmanager
@@ -98,10 +148,13 @@ def step_progress(pipe, quiet: bool):
 
     sched = pipe.scheduler
     original = sched.step
+    from rich.console import Console
+
     progress = Progress(TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        disable=quiet, transient=False)
+                        disable=quiet, transient=False, console=Console(stderr=True))
     task = progress.add_task("steps", total=None)
-    counter = {"steps": 0}
+    counter = {"steps": 0, "denoising": 0.0}
+    started = time.perf_counter()
 
     # wraps() keeps step's signature visible: pipelines pass generator/eta only if step declares them
     @functools.wraps(original)
@@ -110,6 +163,7 @@ def step_progress(pipe, quiet: bool):
             progress.update(task, total=len(sched.timesteps))
         out = original(*args, **kwargs)
         counter["steps"] += 1
+        counter["denoising"] = time.perf_counter() - started  # from the call to the last step: text encoding and steps
         progress.advance(task)
         return out
 
@@ -129,17 +183,21 @@ def output_array(result) -> np.ndarray:
 
 
 def generate(a: argparse.Namespace, console) -> dict:
-    """One run of the pipeline, whole (``--whole``) or split; writes the output; returns the report."""
+    """One run of the pipeline, whole (``--whole``) or split; writes the output; returns the report.
+    Everything that can be checked is checked before a node starts; local nodes start while the
+    client loads its part of the model."""
     import torch
 
     import diffuse
     from diffuse.api import ModelInfo, Split
+    from diffuse.known_nodes import parse_nodes
     from diffuse.planner import load_pipeline
 
+    t0 = time.perf_counter()
     if a.threads:
         torch.set_num_threads(a.threads)
-    if a.patches < 1:
-        raise DiffuseError("--patches must be at least 1")
+    if a.nodes is not None:
+        parse_nodes(a.nodes)  # address and key mistakes, before anything is loaded
     info = ModelInfo.of(a.model)  # refusals happen here, before any node is contacted
     check_output_path(a.out, info.draft)
     if a.whole:
@@ -149,30 +207,37 @@ def generate(a: argparse.Namespace, console) -> dict:
         pipe = diffuse.from_pretrained(info.path)
     kwargs = call_kwargs(a, pipe, info)
     report: dict = {"model": info.path, "mode": "whole" if a.whole else "split"}
-    t0 = time.perf_counter()
+    times = {"load": time.perf_counter() - t0}
     split = None
     if not a.whole:
         split = Split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches, threads=a.threads,
                       timeout=a.timeout, client_key=a.client_key, local_transport=a.local_transport)
+        if a.client_key:
+            from diffuse.sealing import load_identity
+
+            console.print(f"client key {load_identity(a.client_key).public_hex}", highlight=False, soft_wrap=True)
         if split.local is not None:
             for note in split.local.notes:
                 console.print(note, soft_wrap=True)
             console.print(f"starting {split.local.count} local nodes ({split.local.threads} "
                           f"thread{'s' if split.local.threads > 1 else ''} each)")
+    t1 = time.perf_counter()
     with split or nullcontext():
         if split is not None:
-            if a.client_key:
-                console.print(f"client key {split.ring.identity.public_hex}", highlight=False, soft_wrap=True)
             for stage in split.plan.route:
                 console.print(f"  node {stage.address}: {', '.join(map(str, stage.slices))}")
             if a.patches > 1 and split.ring.uncut:
                 console.print(f"{', '.join(sorted(split.ring.uncut))}: two streams per block (image and text side "
                               f"by side), so steps run uncut there; --patches {a.patches} not applied", soft_wrap=True)
+        times["nodes"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
         with torch.no_grad(), step_progress(pipe, a.quiet) as steps:
             result = pipe(**kwargs)
+        times["pipeline"] = time.perf_counter() - t2
+        times["denoising"] = steps["denoising"]
     elapsed = time.perf_counter() - t0
     arr = output_array(result)
-    report.update(seconds=elapsed, steps=steps["steps"], shape=list(arr.shape), kind=info.output_kind)
+    report.update(seconds=elapsed, steps=steps["steps"], shape=list(arr.shape), kind=info.output_kind, times=times)
     if split is not None:
         st = split.ring.channel_stats
         report.update(
@@ -238,6 +303,12 @@ def write_output(arr: np.ndarray, out: str | None, draft: dict, pipe) -> str:
 def summarize(r: dict, console) -> None:
     line = f"[bold green]wrote[/] {r['out']}  ({r['kind']}, shape {tuple(r['shape'])}) in {r['seconds']:.1f} s"
     console.print(line)
+    t = r.get("times") or {}
+    if t:
+        console.print(f"  start-up {t['load'] + t.get('nodes', 0):.1f} s (analysis and loading {t['load']:.1f} s, "
+                      f"nodes and session {t.get('nodes', 0):.1f} s); pipeline {t['pipeline']:.1f} s "
+                      f"(through the last step {t['denoising']:.1f} s, decoding {t['pipeline'] - t['denoising']:.1f} s)",
+                      soft_wrap=True)
     if r.get("calls"):
         steps = max(1, r.get("steps") or 1)
         wire = r["bytes_sent"] + r["bytes_received"]
@@ -269,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
         generate(a, console)
     except DiffuseError as exc:
         return report_error(console, exc)
+    except KeyboardInterrupt:  # sessions are closed and local nodes stopped on the way out
+        console.print("interrupted", highlight=False)
+        if __name__ == "__main__":  # nothing is left to tear down: skip the interpreter's slow exit
+            sys.stderr.flush()
+            os._exit(130)
+        return 130
     return 0
 
 

@@ -297,7 +297,7 @@ def test_each_guidance_branch_borrows_from_its_own_buffers(models):
 
     own, other = block1_over(one0), block1_over(one1)
     assert rel(got, own) < 1e-6
-    assert rel(other, own) > 1e-3  # sharing buffers would borrow the other branch's activations
+    assert rel(other, own) > 1e-4  # sharing buffers would borrow the other branch's activations
     assert stale.report()["branches"] == 2
 
 

@@ -1,0 +1,113 @@
+"""What a newcomer meets first: mistakes refused in one line before anything starts, a dead or
+frozen node named within seconds, Ctrl-C that ends everything at once.
+
+Real client and node processes on loopback, the embedded model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import subprocess_env
+
+RUN = [sys.executable, "-m", "diffuse.run", "--quiet"]
+
+
+class Client:
+    """``python -m diffuse.run`` in its own process group, its stderr read as it comes."""
+
+    def __init__(self, args: list[str], home: str, cwd):
+        self.proc = subprocess.Popen(RUN + args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                     env=subprocess_env(home), cwd=cwd, start_new_session=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
+        self.reader.start()
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            assert self.proc.poll() is None, "".join(self.lines)
+            assert time.monotonic() < deadline, "".join(self.lines)
+            time.sleep(0.1)
+
+    def finish(self, timeout: float) -> float:
+        t0 = time.monotonic()
+        self.proc.wait(timeout)
+        self.reader.join(5)
+        return time.monotonic() - t0
+
+    @property
+    def said(self) -> str:
+        return " ".join("".join(self.lines).split())
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--steps", "-3"], "argument --steps: -3 is less than 1"),
+    (["--steps", "0"], "argument --steps: 0 is less than 1"),
+    (["--prompt", "x", "--height", "33"], "have to be divisible by 16"),
+    (["--prompt", "x", "--arg", "guidance_scale=abc"], "--arg guidance_scale=abc: WanPipeline takes a number"),
+    ([], "Provide either `prompt` or `prompt_embeds`"),
+    (["--prompt", "x", "--nodes", "tcp://127.0.0.1:7#nothex"], "is not a public key"),
+    (["--prompt", "x", "--nodes", "127.0.0.1:7"], "has no scheme"),
+])
+def test_bad_values_are_one_line_exit_2_and_nothing_starts(args, why, tmp_path, diffuse_home):
+    run = subprocess.run(RUN + args + ["--out", str(tmp_path / "o.mp4")], capture_output=True, text=True,
+                         env=subprocess_env(diffuse_home), timeout=120, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert why in " ".join(run.stderr.split())
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert "starting" not in run.stderr and not (tmp_path / "o.mp4").exists()
+
+
+def _node(share: str, home: str):
+    from diffuse.default_model import default_model_dir
+
+    proc = subprocess.Popen([sys.executable, "-m", "diffuse.node", "--model", default_model_dir(), "--blocks", share,
+                             "--ephemeral-key", "--log-level", "WARNING"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=subprocess_env(home))
+    return proc, json.loads(proc.stdout.readline())
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_dead_or_frozen_node_is_named_within_seconds(how, tmp_path, diffuse_home):
+    nodes = [_node(share, diffuse_home) for share in ("1/2", "2/2")]
+    try:
+        addresses = ",".join(f"{r['address']}#{r['key']}" for _, r in nodes)
+        client = Client(["--prompt", "a red circle moving right", "--steps", "400", "--nodes", addresses,
+                         "--out", str(tmp_path / "o.mp4")], diffuse_home, tmp_path)
+        client.wait_for("node tcp://")  # the session is open: the pipeline is running
+        time.sleep(2.0)
+        nodes[1][0].send_signal(how)
+        took = client.finish(timeout=60)
+    finally:
+        for proc, _ in nodes:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait(10)
+    assert client.proc.returncode == 2, client.said
+    assert took < 15, f"{took:.1f} s: {client.said}"
+    assert f"node {nodes[1][1]['address']}:" in client.said and "dead or frozen" in client.said
+    assert "Traceback" not in client.said
+
+
+def test_ctrl_c_ends_the_run_and_its_local_nodes_within_two_seconds(tmp_path, diffuse_home):
+    client = Client(["--prompt", "a red circle moving right", "--steps", "400", "--out", str(tmp_path / "o.mp4")],
+                    diffuse_home, tmp_path)
+    client.wait_for("node tcp://")
+    time.sleep(1.0)
+    os.killpg(client.proc.pid, signal.SIGINT)  # what a terminal does: the whole process group
+    took = client.finish(timeout=30)
+    assert took < 2.0, f"{took:.1f} s: {client.said}"
+    assert client.proc.returncode == 130, client.said
+    assert "Traceback" not in client.said and "interrupted" in client.said
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", f"--exit-with {client.proc.pid}"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "local nodes left running"
