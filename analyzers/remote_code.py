@@ -69,8 +69,8 @@ def _shipped_file(root: str, component: str, lib: str) -> str | None:
 def _is_builtin(lib: str) -> bool:
     """Libraries diffusers loads from itself: diffusers, transformers, ... and diffusers' own pipeline modules.
 
-    The two every checkpoint names are answered first: asking diffusers' loader imports every model class
-    it knows, which is most of the time ``diffuse check`` would take."""
+    The two every checkpoint names are answered without asking diffusers' loader, whose import pulls in
+    every model class diffusers has: a checkpoint refused here is refused before any of that."""
     if lib in ("diffusers", "transformers"):
         return True
     from diffusers import pipelines

@@ -1,9 +1,10 @@
 """`diffuse check MODEL`: the verdict and its reasons, from config.json files alone (no weights read).
 
 Nearly all of a first check is Python importing torch and diffusers' model
-code (a few seconds); the analysis itself takes milliseconds. So a verdict is
-kept under ``$DIFFUSE_HOME/cache/`` keyed by everything it rests on, and a
-repeated check of an unchanged model with unchanged code imports neither.
+code (a few seconds); the analysis itself takes milliseconds. So ``diffuse
+check`` keeps its verdicts (``cache=True``) under ``$DIFFUSE_HOME/cache/``, keyed
+by everything they rest on: a repeated check of an unchanged model with
+unchanged code imports neither.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def cache_key(path: str) -> str:
     with open(os.path.join(path, "model_index.json")) as f:
         named = [e[0] for e in json.load(f).values() if isinstance(e, list) and e and isinstance(e[0], str)]
     tops = {ep.value.split(".")[0].split(":")[0] for ep in entry_points(group="diffuse")} | {n.split(".")[0] for n in named}
-    for top in sorted(tops - set(_LIBRARIES)):
+    for top in sorted(tops - {"", *_LIBRARIES}):
         spec = find_spec(top)
         roots = list(spec.submodule_search_locations or []) if spec else []
         files = [spec.origin] if spec and spec.origin and not roots else []

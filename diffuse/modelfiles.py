@@ -13,19 +13,28 @@ WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
 
 
 def resolve_model(model: str) -> str:
-    """A local pipeline folder for ``model`` (a path, or a hub id already in the local cache)."""
+    """A local pipeline folder for ``model``: a path; the name of a model shipped in the package
+    (``tiny-wan-shapes``, see ``diffuse.default_model.shipped_models``); or a Hugging Face Hub id already in
+    the local cache, found offline where ``DiffusionPipeline.from_pretrained`` finds it (the snapshot that
+    ``refs/main`` names under ``HF_HUB_CACHE``)."""
     if os.path.isdir(model):
         return os.path.abspath(model)
     if os.path.exists(model):
         raise DiffuseError(f"{model} is a file; --model wants a diffusers pipeline folder")
-    try:
-        from huggingface_hub import snapshot_download
+    from diffuse.default_model import shipped_models
 
+    shipped = shipped_models()
+    if model in shipped:
+        return shipped[model]
+    from huggingface_hub import constants, snapshot_download
+
+    try:
         return snapshot_download(model, local_files_only=True)
-    except Exception as exc:
+    except Exception as exc:  # not cached, or not a hub id at all
         raise DiffuseError(
-            f"model {model!r} is neither a local folder nor in the local hub cache ({type(exc).__name__}); "
-            "download it first or give the path of a diffusers pipeline folder"
+            f"model {model!r} not found: no folder {os.path.abspath(model)}, no shipped model of that name (shipped: "
+            f"{', '.join(shipped) or 'none'}), and not in the Hugging Face cache {constants.HF_HUB_CACHE} "
+            f"({type(exc).__name__}); download it first (hf download {model}) or give a diffusers pipeline folder"
         ) from exc
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import time
 import warnings
 
 import pytest
@@ -219,13 +218,23 @@ def test_a_wrapper_block_is_judged_by_what_it_wraps_and_a_list_picked_by_index_i
     ("wan", [("blocks", 40, "num_layers")]),
     ("flux", [("transformer_blocks", 19, "num_layers"), ("single_transformer_blocks", 38, "num_single_layers")]),
 ])
-def test_full_size_class_default_configs_are_analyzed_quickly(tmp_path, family, expected):
+def test_full_size_configs_are_nudged_only_at_settings_equal_to_a_stack_length(tmp_path, monkeypatch, family, expected):
+    """A full-size model has many integer settings; the nudger tries those equal to a stack length first and
+    stops once every stack has its key: one probe build, then at most one weightless build per such setting."""
+    from analyzers import config_nudger
+
+    builds = []
+    for name in ("_on_meta", "_on_empty_weights"):
+        real = getattr(config_nudger, name)
+        monkeypatch.setattr(config_nudger, name, lambda cls, config, real=real: builds.append(cls) or real(cls, config))
     path = family_checkpoint(tmp_path, family, full_size=True)
-    start = time.perf_counter()
     draft = analyze(path)
-    seconds = time.perf_counter() - start
-    assert [(s.path, s.length, s.config_key) for s in draft["stacks"]] == expected
-    assert seconds < 15, f"{family} full-size config phase took {seconds:.1f} s"
+    assert [(s.path, s.length, draft["stack_config_keys"].get(s.path)) for s in draft["stacks"]] == expected
+    with open(os.path.join(path, "transformer", "config.json")) as f:
+        config = json.load(f)
+    ints = [k for k, v in config.items() if not k.startswith("_") and type(v) is int]
+    likely = [k for k in ints if config[k] in {length for _, length, _ in expected}]
+    assert len(expected) <= len(builds) - 1 <= len(likely) < len(ints) - 3, (len(builds), likely, ints)
 
 
 # --- refusals -------------------------------------------------------------------------------------------------

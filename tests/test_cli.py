@@ -41,3 +41,87 @@ def test_check_reads_config_alone_and_states_the_verdict(models, tmp_path):
     assert "blocks" in rest and str(layers) in rest and "num_layers" in rest and "video" in rest
     refused = _diffuse("check", models("sdxl"), home=str(tmp_path))
     assert refused.returncode == 2 and "refused" in refused.stdout.splitlines()[0]
+
+
+def _fake_hub_cache(root, repo_id: str, source: str) -> str:
+    """A Hugging Face cache as ``hf download`` leaves it: models--org--name/snapshots/<commit>/ and refs/main.
+
+    Two snapshots, refs/main naming the second: the one a resolver must pick is not the first it would list."""
+    import shutil
+
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    for commit in ("a" * 40, "b" * 40):
+        shutil.copytree(source, repo / "snapshots" / commit, ignore=shutil.ignore_patterns("*.safetensors"))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("b" * 40)
+    return str(repo / "snapshots" / ("b" * 40))
+
+
+def _resolve_in(env: dict, model: str) -> subprocess.CompletedProcess:
+    """resolve_model and diffusers' own resolver (what from_pretrained loads from), in a fresh process:
+    huggingface_hub reads HF_HUB_CACHE once, at import."""
+    code = ("import sys; from diffusers import DiffusionPipeline; from diffuse.modelfiles import resolve_model\n"
+            "print(resolve_model(sys.argv[1])); print(DiffusionPipeline.download(sys.argv[1]))")
+    return subprocess.run([sys.executable, "-c", code, model], env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_a_shipped_model_is_found_by_name(tmp_path):
+    from diffuse.default_model import SHIPPED_MODEL_NAME, default_model_dir
+
+    env = dict(subprocess_env(str(tmp_path)), HF_HUB_CACHE=str(tmp_path / "empty-hub"), COLUMNS="400")
+    run = _resolve_in(env, SHIPPED_MODEL_NAME)
+    assert run.stdout.splitlines()[0] == default_model_dir(), run.stderr[-2000:]
+    check = subprocess.run([sys.executable, "-m", "diffuse.cli", "check", SHIPPED_MODEL_NAME], env=env,
+                           capture_output=True, text=True, timeout=180)
+    assert check.returncode == 0 and check.stdout.splitlines()[0] == "splittable", check.stderr[-2000:]
+    assert f"model {default_model_dir()} (transformer: WanTransformer3DModel)" in check.stdout
+
+
+def test_a_hub_id_in_the_local_cache_resolves_offline_where_diffusers_finds_it(tmp_path):
+    from diffuse.default_model import default_model_dir
+
+    snapshot = _fake_hub_cache(tmp_path / "hub", "tiny-org/tiny-wan", default_model_dir())
+    env = dict(subprocess_env(str(tmp_path)), HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1", COLUMNS="400")
+    run = _resolve_in(env, "tiny-org/tiny-wan")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines()[-2:] == [snapshot, snapshot]
+    check = subprocess.run([sys.executable, "-m", "diffuse.cli", "check", "tiny-org/tiny-wan"], env=env,
+                           capture_output=True, text=True, timeout=180)
+    assert check.returncode == 0 and check.stdout.splitlines()[0] == "splittable", check.stderr[-2000:]
+    assert f"model {snapshot} (transformer:" in check.stdout
+
+
+def test_an_unknown_model_names_what_was_tried_and_what_ships(tmp_path):
+    env = dict(subprocess_env(str(tmp_path)), HF_HUB_CACHE=str(tmp_path / "empty-hub"), COLUMNS="400")
+    run = subprocess.run([sys.executable, "-m", "diffuse.cli", "check", "no-org/no-model"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 2
+    said = " ".join((run.stdout + run.stderr).split())
+    assert f"no folder {tmp_path / 'no-org' / 'no-model'}" in said and "shipped: tiny-wan-shapes" in said
+    assert f"not in the Hugging Face cache {tmp_path / 'empty-hub'}" in said
+
+
+def test_check_remembers_a_verdict_until_the_model_changes(tmp_path, monkeypatch):
+    import shutil
+
+    from rich.console import Console
+
+    from diffuse.check import print_check
+    from diffuse.default_model import default_model_dir
+
+    monkeypatch.setenv("DIFFUSE_HOME", str(tmp_path / "home"))
+    model = tmp_path / "model"
+    shutil.copytree(default_model_dir(), model, ignore=shutil.ignore_patterns("*.safetensors"))
+
+    def lines():
+        console = Console(record=True, width=400)
+        assert print_check(str(model), console, cache=True) == 0
+        return console.export_text().splitlines()
+
+    first, again = lines(), lines()
+    assert "(cached)" not in first[1] and "(cached)" in again[1]
+    assert first[0] == again[0] == "splittable" and first[2:] == again[2:]
+    config = model / "transformer" / "config.json"
+    config.write_text(config.read_text().replace('"num_layers": 4', '"num_layers": 3'))
+    changed = lines()
+    assert "(cached)" not in changed[1] and "blocks: 3 x WanTransformerBlock" in changed[3]

@@ -1,6 +1,10 @@
-"""python -m diffuse.train [--out DIR --steps N --vae-steps N --seed S --threads T --quick]
-python -m diffuse.train polish-decoder [--model DIR] [--steps N]   (VAE decoder only, encoder frozen)
-python -m diffuse.train evaluate [--model DIR] [--steps 20] [--sheet docs/example.png]"""
+"""Train the tiny Wan text-to-video model on procedural shapes (CPU); polish or evaluate a trained one.
+
+commands (each takes --help):
+  python -m diffuse.train [options]                 train from scratch (the defaults made ``tiny-wan-shapes``)
+  python -m diffuse.train evaluate [options]        held-out property match rates, against random weights
+  python -m diffuse.train polish-decoder [options]  train only a saved model's VAE decoder (encoder frozen)
+"""
 
 from __future__ import annotations
 
@@ -30,8 +34,10 @@ def main(argv=None):
         return 0
     from .trainer import TrainConfig, quick_config, run
 
-    ap = argparse.ArgumentParser(prog="python -m diffuse.train",
-                                 description="Train the tiny Wan text-to-video model on procedural shapes (CPU).")
+    from diffuse.text import plain
+
+    ap = argparse.ArgumentParser(prog="python -m diffuse.train", description=plain(__doc__),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     from . import DEFAULT_MODEL
 
     ap.add_argument("--out", default=DEFAULT_MODEL, help="pipeline folder to write (default: the shipped model)")
