@@ -54,7 +54,7 @@ def cmd_check(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     console = Console()
     try:
-        return print_check(resolve_model(a.model), console)
+        return print_check(resolve_model(a.model), console, cache=True)
     except DiffuseError as exc:
         from diffuse.run import report_error
 

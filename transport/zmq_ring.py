@@ -9,6 +9,9 @@ becomes a NodeError, never a hang.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import cbor2
 import zmq
 
@@ -76,6 +79,15 @@ class ZmqEndpoint:
     def close(self) -> None:
         self.control.close(0)
         self.data.close(0)
+        _unlink_paths(self.control_address, self.address)
+
+
+def _unlink_paths(*addresses: str) -> None:
+    """A path-scheme (ipc://) socket's file outlives its socket: remove it when the socket closes."""
+    for scheme, _, path in (a.partition("://") for a in addresses):
+        if scheme != "tcp":
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 class ZmqInbox:
@@ -92,6 +104,7 @@ class ZmqInbox:
 
     def close(self) -> None:
         self.sock.close(0)
+        _unlink_paths(self.address)
 
 
 class ZmqOutbox:

@@ -34,7 +34,7 @@ SIZES = {
         transformer=dict(num_attention_heads=2, attention_head_dim=24, ffn_dim=96, num_layers=2),
         text=dict(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4),
     ),
-    "tiny": dict(  # diffusers' own Wan test components, with 4 blocks
+    "tiny": dict(  # sized like the components of diffusers' own Wan test, with 4 blocks
         vae=dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                  temperal_downsample=[False, True, True]),
         transformer=dict(num_attention_heads=2, attention_head_dim=12, ffn_dim=32, num_layers=4),

@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+import tempfile
 import platform
 import time
 from dataclasses import dataclass, field
@@ -329,7 +330,7 @@ def run(cfg: TrainConfig) -> dict:
     np.random.seed(cfg.seed)
     t_start = time.time()
     os.makedirs(cfg.out, exist_ok=True)
-    logf = open(os.path.join("/tmp", f"diffuse-train-{os.getpid()}.log"), "a")
+    logf = open(os.path.join(tempfile.gettempdir(), f"diffuse-train-{os.getpid()}.log"), "a")
 
     def log(msg):
         line = f"[{time.time() - t_start:7.1f}s] {msg}"
