@@ -48,6 +48,18 @@ class Models:
         return self.dirs[name]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def scratch(tmp_path_factory) -> str:
+    """Node logs, ipc sockets and other temporary files of this session (in-process and in every
+    subprocess) go under pytest's own temporary folder, not loose in /tmp."""
+    import tempfile
+
+    path = str(tmp_path_factory.mktemp("scratch"))
+    os.environ["TMPDIR"] = path
+    tempfile.tempdir = path
+    return path
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> Models:
     return Models(tmp_path_factory.mktemp("models"))

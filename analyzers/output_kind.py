@@ -30,6 +30,9 @@ class OutputKind(Analyzer):
     description = "Image, video or audio, with frame and sample rate, from the pipeline class and component configs."
 
     def analyze(self, subject, draft):
+        if subject.autoregressive:
+            return {"output_kind": "text", "frame_rate": None, "sample_rate": None,
+                    "output_evidence": f"{subject.denoiser_class_name} generates tokens"}
         pipeline = pipeline_class(subject, draft["component_libraries"])
         params = inspect.signature(pipeline.__call__).parameters
         sample_rate = _sampling_rate(subject)

@@ -29,6 +29,11 @@ class RemoteCode(Analyzer):
 
     def analyze(self, subject, draft):
         root, index = subject.path, subject.model_index
+        if subject.library == "transformers":
+            if subject.denoiser_config.get("auto_map"):
+                _refuse(root, "config.json has an auto_map pointing at code shipped with the checkpoint "
+                              f"({', '.join(_auto_map_files(subject.denoiser_config['auto_map']))})")
+            return {"component_libraries": {}}
         pipeline = index.get("_class_name")
         if isinstance(pipeline, (list, tuple)):
             _refuse(root, f"model_index.json takes its pipeline class {pipeline[-1]} from {pipeline[0]}.py, code shipped "

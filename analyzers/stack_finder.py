@@ -5,9 +5,20 @@ of one or more blocks of one class, that the denoiser's code does not pick
 apart entry by entry (see ``_shapes.picked_not_looped``). Every
 other such list is reported in ``other_lists`` with the reason it is not a
 stack; it stays on the client like any other module.
+
+A model that generates token by token (a transformers model) nests its decoder
+stack inside modules with weights of their own (``model.layers`` beside the
+embedding table; ``model.text_model.layers`` beside a vision tower), so every
+ModuleList of blocks is looked at, and the stacks are those whose blocks
+attend causally and index a cache by layer (an attention module with
+``is_causal`` and a ``layer_idx``): the decoder. A list of blocks that attend
+both ways (a vision or audio tower, a text encoder) runs once per request and
+stays on the client, where the media is.
 """
 
 from __future__ import annotations
+
+from torch import nn
 
 from diffuse.analysis import Analyzer
 from diffuse.errors import RefusedModel
@@ -26,13 +37,14 @@ class StackFinder(Analyzer):
     description = "The ModuleLists of same-class blocks the denoiser calls as a chain (weightless build), in call order."
 
     def analyze(self, subject, draft):
-        stacks, others = find_stacks(denoiser_on_meta(subject))
+        model = denoiser_on_meta(subject)
+        stacks, others = find_decoder_stacks(model) if subject.autoregressive else find_stacks(model)
         return {"stacks": stacks, "other_lists": others}
 
 
 def denoiser_on_meta(subject):
     """The subject's weightless denoiser, or a refusal that says why it could not be built."""
-    if not subject.denoiser:
+    if not subject.denoiser and not subject.autoregressive:
         raise RefusedModel(subject.path, "model_index.json names no denoiser component (transformer, unet, ...) with a "
                                          "config.json")
     try:
@@ -41,6 +53,33 @@ def denoiser_on_meta(subject):
     except Exception as exc:
         raise RefusedModel(subject.path, f"the denoiser {subject.denoiser_class_name} could not be built from "
                                          f"{subject.denoiser}/config.json: {type(exc).__name__}: {exc}") from exc
+
+
+def _causal_with_cache(block) -> bool:
+    return any(getattr(m, "is_causal", False) is True and getattr(m, "layer_idx", None) is not None
+               for m in block.modules())
+
+
+def find_decoder_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:
+    """(the decoder stacks, in registration order; {path: why not a stack}) of a token-by-token model."""
+    stacks, others = [], {}
+    for path, blocks in model.named_modules():
+        if not isinstance(blocks, nn.ModuleList) or not len(blocks) or not all(map(is_block, blocks)):
+            continue
+        if any(path.startswith(s.path + ".") for s in stacks):
+            continue  # lists inside a decoder block are part of that block
+        entries = list(blocks)
+        if len({type(b) for b in entries}) > 1:
+            others[path] = describe_blocks(entries)
+        elif not _causal_with_cache(entries[0]):
+            others[path] = (f"{len(entries)} {type(entries[0]).__name__} blocks that attend both ways (an encoder or "
+                            "a media tower): they run once per request, on the client")
+        else:
+            stacks.append(StackPlan(
+                path=path, length=len(entries), block_class=class_path(type(entries[0])),
+                params_per_block=round(sum(block_params(b) for b in entries) / len(entries)),
+            ))
+    return stacks, others
 
 
 def find_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:

@@ -33,22 +33,31 @@ class Analyzer:
 
 @dataclass
 class ModelSubject:
-    """What the config-phase analyzers look at: a local diffusers pipeline folder, read from its
-    config.json files only (and weightless builds), never its weights."""
+    """What the config-phase analyzers look at, read from config.json files only (and weightless
+    builds), never weights: a local diffusers pipeline folder (its denoiser holds the block stacks), or
+    a transformers model folder (a config.json naming its ``architectures``; the model itself holds
+    them, and ``denoiser`` is "": the folder's root)."""
 
     path: str
     model_index: dict
-    denoiser: str  # component name: "transformer", "unet", ...
+    denoiser: str  # the component that holds the stacks: "transformer", "unet", ...; "" for a transformers model
     denoiser_config: dict
+    library: str = "diffusers"  # diffusers | transformers
     _meta: Any = field(default=None, repr=False)
 
     @classmethod
     def from_path(cls, path: str) -> "ModelSubject":
         index_file = os.path.join(path, "model_index.json")
         if not os.path.isfile(index_file):
-            from diffuse.errors import DiffuseError
-
-            raise DiffuseError(f"{path} is not a diffusers pipeline folder: it has no model_index.json")
+            config_file = os.path.join(path, "config.json")
+            config = {}
+            if os.path.isfile(config_file):
+                with open(config_file) as f:
+                    config = json.load(f)
+            if isinstance(config, dict) and config.get("architectures"):
+                return cls(path=path, model_index={}, denoiser="", denoiser_config=config, library="transformers")
+            raise DiffuseError(f"{path} is neither a diffusers pipeline folder (no model_index.json) nor a "
+                               "transformers model folder (no config.json naming its architectures)")
         with open(index_file) as f:
             model_index = json.load(f)
         denoiser = next((n for n in ("transformer", "unet", "prior", "denoiser") if n in model_index), None)
@@ -66,21 +75,47 @@ class ModelSubject:
         return cls(path=path, model_index=model_index, denoiser=denoiser or "", denoiser_config=cfg)
 
     @property
+    def autoregressive(self) -> bool:
+        """A model that generates token by token (one pass per token, a cache per request)."""
+        return self.library == "transformers"
+
+    @property
+    def component_dir(self) -> str:
+        """The folder holding the stacks' config.json and weights."""
+        return os.path.join(self.path, self.denoiser)
+
+    @property
     def denoiser_class_name(self) -> str:
+        if self.library == "transformers":
+            return str(self.denoiser_config["architectures"][0])
         entry = self.model_index.get(self.denoiser)
         return entry[1] if isinstance(entry, list) else str(self.denoiser_config.get("_class_name", ""))
 
     def denoiser_class(self):
+        import importlib
+
+        name = self.denoiser_class_name
+        if self.library == "transformers":
+            import transformers
+
+            found = getattr(transformers, name, None)
+            if found is None:
+                raise DiffuseError(f"config.json names the class {name!r}, which transformers "
+                                   f"{transformers.__version__} does not have")
+            return found
         import diffusers
 
         entry = self.model_index.get(self.denoiser)
         lib = entry[0] if isinstance(entry, list) else "diffusers"
-        name = self.denoiser_class_name
         if lib == "diffusers" or lib is None:
             return getattr(diffusers, name)
-        import importlib
-
         return getattr(importlib.import_module(lib), name)
+
+    def config_object(self):
+        """The model's configuration as its library's object (a transformers model's caches need it)."""
+        if self.library == "transformers":
+            return self.denoiser_class().config_class.from_dict(dict(self.denoiser_config))
+        return dict(self.denoiser_config)
 
     def meta_denoiser(self):
         """The denoiser built weightless (parameters on meta, buffers real), cached."""
@@ -89,17 +124,25 @@ class ModelSubject:
         return self._meta
 
 
+def build_model(cls, config: dict):
+    """``cls`` built from a config dict, by its library's own constructor (weights as the caller's context
+    makes them: on meta, empty, or real)."""
+    init_cfg = {k: v for k, v in config.items() if not k.startswith("_")}
+    if hasattr(cls, "_from_config") and hasattr(cls, "config_class"):  # a transformers model
+        return cls._from_config(cls.config_class.from_dict(dict(config)))
+    return cls.from_config(init_cfg)
+
+
 def build_meta(cls, config: dict):
     """Build ``cls`` from ``config`` with no weights; non-persistent buffers stay real (see FACTS)."""
     import warnings
 
     from accelerate import init_empty_weights
 
-    init_cfg = {k: v for k, v in config.items() if not k.startswith("_")}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with init_empty_weights():
-            return cls.from_config(init_cfg)
+            return build_model(cls, config)
 
 
 def installed_analyzers(phase: str | None = None) -> list[Analyzer]:

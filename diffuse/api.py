@@ -60,11 +60,16 @@ class ModelInfo:
 
 def from_pretrained(model: str | None = None):
     """The pipeline at ``model`` (a folder, a shipped model's name, a Hub id in the local cache; None:
-    the embedded model), loaded by diffusers from safetensors without the blocks the nodes will hold."""
-    from diffuse.planner import load_pipeline
+    the embedded model), loaded by diffusers from safetensors without the blocks the nodes will hold;
+    or a transformers model (a folder whose config.json names its architectures), loaded by
+    transformers (its decoder layers are freed when it is split)."""
+    from diffuse.planner import load_model, load_pipeline
 
     info = ModelInfo.of(model)
-    pipe = load_pipeline(info.path, info.subject, info.draft["stacks"])
+    if info.subject.autoregressive:
+        pipe = load_model(info.path, info.subject)
+    else:
+        pipe = load_pipeline(info.path, info.subject, info.draft["stacks"])
     pipe._diffuse = info
     return pipe
 
@@ -77,12 +82,21 @@ def model_info(pipe_or_model, model: str | None = None) -> ModelInfo:
     if model is None:
         model = getattr(pipe_or_model, "name_or_path", None) or getattr(
             getattr(pipe_or_model, "config", None), "_name_or_path", None)
-        if model and not os.path.isfile(os.path.join(model, "model_index.json")):
+        if model and not os.path.isfile(os.path.join(model, "model_index.json")) and not _names_architectures(model):
             parent = os.path.dirname(os.path.normpath(model))  # a denoiser saved inside its pipeline folder
             model = parent if os.path.isfile(os.path.join(parent, "model_index.json")) else None
     if not model:
         raise DiffuseError("cannot tell which pipeline folder this came from: pass model=PATH")
     return ModelInfo.of(model)
+
+
+def _names_architectures(folder: str) -> bool:
+    """A transformers model folder: a config.json naming its architectures."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return bool(json.load(f).get("architectures"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @dataclass

@@ -4,7 +4,9 @@ A call ``block(*args, **kwargs)`` becomes a *tree* (plain CBOR/JSON data with
 constants inline and ``{"$t": i}`` where tensor ``i`` sat) plus a flat list of
 tensors, the *slots*. Tuples, lists and dicts of tensors nest (rotary
 ``(cos, sin)``, complex included). The tree is the call plan: it travels once
-per branch; afterwards only the tensors that changed do.
+per branch; afterwards only the tensors that changed do. A language model's
+key/value cache becomes a marker naming its class (``diffuse.kvcache``): each
+node supplies its own.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from diffuse.errors import DiffuseError
+from diffuse.kvcache import STATE, is_cache
 
 TENSOR, TUPLE, DICT = "$t", "$tuple", "$dict"
 
@@ -42,6 +45,8 @@ def flatten(args: tuple, kwargs: dict) -> tuple[dict, list[torch.Tensor]]:
             return {TUPLE: [enc(v, f"{where}[{i}]") for i, v in enumerate(x)]}
         if isinstance(x, list):
             return [enc(v, f"{where}[{i}]") for i, v in enumerate(x)]
+        if is_cache(x):
+            return {STATE: type(x).__name__}
         if isinstance(x, dict):
             if not all(isinstance(k, str) for k in x):
                 raise UnsplittableCall(f"block argument {where} is a dict with non-string keys")
@@ -58,11 +63,47 @@ def flatten(args: tuple, kwargs: dict) -> tuple[dict, list[torch.Tensor]]:
     return tree, tensors
 
 
-def unflatten(tree: dict, tensors: list) -> tuple[tuple, dict]:
+def flatten_layers(calls: list[tuple[tuple, dict]]) -> tuple[dict, dict[str, dict], list[torch.Tensor]]:
+    """The calls a language model made into each layer of a stack, as one message: the first layer's
+    tree, the trees of layers whose call differs from it (a model mixing sliding-window and full
+    attention hands each layer its own mask), keyed by layer index as a string, and the tensors of all
+    calls, each once. The first call's slots keep their numbers, so its return map holds for every layer."""
+    tensors: list[torch.Tensor] = []
+    index: dict[int, int] = {}
+    trees = []
+    for args, kwargs in calls:
+        tree, own = flatten(args, kwargs)
+        numbers = []
+        for t in own:
+            if id(t) not in index:
+                index[id(t)] = len(tensors)
+                tensors.append(t)
+            numbers.append(index[id(t)])
+        trees.append(_renumber(tree, numbers))
+    first = trees[0]
+    return first, {str(i): t for i, t in enumerate(trees) if i and t != first}, tensors
+
+
+def _renumber(x, numbers: list[int]):
+    if isinstance(x, dict):
+        if TENSOR in x:
+            return {TENSOR: numbers[x[TENSOR]]}
+        return {k: _renumber(v, numbers) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_renumber(v, numbers) for v in x]
+    return x
+
+
+def unflatten(tree: dict, tensors: list, state=None) -> tuple[tuple, dict]:
+    """The call again; a cache marker becomes ``state`` (the node's own cache for this session)."""
     def dec(x):
         if isinstance(x, dict):
             if TENSOR in x:
                 return tensors[x[TENSOR]]
+            if STATE in x:
+                if state is None:
+                    raise UnsplittableCall("this call carries a cache, and no cache was given for it")
+                return state
             if TUPLE in x:
                 return tuple(dec(v) for v in x[TUPLE])
             if DICT in x:

@@ -52,11 +52,12 @@ class Channel:
         self._mirrors: dict[str, SlotCache] = {}
 
     def send(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, patch: Patch | None = None,
-             digests: list | None = None) -> int:
+             digests: list | None = None, extra: dict | None = None) -> int:
         """Seal and send one pass of ``stack``; returns its sequence number (``digests``: the tensors'
-        digests where already known, so each is hashed once per call)."""
+        digests where already known, so each is hashed once per call; ``extra``: header fields of a
+        language model's pass, its per-layer trees and cache state)."""
         self._seq += 1
-        header = {"op": "call", "stack": stack, "seq": self._seq}
+        header = {"op": "call", "stack": stack, "seq": self._seq, **(extra or {})}
         if self._trees.get(stack) != tree:
             header["tree"] = self._trees[stack] = tree
         if stack not in self._sent_rmap:

@@ -8,8 +8,9 @@ import os
 
 from diffuse.errors import DiffuseError
 
-WEIGHTS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
-WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
+# (index, single file) names: diffusers components, then transformers models
+WEIGHTS_NAMES = (("diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.safetensors"),
+                 ("model.safetensors.index.json", "model.safetensors"))
 
 
 def resolve_model(model: str) -> str:
@@ -40,14 +41,17 @@ def resolve_model(model: str) -> str:
 
 def weight_map(component_dir: str) -> dict[str, str]:
     """Parameter name -> safetensors file, from the index or the single weights file."""
-    index = os.path.join(component_dir, WEIGHTS_INDEX)
-    if os.path.isfile(index):
-        with open(index) as f:
-            return {k: os.path.join(component_dir, v) for k, v in json.load(f)["weight_map"].items()}
-    single = os.path.join(component_dir, WEIGHTS_FILE)
-    if not os.path.isfile(single):
-        raise DiffuseError(f"{component_dir} has no safetensors weights ({WEIGHTS_FILE} or its index); "
-                           "Diffuse loads safetensors only")
+    for index_name, single_name in WEIGHTS_NAMES:
+        index = os.path.join(component_dir, index_name)
+        if os.path.isfile(index):
+            with open(index) as f:
+                return {k: os.path.join(component_dir, v) for k, v in json.load(f)["weight_map"].items()}
+        single = os.path.join(component_dir, single_name)
+        if os.path.isfile(single):
+            break
+    else:
+        raise DiffuseError(f"{component_dir} has no safetensors weights ({' or '.join(n for _, n in WEIGHTS_NAMES)}, "
+                           "or an index of them); Diffuse loads safetensors only")
     from safetensors import safe_open
 
     with safe_open(single, "pt") as f:

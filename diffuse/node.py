@@ -23,6 +23,7 @@ import time
 import torch
 
 from diffuse import frames
+from diffuse.text import plain
 from diffuse.errors import DiffuseError, WireError
 from diffuse.home import config_home
 from diffuse.node_control import NodeControl, refusal
@@ -106,8 +107,12 @@ class Node:
         return {"op": "error", "stack": str(header.get("stack"))[:64], "seq": seq if isinstance(seq, int) else None,
                 "node": self.endpoint.control_address, "message": message[:2000]}
 
-    def compute(self) -> None:
-        """The compute thread: data messages in arrival order; outboxes of ended sessions closed here."""
+    def compute(self, threads: int) -> None:
+        """The compute thread: data messages in arrival order; outboxes of ended sessions closed here.
+        ``threads``: the process's torch thread count, set again here because a new thread's own count
+        starts from the library's default, not from what the main thread set (and the count is part of
+        the bits a block computes)."""
+        torch.set_num_threads(threads)
         while True:
             item = self.work.get()
             if item is None:
@@ -127,7 +132,7 @@ class Node:
 
     # -- the serving loop (control thread) ----------------------------------------
     def serve(self, until: float | None = None, parent: int | None = None) -> None:
-        worker = threading.Thread(target=self.compute, name="compute", daemon=True)
+        worker = threading.Thread(target=self.compute, args=(torch.get_num_threads(),), name="compute", daemon=True)
         worker.start()
         try:
             while until is None or time.monotonic() < until:
@@ -190,14 +195,14 @@ def _client_key(text: str) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m diffuse.node", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m diffuse.node", description=plain(__doc__.split("\n")[0]))
     ap.add_argument("--model", required=True, help="diffusers pipeline folder (the same one the client uses)")
     ap.add_argument("--listen", default="tcp://127.0.0.1:0", help="control address to bind (port 0: pick one)")
     ap.add_argument("--blocks", help='the slice to hold: "2/3" (2nd of 3 even slices of every stack), "all", or '
                     '"blocks[0:20]"; default: load what each session asks for')
     ap.add_argument("--key-file", default=None,
                     help="long-term identity key, created (0600) if missing; default: node.key in $DIFFUSE_HOME "
-                    "or ~/.config/diffuse")
+                    "or ~/.config/diffuse (nodes sharing that folder share one identity: give each its own file)")
     ap.add_argument("--ephemeral-key", action="store_true", help="a fresh identity for this run only")
     ap.add_argument("--allow-client", action="append", default=None, metavar="HEXKEY", type=_client_key,
                     help="serve only this client key (repeatable); a client shows its key when run with --client-key")

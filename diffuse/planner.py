@@ -29,7 +29,7 @@ def config_draft(subject: ModelSubject) -> dict:
 def analyze(path: str) -> tuple[ModelSubject, dict]:
     """Config-phase analysis: refuses unsplittable models before anything is loaded."""
     subject = ModelSubject.from_path(path)
-    if not subject.denoiser:
+    if not subject.denoiser and not subject.autoregressive:
         raise RefusedModel(path, "no denoiser component (transformer/unet) in model_index.json")
     return subject, config_draft(subject)
 
@@ -76,6 +76,17 @@ def load_pipeline(path: str, subject: ModelSubject | None = None, stacks: list |
     pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True, **overrides)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def load_model(path: str, subject: ModelSubject):
+    """A transformers model, loaded by its own ``from_pretrained`` from safetensors, never with remote code
+    (the layers it hands to nodes are freed when it is split)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    model = subject.denoiser_class().from_pretrained(path, use_safetensors=True, trust_remote_code=False)
+    model.eval()
+    return model
 
 
 def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list):

@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from diffuse.text import plain
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from diffuse.train.data import heldout_prompts
     from diffuse.writers import to_uint8
 
-    ap = argparse.ArgumentParser(prog="python -m diffuse.bench quality", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m diffuse.bench quality", description=plain(__doc__.split("\n")[0]))
     ap.add_argument("--model", default=None, help="default: the embedded trained model")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--patches", default="1,2,4")

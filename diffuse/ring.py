@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diffuse.callplan import flatten
+from diffuse.callplan import flatten, flatten_layers
 from diffuse.channel import Channel, ChannelStats
 from diffuse.handshake import Handshake
 from diffuse.plan import Patch, ReturnMap, SlicingPlan
@@ -80,6 +80,15 @@ class Ring:
         """One pass of ``stack`` through the ring; returns what its last block returns."""
         tree, tensors = flatten(args, kwargs)
         return self.receive(self.send(stack, tree, tensors, rmap))
+
+    def call_layers(self, stack: str, calls: list[tuple[tuple, dict]], rmap: ReturnMap, cache, fresh: bool):
+        """One pass of a language model's ``stack``: every layer's own call (``calls``, in order) in one
+        message; ``cache`` is the client's cache object, ``fresh`` whether the nodes start theirs anew."""
+        tree, layer_trees, tensors = flatten_layers(calls)
+        extra = {"state": {"kind": type(cache).__name__, "fresh": bool(fresh)}}
+        if layer_trees:
+            extra["layer_trees"] = layer_trees
+        return self.receive(self.channel.send(stack, tree, tensors, rmap, extra=extra))
 
     def send(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, patch: Patch | None = None,
              digests: list | None = None) -> int:

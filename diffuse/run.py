@@ -20,6 +20,7 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from diffuse.text import plain
 from diffuse.errors import DiffuseError  # noqa: E402
 
 FLAG_TO_ARG = {  # flag -> pipeline __call__ argument
@@ -46,7 +47,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = Parser(prog="python -m diffuse.run", description=__doc__.split("\n")[0].replace("``", ""))
+    ap = Parser(prog="python -m diffuse.run", description=plain(__doc__.split("\n")[0]))
     ap.add_argument("--model", help="diffusers pipeline folder (default: the embedded tiny model)")
     ap.add_argument("--prompt")
     ap.add_argument("--negative-prompt")
@@ -120,17 +121,22 @@ def call_kwargs(a: argparse.Namespace, pipe, info) -> dict:
 
 def check_inputs(pipe, kwargs: dict) -> None:
     """The pipeline's own input check, run before any node starts: what it refuses is refused now,
-    in one line. Arguments it takes that the call does not give are passed as None (its default
-    where it has one); a check that cannot be called that way is skipped, not guessed at."""
+    in one line. An argument the check takes that the call does not give gets the pipeline call's
+    own default (PixArt checks ``callback_steps``, which its call defaults to 1), else None; a check
+    that cannot be called that way is skipped, not guessed at."""
     import inspect as _inspect
 
     fn = getattr(pipe, "check_inputs", None)
     if fn is None:
         return
+    call_defaults = {n: p.default for n, p in _inspect.signature(pipe.__call__).parameters.items()
+                     if p.default is not _inspect.Parameter.empty}
     given = {}
     for name, p in _inspect.signature(fn).parameters.items():
         if name in kwargs:
             given[name] = kwargs[name]
+        elif name in call_defaults:
+            given[name] = call_defaults[name]
         elif p.default is _inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
             given[name] = None
     try:

@@ -6,7 +6,10 @@ placement ``from_pretrained`` gives, which keeps results bit-identical).
 ``StageSession`` is one client's session: its stage plan, hop keys, remembered
 call plans and return maps, and slot caches. A call that carries a ``Patch``
 (PipeFusion) runs through the session's ``diffuse.pipefusion.StaleStack`` for
-that stack instead.
+that stack instead. A language model's call carries its cache state: the
+session keeps each stack's key/value cache for the layers held here
+(``diffuse.kvcache.NodeCaches``), and layers whose call differs from the first
+layer's get their own tree.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from diffuse.analysis import ModelSubject, build_meta
 from diffuse.callplan import SlotCache, encode_value, thread_outputs, unflatten
 from diffuse.errors import DiffuseError
+from diffuse.kvcache import NodeCaches
 from diffuse.modelfiles import content_hash, load_into, weight_map
 from diffuse.pipefusion import StaleStack, why_uncut
 from diffuse.plan import PATCHABLE, Patch, ReturnMap, Slice, SlotRef, StackPlan, StagePlan
@@ -94,6 +98,7 @@ class StageSession:
         self.trees: dict[str, dict] = {}
         self.rmaps: dict[str, ReturnMap] = {}
         self.caches: dict[str, SlotCache] = {}
+        self.kv = NodeCaches(store.subject.config_object)
         self.last_used = time.monotonic()
         self.bytes_in = self.bytes_out = self.messages = 0
 
@@ -120,11 +125,19 @@ class StageSession:
         rmap = self.rmaps[stack]
         if any(i >= len(refs) for i in rmap.streams):
             raise DiffuseError("the return map threads slots this call does not have")
+        layer_trees = header.get("layer_trees") or {}
+        if not isinstance(layer_trees, dict) or not all(
+                isinstance(t, dict) and set(t) == {"args", "kwargs"} for t in layer_trees.values()):
+            raise DiffuseError("malformed per-layer call plans")
+        state = header.get("state")
+        if state is not None and not (isinstance(state, dict) and isinstance(state.get("kind"), str)):
+            raise DiffuseError("malformed cache state")
         values, forward = self._resolve(stack, refs, tensors)
         if sl.empty:
             return header, tensors
         blocks = self.store.blocks_of(sl)
         tree = self.trees[stack]
+        cache = self.kv.get(stack, state["kind"], bool(state.get("fresh"))) if state is not None else None
         with torch.no_grad():
             if header.get("patch") is not None:
                 patch = Patch.from_wire(header["patch"])
@@ -136,8 +149,8 @@ class StageSession:
                     stale = self.stale[stack] = StaleStack(stack, self.stage.attention)
                 out = stale.run(blocks, tree, values, rmap, patch)
             else:
-                for _, block in blocks:
-                    args, kwargs = unflatten(tree, values)
+                for i, block in blocks:
+                    args, kwargs = unflatten(layer_trees.get(str(i), tree), values, cache)
                     out = block(*args, **kwargs)
                     thread_outputs(values, out, rmap)
         if sl.stop == self.store.stacks[stack].length:
@@ -160,6 +173,7 @@ class StageSession:
     def report(self) -> dict:
         """What the session did, for the client's summary (sent at close, before the buffers go)."""
         return {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "messages": self.messages,
+                "cache_bytes": self.kv.nbytes(),
                 "hop_bytes": self.hop_log, "busy_s": self.busy_s, "stale": {k: v.report() for k, v in self.stale.items()}}
 
     def _resolve(self, stack: str, refs: list[SlotRef], tensors: list) -> tuple[list, dict]:

@@ -7,6 +7,13 @@ the call through the ring and answers with what the stack's last block
 returned; the others, called in order with that answer threaded back in, hand
 the same answer on. The pipeline's ``__call__`` is never modified.
 
+A language model's stack is called with its key/value cache (``diffuse.kvcache``)
+and may hand each layer its own arguments (a mask per attention kind). Such a
+stack's calls are collected instead: each proxy but the last hands back its
+input untouched, and the last ships every layer's call in one pass and answers
+with what the last layer returned. The model's code between layers does nothing
+with what a layer returns but pass it to the next (checked), so nothing is lost.
+
 With ``patches > 1`` a stack that carries one stream goes through a
 ``diffuse.pipefusion.Patcher`` (cut into token patches, pipelined through the
 ring); a stack with two streams runs uncut steps, and ``uncut`` says why.
@@ -14,11 +21,14 @@ ring); a stack with two streams runs uncut steps, and ``uncut`` says why.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
 from diffuse.callplan import flatten
 from diffuse.errors import DiffuseError
+from diffuse.kvcache import ClientCaches, is_cache
 from diffuse.pipefusion import Patcher, why_uncut
 from diffuse.plan import PATCHABLE, ReturnMap, SlicingPlan, StackPlan
 from diffuse.planner import learn_call
@@ -44,11 +54,28 @@ class StandIn(nn.ModuleList):
         self._splitter = (splitter,)
         self._next = 0
         self._answer = None
+        self._calls: list | None = None  # a language model's layer calls, collected until the last layer
+        self._cache = None
+
+    def __getitem__(self, idx):
+        """``self.layers[:n]`` (as language models loop) gives the same proxies in a plain ModuleList."""
+        if isinstance(idx, slice):
+            return nn.ModuleList(list(self._modules.values())[idx])
+        return super().__getitem__(idx)
 
     def block_called(self, index: int, args: tuple, kwargs: dict):
         if index == 0:
-            self._answer = self._splitter[0].run_stack(self.stack, args, kwargs)
+            self._cache = _find_cache(args, kwargs)
             self._next = 1
+            if self._cache is not None:
+                self._calls = [(args, kwargs)]
+                # handed on untouched until the last layer
+                self._answer = args[0] if args else kwargs.get("hidden_states")
+                if self.stack.length == 1:
+                    return self._finish()
+                return self._answer
+            self._calls = None
+            self._answer = self._splitter[0].run_stack(self.stack, args, kwargs)
         elif index != self._next:
             raise DiffuseError(
                 f"{self.stack.path}[{index}] was called after {self.stack.path}[{self._next - 1}]: "
@@ -56,6 +83,16 @@ class StandIn(nn.ModuleList):
         else:
             self._check_threaded(index, args, kwargs)
             self._next += 1
+            if self._calls is not None:
+                self._calls.append((args, kwargs))
+                if index == self.stack.length - 1:
+                    return self._finish()
+        return self._answer
+
+    def _finish(self):
+        calls, cache = self._calls, self._cache
+        self._calls = self._cache = None
+        self._answer = self._splitter[0].run_layers(self.stack, calls, cache)
         return self._answer
 
     def _check_threaded(self, index: int, args: tuple, kwargs: dict) -> None:
@@ -72,6 +109,13 @@ class StandIn(nn.ModuleList):
                     "chain, so it cannot be split")
 
 
+def _find_cache(args: tuple, kwargs: dict):
+    for x in (*args, *kwargs.values()):
+        if is_cache(x):
+            return x
+    return None
+
+
 class Splitter:
     """Installs stand-ins on a loaded denoiser (once) and runs their calls through the ring attached
     to it. What a stack's first call teaches (call plan, return map) is kept across rings."""
@@ -84,6 +128,7 @@ class Splitter:
         self.ring = None
         self.patcher = None
         self.uncut: dict[str, str] = {}  # stack -> why its steps run uncut although patches > 1
+        self.caches = ClientCaches()
 
     @classmethod
     def on(cls, denoiser: nn.Module, plan: SlicingPlan) -> "Splitter":
@@ -130,6 +175,28 @@ class Splitter:
             tree, tensors = flatten(args, kwargs)
             return self.patcher.run(stack.path, tree, tensors, rmap)
         return self.ring.call(stack.path, args, kwargs, rmap)
+
+    def run_layers(self, stack: StackPlan, calls: list[tuple[tuple, dict]], cache):
+        """A language model's pass: every layer's call through the ring at once; the client's cache gets
+        its shadow (see ``diffuse.kvcache``)."""
+        if self.ring is None:
+            raise DiffuseError("this model's layers are held by nodes: call it inside `with diffuse.split(...)`")
+        if stack.path in self._first_blocks:
+            block = self._first_blocks.pop(stack.path)
+            args, kwargs = calls[0]
+            # the first layer runs once here to learn its return map, on a copy of the cache it would write
+            scratch = copy.deepcopy(cache)
+            args = tuple(scratch if a is cache else a for a in args)
+            kwargs = {k: scratch if v is cache else v for k, v in kwargs.items()}
+            call_plan, rmap = learn_call(stack, args, kwargs, block)
+            self.plan = self.plan.with_call(stack.path, call_plan, rmap)
+            block.to("meta")
+        rmap = self.plan.return_maps[stack.path]
+        fresh = self.caches.fresh(stack.path, cache)
+        out = self.ring.call_layers(stack.path, calls, rmap, cache, fresh)
+        first = out if isinstance(out, torch.Tensor) else next(t for t in out if isinstance(t, torch.Tensor))
+        self.caches.shadow(cache, range(stack.length), first)
+        return out
 
     def _patchable(self, path: str, rmap: ReturnMap) -> bool:
         if path in self.uncut:

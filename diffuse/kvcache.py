@@ -1,0 +1,107 @@
+"""The per-session state of an autoregressive stack: each layer's key/value cache, kept on the node
+that holds the layer.
+
+A language model hands every decoder layer the same cache object; the layer
+writes its own keys and values into it (``cache.update(k, v, layer_idx)``).
+Split, the cache cannot travel: in the call plan it becomes a marker naming its
+class (``{"$state": "DynamicCache"}``), and each node keeps, per session and
+stack, a cache of that class for the layers it holds (global layer indices, so
+a model mixing sliding-window and full-attention layers gets the right kind of
+cache layer for each). The client's own cache object stays with ``generate``,
+which reads its length to build masks and positions: after each pass the
+client writes a *shadow* into it (one zero per new position and layer) so that
+those lengths are what they would be whole, while the keys and values
+themselves live only on the nodes.
+
+A new cache object on the client, or one that is empty, starts fresh caches on
+the nodes (``generate`` makes a new cache per call; MusicGen prefills twice).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from diffuse.errors import DiffuseError
+
+STATE = "$state"  # call-plan marker where the cache object sat
+
+
+def is_cache(x) -> bool:
+    """A per-request cache, by what it does: layers write into it and the caller reads its length."""
+    return callable(getattr(x, "update", None)) and callable(getattr(x, "get_seq_length", None)) \
+        and not isinstance(x, (torch.Tensor, dict))
+
+
+def self_attention_part(cache):
+    """The part of ``cache`` a decoder layer's self-attention writes (an encoder-decoder cache holds two)."""
+    return getattr(cache, "self_attention_cache", cache)
+
+
+class ClientCaches:
+    """The client's side: tells a new or emptied cache from one that continues, and keeps its shadow."""
+
+    def __init__(self):
+        self._last: dict[str, weakref.ref] = {}
+
+    def fresh(self, stack: str, cache) -> bool:
+        """Must the nodes start new caches for this call? (a cache object not seen before, or one emptied)."""
+        last = self._last.get(stack)
+        seen = last is not None and last() is cache
+        self._last[stack] = weakref.ref(cache)
+        return not seen or self_attention_part(cache).get_seq_length() == 0
+
+    @staticmethod
+    def shadow(cache, layers: range, hidden: torch.Tensor) -> None:
+        """Write one zero per new position into each layer's slot of ``cache``, so the lengths ``generate``
+        reads from it are those of a whole run (the keys and values themselves are on the nodes)."""
+        part = self_attention_part(cache)
+        b, q = hidden.shape[0], hidden.shape[1]
+        for i in layers:
+            z = torch.zeros(b, 1, q, 1, dtype=hidden.dtype)  # numel > 0: an empty tensor would read as length 0
+            part.update(z, z.clone(), i)
+
+
+class NodeCaches:
+    """The node's side: per stack, the cache of this session's layers, made from the model's config."""
+
+    def __init__(self, config_factory):
+        self._config_factory = config_factory  # () -> the model's config object (built once, on first need)
+        self._config = None
+        self.caches: dict[str, object] = {}
+
+    def get(self, stack: str, kind: str, fresh: bool):
+        if fresh or stack not in self.caches:
+            self.caches[stack] = self._new(kind)
+        return self.caches[stack]
+
+    def _new(self, kind: str):
+        from transformers import cache_utils
+
+        if self._config is None:
+            self._config = self._config_factory()
+        if kind == "DynamicCache":
+            return cache_utils.DynamicCache(config=self._config)
+        if kind == "EncoderDecoderCache":
+            return cache_utils.EncoderDecoderCache(cache_utils.DynamicCache(config=self._config),
+                                                   cache_utils.DynamicCache(config=self._config))
+        raise DiffuseError(f"a cache of class {kind[:64]!r} cannot be kept on a node "
+                           "(DynamicCache and EncoderDecoderCache can)")
+
+    def nbytes(self) -> int:
+        """Bytes of keys and values held for this session."""
+        total = 0
+        for cache in self.caches.values():
+            parts = [cache.self_attention_cache, cache.cross_attention_cache] if hasattr(
+                cache, "cross_attention_cache") else [cache]
+            for part in parts:
+                for layer in getattr(part, "layers", ()):
+                    for name in ("keys", "values"):
+                        t = getattr(layer, name, None)
+                        if isinstance(t, torch.Tensor):
+                            total += t.numel() * t.element_size()
+        return total
+
+    def clear(self) -> None:
+        self.caches.clear()
