@@ -75,18 +75,24 @@ def diffuse_home(tmp_path_factory) -> str:
 _REFERENCES: dict[tuple, np.ndarray] = {}
 
 
-def run_reference(model: str, kwargs: dict, out: str, seed: int = 0, threads: int = THREADS) -> np.ndarray:
-    """The pipeline run whole by plain diffusers in a fresh process (computed once per model and arguments;
-    ``threads`` 0: torch's own default)."""
+def reference_loads(model: str, kwargs: dict, out: str, seed: int = 0, threads: int = THREADS) -> list[np.ndarray]:
+    """The pipeline run whole by plain diffusers in a fresh process, loaded afresh twice (the second
+    load shows the reference repeats itself); computed once per model and arguments for the whole
+    session, so test_exact and test_families share it. ``threads`` 0: torch's own default."""
     key = (model, json.dumps(kwargs, sort_keys=True), seed, threads)
-    if key in _REFERENCES:
-        return _REFERENCES[key].copy()
-    cmd = [sys.executable, os.path.join(TESTS, "reference.py"), "--model", model, "--kwargs", json.dumps(kwargs),
-           "--seed", str(seed), "--threads", str(threads), "--out", out]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    _REFERENCES[key] = np.load(out)
-    return _REFERENCES[key].copy()
+    if key not in _REFERENCES:
+        outs = [out, f"{os.path.splitext(out)[0]}.load2.npy"]
+        cmd = [sys.executable, os.path.join(TESTS, "reference.py"), "--model", model, "--kwargs", json.dumps(kwargs),
+               "--seed", str(seed), "--threads", str(threads), "--out", outs[0], "--out", outs[1]]
+        proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _REFERENCES[key] = [np.load(o) for o in outs]
+    return [a.copy() for a in _REFERENCES[key]]
+
+
+def run_reference(model: str, kwargs: dict, out: str, seed: int = 0, threads: int = THREADS) -> np.ndarray:
+    """The reference array (the first of ``reference_loads``)."""
+    return reference_loads(model, kwargs, out, seed, threads)[0]
 
 
 def split_command(model: str, kwargs: dict, save: str, nodes: int = 2, seed: int = 0, extra: list[str] = ()) -> list[str]:

@@ -2,7 +2,9 @@
 
 The pipeline's own ``__call__`` runs here, unmodified; its block stacks are
 replaced by stand-ins that send hidden states through the ring. Flags that are
-not given are not passed, so the pipeline's own defaults hold.
+not given are not passed, so the pipeline's own defaults hold. A transformers
+model folder (a language model, with or without a vision tower) generates text
+instead: see ``diffuse.lm``.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="python -m diffuse.run", description=plain(__doc__.split("\n")[0]))
-    ap.add_argument("--model", help="diffusers pipeline folder (default: the embedded tiny model)")
+    ap.add_argument("--model", help="a diffusers pipeline folder or a transformers model folder, a shipped model's "
+                    "name, or a Hub id in the local cache (default: the embedded tiny model)")
     ap.add_argument("--prompt")
     ap.add_argument("--negative-prompt")
     ap.add_argument("--steps", type=positive, help="denoising steps (default: the pipeline's)")
@@ -76,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "missing; its public key is printed), for nodes run with --allow-client; default: a fresh one per run")
     ap.add_argument("--report", metavar="FILE.json", help="write run statistics as JSON")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    from diffuse import lm
+
+    lm.add_flags(ap, positive)
     return ap
 
 
@@ -205,6 +211,15 @@ def generate(a: argparse.Namespace, console) -> dict:
     if a.nodes is not None:
         parse_nodes(a.nodes)  # address and key mistakes, before anything is loaded
     info = ModelInfo.of(a.model)  # refusals happen here, before any node is contacted
+    if info.subject.autoregressive:
+        from diffuse.lm import generate_text
+
+        return generate_text(a, console, info, parse_value)
+    for flag in ("max_new_tokens", "temperature", "top_p", "top_k", "save_tokens"):
+        if getattr(a, flag) is not None:
+            raise DiffuseError(f"--{flag.replace('_', '-')} applies to language models, not to a diffusion pipeline")
+    if a.image or a.video or a.media or a.no_template:
+        raise DiffuseError("--image, --video, --media and --no-template apply to language models")
     check_output_path(a.out, info.draft)
     if a.whole:
         pipe = load_pipeline(info.path)

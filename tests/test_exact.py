@@ -12,10 +12,11 @@ import pytest
 
 from conftest import run_reference, run_split
 
-# (family, nodes): every family over 2 nodes, and over 3 where its stacks give each node a block
+# (family, nodes): every family over 2 nodes; over 3 for models of other shapes (two stacks; a nested stack with
+# two streams; a video model); and more nodes than the tiny Wan has blocks (as many start as hold one)
 CASES = [(f, 2) for f in families.FAMILIES] + [("odd", 2)] + [
-    (f, 3) for f in ("wan", "flux", "sd3", "pixart_sigma", "ltx", "odd")
-] + [("wan", 5)]  # more nodes than blocks: the last node holds nothing and passes the result on
+    (f, 3) for f in ("flux", "ltx", "odd")
+] + [("wan", 5)]
 
 
 @pytest.mark.parametrize("family,nodes", CASES, ids=[f"{f}-{n}nodes" for f, n in CASES])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,12 +22,9 @@ import pytest  # noqa: E402
 
 import families  # noqa: E402
 
-TESTS_DIR = Path(__file__).resolve().parent
-REFERENCE = TESTS_DIR / "reference.py"
 SEED = 0
 THREADS = 1
 RUN_PARALLEL = 2  # reference subprocesses at once (the CI machine has 2 cores)
-RUN_TIMEOUT_S = 300
 # Families plus the one non-diffusers model: reference.py must import its library.
 REFERENCE_MODELS = [*families.FAMILIES, "odd"]
 
@@ -50,31 +46,25 @@ def _selected_models(session) -> list[str]:
     return [m for m in REFERENCE_MODELS if m in wanted] or list(REFERENCE_MODELS)
 
 
-def _run_reference(model_dir: str, kwargs: dict, outs: list[Path]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(REFERENCE), "--model", model_dir, "--kwargs", json.dumps(kwargs)]
-    cmd += ["--seed", str(SEED), "--threads", str(THREADS)]
-    for out in outs:
-        cmd += ["--out", str(out)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(TESTS_DIR), env.get("PYTHONPATH", "")] if p)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-
-
 @pytest.fixture(scope="session")
-def reference_runs(request, tmp_path_factory) -> dict[str, ReferenceRun]:
-    """Build each needed model once and run tests/reference.py on it (2 loads)."""
+def reference_runs(request, models, tmp_path_factory) -> dict[str, ReferenceRun]:
+    """Each needed model (the session's shared builds) run by tests/reference.py with two fresh loads; the
+    runs are conftest's, so a model test_exact already compared is not run again."""
+    from conftest import reference_loads
+
     root = tmp_path_factory.mktemp("families")
-    models = _selected_models(request.session)
-    dirs = {name: families.build(name, root / name) for name in models}
+    names = _selected_models(request.session)
+    dirs = {name: models(name) for name in names}  # built one after another: builders seed torch's global RNG
 
     def run(name: str) -> ReferenceRun:
-        outs = [root / f"{name}.load{i}.npy" for i in range(2)]
-        proc = _run_reference(dirs[name], families.call_args(name), outs)
-        arrays = [np.load(o) for o in outs if o.exists()]
-        return ReferenceRun(dirs[name], proc.returncode, proc.stderr[-4000:], arrays)
+        try:
+            arrays = reference_loads(dirs[name], families.call_args(name), str(root / f"{name}.npy"), SEED, THREADS)
+        except AssertionError as exc:
+            return ReferenceRun(dirs[name], 1, str(exc)[-4000:], [])
+        return ReferenceRun(dirs[name], 0, "", arrays)
 
     with ThreadPoolExecutor(RUN_PARALLEL) as pool:
-        return dict(zip(models, pool.map(run, models)))
+        return dict(zip(names, pool.map(run, names)))
 
 
 def _run(reference_runs, model: str) -> ReferenceRun:
@@ -97,31 +87,15 @@ def test_reference_is_byte_identical_across_fresh_loads(reference_runs, model):
     assert first.tobytes() == second.tobytes()
 
 
-@pytest.mark.parametrize("model", REFERENCE_MODELS)
-def test_reference_is_byte_identical_across_processes(reference_runs, model):
-    """The same run in this (pytest) process gives the subprocess's bytes."""
-    import torch
-
-    import reference
-
-    run = _run(reference_runs, model)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    try:
-        here = reference.run_once(run.model_dir, families.call_args(model), SEED)
-    finally:
-        torch.set_num_threads(threads)
-    assert here.tobytes() == run.arrays[0].tobytes()
-
-
 # the first field of a diffusers pipeline output names what it made (ImagePipelineOutput.images, ...)
 _FIELD_KINDS = {"images": "image", "frames": "video", "audios": "audio"}
 
 
 @pytest.mark.parametrize("model", REFERENCE_MODELS)
-def test_output_kind_is_the_field_plain_diffusers_fills(reference_runs, model):
-    """The kind the tests expect (families, by rank) and the one ``diffuse check`` reads from config are
-    both the field the pipeline's own output carries, seen in a run of plain diffusers."""
+def test_in_process_run_repeats_the_subprocess_and_fills_the_expected_kind(reference_runs, model):
+    """The same run in this (pytest) process gives the subprocess's bytes; and the kind the tests expect
+    (families, by rank) and the one ``diffuse check`` reads from config are both the field the
+    pipeline's own output carries."""
     import torch
     from diffusers import DiffusionPipeline
 
@@ -132,9 +106,17 @@ def test_output_kind_is_the_field_plain_diffusers_fills(reference_runs, model):
     reference.import_component_libraries(run.model_dir)
     pipe = DiffusionPipeline.from_pretrained(run.model_dir)
     pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():
-        out = pipe(**families.call_args(model), generator=torch.Generator("cpu").manual_seed(SEED), output_type="np")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        with torch.no_grad():
+            out = pipe(**families.call_args(model), generator=torch.Generator("cpu").manual_seed(SEED),
+                       output_type="np")
+    finally:
+        torch.set_num_threads(threads)
     field = next(iter(out.keys()))
+    here = out[field].cpu().numpy() if isinstance(out[field], torch.Tensor) else np.asarray(out[field])
+    assert here.tobytes() == run.arrays[0].tobytes()
     assert field in _FIELD_KINDS, f"{type(pipe).__name__} returned {type(out).__name__} with fields {list(out.keys())}"
     assert families.output_kind(model) == _FIELD_KINDS[field]
     assert check(run.model_dir)["output_kind"] == _FIELD_KINDS[field]

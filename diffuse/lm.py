@@ -1,0 +1,215 @@
+"""Generating text with a transformers model split over a ring: ``diffuse query`` / ``python -m
+diffuse.run`` on a folder whose config.json names its architectures.
+
+The model's own ``generate`` runs here, unmodified; its decoder layers are
+stand-ins (``diffuse.standin``) and each node keeps the key/value cache of the
+layers it holds (``diffuse.kvcache``). The tokenizer, the processor and any
+vision tower stay here, where the prompt and the media are. The answer is
+printed as it streams, token by token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from contextlib import nullcontext
+
+from diffuse.errors import DiffuseError
+
+TOP_SAVED = 8  # candidates per step written to --report: ids and exact values
+
+
+def add_flags(ap: argparse.ArgumentParser, positive) -> None:
+    """The flags of a language model's run (the rest are shared with pipelines)."""
+    g = ap.add_argument_group("language models (a transformers model folder)")
+    g.add_argument("--max-new-tokens", type=positive, help="tokens to generate (default: the model's generation config)")
+    g.add_argument("--image", action="append", default=[], metavar="FILE", help="an image before the prompt (repeatable)")
+    g.add_argument("--video", action="append", default=[], metavar="FILE", help="a video before the prompt (repeatable)")
+    g.add_argument("--media", action="append", default=[], metavar="FILE",
+                   help="an image or video, its kind told by its content (repeatable)")
+    g.add_argument("--temperature", type=float, help="sample at this temperature (sampling on)")
+    g.add_argument("--top-p", type=float, help="sample from the smallest set of this probability (sampling on)")
+    g.add_argument("--top-k", type=int, help="sample from the K likeliest tokens (sampling on)")
+    g.add_argument("--no-template", action="store_true",
+                   help="send the prompt as is (default: the processor's chat template, else the tokenizer's)")
+    g.add_argument("--save-tokens", metavar="FILE.json",
+                   help='write {"input_ids": [[...]], "new_tokens": [[...]]} as generate returns them')
+
+
+def check_flags(a: argparse.Namespace) -> None:
+    """Flags that make no sense for a language model, refused before anything loads."""
+    for flag in ("steps", "height", "width", "frames", "negative_prompt", "save_array"):
+        if getattr(a, flag, None) not in (None, False):
+            raise DiffuseError(f"--{flag.replace('_', '-')} applies to diffusion pipelines, not to a language model")
+    if a.patches != 1:
+        raise DiffuseError("--patches applies to diffusion pipelines; a language model runs one pass per token")
+    if a.prompt is None:
+        raise DiffuseError("--prompt is needed: the text to answer")
+    if a.temperature is not None and a.temperature <= 0:
+        raise DiffuseError(f"--temperature {a.temperature}: must be above 0 (leave it out for greedy decoding)")
+    if a.top_p is not None and not 0 < a.top_p <= 1:
+        raise DiffuseError(f"--top-p {a.top_p}: must be in (0, 1]")
+    if a.top_k is not None and a.top_k < 1:
+        raise DiffuseError(f"--top-k {a.top_k}: must be at least 1")
+
+
+def generation_kwargs(a: argparse.Namespace, parse_value) -> dict:
+    """``generate``'s arguments from the flags; sampling is on when a sampling flag is given (or
+    ``--arg do_sample=true``), and what is not given is left to the model's generation config."""
+    kwargs: dict = {}
+    if a.max_new_tokens is not None:
+        kwargs["max_new_tokens"] = a.max_new_tokens
+    for key in ("temperature", "top_p", "top_k"):
+        if getattr(a, key) is not None:
+            kwargs[key] = getattr(a, key)
+            kwargs["do_sample"] = True
+    for item in a.arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise DiffuseError(f"--arg {item!r}: expected KEY=VALUE")
+        kwargs[key] = parse_value(value)
+    kwargs.setdefault("do_sample", False)
+    for key in ("num_beams", "num_beam_groups", "assistant_model", "prompt_lookup_num_tokens"):
+        if kwargs.get(key) not in (None, 1, False):
+            raise DiffuseError(f"--arg {key}: beam search and assisted decoding reorder and crop the cache, which lives "
+                               "on the nodes; Diffuse runs greedy decoding and sampling")
+    return kwargs
+
+
+class Streamer:
+    """Prints the answer as it is generated (``generate``'s streamer protocol: ``put`` then ``end``)."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tokenizer, self.out = tokenizer, out
+        self.skip_prompt = True
+        self.tokens: list[int] = []
+        self.printed = ""
+        self.first_token_s: float | None = None
+        self.started = time.perf_counter()
+
+    def put(self, value) -> None:
+        if self.skip_prompt:  # the first call hands the prompt
+            self.skip_prompt = False
+            return
+        if self.first_token_s is None:
+            self.first_token_s = time.perf_counter() - self.started
+        self.tokens.extend(int(t) for t in value.reshape(-1).tolist())
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # wait for the rest of a character split over tokens
+            self.out.write(text[len(self.printed):])
+            self.out.flush()
+            self.printed = text
+
+    def end(self) -> None:
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        self.out.write(text[len(self.printed):] + "\n")
+        self.out.flush()
+        self.printed = text
+
+
+def top_candidates(logits_row, k: int = TOP_SAVED) -> dict:
+    """The ``k`` largest raw logits of one step, by value then lowest id (as argmax picks), values as the
+    hex of their float32 bytes, so two runs can be compared bit for bit."""
+    import numpy as np
+
+    values = logits_row.detach().float().cpu().numpy()
+    order = np.lexsort((np.arange(values.shape[0]), -values))[:k]
+    return {"ids": [int(i) for i in order], "values_hex": [v.tobytes().hex() for v in values[order].astype("<f4")]}
+
+
+def held_parameters(model) -> int:
+    """Elements of the model's parameters that are real here (handed-out layers are on meta)."""
+    return sum(p.numel() for p in model.parameters() if p.device.type != "meta")
+
+
+def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
+    import torch
+
+    import diffuse
+    from diffuse.api import Split
+    from diffuse.media_inputs import build_inputs, load_tokenizer, media_kind
+    from diffuse.planner import load_model
+
+    t0 = time.perf_counter()
+    check_flags(a)
+    gen = generation_kwargs(a, parse_value)
+    images, videos = list(a.image), list(a.video)
+    for path in a.media:
+        (videos if media_kind(path) == "video" else images).append(path)
+    inputs, note = build_inputs(info.path, a.prompt, images, videos, a.no_template)
+    if note:
+        console.print(note, highlight=False, soft_wrap=True)
+    tokenizer = load_tokenizer(info.path)
+    model = load_model(info.path, info.subject) if a.whole else diffuse.from_pretrained(info.path)
+    times = {"load": time.perf_counter() - t0}
+    split = None
+    if not a.whole:
+        split = Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
+                      client_key=a.client_key, local_transport=a.local_transport)
+        if split.local is not None:
+            for n in split.local.notes:
+                console.print(n, soft_wrap=True)
+            console.print(f"starting {split.local.count} local nodes ({split.local.threads} "
+                          f"thread{'s' if split.local.threads > 1 else ''} each)")
+    prompt_len = inputs["input_ids"].shape[1]
+    streamer = Streamer(tokenizer)
+    t1 = time.perf_counter()
+    with split or nullcontext():
+        if split is not None:
+            for stage in split.plan.route:
+                console.print(f"  node {stage.address}: {', '.join(map(str, stage.slices))}")
+        times["nodes"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        streamer.started = t2
+        if gen.get("do_sample"):
+            torch.manual_seed(a.seed)  # generate draws from torch's global generator
+        with torch.no_grad():
+            out = model.generate(**inputs, **gen, streamer=streamer, output_logits=True, return_dict_in_generate=True)
+        times["generate"] = time.perf_counter() - t2
+    new = out.sequences[:, prompt_len:]
+    report: dict = {
+        "model": info.path, "mode": "whole" if a.whole else "split", "seconds": time.perf_counter() - t0,
+        "times": times, "prompt_tokens": prompt_len, "new_tokens": int(new.shape[1]),
+        "first_token_s": streamer.first_token_s, "text": streamer.printed,
+        "top": [top_candidates(step[0]) for step in out.logits],
+        "client_params": held_parameters(model),
+    }
+    if split is not None:
+        st = split.ring.channel_stats
+        per_token = max(1, int(new.shape[1]))
+        report.update(
+            transport=split.ring.scheme, calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
+            last_hop_bytes_per_token=st.bytes_received / per_token,
+            client_layer_params=split.splitter.held_block_parameters(),
+            node_stats=[dict(r, address=s.address, bytes_per_token_in=r.get("bytes_in", 0) / per_token)
+                        for s, r in zip(split.plan.route, split.node_reports)],
+            messages=st.messages)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(streamer.printed + "\n")
+        report["out"] = a.out
+    if a.save_tokens:
+        with open(a.save_tokens, "w") as f:
+            json.dump({"input_ids": inputs["input_ids"].tolist(), "new_tokens": new.tolist()}, f)
+    summarize(report, console)
+    if a.report:
+        with open(a.report, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return report
+
+
+def summarize(r: dict, console) -> None:
+    rate = r["new_tokens"] / r["times"]["generate"] if r["times"].get("generate") else 0.0
+    first = f", first token {r['first_token_s']:.2f} s" if r.get("first_token_s") is not None else ""
+    console.print(f"[bold green]{r['new_tokens']} tokens[/] after a prompt of {r['prompt_tokens']} in "
+                  f"{r['times']['generate']:.1f} s ({rate:.1f} tokens/s{first}); start-up "
+                  f"{r['times']['load'] + r['times'].get('nodes', 0):.1f} s", soft_wrap=True)
+    if r.get("calls"):
+        console.print(f"  {r['calls']} ring passes; last hop {r['last_hop_bytes_per_token']:.0f} B per token; "
+                      f"client holds {r['client_layer_params']} decoder-layer parameters", soft_wrap=True)
+        for i, ns in enumerate(r.get("node_stats") or [], 1):
+            console.print(f"  node {i}: {ns.get('messages', 0)} messages, {ns.get('bytes_in', 0) / 1024:.1f} KiB in, "
+                          f"{ns.get('bytes_out', 0) / 1024:.1f} KiB out, cache {ns.get('cache_bytes', 0) / 1024:.1f} KiB, "
+                          f"busy {ns.get('busy_s', 0.0):.2f} s", soft_wrap=True)

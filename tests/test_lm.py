@@ -1,0 +1,132 @@
+"""Language models through the ring, against plain transformers run whole in a subprocess.
+
+Each tiny model (tests/lm_models.py) is saved to disk; the reference is
+tests/lm_reference.py, which imports transformers alone. A split run goes
+through ``python -m diffuse.run`` with real node processes on loopback: the
+tokens it saves must be the tokens ``generate`` returns whole, and the top
+candidates' raw logits of every step must be the same bits, at the same thread
+count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TESTS, THREADS, subprocess_env
+
+PROMPT = "Tell me a story about the moon."
+
+
+class LMModels:
+    def __init__(self, root):
+        self.root, self.dirs = root, {}
+
+    def __call__(self, name: str) -> str:
+        if name not in self.dirs:
+            import lm_models
+
+            self.dirs[name] = lm_models.build(name, str(self.root / name))
+        return self.dirs[name]
+
+
+@pytest.fixture(scope="session")
+def lm_models(tmp_path_factory) -> LMModels:
+    return LMModels(tmp_path_factory.mktemp("lm-models"))
+
+
+_REFERENCES: dict = {}
+
+
+def reference(model: str, tmp_path, max_new: int = 6, sample: dict | None = None, images=()) -> dict:
+    key = (model, max_new, json.dumps(sample, sort_keys=True), tuple(images))
+    if key not in _REFERENCES:
+        out = tmp_path / "reference.json"
+        cmd = [sys.executable, os.path.join(TESTS, "lm_reference.py"), "--model", model, "--prompt", PROMPT,
+               "--max-new-tokens", str(max_new), "--threads", str(THREADS), "--out", str(out)]
+        for image in images:
+            cmd += ["--image", image]
+        if sample:
+            cmd += ["--do-sample", "--seed", str(sample["seed"])]
+            for k in ("temperature", "top_p", "top_k"):
+                if k in sample:
+                    cmd += [f"--{k.replace('_', '-')}", str(sample[k])]
+        proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(out) as f:
+            _REFERENCES[key] = json.load(f)
+    return _REFERENCES[key]
+
+
+def split_run(model: str, tmp_path, home: str, nodes: int = 2, max_new: int = 6, extra=(), images=()):
+    tokens, report = tmp_path / "tokens.json", tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "diffuse.run", "--model", model, "--prompt", PROMPT, "--max-new-tokens", str(max_new),
+           "--threads", str(THREADS), "--local-nodes", str(nodes), "--save-tokens", str(tokens),
+           "--report", str(report), "--quiet", "--timeout", "120", *extra]
+    for image in images:
+        cmd += ["--image", image]
+    proc = subprocess.run(cmd, env=subprocess_env(home), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tokens) as f, open(report) as g:
+        return json.load(f), json.load(g), proc
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+@pytest.mark.parametrize("name", ["qwen2", "hybrid"])
+def test_split_greedy_tokens_and_logits_equal_transformers(name, nodes, lm_models, tmp_path, diffuse_home):
+    model = lm_models(name)
+    ref = reference(model, tmp_path)
+    tokens, report, proc = split_run(model, tmp_path, diffuse_home, nodes)
+    assert tokens["input_ids"] == ref["input_ids"]
+    assert tokens["new_tokens"] == ref["new_tokens"]
+    assert report["top"] == ref["top"]  # ids and the exact float32 bits of each step's best 8 logits
+    # what was said is what was generated, streamed to stdout
+    assert proc.stdout.strip() == report["text"].strip() and report["new_tokens"] == len(ref["new_tokens"][0])
+    # the client handed every decoder layer out; each node holds the cache of its own layers only
+    assert report["client_layer_params"] == 0
+    assert [len(n["hop_bytes"]) for n in report["node_stats"]] == [report["calls"]] * nodes
+
+
+def test_seeded_sampling_equals_transformers(lm_models, tmp_path, diffuse_home):
+    model = lm_models("qwen2")
+    sample = {"seed": 3, "temperature": 0.9, "top_p": 0.95}
+    ref = reference(model, tmp_path, max_new=8, sample=sample)
+    tokens, _, _ = split_run(model, tmp_path, diffuse_home, 2, max_new=8,
+                             extra=["--seed", "3", "--temperature", "0.9", "--top-p", "0.95"])
+    assert tokens["new_tokens"] == ref["new_tokens"]
+    greedy = reference(model, tmp_path, max_new=8)
+    assert ref["new_tokens"] != greedy["new_tokens"]  # the draw mattered: sampling is not greedy in disguise
+
+
+def test_each_node_holds_the_cache_of_its_layers_for_every_position(lm_models, tmp_path, diffuse_home):
+    """Keys and values of every position seen, on the node holding the layer: layers x 2 x kv heads x
+    positions x head dim floats (the last token generated is never fed back)."""
+    model = lm_models("qwen2")
+    _, report, _ = split_run(model, tmp_path, diffuse_home, 2, max_new=6)
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    positions = report["prompt_tokens"] + report["new_tokens"] - 1
+    per_layer = 2 * cfg["num_key_value_heads"] * positions * head_dim * 4
+    layers = [cfg["num_hidden_layers"] // 2] * 2
+    assert [n["cache_bytes"] for n in report["node_stats"]] == [per_layer * n for n in layers]
+
+
+def test_language_model_flags_are_checked_before_anything_starts(lm_models, tmp_path, diffuse_home):
+    model = lm_models("qwen2")
+    cases = [
+        (["--steps", "3"], "applies to diffusion pipelines"),
+        (["--temperature", "0"], "must be above 0"),
+        (["--arg", "num_beams=3"], "beam search"),
+        (["--image", os.path.join(model, "config.json")], "image"),
+    ]
+    for extra, expected in cases:
+        cmd = [sys.executable, "-m", "diffuse.run", "--model", model, "--prompt", "hi", "--quiet", *extra]
+        proc = subprocess.run(cmd, env=subprocess_env(diffuse_home), capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path)
+        assert proc.returncode == 2, (extra, proc.stderr[-2000:])
+        assert expected in proc.stderr and "Traceback" not in proc.stderr and "starting" not in proc.stderr, extra
