@@ -58,6 +58,48 @@ def weight_map(component_dir: str) -> dict[str, str]:
         return {k: single for k in f.keys()}
 
 
+class WeightMap(dict):
+    """Module parameter name -> safetensors file; ``sources`` gives the name a tensor has in the file
+    where the two differ (transformers renames some checkpoints' keys at load)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sources: dict[str, str] = {}
+
+    def source(self, name: str) -> str:
+        return self.sources.get(name, name)
+
+
+def renamed_for(wmap: dict[str, str], model) -> WeightMap:
+    """``wmap`` keyed by ``model``'s own parameter names, by the renaming rules its library applies when it
+    loads the checkpoint (transformers: e.g. a vision-language model saved as ``model.layers.*`` that holds
+    ``model.language_model.layers.*``). A checkpoint whose tensors need converting (fused, split) as well
+    as renaming is refused: only renames are applied here."""
+    out = WeightMap(wmap)
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return out
+    if not isinstance(model, PreTrainedModel):
+        return out
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = model.state_dict()
+    out = WeightMap()
+    for key, file in wmap.items():
+        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if converted is not None:
+            raise DiffuseError(f"the checkpoint's {key} must be converted ({converted}) as it loads, which Diffuse "
+                               "does not do on nodes")
+        out[name] = file
+        if name != key:
+            out.sources[name] = key
+    return out
+
+
 def content_hash(component_dir: str) -> str:
     """A fingerprint of the component's config and weight layout (names, shapes, dtypes).
 
@@ -101,7 +143,7 @@ def load_into(module, prefix: str, wmap: dict[str, str], dtype=None, skip=None, 
         fn = wmap[full]
         if fn not in files:
             files[fn] = safe_open(fn, "pt")
-        t = files[fn].get_tensor(full)
+        t = files[fn].get_tensor(wmap.source(full) if isinstance(wmap, WeightMap) else full)
         target = dtype if dtype is not None else current.dtype
         if t.is_floating_point() and current.is_floating_point() and t.dtype != target:
             t = t.to(target)

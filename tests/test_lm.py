@@ -91,6 +91,33 @@ def test_split_greedy_tokens_and_logits_equal_transformers(name, nodes, lm_model
     assert [len(n["hop_bytes"]) for n in report["node_stats"]] == [report["calls"]] * nodes
 
 
+@pytest.fixture(scope="session")
+def image_file(tmp_path_factory) -> str:
+    import numpy as np
+    from PIL import Image
+
+    path = tmp_path_factory.mktemp("media") / "picture.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (80, 100, 3), dtype=np.uint8)).save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+@pytest.mark.parametrize("name", ["smolvlm", "qwen2_vl"])
+def test_split_vision_language_model_with_an_image_equals_transformers(name, nodes, lm_models, image_file, tmp_path,
+                                                                        diffuse_home):
+    """The image is read and encoded here (the vision tower stays on the client); only the decoder's
+    hidden states travel. Their processors do not build without torchvision: the reference builds the
+    inputs by hand, the client through the model's own processor class, and the ids must agree."""
+    model = lm_models(name)
+    ref = reference(model, tmp_path, images=(image_file,))
+    tokens, report, proc = split_run(model, tmp_path, diffuse_home, nodes, images=(image_file,))
+    assert tokens["input_ids"] == ref["input_ids"]
+    assert tokens["new_tokens"] == ref["new_tokens"]
+    assert report["top"] == ref["top"]
+    assert report["client_layer_params"] == 0
+    assert "without its video processor" in proc.stderr  # said in one line, as it was built
+
+
 def test_seeded_sampling_equals_transformers(lm_models, tmp_path, diffuse_home):
     model = lm_models("qwen2")
     sample = {"seed": 3, "temperature": 0.9, "top_p": 0.95}
