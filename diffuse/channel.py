@@ -93,6 +93,7 @@ class Channel:
         self.stats.messages.append({
             "seq": self._seq, "stack": stack, "bytes_out": n_out,
             "stream_bytes": sum(_nbytes(tensors[i]) for i in streams),
+            "stream_rows": max((tensors[i].shape[1] for i in streams if tensors[i].dim() > 1), default=0),
             "fresh_slots": fresh, "fresh_bytes": sum(_nbytes(tensors[i]) for i in fresh),
             **({"branch": patch.branch, "step": patch.step, "uncut": patch.uncut, "index": patch.index}
                if patch else {}),

@@ -12,6 +12,7 @@ USAGE = """usage: diffuse COMMAND ...
 
 commands:
   query ...            generate (the same as python -m diffuse.run ...)
+  chat --model DIR     talk with a language model split over a ring, turn by turn
   node ...             serve a slice of a model (python -m diffuse.node ...)
   plan MODEL --nodes N print the slicing plan as JSON
   check MODEL          verdict from config.json files alone: stacks, output kind, patching
@@ -121,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         from diffuse.run import main as run_main
 
         return run_main(rest)
+    if cmd == "chat":
+        from diffuse.lm import chat_main
+
+        return chat_main(rest)
     if cmd == "node":
         from diffuse.node import main as node_main
 

@@ -39,6 +39,17 @@ def self_attention_part(cache):
     return getattr(cache, "self_attention_cache", cache)
 
 
+EDITS = ("reorder_cache", "crop", "batch_repeat_interleave", "batch_select_indices")  # what beams and drafts do
+
+
+def _refuse_edit(name: str):
+    def refuse(*_args, **_kwargs):
+        raise DiffuseError(f"generate called cache.{name}(): beam search and assisted decoding reorder, crop or "
+                           "repeat the cache, whose keys and values live on the nodes, so Diffuse refuses them "
+                           "rather than give a wrong answer (greedy decoding and sampling work)")
+    return refuse
+
+
 class ClientCaches:
     """The client's side: tells a new or emptied cache from one that continues, and keeps its shadow."""
 
@@ -50,7 +61,18 @@ class ClientCaches:
         last = self._last.get(stack)
         seen = last is not None and last() is cache
         self._last[stack] = weakref.ref(cache)
+        if not seen:
+            self.guard(cache)
         return not seen or self_attention_part(cache).get_seq_length() == 0
+
+    @staticmethod
+    def guard(cache) -> None:
+        """The client's cache refuses the edits it cannot forward to the nodes (see ``EDITS``)."""
+        for part in {id(p): p for p in (cache, self_attention_part(cache),
+                                        getattr(cache, "cross_attention_cache", None)) if p is not None}.values():
+            for name in EDITS:
+                if callable(getattr(part, name, None)):
+                    setattr(part, name, _refuse_edit(name))
 
     @staticmethod
     def shadow(cache, layers: range, hidden: torch.Tensor) -> None:

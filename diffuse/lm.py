@@ -213,3 +213,104 @@ def summarize(r: dict, console) -> None:
             console.print(f"  node {i}: {ns.get('messages', 0)} messages, {ns.get('bytes_in', 0) / 1024:.1f} KiB in, "
                           f"{ns.get('bytes_out', 0) / 1024:.1f} KiB out, cache {ns.get('cache_bytes', 0) / 1024:.1f} KiB, "
                           f"busy {ns.get('busy_s', 0.0):.2f} s", soft_wrap=True)
+
+
+def chat_parser() -> argparse.ArgumentParser:
+    from diffuse.run import Parser, positive
+
+    ap = Parser(prog="diffuse chat", description="An interactive chat with a language model split over a ring: the "
+                "history is rendered with the chat template, and each node keeps its layers' cache between turns, "
+                "so a turn sends only its own new tokens. Ctrl-C or an empty input at end of file ends it.")
+    ap.add_argument("--model", required=True, help="a transformers model folder (or a shipped name / cached Hub id)")
+    ap.add_argument("--max-new-tokens", type=positive, default=128, help="tokens per answer at most (default 128)")
+    ap.add_argument("--image", action="append", default=[], metavar="FILE", help="an image for the first turn")
+    ap.add_argument("--nodes", help="comma-separated node addresses, each optionally #HEXKEY")
+    ap.add_argument("--local-nodes", type=positive, default=None, help="start N nodes on this machine (default 2)")
+    ap.add_argument("--local-transport", default="tcp", metavar="SCHEME")
+    ap.add_argument("--threads", type=positive, help="torch threads here and on local nodes")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds one pass may take")
+    ap.add_argument("--client-key", metavar="FILE", help="this client's long-term identity")
+    ap.add_argument("--report", metavar="FILE.json", help="write per-turn statistics as JSON at the end")
+    return ap
+
+
+def chat(a: argparse.Namespace, console, lines=None) -> dict:
+    """Turns read from ``lines`` (default: stdin, with a prompt when it is a terminal); the answers stream
+    to stdout. One session per node for the whole chat: the cache object is kept across turns."""
+    import torch
+    from transformers import DynamicCache
+
+    import diffuse
+    from diffuse.api import ModelInfo, Split
+    from diffuse.media_inputs import chat_inputs, load_tokenizer
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    info = ModelInfo.of(a.model)
+    if not info.subject.autoregressive:
+        raise DiffuseError(f"{info.path} is a diffusion pipeline; diffuse chat talks to language models")
+    model = diffuse.from_pretrained(info.path)
+    tokenizer = load_tokenizer(info.path)
+    interactive = lines is None and sys.stdin.isatty()
+    lines = lines if lines is not None else sys.stdin
+    turns: list[dict] = []
+    messages: list[dict] = []
+    with Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
+               client_key=a.client_key, local_transport=a.local_transport) as split:
+        cache = DynamicCache(config=model.config)
+        images = list(a.image)
+        while True:
+            if interactive:
+                console.print("[bold]you>[/] ", end="")
+            line = lines.readline()
+            if not line:
+                break
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            inputs, note = chat_inputs(info.path, messages, images)
+            if note and not turns:
+                console.print(note, highlight=False, soft_wrap=True)
+            cached = cache.get_seq_length()
+            sent_before = _stream_rows(split)
+            streamer = Streamer(tokenizer)
+            with torch.no_grad():
+                out = model.generate(**inputs, past_key_values=cache, max_new_tokens=a.max_new_tokens,
+                                     do_sample=False, streamer=streamer, return_dict_in_generate=True)
+            new = out.sequences[0, inputs["input_ids"].shape[1]:]
+            messages.append({"role": "assistant", "content": streamer.printed})
+            turns.append({"input_tokens": int(inputs["input_ids"].shape[1]), "cached_before": cached,
+                          "new_tokens": int(new.shape[0]), "rows_sent": _stream_rows(split) - sent_before,
+                          "answer": streamer.printed})
+    report = {"model": info.path, "turns": turns, "node_stats": split.node_reports,
+              "passes": split.ring.channel_stats.passes}
+    if a.report:
+        with open(a.report, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return report
+
+
+def _stream_rows(split) -> int:
+    """Hidden-state rows sent into the ring so far (the stream slot of every pass)."""
+    rows = 0
+    for m in split.ring.channel_stats.messages:
+        rows += m.get("stream_rows", 0)
+    return rows
+
+
+def chat_main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    from diffuse.run import report_error
+
+    console = Console(stderr=True)
+    a = chat_parser().parse_args(argv)
+    try:
+        chat(a, console)
+    except DiffuseError as exc:
+        return report_error(console, exc)
+    except KeyboardInterrupt:
+        console.print("chat ended", highlight=False)
+        return 130
+    return 0

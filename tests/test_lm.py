@@ -157,3 +157,52 @@ def test_language_model_flags_are_checked_before_anything_starts(lm_models, tmp_
                               cwd=tmp_path)
         assert proc.returncode == 2, (extra, proc.stderr[-2000:])
         assert expected in proc.stderr and "Traceback" not in proc.stderr and "starting" not in proc.stderr, extra
+
+
+def test_a_three_turn_chat_keeps_one_session_and_sends_only_each_new_turn(lm_models, tmp_path, diffuse_home):
+    model = lm_models("qwen2")
+    report_file = tmp_path / "chat.json"
+    cmd = [sys.executable, "-m", "diffuse.cli", "chat", "--model", model, "--max-new-tokens", "4", "--threads",
+           str(THREADS), "--local-nodes", "2", "--report", str(report_file)]
+    proc = subprocess.run(cmd, input="hello there\nwhat is the moon?\nthank you\n", env=subprocess_env(diffuse_home),
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(report_file) as f:
+        report = json.load(f)
+    turns = report["turns"]
+    assert len(turns) == 3
+    assert turns[0]["cached_before"] == 0 and turns[0]["rows_sent"] == turns[0]["input_tokens"] + turns[0]["new_tokens"] - 1
+    for before, turn in zip(turns, turns[1:]):
+        # the nodes still hold every position of the earlier turns but the last token generated
+        assert turn["cached_before"] == before["input_tokens"] + before["new_tokens"] - 1
+        # only the rows the cache lacks travel: the new turn's tokens, then one per generated token
+        assert turn["rows_sent"] == turn["input_tokens"] - turn["cached_before"] + turn["new_tokens"] - 1
+        assert turn["input_tokens"] - turn["cached_before"] < turn["input_tokens"] // 2
+    # one session per node saw every pass of the chat
+    assert [n["messages"] for n in report["node_stats"]] == [report["passes"]] * 2
+    assert all(t["answer"] in proc.stdout for t in turns)
+
+
+def test_python_api_splits_a_transformers_model_and_refuses_beam_search(lm_models, tmp_path, diffuse_home):
+    import torch
+
+    import diffuse
+    from diffuse.media_inputs import build_inputs
+
+    model_dir = lm_models("qwen2")
+    ref = reference(model_dir, tmp_path)
+    inputs, _ = build_inputs(model_dir, PROMPT)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        model = diffuse.from_pretrained(model_dir)
+        with diffuse.split(model, local_nodes=2) as ring:
+            out = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+            with pytest.raises(diffuse.DiffuseError, match="beam search"):
+                model.generate(**inputs, max_new_tokens=3, num_beams=2, do_sample=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert out[:, inputs["input_ids"].shape[1]:].tolist() == ref["new_tokens"]
+    assert ring.stats.passes >= 6
+    held = [p for layers in ring.splitter.originals.values() for p in layers.parameters()]
+    assert held and all(p.device.type == "meta" for p in held)  # the decoder layers were handed out and freed
