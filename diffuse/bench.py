@@ -148,11 +148,17 @@ def main(argv: list[str] | None = None) -> int:
         from diffuse.quality import main as quality_main
 
         return quality_main(argv[1:])
+    if argv and argv[0] == "lm":
+        from diffuse.bench_lm import main as lm_main
+
+        return lm_main(argv[1:])
     from diffuse.text import plain
 
     ap = argparse.ArgumentParser(prog="python -m diffuse.bench", description=plain(__doc__.split("\n")[0]),
                                  epilog="python -m diffuse.bench quality [--help]: what patches cost in pixels and in "
-                                        "the prompt's colour and motion, on the shipped trained model")
+                                        "the prompt's colour and motion, on the shipped trained model. "
+                                        "python -m diffuse.bench lm [--help]: a language model whole and split "
+                                        "(tokens/s, first token, bytes per hop)")
     ap.add_argument("--quick", action="store_true", help="a small model, for a smoke test (well under a minute)")
     ap.add_argument("--steps", type=int, help="denoising steps per configuration (the first is not timed)")
     ap.add_argument("--keep", metavar="DIR", help="build (or reuse) the model in DIR instead of a temp folder")

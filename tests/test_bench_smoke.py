@@ -21,3 +21,15 @@ def test_bench_quick_prints_overhead_speedups_wire_and_attention_paths(diffuse_h
     assert len(re.findall(r"wire P=\d: \d+\.\d+ MiB per step over 3 hops \(whole latent each pass", out)) == 3
     assert "attention P=4: blocks quick" in out and "attention P=4 plain: blocks plain" in out
     assert re.search(r"quick \d+\.\d+ ms, plain \d+\.\d+ ms", out), out
+
+
+def test_bench_lm_quick_prints_rates_first_token_and_bytes_per_hop(diffuse_home):
+    proc = subprocess.run([sys.executable, "-m", "diffuse.bench", "lm", "--quick"], env=subprocess_env(diffuse_home),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for name in ("whole", "split, 1 node", "split, 2 nodes"):
+        assert re.search(rf"{name} +\d+\.\d tokens/s \(\d\.\d\d of whole\) +first token +\d+\.\d ms +"
+                         r"tokens equal whole: True", out), out
+    assert re.search(r"split, 2 nodes: bytes per decoding step on each hop \(sealed\): client->1 \d+ B, "
+                     r"1->2 \d+ B, 2->client \d+ B", out), out
