@@ -1,4 +1,4 @@
-"""The ``diffuse`` command: query (run), node, plan, check, verify, plugins."""
+"""The ``diffuse`` command: query (run), chat, node, plan, check, verify, plugins."""
 
 from __future__ import annotations
 

@@ -124,6 +124,16 @@ def held_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters() if p.device.type != "meta")
 
 
+def head_params_held(splitter) -> int | None:
+    """Elements of the output head's weights still held here: 0 once the last node runs it; None where the
+    head shares its weights with the input embedding, which the client needs (tied weights)."""
+    if splitter.head is None:
+        return None
+    if splitter._head_shares_weights():
+        return None
+    return sum(p.numel() for p in splitter.head[1].parameters() if p.device.type != "meta")
+
+
 def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
     import torch
 
@@ -183,6 +193,8 @@ def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
             transport=split.ring.scheme, calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
             last_hop_bytes_per_token=st.bytes_received / per_token,
             client_layer_params=split.splitter.held_block_parameters(),
+            tail_passes=split.splitter.tail_passes,
+            client_head_params=head_params_held(split.splitter),
             node_stats=[dict(r, address=s.address, bytes_per_token_in=r.get("bytes_in", 0) / per_token)
                         for s, r in zip(split.plan.route, split.node_reports)],
             messages=st.messages)
@@ -207,7 +219,10 @@ def summarize(r: dict, console) -> None:
                   f"{r['times']['generate']:.1f} s ({rate:.1f} tokens/s{first}); start-up "
                   f"{r['times']['load'] + r['times'].get('nodes', 0):.1f} s", soft_wrap=True)
     if r.get("calls"):
-        console.print(f"  {r['calls']} ring passes; last hop {r['last_hop_bytes_per_token']:.0f} B per token; "
+        head = ("shares the input embedding's weights (tied), kept here" if r.get("client_head_params") is None
+                else f"{r['client_head_params']} parameters of it held here")
+        console.print(f"  {r['calls']} ring passes, {r.get('tail_passes', 0)} ending in the final norm and output head "
+                      f"on the last node (head: {head}); last hop {r['last_hop_bytes_per_token']:.0f} B per token; "
                       f"client holds {r['client_layer_params']} decoder-layer parameters", soft_wrap=True)
         for i, ns in enumerate(r.get("node_stats") or [], 1):
             console.print(f"  node {i}: {ns.get('messages', 0)} messages, {ns.get('bytes_in', 0) / 1024:.1f} KiB in, "

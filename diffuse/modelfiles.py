@@ -97,6 +97,10 @@ def renamed_for(wmap: dict[str, str], model) -> WeightMap:
         out[name] = file
         if name != key:
             out.sources[name] = key
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if target not in out and source in out:  # a tied head is stored once, under the embedding's name
+            out[target] = out[source]
+            out.sources[target] = out.source(source)
     return out
 
 

@@ -196,8 +196,8 @@ def output_array(result) -> np.ndarray:
 
 def generate(a: argparse.Namespace, console) -> dict:
     """One run of the pipeline, whole (``--whole``) or split; writes the output; returns the report.
-    Everything that can be checked is checked before a node starts; local nodes start while the
-    client loads its part of the model."""
+    Everything that can be checked is checked before a node starts (the pipeline's own input check
+    needs the loaded pipeline, so local nodes start after it has loaded)."""
     import torch
 
     import diffuse

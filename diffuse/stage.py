@@ -43,6 +43,7 @@ class BlockStore:
         self.blocks: dict[tuple[str, int], torch.nn.Module] = {}
         self.fixed: list[Slice] | None = None  # set by --blocks: the node holds exactly these
         self.dtypes: dict[tuple[str, int], torch.dtype] = {}  # what each held block computes in
+        self._tails: dict[str, tuple] = {}  # a language model's (final norm, output head), by norm path
 
     def covers(self, sl: Slice) -> bool:
         return all((sl.stack, i) in self.blocks for i in range(sl.start, sl.stop))
@@ -71,6 +72,39 @@ class BlockStore:
         del skeleton
         gc.collect()
         log.info("loaded %d blocks in %.2f s", len(wanted), time.perf_counter() - t0)
+
+    def tail(self, norm: str | None):
+        """(final norm or None, output head) of a language model, loaded on first use from the safetensors
+        files; ``norm`` is the path the client saw, accepted only if it names a norm (a leaf of vectors)."""
+        from diffuse.tail import head_path, is_norm
+
+        key = norm or ""
+        if key in self._tails:
+            return self._tails[key]
+        skeleton = build_meta(self.subject.denoiser_class(), self.subject.denoiser_config)
+        head = head_path(skeleton)
+        if head is None:
+            raise DiffuseError("this model has no output head to run here")
+        modules = []
+        for path in (norm, head):
+            if path is None:
+                modules.append(None)
+                continue
+            if not isinstance(path, str) or len(path) > 200:
+                raise DiffuseError("malformed tail")
+            try:
+                module = skeleton.get_submodule(path)
+            except AttributeError:
+                raise DiffuseError(f"the model has no module {path[:64]!r}") from None
+            if path == norm and not is_norm(module):
+                raise DiffuseError(f"{path[:64]!r} is not a norm; only the final norm and the head run after the stack")
+            dtype = next(iter(self.dtypes.values()), None)
+            load_into(module, f"{path}.", renamed_for(weight_map(self.component_dir), skeleton), dtype)
+            module.eval()
+            modules.append(module)
+        del skeleton
+        self._tails[key] = tuple(modules)
+        return self._tails[key]
 
     def blocks_of(self, sl: Slice) -> list[tuple[int, torch.nn.Module]]:
         """(index, block) for each block of ``sl``, in order."""
@@ -154,6 +188,8 @@ class StageSession:
                     out = block(*args, **kwargs)
                     thread_outputs(values, out, rmap)
         if sl.stop == self.store.stacks[stack].length:
+            if header.get("tail") is not None:
+                out = self._tail(out, header["tail"])
             tree, out_tensors = encode_value(out)
             return {"op": "result", "stack": stack, "seq": header.get("seq"), "out": tree}, out_tensors
         # hand on: stream slots carry this node's output; new cached tensors travel on once
@@ -169,6 +205,25 @@ class StageSession:
             else:
                 slots.append(ref.to_wire())
         return dict(header, slots=slots), sent
+
+    def _tail(self, hidden: torch.Tensor, tail) -> dict:
+        """Final norm, the rows decoding needs, output head; the best candidates or the whole rows."""
+        from diffuse.tail import top_candidates
+
+        if not isinstance(tail, dict) or not isinstance(tail.get("rows"), list) or len(tail["rows"]) != 2 \
+                or not all(isinstance(r, int) for r in tail["rows"]) or not isinstance(tail.get("top"), int):
+            raise DiffuseError("malformed tail")
+        norm, head = self.store.tail(tail.get("norm"))
+        start, stop = tail["rows"]
+        if not 0 <= start < stop <= hidden.shape[1]:
+            raise DiffuseError("tail rows out of range")
+        with torch.no_grad():
+            h = norm(hidden) if norm is not None else hidden
+            logits = head(h[:, start:stop])
+        if 0 < tail["top"] < logits.shape[-1]:
+            ids, values = top_candidates(logits, tail["top"])
+            return {"ids": ids, "values": values}
+        return {"logits": logits}
 
     def report(self) -> dict:
         """What the session did, for the client's summary (sent at close, before the buffers go)."""

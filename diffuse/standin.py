@@ -22,6 +22,8 @@ ring); a stack with two streams runs uncut steps, and ``uncut`` says why.
 from __future__ import annotations
 
 import copy
+import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,6 +34,7 @@ from diffuse.kvcache import ClientCaches, is_cache
 from diffuse.pipefusion import Patcher, why_uncut
 from diffuse.plan import PATCHABLE, ReturnMap, SlicingPlan, StackPlan
 from diffuse.planner import learn_call
+from diffuse.tail import HeadStandIn, head_path, is_norm, logits_from, rows_of, unsupported_view
 
 
 class BlockProxy(nn.Module):
@@ -109,6 +112,20 @@ class StandIn(nn.ModuleList):
                     "chain, so it cannot be split")
 
 
+@dataclass
+class _Pending:
+    """A language model's pass held back until its output head is called (see ``diffuse.tail``)."""
+
+    stack: StackPlan
+    calls: list
+    cache: object
+    rmap: ReturnMap
+    fresh: bool
+    placeholder: torch.Tensor  # what the last layer answered meanwhile: its input, untouched
+    norm: str | None = None  # the final norm's path, once it has run on the placeholder
+    normed: torch.Tensor | None = None
+
+
 def _find_cache(args: tuple, kwargs: dict):
     for x in (*args, *kwargs.values()):
         if is_cache(x):
@@ -129,6 +146,11 @@ class Splitter:
         self.patcher = None
         self.uncut: dict[str, str] = {}  # stack -> why its steps run uncut although patches > 1
         self.caches = ClientCaches()
+        self.head: tuple[str, nn.Module] | None = None  # a language model's output head: (path, the original)
+        self.head_freed = False
+        self.top: int | None = None  # candidates per row the head's answer needs (None: the whole row)
+        self.pending: _Pending | None = None
+        self.tail_passes = 0  # passes whose norm and head ran on the last node
 
     @classmethod
     def on(cls, denoiser: nn.Module, plan: SlicingPlan) -> "Splitter":
@@ -153,14 +175,69 @@ class Splitter:
             for block in list(original)[1:]:
                 block.to("meta")
             setattr(parent, name, StandIn(st, self))
+        self._install_head()
+
+    def _install_head(self) -> None:
+        """A language model's output head becomes a stand-in answered by the last node (``diffuse.tail``);
+        every other module is watched, so that one reading the stack's held-back answer gets the real one."""
+        path = head_path(self.denoiser) if self.plan.stacks else None
+        if path is None:
+            return
+        parent_path, _, name = path.rpartition(".")
+        parent = self.denoiser.get_submodule(parent_path) if parent_path else self.denoiser
+        original = getattr(parent, name)
+        weight = getattr(original, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            return
+        self.head = (path, original)
+        setattr(parent, name, HeadStandIn(self, weight.shape[0], original))
+        for mpath, module in self.denoiser.named_modules():
+            if isinstance(module, (StandIn, BlockProxy, HeadStandIn)):
+                continue
+            module.register_forward_pre_hook(functools.partial(self._before_module, mpath))
+            module.register_forward_hook(functools.partial(self._after_module, mpath))
+
+    def _before_module(self, path: str, module: nn.Module, args: tuple):
+        p = self.pending
+        if p is None or not args or args[0] is not p.placeholder:
+            return None
+        if p.norm is None and p.normed is None and is_norm(module):
+            p.norm = path  # runs on the placeholder here; only its output's shape and view matter
+            return None
+        return (self._send_pending(None), *args[1:])  # anything else reading the answer gets the real one now
+
+    def _after_module(self, path: str, module: nn.Module, args: tuple, output):
+        p = self.pending
+        if p is not None and p.norm == path and args and args[0] is p.placeholder:
+            p.normed = output
 
     def attach(self, ring, patches: int = 1) -> None:
         self.ring = ring
         self.patcher = Patcher(ring, patches) if patches > 1 else None
         self.uncut = {}
+        if self.head is not None and callable(getattr(type(self.denoiser), "generate", None)):
+            self._wrap_generate()
 
     def detach(self) -> None:
         self.ring = self.patcher = None
+        self.pending = None
+        self.denoiser.__dict__.pop("generate", None)
+
+    def _wrap_generate(self) -> None:
+        """While split, ``generate`` first says how many candidates its decoding reads (``diffuse.tail``)."""
+        from diffuse.tail import candidates_needed
+
+        model, bound = self.denoiser, type(self.denoiser).generate.__get__(self.denoiser)
+
+        @functools.wraps(bound)
+        def generate(*args, **kwargs):
+            self.top = candidates_needed(model, kwargs)
+            try:
+                return bound(*args, **kwargs)
+            finally:
+                self.top = None
+
+        model.generate = generate
 
     def run_stack(self, stack: StackPlan, args: tuple, kwargs: dict):
         if self.ring is None:
@@ -193,10 +270,52 @@ class Splitter:
             block.to("meta")
         rmap = self.plan.return_maps[stack.path]
         fresh = self.caches.fresh(stack.path, cache)
-        out = self.ring.call_layers(stack.path, calls, rmap, cache, fresh)
-        first = out if isinstance(out, torch.Tensor) else next(t for t in out if isinstance(t, torch.Tensor))
-        self.caches.shadow(cache, range(stack.length), first)
+        if self.pending is not None:  # a pass held back that nothing read: send it first
+            self._send_pending(None)
+        placeholder = calls[0][0][0] if calls[0][0] else calls[0][1].get("hidden_states")
+        if self.head is not None and rmap.single and isinstance(placeholder, torch.Tensor):
+            self.pending = _Pending(stack, calls, cache, rmap, fresh, placeholder)
+            return placeholder
+        return self._send(stack, calls, cache, rmap, fresh, None)
+
+    def _send(self, stack: StackPlan, calls, cache, rmap: ReturnMap, fresh: bool, tail: dict | None):
+        out = self.ring.call_layers(stack.path, calls, rmap, cache, fresh, tail)
+        rows = calls[0][0][0] if calls[0][0] else calls[0][1].get("hidden_states")
+        self.caches.shadow(cache, range(stack.length), rows)
         return out
+
+    def _send_pending(self, tail: dict | None):
+        p, self.pending = self.pending, None
+        return self._send(p.stack, p.calls, p.cache, p.rmap, p.fresh, tail)
+
+    def run_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The output head's answer for ``x``: from the last node when the pass is held back (norm, the rows
+        ``x`` takes, head, the candidates decoding needs), else from the head here."""
+        path, original = self.head
+        p = self.pending
+        if p is None:
+            if self.head_freed:
+                raise DiffuseError(f"{path} was called on a hidden state the last node did not make, and its "
+                                   "weights are held by the nodes")
+            return original(x)
+        rows = rows_of(x, p.normed if p.normed is not None else p.placeholder)
+        if rows is None:
+            self._send_pending(None)
+            raise unsupported_view(path)
+        answer = self._send_pending({"norm": p.norm, "rows": list(rows), "top": self.top or 0})
+        self.tail_passes += 1
+        if not self.head_freed and not self._head_shares_weights():
+            original.to("meta")  # the last node holds it now
+            self.head_freed = True
+        if "logits" in answer:
+            return answer["logits"]
+        return logits_from(answer["ids"], answer["values"], original.weight.shape[0])
+
+    def _head_shares_weights(self) -> bool:
+        """Tied to the input embedding, which the client needs for the first layer's input."""
+        weight = self.head[1].weight
+        return any(p is weight for name, p in self.denoiser.named_parameters(remove_duplicate=False)
+                   if not name.startswith(self.head[0] + "."))
 
     def _patchable(self, path: str, rmap: ReturnMap) -> bool:
         if path in self.uncut:

@@ -89,6 +89,8 @@ def test_split_greedy_tokens_and_logits_equal_transformers(name, nodes, lm_model
     # the client handed every decoder layer out; each node holds the cache of its own layers only
     assert report["client_layer_params"] == 0
     assert [len(n["hop_bytes"]) for n in report["node_stats"]] == [report["calls"]] * nodes
+    # the last node ran the final norm and the head on every pass and sent home only the best candidates
+    assert report["tail_passes"] == report["calls"] and report["last_hop_bytes_per_token"] <= 1024
 
 
 @pytest.fixture(scope="session")
@@ -115,6 +117,9 @@ def test_split_vision_language_model_with_an_image_equals_transformers(name, nod
     assert tokens["new_tokens"] == ref["new_tokens"]
     assert report["top"] == ref["top"]
     assert report["client_layer_params"] == 0
+    assert report["tail_passes"] == report["calls"] and report["last_hop_bytes_per_token"] <= 1024
+    if name == "smolvlm":  # its head has weights of its own (not tied to the embedding): none of them stay here
+        assert report["client_head_params"] == 0
     assert "without its video processor" in proc.stderr  # said in one line, as it was built
 
 
@@ -122,9 +127,12 @@ def test_seeded_sampling_equals_transformers(lm_models, tmp_path, diffuse_home):
     model = lm_models("qwen2")
     sample = {"seed": 3, "temperature": 0.9, "top_p": 0.95}
     ref = reference(model, tmp_path, max_new=8, sample=sample)
-    tokens, _, _ = split_run(model, tmp_path, diffuse_home, 2, max_new=8,
-                             extra=["--seed", "3", "--temperature", "0.9", "--top-p", "0.95"])
+    tokens, report, _ = split_run(model, tmp_path, diffuse_home, 2, max_new=8,
+                                  extra=["--seed", "3", "--temperature", "0.9", "--top-p", "0.95"])
     assert tokens["new_tokens"] == ref["new_tokens"]
+    # sampling reads the whole distribution: whole rows of logits came home, never a shortlist
+    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    assert report["last_hop_bytes_per_token"] > vocab * 4
     greedy = reference(model, tmp_path, max_new=8)
     assert ref["new_tokens"] != greedy["new_tokens"]  # the draw mattered: sampling is not greedy in disguise
 

@@ -1,1 +1,1 @@
-"""The built-in transport: a ZeroMQ PUSH/PULL ring, CBOR frames, libsodium sealing."""
+"""The built-in transport: ZeroMQ sockets for the ring (PUSH/PULL data, REQ/REP control); framing and sealing are the core's (diffuse.frames, diffuse.sealing)."""

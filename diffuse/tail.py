@@ -1,0 +1,127 @@
+"""The end of a language model's pass on the last node: final norm, output head, top candidates home.
+
+A language model's forward, after its decoder stack, normalises the last
+hidden state, keeps the rows it needs (the last position, when generating) and
+projects them onto the vocabulary. Split, that tail runs on the node holding the
+last layer, and only what decoding needs comes back: for plain greedy decoding
+the best ``GREEDY_TOP`` candidates of each row (ids and exact values, ties
+ordered as argmax breaks them: lowest id first), from which the client builds
+logits that are ``-inf`` elsewhere, so ``generate`` picks the very same token;
+for anything that reads the whole distribution (sampling, repetition
+penalties, other logits processors) the whole row of logits, so nothing is
+drawn from a shortlist.
+
+Nothing about a family is named: the head is the model's own
+``get_output_embeddings()``; the norm is the module the model applies to the
+stack's answer (a leaf whose parameters are vectors), seen at the first pass;
+the rows are read from the view the model takes of the norm's output. The
+decoder stand-in holds the layers' calls back until the head is called
+(``Splitter.run_layers``); a module other than a norm that reads the stack's
+answer gets the real hidden state at once instead (the pass is sent then, and
+the head runs on the client).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from diffuse.errors import DiffuseError
+
+GREEDY_TOP = 8
+
+
+def head_path(model: nn.Module) -> str | None:
+    """Where the model's output head sits (``get_output_embeddings()``), or None."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        return None
+    return next((name for name, m in model.named_modules() if m is head), None)
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A leaf module whose parameters are all vectors (a LayerNorm or RMSNorm, whatever its class)."""
+    params = list(module.parameters())
+    return next(module.children(), None) is None and bool(params) and all(p.dim() == 1 for p in params)
+
+
+def rows_of(x: torch.Tensor, full: torch.Tensor) -> tuple[int, int] | None:
+    """``(start, stop)`` when ``x`` is ``full[:, start:stop]`` (a view sharing its storage), else None."""
+    if x.dim() != 3 or full.dim() != 3 or x.shape[0] != full.shape[0] or x.shape[2] != full.shape[2]:
+        return None
+    if x.untyped_storage().data_ptr() != full.untyped_storage().data_ptr() or x.stride() != full.stride():
+        return None
+    offset = x.storage_offset() - full.storage_offset()
+    if offset < 0 or offset % full.stride(1):
+        return None
+    start = offset // full.stride(1)
+    return (start, start + x.shape[1]) if start + x.shape[1] <= full.shape[1] else None
+
+
+def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest logits of each row and their ids; equal values in id order (a stable sort)."""
+    values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+    return ids[..., :k].contiguous(), values[..., :k].contiguous()
+
+
+def logits_from(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Tensor:
+    out = torch.full((*ids.shape[:-1], vocab), float("-inf"), dtype=values.dtype)
+    return out.scatter_(-1, ids.long(), values)
+
+
+# generate settings under which greedy decoding reads only the best logits (each one here would change which
+# token wins with values outside the best few, or reads the whole row)
+_WHOLE_ROW = ("repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
+              "encoder_no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
+              "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "forced_decoder_ids",
+              "exponential_decay_length_penalty", "renormalize_logits", "watermarking_config", "guidance_scale",
+              "diversity_penalty", "low_memory", "penalty_alpha", "output_scores")
+_NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+            "encoder_no_repeat_ngram_size": 0, "renormalize_logits": False, "guidance_scale": 1.0,
+            "diversity_penalty": 0.0, "low_memory": False, "output_scores": False}
+
+
+def candidates_needed(model, kwargs: dict) -> int | None:
+    """How many candidates per row a ``generate(**kwargs)`` call needs back: ``GREEDY_TOP`` for plain greedy
+    decoding, None (the whole row) for sampling or any logits processor."""
+    config = copy.deepcopy(kwargs.get("generation_config") or getattr(model, "generation_config", None))
+    if config is None:
+        return None
+    for key, value in kwargs.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    if kwargs.get("logits_processor") or getattr(config, "do_sample", False) or (getattr(config, "num_beams", 1) or 1) > 1:
+        return None
+    for key in _WHOLE_ROW:
+        value = getattr(config, key, None)
+        if value not in (None, _NEUTRAL.get(key), [], {}):
+            return None
+    return GREEDY_TOP
+
+
+class HeadStandIn(nn.Module):
+    """Where the output head was: answers with logits built from what the last node sent back."""
+
+    def __init__(self, splitter, vocab: int, original: nn.Module):
+        super().__init__()
+        self._splitter = (splitter,)
+        self._original = (original,)  # a tuple: not registered, its weights are not this module's
+        self.out_features = vocab
+
+    @property
+    def weight(self):  # code that reads the head's weight (tying, resizing) sees the original
+        return self._original[0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._splitter[0].run_head(x)
+
+    def extra_repr(self) -> str:
+        return f"out_features={self.out_features}, on the last node"
+
+
+def unsupported_view(path: str) -> DiffuseError:
+    return DiffuseError(f"the model hands its output head ({path}) rows it did not slice from the final norm's "
+                        "output; Diffuse cannot follow that selection to the last node")
