@@ -313,8 +313,8 @@ def run(model_dir: str, prompt: str, images=(), max_new_tokens: int = 8, threads
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--model")
+    parser.add_argument("--prompt")
     parser.add_argument("--image", action="append", default=[], help="an image file; repeat for more")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 leaves torch's default")
@@ -325,8 +325,26 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--no-template", action="store_true", help="tokenize the prompt as given")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--jobs", metavar="FILE.json",
+                        help="run each job of this JSON list instead ({model, prompt, images, max_new_tokens, "
+                             "do_sample, seed, temperature, top_p, top_k, no_template}; each model loaded afresh) "
+                             "and write the list of results: several references for one interpreter start")
     args = parser.parse_args(argv)
+    if args.jobs:
+        if args.threads > 0:
+            torch.set_num_threads(args.threads)
+        with open(args.jobs) as f:
+            jobs = json.load(f)
+        results = [run(job["model"], job["prompt"], job.get("images", ()), max_new_tokens=job.get("max_new_tokens", 8),
+                       threads=0, do_sample=job.get("do_sample", False), seed=job.get("seed", 0),
+                       temperature=job.get("temperature"), top_p=job.get("top_p"), top_k=job.get("top_k"),
+                       no_template=job.get("no_template", False)) for job in jobs]
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+        return 0
 
+    if not args.model or args.prompt is None:
+        parser.error("--model and --prompt are needed (or --jobs)")
     result = run(
         args.model,
         args.prompt,

@@ -12,11 +12,9 @@ import pytest
 
 from conftest import run_reference, run_split
 
-# (family, nodes): every family over 2 nodes; over 3 for models of other shapes (two stacks; a nested stack with
-# two streams; a video model); and more nodes than the tiny Wan has blocks (as many start as hold one)
-CASES = [(f, 2) for f in families.FAMILIES] + [("odd", 2)] + [
-    (f, 3) for f in ("flux", "ltx", "odd")
-] + [("wan", 5)]
+# (family, nodes): every family over 2 nodes; over 3 for models of other shapes (two stacks, so one node holds
+# nothing of the shorter one and passes it on; a nested stack with two streams; a video model)
+CASES = [(f, 2) for f in families.FAMILIES] + [("odd", 2)] + [(f, 3) for f in ("flux", "ltx", "odd")]
 
 
 @pytest.mark.parametrize("family,nodes", CASES, ids=[f"{f}-{n}nodes" for f, n in CASES])

@@ -39,27 +39,32 @@ def lm_models(tmp_path_factory) -> LMModels:
     return LMModels(tmp_path_factory.mktemp("lm-models"))
 
 
-_REFERENCES: dict = {}
+# every reference the tests compare with, computed in one interpreter (tests/lm_reference.py --jobs), each
+# model loaded afresh: (name, max new tokens, sampling, with the image)
+REFERENCE_JOBS = [("qwen2", 6, None, False), ("hybrid", 6, None, False), ("smolvlm", 6, None, True),
+                  ("qwen2_vl", 6, None, True), ("qwen2", 8, None, False),
+                  ("qwen2", 8, {"seed": 3, "temperature": 0.9, "top_p": 0.95}, False)]
 
 
-def reference(model: str, tmp_path, max_new: int = 6, sample: dict | None = None, images=()) -> dict:
-    key = (model, max_new, json.dumps(sample, sort_keys=True), tuple(images))
-    if key not in _REFERENCES:
-        out = tmp_path / "reference.json"
-        cmd = [sys.executable, os.path.join(TESTS, "lm_reference.py"), "--model", model, "--prompt", PROMPT,
-               "--max-new-tokens", str(max_new), "--threads", str(THREADS), "--out", str(out)]
-        for image in images:
-            cmd += ["--image", image]
-        if sample:
-            cmd += ["--do-sample", "--seed", str(sample["seed"])]
-            for k in ("temperature", "top_p", "top_k"):
-                if k in sample:
-                    cmd += [f"--{k.replace('_', '-')}", str(sample[k])]
-        proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        with open(out) as f:
-            _REFERENCES[key] = json.load(f)
-    return _REFERENCES[key]
+@pytest.fixture(scope="session")
+def lm_references(lm_models, image_file, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("lm-references")
+    jobs = [dict(model=lm_models(name), prompt=PROMPT, max_new_tokens=new, images=[image_file] if image else [],
+                 do_sample=bool(sample), **(sample or {})) for name, new, sample, image in REFERENCE_JOBS]
+    with open(root / "jobs.json", "w") as f:
+        json.dump(jobs, f)
+    cmd = [sys.executable, os.path.join(TESTS, "lm_reference.py"), "--jobs", str(root / "jobs.json"),
+           "--threads", str(THREADS), "--out", str(root / "results.json")]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(root / "results.json") as f:
+        results = json.load(f)
+    return {(job["model"], job["max_new_tokens"], json.dumps(sample, sort_keys=True), bool(job["images"])): result
+            for job, (_, _, sample, _), result in zip(jobs, REFERENCE_JOBS, results)}
+
+
+def reference(refs: dict, model: str, max_new: int = 6, sample: dict | None = None, image: bool = False) -> dict:
+    return refs[(model, max_new, json.dumps(sample, sort_keys=True), image)]
 
 
 def split_run(model: str, tmp_path, home: str, nodes: int = 2, max_new: int = 6, extra=(), images=()):
@@ -77,9 +82,10 @@ def split_run(model: str, tmp_path, home: str, nodes: int = 2, max_new: int = 6,
 
 @pytest.mark.parametrize("nodes", [2, 3])
 @pytest.mark.parametrize("name", ["qwen2", "hybrid"])
-def test_split_greedy_tokens_and_logits_equal_transformers(name, nodes, lm_models, tmp_path, diffuse_home):
+def test_split_greedy_tokens_and_logits_equal_transformers(name, nodes, lm_models, lm_references, tmp_path,
+                                                           diffuse_home):
     model = lm_models(name)
-    ref = reference(model, tmp_path)
+    ref = reference(lm_references, model)
     tokens, report, proc = split_run(model, tmp_path, diffuse_home, nodes)
     assert tokens["input_ids"] == ref["input_ids"]
     assert tokens["new_tokens"] == ref["new_tokens"]
@@ -91,6 +97,20 @@ def test_split_greedy_tokens_and_logits_equal_transformers(name, nodes, lm_model
     assert [len(n["hop_bytes"]) for n in report["node_stats"]] == [report["calls"]] * nodes
     # the last node ran the final norm and the head on every pass and sent home only the best candidates
     assert report["tail_passes"] == report["calls"] and report["last_hop_bytes_per_token"] <= 1024
+    if name == "qwen2":  # full attention everywhere: every position seen stays in the cache of its layer's node
+        check_cache_bytes(model, report)
+
+
+def check_cache_bytes(model: str, report: dict) -> None:
+    """Keys and values of every position seen, on the node holding the layer: 2 x kv heads x positions x head
+    dim floats per layer (the last token generated is never fed back), each node for its own layers only."""
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    positions = report["prompt_tokens"] + report["new_tokens"] - 1
+    per_layer = 2 * cfg["num_key_value_heads"] * positions * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 4
+    held = [n["cache_bytes"] for n in report["node_stats"]]
+    assert sum(held) == cfg["num_hidden_layers"] * per_layer
+    assert all(b > 0 and b % per_layer == 0 for b in held)
 
 
 @pytest.fixture(scope="session")
@@ -105,13 +125,13 @@ def image_file(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("nodes", [2, 3])
 @pytest.mark.parametrize("name", ["smolvlm", "qwen2_vl"])
-def test_split_vision_language_model_with_an_image_equals_transformers(name, nodes, lm_models, image_file, tmp_path,
-                                                                        diffuse_home):
+def test_split_vision_language_model_with_an_image_equals_transformers(name, nodes, lm_models, lm_references,
+                                                                        image_file, tmp_path, diffuse_home):
     """The image is read and encoded here (the vision tower stays on the client); only the decoder's
     hidden states travel. Their processors do not build without torchvision: the reference builds the
     inputs by hand, the client through the model's own processor class, and the ids must agree."""
     model = lm_models(name)
-    ref = reference(model, tmp_path, images=(image_file,))
+    ref = reference(lm_references, model, image=True)
     tokens, report, proc = split_run(model, tmp_path, diffuse_home, nodes, images=(image_file,))
     assert tokens["input_ids"] == ref["input_ids"]
     assert tokens["new_tokens"] == ref["new_tokens"]
@@ -123,35 +143,24 @@ def test_split_vision_language_model_with_an_image_equals_transformers(name, nod
     assert "without its video processor" in proc.stderr  # said in one line, as it was built
 
 
-def test_seeded_sampling_equals_transformers(lm_models, tmp_path, diffuse_home):
+def test_seeded_sampling_equals_transformers(lm_models, lm_references, tmp_path, diffuse_home):
     model = lm_models("qwen2")
     sample = {"seed": 3, "temperature": 0.9, "top_p": 0.95}
-    ref = reference(model, tmp_path, max_new=8, sample=sample)
+    ref = reference(lm_references, model, max_new=8, sample=sample)
     tokens, report, _ = split_run(model, tmp_path, diffuse_home, 2, max_new=8,
                                   extra=["--seed", "3", "--temperature", "0.9", "--top-p", "0.95"])
     assert tokens["new_tokens"] == ref["new_tokens"]
     # sampling reads the whole distribution: whole rows of logits came home, never a shortlist
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     assert report["last_hop_bytes_per_token"] > vocab * 4
-    greedy = reference(model, tmp_path, max_new=8)
+    greedy = reference(lm_references, model, max_new=8)
     assert ref["new_tokens"] != greedy["new_tokens"]  # the draw mattered: sampling is not greedy in disguise
 
 
-def test_each_node_holds_the_cache_of_its_layers_for_every_position(lm_models, tmp_path, diffuse_home):
-    """Keys and values of every position seen, on the node holding the layer: layers x 2 x kv heads x
-    positions x head dim floats (the last token generated is never fed back)."""
-    model = lm_models("qwen2")
-    _, report, _ = split_run(model, tmp_path, diffuse_home, 2, max_new=6)
-    with open(os.path.join(model, "config.json")) as f:
-        cfg = json.load(f)
-    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    positions = report["prompt_tokens"] + report["new_tokens"] - 1
-    per_layer = 2 * cfg["num_key_value_heads"] * positions * head_dim * 4
-    layers = [cfg["num_hidden_layers"] // 2] * 2
-    assert [n["cache_bytes"] for n in report["node_stats"]] == [per_layer * n for n in layers]
 
+def test_language_model_flags_are_checked_before_anything_starts(lm_models, capsys, diffuse_home):
+    from diffuse.run import main
 
-def test_language_model_flags_are_checked_before_anything_starts(lm_models, tmp_path, diffuse_home):
     model = lm_models("qwen2")
     cases = [
         (["--steps", "3"], "applies to diffusion pipelines"),
@@ -160,11 +169,9 @@ def test_language_model_flags_are_checked_before_anything_starts(lm_models, tmp_
         (["--image", os.path.join(model, "config.json")], "image"),
     ]
     for extra, expected in cases:
-        cmd = [sys.executable, "-m", "diffuse.run", "--model", model, "--prompt", "hi", "--quiet", *extra]
-        proc = subprocess.run(cmd, env=subprocess_env(diffuse_home), capture_output=True, text=True, timeout=120,
-                              cwd=tmp_path)
-        assert proc.returncode == 2, (extra, proc.stderr[-2000:])
-        assert expected in proc.stderr and "Traceback" not in proc.stderr and "starting" not in proc.stderr, extra
+        assert main(["--model", model, "--prompt", "hi", "--quiet", *extra]) == 2, extra
+        said = capsys.readouterr().err
+        assert expected in said and "Traceback" not in said and "starting" not in said, (extra, said)
 
 
 def test_a_three_turn_chat_keeps_one_session_and_sends_only_each_new_turn(lm_models, tmp_path, diffuse_home):
@@ -191,14 +198,15 @@ def test_a_three_turn_chat_keeps_one_session_and_sends_only_each_new_turn(lm_mod
     assert all(t["answer"] in proc.stdout for t in turns)
 
 
-def test_python_api_splits_a_transformers_model_and_refuses_beam_search(lm_models, tmp_path, diffuse_home):
+def test_python_api_splits_a_transformers_model_and_refuses_beam_search(lm_models, lm_references, tmp_path,
+                                                                        diffuse_home):
     import torch
 
     import diffuse
     from diffuse.media_inputs import build_inputs
 
     model_dir = lm_models("qwen2")
-    ref = reference(model_dir, tmp_path)
+    ref = reference(lm_references, model_dir)
     inputs, _ = build_inputs(model_dir, PROMPT)
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)

@@ -40,3 +40,20 @@ def _running(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_no_more_local_nodes_start_than_the_longest_stack_has_blocks():
+    """A local node that would hold no block is not started, and the run says so; at one patch each node
+    gets the client's thread count (one computes at a time), with patches they share the cores."""
+    import torch
+
+    from diffuse.api import plan_local_nodes
+    from diffuse.plan import StackPlan
+
+    stacks = [StackPlan(path="blocks", length=4, block_class="B"), StackPlan(path="single", length=2, block_class="S")]
+    capped = plan_local_nodes(9, stacks, patches=1, threads=None)
+    assert capped.count == 4 and capped.threads == torch.get_num_threads()
+    assert capped.notes == ["5 of 9 local nodes would hold no block (the longest stack has 4): starting 4"]
+    shared = plan_local_nodes(2, stacks, patches=4, threads=None)
+    assert shared.count == 2 and not shared.notes and shared.threads == max(1, (os.cpu_count() or 2) // 2)
+    assert plan_local_nodes(3, stacks, patches=1, threads=5).threads == 5
