@@ -105,11 +105,24 @@ def split_command(model: str, kwargs: dict, save: str, nodes: int = 2, seed: int
 
 def run_split(model: str, kwargs: dict, tmp_path, nodes: int = 2, seed: int = 0, extra: list[str] = (),
               home: str | None = None) -> tuple[np.ndarray, dict]:
+    """``python -m diffuse.run`` with local node processes, its client run in this process (``run.main``, the
+    same code the command runs: what it saves and reports is compared; a fresh interpreter per run would
+    only add its start-up). ``home``: the DIFFUSE_HOME the run sees."""
+    from diffuse.run import main
+
     save, report, out = tmp_path / "split.npy", tmp_path / "report.json", tmp_path / "out"
-    cmd = split_command(model, kwargs, str(save), nodes, seed,
-                        ["--report", str(report), "--out", str(out) + _suffix(model), *extra])
-    proc = subprocess.run(cmd, env=subprocess_env(home), capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = split_command(model, kwargs, str(save), nodes, seed,
+                         ["--report", str(report), "--out", str(out) + _suffix(model), *extra])[3:]
+    before = os.environ.get("DIFFUSE_HOME")
+    if home:
+        os.environ["DIFFUSE_HOME"] = home
+    try:
+        assert main(argv) == 0, "the split run failed (its message is in the captured stderr)"
+    finally:
+        if before is None:
+            os.environ.pop("DIFFUSE_HOME", None)
+        else:
+            os.environ["DIFFUSE_HOME"] = before
     with open(report) as f:
         return np.load(save), json.load(f)
 

@@ -67,18 +67,19 @@ def test_bad_values_are_one_line_exit_2_and_nothing_starts(args, why, tmp_path, 
     assert "starting" not in run.stderr and not (tmp_path / "o.mp4").exists()
 
 
-def _node(share: str, home: str):
+def _nodes(shares, home: str):
+    """Nodes of the embedded model holding these shares, started together."""
     from diffuse.default_model import default_model_dir
 
-    proc = subprocess.Popen([sys.executable, "-m", "diffuse.node", "--model", default_model_dir(), "--blocks", share,
-                             "--ephemeral-key", "--log-level", "WARNING"], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=subprocess_env(home))
-    return proc, json.loads(proc.stdout.readline())
+    procs = [subprocess.Popen([sys.executable, "-m", "diffuse.node", "--model", default_model_dir(), "--blocks", share,
+                               "--ephemeral-key", "--log-level", "WARNING"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, env=subprocess_env(home)) for share in shares]
+    return [(proc, json.loads(proc.stdout.readline())) for proc in procs]
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_dead_or_frozen_node_is_named_within_seconds(how, tmp_path, diffuse_home):
-    nodes = [_node(share, diffuse_home) for share in ("1/2", "2/2")]
+    nodes = _nodes(("1/2", "2/2"), diffuse_home)
     try:
         addresses = ",".join(f"{r['address']}#{r['key']}" for _, r in nodes)
         client = Client(["--prompt", "a red circle moving right", "--steps", "400", "--nodes", addresses,

@@ -46,6 +46,27 @@ def _node(model: str, blocks: str | None, extra=(), home: str | None = None, log
     return proc, json.loads(line)
 
 
+def _nodes(model: str, slices: list[str]):
+    """Nodes holding these slices, started together (each still has its own log file)."""
+    procs, logs = [], []
+    for blocks in slices:
+        log = tempfile.TemporaryFile("w+")
+        cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--threads", str(THREADS), "--blocks", blocks,
+               "--ephemeral-key"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=subprocess_env()))
+        logs.append(log)
+    out = []
+    for proc, log in zip(procs, logs):
+        with log:
+            line = proc.stdout.readline()
+            if not line:
+                proc.wait(30)
+                log.seek(0)
+                raise AssertionError(f"node did not start: {log.read()[-2000:]}")
+        out.append((proc, json.loads(line)))
+    return out
+
+
 def _stop(*procs) -> None:
     for p in procs:
         if p.poll() is None:
@@ -618,8 +639,7 @@ def test_a_hello_with_slices_the_model_lacks_is_refused():
 def test_uneven_blocks_run_byte_identical_to_the_whole_model(models, tmp_path, diffuse_home):
     model = models("wan")
     reference = run_reference(model, WAN_ARGS, str(tmp_path / "reference.npy"))
-    one, ready1 = _node(model, "blocks[0:1]")
-    three, ready3 = _node(model, "blocks[1:4]")
+    (one, ready1), (three, ready3) = _nodes(model, ["blocks[0:1]", "blocks[1:4]"])
     try:
         run = _client(model, [f"{r['address']}#{r['key']}" for r in (ready1, ready3)], tmp_path, diffuse_home,
                       save=str(tmp_path / "uneven.npy"))

@@ -12,33 +12,49 @@ from safetensors import safe_open
 from conftest import THREADS, subprocess_env, run_split
 
 
+def _nodes(model, *shares):
+    """Node processes holding these shares (None: what each session asks for), started together."""
+    procs = []
+    for share in shares:
+        cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--ephemeral-key", "--threads", str(THREADS)]
+        cmd += ["--blocks", share] if share else []
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                      env=subprocess_env()))
+    return [(proc, json.loads(proc.stdout.readline())) for proc in procs]
+
+
 def _node(model, share):
-    cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--ephemeral-key", "--threads", str(THREADS)]
-    cmd += ["--blocks", share] if share else []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env())
-    return proc, json.loads(proc.stdout.readline())
+    return _nodes(model, share)[0]
 
 
-def _client(model, nodes, tmp_path, home, prelude=""):
+class _Run:
+    def __init__(self, returncode: int, stderr: str):
+        self.returncode, self.stderr = returncode, stderr
+
+
+def _client(model, nodes, tmp_path, home, capsys):
+    """``python -m diffuse.run`` against these nodes, its client in this process (``run.main``)."""
+    from diffuse.run import main
+
     args = ["--model", model, "--nodes", ",".join(nodes), "--quiet", "--timeout", "20",
             "--out", str(tmp_path / "x.mp4")]
     for k, v in families.call_args("wan").items():
         args += ["--arg", f"{k}={json.dumps(v)}"]
-    code = f"import sys\n{prelude}\nfrom diffuse.run import main\nsys.exit(main({args!r}))"
-    return subprocess.run([sys.executable, "-c", code], env=subprocess_env(home), capture_output=True,
-                          text=True, timeout=180)
+    capsys.readouterr()
+    code = main(args)
+    return _Run(code, capsys.readouterr().err)
 
 
-def test_node_asked_for_blocks_it_does_not_hold_answers_with_an_error(models, tmp_path, diffuse_home):
+def test_node_asked_for_blocks_it_does_not_hold_answers_with_an_error(models, tmp_path, diffuse_home, capsys):
     model = models("wan")
-    first, second, free = _node(model, "1/2"), _node(model, "2/2"), _node(model, None)
+    first, second, free = _nodes(model, "1/2", "2/2", None)
     pinned = [f"{n[1]['address']}#{n[1]['key']}" for n in (first, second, free)]
     try:
         # the ring the wrong way round: every node says what it holds, and the client sees they do not chain
-        backwards = _client(model, [pinned[1], pinned[0]], tmp_path, diffuse_home)
+        backwards = _client(model, [pinned[1], pinned[0]], tmp_path, diffuse_home, capsys)
         # a node that loads what it is asked for says nothing, so the route is the even split: the node
         # holding blocks[2:4] is asked for blocks[0:2], and says so
-        asked = _client(model, [pinned[1], pinned[2]], tmp_path, diffuse_home)
+        asked = _client(model, [pinned[1], pinned[2]], tmp_path, diffuse_home, capsys)
     finally:
         for p, _ in (first, second, free):
             p.terminate()
@@ -52,12 +68,14 @@ def test_node_asked_for_blocks_it_does_not_hold_answers_with_an_error(models, tm
     assert "Traceback" not in backwards.stderr + asked.stderr
 
 
-def test_wire_version_mismatch_is_refused_at_hello(models, tmp_path, diffuse_home):
+def test_wire_version_mismatch_is_refused_at_hello(models, tmp_path, diffuse_home, capsys, monkeypatch):
     model = models("wan")
     proc, ready = _node(model, "all")
     try:
-        run = _client(model, [f"{ready['address']}#{ready['key']}"], tmp_path, diffuse_home,
-                      prelude="import diffuse.plan; diffuse.plan.WIRE_VERSION = 99")
+        import diffuse.handshake
+
+        monkeypatch.setattr(diffuse.handshake, "WIRE_VERSION", 99)  # a client from the future offers only 99
+        run = _client(model, [f"{ready['address']}#{ready['key']}"], tmp_path, diffuse_home, capsys)
     finally:
         proc.terminate()
         proc.wait(10)
@@ -65,11 +83,11 @@ def test_wire_version_mismatch_is_refused_at_hello(models, tmp_path, diffuse_hom
     assert "this node speaks wire version 1; the client offers [99]" in run.stderr
 
 
-def test_pinned_key_mismatch_is_refused(models, tmp_path, diffuse_home):
+def test_pinned_key_mismatch_is_refused(models, tmp_path, diffuse_home, capsys):
     model = models("wan")
     proc, ready = _node(model, "all")
     try:
-        run = _client(model, [f"{ready['address']}#{'00' * 32}"], tmp_path, diffuse_home)
+        run = _client(model, [f"{ready['address']}#{'00' * 32}"], tmp_path, diffuse_home, capsys)
     finally:
         proc.terminate()
         proc.wait(10)
