@@ -158,7 +158,7 @@ def test_seeded_sampling_equals_transformers(lm_models, lm_references, tmp_path,
 
 
 
-def test_language_model_flags_are_checked_before_anything_starts(lm_models, capsys, diffuse_home):
+def test_language_model_flags_are_checked_before_anything_starts(lm_models, capsys, tmp_path, diffuse_home):
     from diffuse.run import main
 
     model = lm_models("qwen2")
@@ -168,6 +168,9 @@ def test_language_model_flags_are_checked_before_anything_starts(lm_models, caps
         (["--arg", "num_beams=3"], "beam search"),
         (["--image", os.path.join(model, "config.json")], "image"),
     ]
+    video = tmp_path / "clip.mp4"
+    video.write_bytes(b"\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isomiso2" + bytes(64))
+    cases.append((["--model", lm_models("qwen2_vl"), "--video", str(video)], "torchvision"))
     for extra, expected in cases:
         assert main(["--model", model, "--prompt", "hi", "--quiet", *extra]) == 2, extra
         said = capsys.readouterr().err
