@@ -21,6 +21,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
+# processes started from this one (nodes of a client run in-process, too) import the tests' model libraries
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
 
 THREADS = 1  # reference, client and nodes all run at one torch thread: equal thread counts, equal bits
 
@@ -103,26 +105,47 @@ def split_command(model: str, kwargs: dict, save: str, nodes: int = 2, seed: int
     return cmd + list(extra)
 
 
-def run_split(model: str, kwargs: dict, tmp_path, nodes: int = 2, seed: int = 0, extra: list[str] = (),
-              home: str | None = None) -> tuple[np.ndarray, dict]:
-    """``python -m diffuse.run`` with local node processes, its client run in this process (``run.main``, the
-    same code the command runs: what it saves and reports is compared; a fresh interpreter per run would
-    only add its start-up). ``home``: the DIFFUSE_HOME the run sees."""
+class ClientRun:
+    """What a client run said and how it ended (as ``subprocess.run`` would give them)."""
+
+    def __init__(self, returncode: int, stderr: str):
+        self.returncode, self.stderr = returncode, stderr
+
+
+def run_client(argv: list[str], home: str | None = None) -> ClientRun:
+    """``python -m diffuse.run ARGV`` with its client in this process (``run.main``, the command's own code;
+    a fresh interpreter per run would only add its start-up): its exit status and what it printed to stderr.
+    ``home``: the DIFFUSE_HOME the run sees."""
+    import contextlib
+    import io
+
     from diffuse.run import main
 
-    save, report, out = tmp_path / "split.npy", tmp_path / "report.json", tmp_path / "out"
-    argv = split_command(model, kwargs, str(save), nodes, seed,
-                         ["--report", str(report), "--out", str(out) + _suffix(model), *extra])[3:]
     before = os.environ.get("DIFFUSE_HOME")
     if home:
         os.environ["DIFFUSE_HOME"] = home
+    said = io.StringIO()
     try:
-        assert main(argv) == 0, "the split run failed (its message is in the captured stderr)"
+        with contextlib.redirect_stderr(said):
+            code = main(list(argv))
     finally:
         if before is None:
             os.environ.pop("DIFFUSE_HOME", None)
         else:
             os.environ["DIFFUSE_HOME"] = before
+    return ClientRun(code, said.getvalue())
+
+
+def run_split(model: str, kwargs: dict, tmp_path, nodes: int = 2, seed: int = 0, extra: list[str] = (),
+              home: str | None = None) -> tuple[np.ndarray, dict]:
+    """``python -m diffuse.run`` with local node processes, its client run in this process (``run.main``, the
+    same code the command runs: what it saves and reports is compared; a fresh interpreter per run would
+    only add its start-up). ``home``: the DIFFUSE_HOME the run sees."""
+    save, report, out = tmp_path / "split.npy", tmp_path / "report.json", tmp_path / "out"
+    argv = split_command(model, kwargs, str(save), nodes, seed,
+                         ["--report", str(report), "--out", str(out) + _suffix(model), *extra])[3:]
+    run = run_client(argv, home)
+    assert run.returncode == 0, run.stderr[-3000:]
     with open(report) as f:
         return np.load(save), json.load(f)
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import THREADS, run_reference, subprocess_env
+from conftest import THREADS, run_client, run_reference, subprocess_env
 
 WAN_ARGS = families.call_args("wan")
 
@@ -79,13 +79,13 @@ def _stop(*procs) -> None:
 
 
 def _client(model: str, nodes: list[str], tmp_path, home: str, extra=(), save: str | None = None):
-    cmd = [sys.executable, "-m", "diffuse.run", "--model", model, "--nodes", ",".join(nodes), "--quiet",
-           "--threads", str(THREADS), "--timeout", "60", "--out", str(tmp_path / "x.mp4"), *extra]
+    argv = ["--model", model, "--nodes", ",".join(nodes), "--quiet", "--threads", str(THREADS), "--timeout", "60",
+            "--out", str(tmp_path / "x.mp4"), *extra]
     if save:
-        cmd += ["--save-array", save]
+        argv += ["--save-array", save]
     for k, v in WAN_ARGS.items():
-        cmd += ["--arg", f"{k}={json.dumps(v)}"]
-    return subprocess.run(cmd, env=subprocess_env(home), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        argv += ["--arg", f"{k}={json.dumps(v)}"]
+    return run_client(argv, home)
 
 
 def _said(run) -> str:

@@ -9,7 +9,7 @@ import sys
 import families
 from safetensors import safe_open
 
-from conftest import THREADS, subprocess_env, run_split
+from conftest import THREADS, run_client, run_split, subprocess_env
 
 
 def _nodes(model, *shares):
@@ -27,22 +27,13 @@ def _node(model, share):
     return _nodes(model, share)[0]
 
 
-class _Run:
-    def __init__(self, returncode: int, stderr: str):
-        self.returncode, self.stderr = returncode, stderr
-
-
-def _client(model, nodes, tmp_path, home, capsys):
-    """``python -m diffuse.run`` against these nodes, its client in this process (``run.main``)."""
-    from diffuse.run import main
-
+def _client(model, nodes, tmp_path, home, capsys=None):
+    """``python -m diffuse.run`` against these nodes, its client in this process."""
     args = ["--model", model, "--nodes", ",".join(nodes), "--quiet", "--timeout", "20",
             "--out", str(tmp_path / "x.mp4")]
     for k, v in families.call_args("wan").items():
         args += ["--arg", f"{k}={json.dumps(v)}"]
-    capsys.readouterr()
-    code = main(args)
-    return _Run(code, capsys.readouterr().err)
+    return run_client(args, home)
 
 
 def test_node_asked_for_blocks_it_does_not_hold_answers_with_an_error(models, tmp_path, diffuse_home, capsys):
