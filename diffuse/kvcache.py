@@ -79,10 +79,15 @@ class ClientCaches:
         """Write one zero per new position into each layer's slot of ``cache``, so the lengths ``generate``
         reads from it are those of a whole run (the keys and values themselves are on the nodes)."""
         part = self_attention_part(cache)
+        cross = getattr(cache, "cross_attention_cache", None)
         b, q = hidden.shape[0], hidden.shape[1]
         for i in layers:
             z = torch.zeros(b, 1, q, 1, dtype=hidden.dtype)  # numel > 0: an empty tensor would read as length 0
             part.update(z, z.clone(), i)
+            if cross is not None and cross.get_seq_length(i) == 0:
+                # the encoder memory's keys and values are on the nodes too; a placeholder says "filled"
+                one = torch.zeros(b, 1, 1, 1, dtype=hidden.dtype)
+                cross.update(one, one.clone(), i)
 
 
 class NodeCaches:
@@ -105,9 +110,9 @@ class NodeCaches:
             self._config = self._config_factory()
         if kind == "DynamicCache":
             return cache_utils.DynamicCache(config=self._config)
-        if kind == "EncoderDecoderCache":
-            return cache_utils.EncoderDecoderCache(cache_utils.DynamicCache(config=self._config),
-                                                   cache_utils.DynamicCache(config=self._config))
+        if kind == "EncoderDecoderCache":  # a decoder reading an encoder's memory: self- and cross-attention parts,
+            # each growing with the layers that write it (an encoder-decoder config sizes the encoder too)
+            return cache_utils.EncoderDecoderCache(cache_utils.DynamicCache(), cache_utils.DynamicCache())
         raise DiffuseError(f"a cache of class {kind[:64]!r} cannot be kept on a node "
                            "(DynamicCache and EncoderDecoderCache can)")
 

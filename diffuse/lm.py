@@ -29,6 +29,8 @@ def add_flags(ap: argparse.ArgumentParser, positive) -> None:
     g.add_argument("--video", action="append", default=[], metavar="FILE", help="a video before the prompt (repeatable)")
     g.add_argument("--media", action="append", default=[], metavar="FILE",
                    help="an image or video, its kind told by its content (repeatable)")
+    g.add_argument("--audio", metavar="FILE", help="a clip for a model that listens (a speech recogniser transcribes "
+                   "it), at the model's sampling rate")
     g.add_argument("--temperature", type=float, help="sample at this temperature (sampling on)")
     g.add_argument("--top-p", type=float, help="sample from the smallest set of this probability (sampling on)")
     g.add_argument("--top-k", type=int, help="sample from the K likeliest tokens (sampling on)")
@@ -45,8 +47,7 @@ def check_flags(a: argparse.Namespace) -> None:
             raise DiffuseError(f"--{flag.replace('_', '-')} applies to diffusion pipelines, not to a language model")
     if a.patches != 1:
         raise DiffuseError("--patches applies to diffusion pipelines; a language model runs one pass per token")
-    if a.prompt is None:
-        raise DiffuseError("--prompt is needed: the text to answer")
+
     if a.temperature is not None and a.temperature <= 0:
         raise DiffuseError(f"--temperature {a.temperature}: must be above 0 (leave it out for greedy decoding)")
     if a.top_p is not None and not 0 < a.top_p <= 1:
@@ -89,9 +90,12 @@ class Streamer:
         self.first_token_s: float | None = None
         self.started = time.perf_counter()
 
+    prompt_len = 0
+
     def put(self, value) -> None:
-        if self.skip_prompt:  # the first call hands the prompt
+        if self.skip_prompt:  # the first call hands the prompt (an encoder-decoder's: its decoder prompt)
             self.skip_prompt = False
+            self.prompt_len = int(value.shape[-1])
             return
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter() - self.started
@@ -145,10 +149,24 @@ def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
     t0 = time.perf_counter()
     check_flags(a)
     gen = generation_kwargs(a, parse_value)
-    images, videos = list(a.image), list(a.video)
-    for path in a.media:
-        (videos if media_kind(path) == "video" else images).append(path)
-    inputs, note = build_inputs(info.path, a.prompt, images, videos, a.no_template)
+    cls = info.subject.denoiser_class()
+    if getattr(cls, "main_input_name", "input_ids") == "input_features":  # it listens: audio in, text out
+        from diffuse.audio_inputs import build_audio_inputs
+
+        if not a.audio:
+            raise DiffuseError(f"--audio FILE is needed: {cls.__name__} transcribes audio")
+        if a.image or a.video or a.media or a.prompt is not None or a.no_template:
+            raise DiffuseError(f"{cls.__name__} takes audio only (--audio); no prompt, images or video")
+        inputs, note = build_audio_inputs(info.path, a.audio)
+    else:
+        if a.audio:
+            raise DiffuseError(f"--audio: {cls.__name__} does not take audio")
+        if a.prompt is None:
+            raise DiffuseError("--prompt is needed: the text to answer")
+        images, videos = list(a.image), list(a.video)
+        for path in a.media:
+            (videos if media_kind(path) == "video" else images).append(path)
+        inputs, note = build_inputs(info.path, a.prompt, images, videos, a.no_template)
     if note:
         console.print(note, highlight=False, soft_wrap=True)
     tokenizer = load_tokenizer(info.path)
@@ -163,7 +181,8 @@ def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
                 console.print(n, soft_wrap=True)
             console.print(f"starting {split.local.count} local nodes ({split.local.threads} "
                           f"thread{'s' if split.local.threads > 1 else ''} each)")
-    prompt_len = inputs["input_ids"].shape[1]
+    # a decoder-only model's sequences start with the prompt; an encoder-decoder's with its decoder prompt
+    prompt_len = inputs["input_ids"].shape[1] if "input_ids" in inputs and not model.config.is_encoder_decoder else 0
     streamer = Streamer(tokenizer)
     t1 = time.perf_counter()
     with split or nullcontext():
@@ -179,6 +198,8 @@ def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
             out = model.generate(**inputs, **gen, streamer=streamer, output_logits=True, return_dict_in_generate=True)
         times["generate"] = time.perf_counter() - t2
     new = out.sequences[:, prompt_len:]
+    if model.config.is_encoder_decoder:  # the decoder prompt generate put in front is not part of the answer
+        new = out.sequences[:, streamer.prompt_len:]
     report: dict = {
         "model": info.path, "mode": "whole" if a.whole else "split", "seconds": time.perf_counter() - t0,
         "times": times, "prompt_tokens": prompt_len, "new_tokens": int(new.shape[1]),
@@ -204,7 +225,8 @@ def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
         report["out"] = a.out
     if a.save_tokens:
         with open(a.save_tokens, "w") as f:
-            json.dump({"input_ids": inputs["input_ids"].tolist(), "new_tokens": new.tolist()}, f)
+            json.dump({**({"input_ids": inputs["input_ids"].tolist()} if "input_ids" in inputs else {}),
+                       "new_tokens": new.tolist()}, f)
     summarize(report, console)
     if a.report:
         with open(a.report, "w") as f:
