@@ -69,3 +69,45 @@ def test_whisper_needs_audio_at_its_own_rate(whisper, tmp_path, diffuse_home):
                            (["--audio", whisper["clip"], "--prompt", "hi"], "takes audio only")]:
         run = run_client(["--model", whisper["model"], "--quiet", *argv], diffuse_home)
         assert run.returncode == 2 and expected in run.stderr and "Traceback" not in run.stderr, (argv, run.stderr)
+
+
+def test_split_musicgen_composes_what_transformers_composes(tmp_path_factory, diffuse_home):
+    """MusicGen through the Python API: the text encoder and the audio codec stay on the client, the decoder's
+    layers (both guidance branches in one batch, four codebooks summed into one stream) on 2 nodes. The codes
+    handed to the codec and the audio are those of plain transformers (its ``generate`` prefills twice: two
+    fresh caches on the nodes, one per prefill)."""
+    import hashlib
+
+    import numpy as np
+    import torch
+
+    import diffuse
+    import encdec_models
+    from transformers import AutoProcessor
+
+    root = tmp_path_factory.mktemp("musicgen")
+    model_dir = encdec_models.build("musicgen", str(root / "model"))
+    out = root / "reference.json"
+    cmd = [sys.executable, os.path.join(TESTS, "encdec_reference.py"), "--model", model_dir, "--prompt", "slow piano",
+           "--max-new-tokens", "8", "--threads", str(THREADS), "--out", str(out)]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out) as f:
+        ref = json.load(f)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        inputs = AutoProcessor.from_pretrained(model_dir)(text=["slow piano"], padding=True, return_tensors="pt")
+        model = diffuse.from_pretrained(model_dir)
+        codes = []
+        decode = model.audio_encoder.decode
+        model.audio_encoder.decode = lambda c, *a, **k: (codes.append(c.clone()), decode(c, *a, **k))[1]
+        with diffuse.split(model, local_nodes=2) as ring, torch.no_grad():
+            audio = model.generate(**inputs, max_new_tokens=8)
+    finally:
+        torch.set_num_threads(threads)
+    assert [c.tolist() for c in codes] == [ref["new_tokens"]]
+    samples = np.ascontiguousarray(audio.to(torch.float32).numpy()).astype("<f4")
+    assert hashlib.sha256(samples.tobytes()).hexdigest() == ref["audio_sha256"]
+    assert ring.stats.passes == 9  # 8 tokens, the first prompt pass made twice
