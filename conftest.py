@@ -108,8 +108,8 @@ def split_command(model: str, kwargs: dict, save: str, nodes: int = 2, seed: int
 class ClientRun:
     """What a client run said and how it ended (as ``subprocess.run`` would give them)."""
 
-    def __init__(self, returncode: int, stderr: str):
-        self.returncode, self.stderr = returncode, stderr
+    def __init__(self, returncode: int, stderr: str, stdout: str = ""):
+        self.returncode, self.stderr, self.stdout = returncode, stderr, stdout
 
 
 def run_client(argv: list[str], home: str | None = None) -> ClientRun:
@@ -124,16 +124,16 @@ def run_client(argv: list[str], home: str | None = None) -> ClientRun:
     before = os.environ.get("DIFFUSE_HOME")
     if home:
         os.environ["DIFFUSE_HOME"] = home
-    said = io.StringIO()
+    said, printed = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stderr(said):
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(printed):
             code = main(list(argv))
     finally:
         if before is None:
             os.environ.pop("DIFFUSE_HOME", None)
         else:
             os.environ["DIFFUSE_HOME"] = before
-    return ClientRun(code, said.getvalue())
+    return ClientRun(code, said.getvalue(), printed.getvalue())
 
 
 def run_split(model: str, kwargs: dict, tmp_path, nodes: int = 2, seed: int = 0, extra: list[str] = (),

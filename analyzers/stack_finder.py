@@ -73,7 +73,7 @@ def find_decoder_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:
             others[path] = describe_blocks(entries)
         elif not _causal_with_cache(entries[0]):
             others[path] = (f"{len(entries)} {type(entries[0]).__name__} blocks that attend both ways (an encoder or "
-                            "a media tower): they run once per request, on the client")
+                            "a media tower, run once per request)")
         else:
             stacks.append(StackPlan(
                 path=path, length=len(entries), block_class=class_path(type(entries[0])),

@@ -80,8 +80,11 @@ def cache_key(path: str) -> str:
             h.update(f"{lib}={version(lib)}".encode())
         except PackageNotFoundError:
             pass
-    with open(os.path.join(path, "model_index.json")) as f:
-        named = [e[0] for e in json.load(f).values() if isinstance(e, list) and e and isinstance(e[0], str)]
+    named = []
+    index = os.path.join(path, "model_index.json")
+    if os.path.isfile(index):  # a transformers model folder has none: its library is among _LIBRARIES
+        with open(index) as f:
+            named = [e[0] for e in json.load(f).values() if isinstance(e, list) and e and isinstance(e[0], str)]
     tops = {ep.value.split(".")[0].split(":")[0] for ep in entry_points(group="diffuse")} | {n.split(".")[0] for n in named}
     for top in sorted(tops - {"", *_LIBRARIES}):
         spec = find_spec(top)
@@ -102,7 +105,8 @@ def _cache_dir() -> str:
 
 def _check(path: str, start: float) -> dict:
     subject = ModelSubject.from_path(path)
-    result = {"model": path, "denoiser": f"{subject.denoiser}: {subject.denoiser_class_name}" if subject.denoiser else None}
+    result = {"model": path, "denoiser": (f"{subject.denoiser}: {subject.denoiser_class_name}" if subject.denoiser
+                                          else subject.denoiser_class_name if subject.autoregressive else None)}
     try:
         from diffuse.planner import config_draft
 
@@ -159,7 +163,9 @@ def print_check(path: str, console=None, cache: bool = False) -> int:
                                   r["sample_rate"] and f"{r['sample_rate']} Hz") if x)
     console.print(f"output: {r['output_kind']}{f' ({rates})' if rates else ''}  [dim]({r['output_evidence']})[/]",
                   highlight=False)
-    if r["patches"] == UNCUT_STEPS:
+    if r["output_kind"] == "text":
+        console.print("--patches: does not apply (a language model runs one pass per token)", highlight=False)
+    elif r["patches"] == UNCUT_STEPS:
         two = ", ".join(s["path"] for s in r["stacks"] if s["two_stream"])
         console.print(f"--patches: steps run uncut (blocks of {two} carry two streams)", highlight=False)
     else:

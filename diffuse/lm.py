@@ -82,8 +82,9 @@ def generation_kwargs(a: argparse.Namespace, parse_value) -> dict:
 class Streamer:
     """Prints the answer as it is generated (``generate``'s streamer protocol: ``put`` then ``end``)."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer = tokenizer
+        self.out = out or sys.stdout  # looked up now, not when the module loaded (stdout may be redirected)
         self.skip_prompt = True
         self.tokens: list[int] = []
         self.printed = ""
@@ -172,6 +173,8 @@ def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
     tokenizer = load_tokenizer(info.path)
     model = load_model(info.path, info.subject) if a.whole else diffuse.from_pretrained(info.path)
     times = {"load": time.perf_counter() - t0}
+    if audio_rate(model) is not None:  # it composes: text in, audio out
+        return compose_audio(a, console, info, model, inputs, gen, times, t0)
     split = None
     if not a.whole:
         split = Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
@@ -228,6 +231,75 @@ def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
             json.dump({**({"input_ids": inputs["input_ids"].tolist()} if "input_ids" in inputs else {}),
                        "new_tokens": new.tolist()}, f)
     summarize(report, console)
+    if a.report:
+        with open(a.report, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return report
+
+
+def audio_rate(model) -> int | None:
+    """The sampling rate of the audio a model's ``generate`` returns (its audio codec's), or None for text."""
+    codec = getattr(model.config, "audio_encoder", None)
+    rate = getattr(codec, "sampling_rate", None)
+    return int(rate) if rate else None
+
+
+def compose_audio(a, console, info, model, inputs, gen, times, t0) -> dict:
+    """A model that writes audio (MusicGen): ``generate`` returns the waveform its codec decoded; the codes it
+    decoded (exactly as handed to the codec) are kept for ``--save-tokens``."""
+    import numpy as np
+    import torch
+
+    from diffuse.api import Split
+    from diffuse.plugins import call_hook
+    from diffuse.writers import OutputInfo
+
+    codec = model.audio_encoder
+    codes: list = []
+    decode = codec.decode
+
+    def keep_codes(audio_codes, *args, **kwargs):
+        codes.append(audio_codes.detach().clone())
+        return decode(audio_codes, *args, **kwargs)
+
+    codec.decode = keep_codes
+    split = None
+    try:
+        if not a.whole:
+            split = Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
+                          client_key=a.client_key, local_transport=a.local_transport)
+            if split.local is not None:
+                console.print(f"starting {split.local.count} local nodes ({split.local.threads} "
+                              f"thread{'s' if split.local.threads > 1 else ''} each)")
+        t1 = time.perf_counter()
+        with split or nullcontext():
+            times["nodes"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            if gen.get("do_sample"):
+                torch.manual_seed(a.seed)
+            with torch.no_grad():
+                audio = model.generate(**inputs, **gen)
+            times["generate"] = time.perf_counter() - t2
+    finally:
+        del codec.decode  # the class's own method shows through again
+    rate = audio_rate(model)
+    arr = audio.detach().to(torch.float32).cpu().numpy()
+    out = a.out or "out.wav"
+    written = call_hook("diffuse_write_output", result=arr, path=out, info=OutputInfo(kind="audio", sample_rate=rate))
+    if written is None:
+        raise DiffuseError(f"no output writer takes audio to {out!r}; use .wav")
+    report = {"model": info.path, "mode": "whole" if a.whole else "split", "seconds": time.perf_counter() - t0,
+              "times": times, "out": written, "sample_rate": rate, "shape": list(arr.shape),
+              "codes_shape": list(codes[-1].shape) if codes else None}
+    if split is not None:
+        st = split.ring.channel_stats
+        report.update(calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
+                      client_layer_params=split.splitter.held_block_parameters(), node_stats=split.node_reports)
+    if a.save_tokens:
+        with open(a.save_tokens, "w") as f:
+            json.dump({"input_ids": inputs["input_ids"].tolist(), "new_tokens": codes[-1].tolist() if codes else None}, f)
+    console.print(f"[bold green]wrote[/] {written}  (audio, {arr.shape[-1] / rate:.2f} s at {rate} Hz) in "
+                  f"{report['seconds']:.1f} s" + (f"; {report['calls']} ring passes" if split else ""))
     if a.report:
         with open(a.report, "w") as f:
             json.dump(report, f, indent=1, default=str)

@@ -71,7 +71,22 @@ def test_whisper_needs_audio_at_its_own_rate(whisper, tmp_path, diffuse_home):
         assert run.returncode == 2 and expected in run.stderr and "Traceback" not in run.stderr, (argv, run.stderr)
 
 
-def test_split_musicgen_composes_what_transformers_composes(tmp_path_factory, diffuse_home):
+@pytest.fixture(scope="session")
+def musicgen(tmp_path_factory) -> dict:
+    import encdec_models
+
+    root = tmp_path_factory.mktemp("musicgen")
+    model = encdec_models.build("musicgen", str(root / "model"))
+    out = root / "reference.json"
+    cmd = [sys.executable, os.path.join(TESTS, "encdec_reference.py"), "--model", model, "--prompt", "slow piano",
+           "--max-new-tokens", "8", "--threads", str(THREADS), "--out", str(out)]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out) as f:
+        return {"model": model, "reference": json.load(f)}
+
+
+def test_split_musicgen_composes_what_transformers_composes(musicgen, diffuse_home):
     """MusicGen through the Python API: the text encoder and the audio codec stay on the client, the decoder's
     layers (both guidance branches in one batch, four codebooks summed into one stream) on 2 nodes. The codes
     handed to the codec and the audio are those of plain transformers (its ``generate`` prefills twice: two
@@ -80,21 +95,11 @@ def test_split_musicgen_composes_what_transformers_composes(tmp_path_factory, di
 
     import numpy as np
     import torch
-
-    import diffuse
-    import encdec_models
     from transformers import AutoProcessor
 
-    root = tmp_path_factory.mktemp("musicgen")
-    model_dir = encdec_models.build("musicgen", str(root / "model"))
-    out = root / "reference.json"
-    cmd = [sys.executable, os.path.join(TESTS, "encdec_reference.py"), "--model", model_dir, "--prompt", "slow piano",
-           "--max-new-tokens", "8", "--threads", str(THREADS), "--out", str(out)]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(out) as f:
-        ref = json.load(f)
+    import diffuse
 
+    model_dir, ref = musicgen["model"], musicgen["reference"]
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     try:
@@ -111,3 +116,28 @@ def test_split_musicgen_composes_what_transformers_composes(tmp_path_factory, di
     samples = np.ascontiguousarray(audio.to(torch.float32).numpy()).astype("<f4")
     assert hashlib.sha256(samples.tobytes()).hexdigest() == ref["audio_sha256"]
     assert ring.stats.passes == 9  # 8 tokens, the first prompt pass made twice
+
+
+def test_musicgen_from_the_command_line_writes_the_codec_rate_and_saves_the_codes(musicgen, tmp_path, diffuse_home):
+    import soundfile
+
+    tokens, out = tmp_path / "tokens.json", tmp_path / "tune.wav"
+    run = run_client(["--model", musicgen["model"], "--prompt", "slow piano", "--max-new-tokens", "8", "--threads",
+                      str(THREADS), "--local-nodes", "2", "--save-tokens", str(tokens), "--out", str(out), "--quiet",
+                      "--timeout", "120"], diffuse_home)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ref = musicgen["reference"]
+    with open(tokens) as f:
+        saved = json.load(f)
+    assert saved["new_tokens"] == ref["new_tokens"] and saved["input_ids"] == ref["input_ids"]
+    info = soundfile.info(str(out))
+    assert info.samplerate == ref["sampling_rate"] and info.frames == ref["audio_shape"][-1]
+
+
+def test_check_sizes_whisper_by_its_decoder_depth_not_the_encoders(whisper):
+    """Whisper's config calls its encoder depth num_hidden_layers too: the nudge tells the settings apart."""
+    from diffuse.check import check
+
+    r = check(whisper["model"])
+    assert [(s["path"], s["config_key"]) for s in r["stacks"]] == [("model.decoder.layers", "decoder_layers")]
+    assert "model.encoder.layers" in r["other_lists"]

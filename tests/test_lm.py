@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import TESTS, THREADS, subprocess_env
+from conftest import TESTS, THREADS, run_client, subprocess_env
 
 PROMPT = "Tell me a story about the moon."
 
@@ -68,16 +68,18 @@ def reference(refs: dict, model: str, max_new: int = 6, sample: dict | None = No
 
 
 def split_run(model: str, tmp_path, home: str, nodes: int = 2, max_new: int = 6, extra=(), images=()):
+    """``python -m diffuse.run`` on a language model through ``nodes`` local node processes (its client in this
+    process, see conftest.run_client): the saved tokens, the report, and what it printed."""
     tokens, report = tmp_path / "tokens.json", tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "diffuse.run", "--model", model, "--prompt", PROMPT, "--max-new-tokens", str(max_new),
-           "--threads", str(THREADS), "--local-nodes", str(nodes), "--save-tokens", str(tokens),
-           "--report", str(report), "--quiet", "--timeout", "120", *extra]
+    argv = ["--model", model, "--prompt", PROMPT, "--max-new-tokens", str(max_new), "--threads", str(THREADS),
+            "--local-nodes", str(nodes), "--save-tokens", str(tokens), "--report", str(report), "--quiet",
+            "--timeout", "120", *extra]
     for image in images:
-        cmd += ["--image", image]
-    proc = subprocess.run(cmd, env=subprocess_env(home), capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+        argv += ["--image", image]
+    run = run_client(argv, home)
+    assert run.returncode == 0, run.stderr[-3000:]
     with open(tokens) as f, open(report) as g:
-        return json.load(f), json.load(g), proc
+        return json.load(f), json.load(g), run
 
 
 @pytest.mark.parametrize("nodes", [2, 3])
@@ -225,3 +227,15 @@ def test_python_api_splits_a_transformers_model_and_refuses_beam_search(lm_model
     assert ring.stats.passes >= 6
     held = [p for layers in ring.splitter.originals.values() for p in layers.parameters()]
     assert held and all(p.device.type == "meta" for p in held)  # the decoder layers were handed out and freed
+
+
+def test_check_finds_the_decoder_stack_and_its_depth_setting_from_config_alone(lm_models):
+    """The decoder stack is found by shape (causal attention indexing a cache), its depth setting by nudging the
+    nested text config; the vision tower is named and left on the client."""
+    from diffuse.check import check
+
+    r = check(lm_models("qwen2_vl"))
+    assert r["verdict"] == "splittable" and r["output_kind"] == "text"
+    assert [(s["path"], s["length"], s["config_key"]) for s in r["stacks"]] == [
+        ("model.language_model.layers", 4, "text_config.num_hidden_layers")]
+    assert "attend both ways" in r["other_lists"]["model.visual.blocks"]
