@@ -49,7 +49,7 @@ class NodeControl:
             return {"ok": True, "session_known": known}
         if op == "status":  # cheap, and nothing a stranger should not know
             return {"ok": True, "sessions": len(self.node.sessions), "outboxes": len(self.node.sessions.outboxes),
-                    "slices": self._slices()}
+                    "state_bytes": self.node.sessions.state_bytes(), "slices": self._slices()}
         if op in ("open", "close"):
             return self.sealed(op, msg)
         return refusal(f"unknown control operation {str(op)[:32]!r}")

@@ -58,6 +58,12 @@ class SessionTable:
                 self.closed.popitem(last=False)
             return self.outboxes.pop(sid, None)
 
+    def state_bytes(self) -> int:
+        """Bytes of per-session state (language models' key/value caches) held for all sessions now."""
+        with self.lock:
+            sessions = list(self.sessions.values())
+        return sum(s.kv.nbytes() for s in sessions if hasattr(s, "kv"))
+
     def idle(self, now: float | None = None) -> list[bytes]:
         now = time.monotonic() if now is None else now
         with self.lock:

@@ -212,17 +212,30 @@ def test_python_api_splits_a_transformers_model_and_refuses_beam_search(lm_model
 
     model_dir = lm_models("qwen2")
     ref = reference(lm_references, model_dir)
+    from diffuse.localnodes import start_local_nodes
+    from diffuse.plugins import transport_for
+
+    def state(node):  # what the node says it holds for sessions now (its plain status answer)
+        answer = transport_for(node.address).request(node.address, {"op": "status"}, 10.0)
+        return answer["sessions"], answer["state_bytes"]
+
     inputs, _ = build_inputs(model_dir, PROMPT)
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
+    nodes = start_local_nodes(model_dir, 2, threads=THREADS)
     try:
         model = diffuse.from_pretrained(model_dir)
-        with diffuse.split(model, local_nodes=2) as ring:
+        with diffuse.split(model, nodes=[f"{n.address}#{n.key}" for n in nodes]) as ring:
             out = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+            during = [state(n) for n in nodes]
             with pytest.raises(diffuse.DiffuseError, match="beam search"):
                 model.generate(**inputs, max_new_tokens=3, num_beams=2, do_sample=False)
+        after = [state(n) for n in nodes]
     finally:
         torch.set_num_threads(threads)
+        nodes.stop()
+    # the session's caches grew on the nodes while it was open, and went with it at close
+    assert all(sessions == 1 and held > 0 for sessions, held in during) and after == [(0, 0), (0, 0)]
     assert out[:, inputs["input_ids"].shape[1]:].tolist() == ref["new_tokens"]
     assert ring.stats.passes >= 6
     held = [p for layers in ring.splitter.originals.values() for p in layers.parameters()]
