@@ -304,14 +304,14 @@ class Splitter:
             raise unsupported_view(path)
         answer = self._send_pending({"norm": p.norm, "rows": list(rows), "top": self.top or 0})
         self.tail_passes += 1
-        if not self.head_freed and not self._head_shares_weights():
+        if not self.head_freed and not self.head_shares_weights():
             original.to("meta")  # the last node holds it now
             self.head_freed = True
         if "logits" in answer:
             return answer["logits"]
         return logits_from(answer["ids"], answer["values"], original.weight.shape[0])
 
-    def _head_shares_weights(self) -> bool:
+    def head_shares_weights(self) -> bool:
         """Tied to the input embedding, which the client needs for the first layer's input."""
         weight = self.head[1].weight
         return any(p is weight for name, p in self.denoiser.named_parameters(remove_duplicate=False)
