@@ -150,6 +150,7 @@ class Splitter:
         self.head_freed = False
         self.top: int | None = None  # candidates per row the head's answer needs (None: the whole row)
         self.pending: _Pending | None = None
+        self.in_generate = False  # passes are held back for the head only inside generate, which always calls it
         self.tail_passes = 0  # passes whose norm and head ran on the last node
 
     @classmethod
@@ -232,10 +233,13 @@ class Splitter:
         @functools.wraps(bound)
         def generate(*args, **kwargs):
             self.top = candidates_needed(model, kwargs)
+            self.in_generate = True
             try:
                 return bound(*args, **kwargs)
             finally:
-                self.top = None
+                self.top, self.in_generate = None, False
+                if self.pending is not None:  # a pass nothing read (cannot happen in generate): not left behind
+                    self.pending = None
 
         model.generate = generate
 
@@ -273,7 +277,7 @@ class Splitter:
         if self.pending is not None:  # a pass held back that nothing read: send it first
             self._send_pending(None)
         placeholder = calls[0][0][0] if calls[0][0] else calls[0][1].get("hidden_states")
-        if self.head is not None and rmap.single and isinstance(placeholder, torch.Tensor):
+        if self.head is not None and self.in_generate and rmap.single and isinstance(placeholder, torch.Tensor):
             self.pending = _Pending(stack, calls, cache, rmap, fresh, placeholder)
             return placeholder
         return self._send(stack, calls, cache, rmap, fresh, None)

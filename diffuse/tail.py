@@ -16,9 +16,11 @@ Nothing about a family is named: the head is the model's own
 stack's answer (a leaf whose parameters are vectors), seen at the first pass;
 the rows are read from the view the model takes of the norm's output. The
 decoder stand-in holds the layers' calls back until the head is called
-(``Splitter.run_layers``); a module other than a norm that reads the stack's
-answer gets the real hidden state at once instead (the pass is sent then, and
-the head runs on the client).
+(``Splitter.run_layers``), only inside ``generate``, which always calls the
+head; a module other than a norm that reads the stack's answer gets the real
+hidden state at once instead (the pass is sent then, and the head runs on the
+client). Outside ``generate`` (a direct forward, the base model alone) every
+pass is sent at the last layer and the answer is the real hidden state.
 """
 
 from __future__ import annotations
