@@ -134,7 +134,7 @@ def head_params_held(splitter) -> int | None:
     head shares its weights with the input embedding, which the client needs (tied weights)."""
     if splitter.head is None:
         return None
-    if splitter.head_shares_weights():
+    if splitter.head_tied:
         return None
     return sum(p.numel() for p in splitter.head[1].parameters() if p.device.type != "meta")
 

@@ -85,6 +85,8 @@ class BlockStore:
         head = head_path(skeleton)
         if head is None:
             raise DiffuseError("this model has no output head to run here")
+        wmap = renamed_for(weight_map(self.component_dir), skeleton)
+        dtype = next(iter(self.dtypes.values()), None)  # what the held blocks compute in
         modules = []
         for path in (norm, head):
             if path is None:
@@ -98,8 +100,7 @@ class BlockStore:
                 raise DiffuseError(f"the model has no module {path[:64]!r}") from None
             if path == norm and not is_norm(module):
                 raise DiffuseError(f"{path[:64]!r} is not a norm; only the final norm and the head run after the stack")
-            dtype = next(iter(self.dtypes.values()), None)
-            load_into(module, f"{path}.", renamed_for(weight_map(self.component_dir), skeleton), dtype)
+            load_into(module, f"{path}.", wmap, dtype)
             module.eval()
             modules.append(module)
         del skeleton

@@ -148,6 +148,7 @@ class Splitter:
         self.caches = ClientCaches()
         self.head: tuple[str, nn.Module] | None = None  # a language model's output head: (path, the original)
         self.head_freed = False
+        self.head_tied = False
         self.top: int | None = None  # candidates per row the head's answer needs (None: the whole row)
         self.pending: _Pending | None = None
         self.in_generate = False  # passes are held back for the head only inside generate, which always calls it
@@ -191,6 +192,9 @@ class Splitter:
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             return
         self.head = (path, original)
+        # tied to the input embedding, which the client needs for the first layer's input: never freed here
+        self.head_tied = any(p is weight for name, p in self.denoiser.named_parameters(remove_duplicate=False)
+                             if not name.startswith(path + "."))
         setattr(parent, name, HeadStandIn(self, weight.shape[0], original))
         for mpath, module in self.denoiser.named_modules():
             if isinstance(module, (StandIn, BlockProxy, HeadStandIn)):
@@ -308,18 +312,12 @@ class Splitter:
             raise unsupported_view(path)
         answer = self._send_pending({"norm": p.norm, "rows": list(rows), "top": self.top or 0})
         self.tail_passes += 1
-        if not self.head_freed and not self.head_shares_weights():
+        if not self.head_freed and not self.head_tied:
             original.to("meta")  # the last node holds it now
             self.head_freed = True
         if "logits" in answer:
             return answer["logits"]
         return logits_from(answer["ids"], answer["values"], original.weight.shape[0])
-
-    def head_shares_weights(self) -> bool:
-        """Tied to the input embedding, which the client needs for the first layer's input."""
-        weight = self.head[1].weight
-        return any(p is weight for name, p in self.denoiser.named_parameters(remove_duplicate=False)
-                   if not name.startswith(self.head[0] + "."))
 
     def _patchable(self, path: str, rmap: ReturnMap) -> bool:
         if path in self.uncut:
