@@ -22,6 +22,11 @@ class NodeError(DiffuseError):
         super().__init__(f"node {address}: {message}")
 
 
+class Repaired(DiffuseError):
+    """The route was repaired while patched passes were in flight: they cannot be replayed on nodes that
+    never saw the steps before (their stale buffers are empty), so the step runs again whole."""
+
+
 class WireError(DiffuseError):
     """A message failed to open: tampered, replayed, truncated or from another version."""
 

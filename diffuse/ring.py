@@ -8,12 +8,15 @@ dies or freezes while the client waits is named within seconds.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 from diffuse.callplan import flatten, flatten_layers
 from diffuse.channel import Channel, ChannelStats
 from diffuse.handshake import Handshake
+from diffuse.errors import DiffuseError, NodeError, Repaired
 from diffuse.plan import Patch, ReturnMap, SlicingPlan
+from diffuse.repair import avoided, choose_route, note_failure
 
 
 @dataclass
@@ -43,17 +46,38 @@ class RingStats:
 
 
 class Ring:
+    """One session through a ring of nodes; when a node fails, the session moves to a repaired route.
+
+    Passes go out through ``send`` and come back through ``receive`` (or ``call``/``call_layers``,
+    which do both). Every pass sent and not yet answered is kept, and so is a language model's
+    history since its cache was last started anew: when a node dies, freezes or answers with an error,
+    the ring closes the session, opens a new one on a route without that node (another holder of its
+    range, ``diffuse.repair``), replays the history to rebuild the caches, resends what was in flight,
+    and says so in one line. Without a usable holder the error goes to the caller."""
+
     def __init__(self, plan: SlicingPlan, timeout_s: float = 300.0, attention: str = "auto",
-                 client_key: str | None = None):
+                 client_key: str | None = None, say=None, max_repairs: int = 8):
         """``client_key``: a file holding this client's long-term identity (created 0600 if missing),
-        for nodes that serve only some clients (``--allow-client``); None: a fresh identity per session."""
+        for nodes that serve only some clients (``--allow-client``); None: a fresh identity per session.
+        ``say``: where the one-line account of each repair goes (default: standard error)."""
         self.plan = plan
+        self.candidates = plan.route  # every listed node; the route uses one holder per range
         self.timeout_s = timeout_s
+        self.attention, self.client_key = attention, client_key
         self.handshake = Handshake(plan, client_key, attention)
         self.identity = self.handshake.identity
         self.channel: Channel | None = None
-        self.channel_stats = ChannelStats()  # the open channel's, kept after close
+        self.channel_stats = ChannelStats()  # over every session of this ring, kept after close
         self.node_reports: list[dict] = []
+        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.repairs: list[str] = []  # one line per repair
+        self.max_repairs = max_repairs
+        self.on_repair: list = []  # callables run after a repair, before anything is replayed
+        self._held: list = []  # per candidate: the slices its hello named (None: loads what it is asked)
+        self._usable: list[bool] = []
+        self._n = 0  # this ring's own pass numbers (a repaired route starts a new channel)
+        self._pending: dict[int, tuple] = {}  # pass number -> (channel seq, what was sent), until answered
+        self._history: list[tuple] = []  # a language model's passes since its cache was last started anew
 
     @property
     def uncut(self) -> set[str]:
@@ -65,8 +89,44 @@ class Ring:
         return self.handshake.transports[0].scheme
 
     def open(self) -> None:
+        self._survey()
+        self._open(choose_route(self.plan, self.candidates, self._held, self._usable))
+
+    def _survey(self) -> None:
+        """Ask every listed node what it holds; one that does not answer is left out if the others can
+        still make a route, and otherwise named."""
+        if len(self.candidates) == 1:
+            self._held, self._usable = [None], [True]
+            return
+        everyone = Handshake(self.plan.with_route(self.candidates), self.client_key, self.attention)
+        self._held, answered, errors = [], [], []
+        for k in range(len(self.candidates)):
+            try:
+                self._held.append(everyone.hello(k).get("slices"))
+                answered.append(True)
+            except NodeError as exc:
+                self._held.append(None)
+                answered.append(False)
+                errors.append(exc)
+        # a node that failed a moment ago is left out while the others can do without it
+        self._usable = [ok and not avoided(c.address) for ok, c in zip(answered, self.candidates)]
+        try:
+            choose_route(self.plan, self.candidates, self._held, self._usable)
+        except DiffuseError:
+            self._usable = answered
+        if errors:
+            try:
+                choose_route(self.plan, self.candidates, self._held, self._usable)
+            except DiffuseError:
+                raise errors[0] from None
+            for exc in errors:
+                self.say(f"{exc}: routing around it")
+
+    def _open(self, plan: SlicingPlan) -> None:
+        self.handshake = Handshake(plan, self.client_key, self.attention)
+        self.handshake.identity = self.identity
         t = self.handshake.transports[0]
-        inbox = t.inbox(t.inbox_address(self.plan.route[0].address))
+        inbox = t.inbox(t.inbox_address(plan.route[0].address))
         try:
             self.plan, send_hop, recv_hop, first = self.handshake.open(inbox.address)
             outbox = t.outbox(first)
@@ -74,7 +134,7 @@ class Ring:
             inbox.close()
             raise
         self.channel = Channel(outbox, inbox, send_hop, recv_hop, self.timeout_s, self.handshake.probe)
-        self.channel_stats = self.channel.stats
+        self.channel.stats = self.channel_stats
 
     def call(self, stack: str, args: tuple, kwargs: dict, rmap: ReturnMap):
         """One pass of ``stack`` through the ring; returns what its last block returns."""
@@ -92,14 +152,95 @@ class Ring:
             extra["tail"] = tail
         if layer_trees:
             extra["layer_trees"] = layer_trees
-        return self.receive(self.channel.send(stack, tree, tensors, rmap, extra=extra))
+        if fresh:
+            self._history = []
+        return self.receive(self.send(stack, tree, tensors, rmap, extra=extra))
 
     def send(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, patch: Patch | None = None,
-             digests: list | None = None) -> int:
-        return self.channel.send(stack, tree, tensors, rmap, patch, digests)
+             digests: list | None = None, extra: dict | None = None) -> int:
+        sent = (stack, tree, tensors, rmap, patch, digests, extra)
+        self._n += 1
+        self._pending[self._n] = (self.channel.send(*sent), sent)
+        return self._n
 
-    def receive(self, seq: int):
-        return self.channel.receive(seq)
+    def receive(self, n: int):
+        while True:
+            seq, sent = self._pending[n]
+            try:
+                out = self.channel.receive(seq)
+            except NodeError as exc:
+                self._repair(exc)  # raises when it cannot; else everything in flight was sent again
+                continue
+            del self._pending[n]
+            if sent[6] is not None and "state" in sent[6]:
+                self._history.append(sent)
+            return out
+
+    # -- repair ---------------------------------------------------------------------------------------
+    def _position(self, exc: NodeError) -> int | None:
+        for k, stage in enumerate(self.plan.route):
+            if stage.address == exc.address:
+                return k
+        return None
+
+    def _repair(self, exc: NodeError) -> None:
+        """Move the session off the node ``exc`` names, or raise ``exc`` when no other route is left."""
+        k = self._position(exc)
+        if k is None or len(self.repairs) >= self.max_repairs:
+            raise exc
+        failed = self.plan.route[k].address
+        self._drop(failed)
+        try:
+            route = choose_route(self.plan, self.candidates, self._held, self._usable)
+        except DiffuseError:
+            raise exc from None  # no other holder: the failure is the answer
+        wait = note_failure(failed)
+        old, self.channel = self.channel, None
+        try:
+            self.handshake.close(0.3)  # the survivors free the old session now; the failed one cannot answer
+        finally:
+            old.close()
+        while True:
+            try:
+                self._open(route)
+                break
+            except NodeError as again:  # the spare is down too: the next one, while there is one
+                if not self._drop(again.address):
+                    raise
+                note_failure(again.address)
+                try:
+                    route = choose_route(self.plan, self.candidates, self._held, self._usable)
+                except DiffuseError:
+                    raise exc from None
+        cut = any(s[4] is not None and not s[4].uncut for _, s in self._pending.values())
+        line = self._describe(exc, wait)
+        self.repairs.append(line)
+        self.say(line)
+        for hook in self.on_repair:
+            hook()
+        if cut:  # patches of a step cannot be replayed on nodes without that step's stale buffers
+            self._pending.clear()
+            raise Repaired(line)
+        try:
+            for sent in self._history:  # rebuild the new nodes' caches exactly as they were built
+                self.channel.receive(self.channel.send(*sent))
+            self._pending = {n: (self.channel.send(*sent), sent) for n, (_, sent) in sorted(self._pending.items())}
+        except NodeError as again:  # another node failed while this one was replaced
+            self._repair(again)
+
+    def _drop(self, address: str) -> bool:
+        """Mark the listed node at ``address`` unusable; False if it is not a listed node."""
+        for i, c in enumerate(self.candidates):
+            if c.address == address:
+                self._usable[i] = False
+                return True
+        return False
+
+    def _describe(self, exc: NodeError, wait: float) -> str:
+        now = ", ".join(f"{s.address} ({', '.join(map(str, s.slices))})" for s in self.plan.route)
+        replayed = f"; replayed {len(self._history)} earlier passes" if self._history else ""
+        return (f"repaired the route after {exc} (avoided for {wait:.0f} s): now {now}; "
+                f"resent {len(self._pending)} pass{'es' if len(self._pending) != 1 else ''} in flight{replayed}")
 
     def close(self, hurry: bool = False, tell_nodes: bool = True) -> None:
         """Close the session on every node (``hurry``: on the way out of a failure or an interrupt, barely

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from diffuse.callplan import digest
+from diffuse.errors import Repaired
 from diffuse.plan import Patch, ReturnMap, split_evenly
 
 
@@ -102,6 +103,8 @@ class Patcher:
         self.ring = ring
         self.patches = patches
         self.trackers: dict[str, BranchTracker] = {}
+        if hasattr(ring, "on_repair"):  # nodes new to the session hold no stale buffers: every branch
+            ring.on_repair.append(self.trackers.clear)  # starts again with a whole step
         self.calls = {"uncut": 0, "cut": 0}
         self.used: dict[str, dict] = {}
 
@@ -124,7 +127,10 @@ class Patcher:
             cut = list(tensors)
             cut[stream] = x.narrow(axis, lo, hi - lo)
             seqs.append(self.ring.send(stack, tree, cut, rmap, patch.cut(i, lo, hi), digests))
-        return reassemble([self.ring.receive(seq) for seq in seqs], axis, rmap)
+        try:
+            return reassemble([self.ring.receive(seq) for seq in seqs], axis, rmap)
+        except Repaired:  # a node was replaced mid-step: the step again, whole, on the repaired route
+            return self.run(stack, tree, tensors, rmap)
 
     def _note(self, stack: str, n: int, tokens: int, possible: int) -> None:
         u = self.used.setdefault(stack, {"asked": self.patches, "used": 0, "why": ""})
