@@ -16,7 +16,7 @@ from diffuse.channel import Channel, ChannelStats
 from diffuse.handshake import Handshake
 from diffuse.errors import DiffuseError, NodeError, Repaired
 from diffuse.plan import Patch, ReturnMap, SlicingPlan
-from diffuse.repair import avoided, choose_route, note_failure
+from diffuse.repair import avoided, choose_route, note_failure, note_success
 
 
 @dataclass
@@ -135,6 +135,8 @@ class Ring:
             raise
         self.channel = Channel(outbox, inbox, send_hop, recv_hop, self.timeout_s, self.handshake.probe)
         self.channel.stats = self.channel_stats
+        for stage in self.plan.route:  # serving again: a later failure starts its wait afresh
+            note_success(stage.address)
 
     def call(self, stack: str, args: tuple, kwargs: dict, rmap: ReturnMap):
         """One pass of ``stack`` through the ring; returns what its last block returns."""

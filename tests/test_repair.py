@@ -35,10 +35,10 @@ def replicas(models, diffuse_home):
         _stop(*(p for p, _ in nodes))
 
 
-def _run(pipe, addresses, lines, on_step=None):
+def _run(pipe, addresses, lines, on_step=None, patches=1, calls=None):
     import diffuse
 
-    with diffuse.split(pipe, nodes=addresses, timeout=60) as split:
+    with diffuse.split(pipe, nodes=addresses, timeout=60, patches=patches) as split:
         split.ring.say = lines.append
         route = [s.address for s in split.plan.route]
         kwargs = dict(WAN_ARGS, generator=torch.Generator("cpu").manual_seed(0), output_type="np")
@@ -46,6 +46,8 @@ def _run(pipe, addresses, lines, on_step=None):
             kwargs["callback_on_step_end"] = lambda p, i, t, kw: (on_step(i, route), kw)[1]
         with torch.no_grad():
             out = pipe(**kwargs).frames[0]
+        if calls is not None:
+            calls.update(split.patch_calls or {})
         return out, route, list(split.plan.route), split.ring.repairs
 
 
@@ -104,6 +106,70 @@ def test_without_another_holder_the_failure_is_the_answer(replicas, tmp_path):
     with pytest.raises(NodeError) as err:
         _run(pipe, addresses, [], strike)
     assert alive[1][1]["address"] in str(err.value)
+
+
+def test_a_patched_step_cut_short_by_a_repair_runs_again_whole(models, diffuse_home):
+    """With patches the new holder has none of the stale buffers of earlier steps: after the repair
+    each branch's next step runs whole (as its first did), then patches resume."""
+    import diffuse
+    from diffuse.repair import _failures
+
+    model = models("wan")
+    nodes = _nodes(model, ["1/2", "2/2", "2/2"])
+    pipe = diffuse.from_pretrained(model)
+    addresses = [f"{r['address']}#{r['key']}" for _, r in nodes]
+    lines, calls, quiet = [], {}, {}
+    try:
+        exact, _, _, _ = _run(pipe, addresses[:2], [])
+        steady, _, _, _ = _run(pipe, addresses[:2], [], patches=2, calls=quiet)
+        kill = lambda i, route: i == 1 and nodes[1][0].send_signal(signal.SIGKILL)  # noqa: E731
+        patched, _, route, repairs = _run(pipe, addresses, lines, kill, patches=2, calls=calls)
+    finally:
+        _failures.clear()
+        _stop(*(p for p, _ in nodes))
+    assert len(repairs) == 1 and nodes[1][1]["address"] in repairs[0]
+    assert [s.address for s in route] == [nodes[0][1]["address"], nodes[2][1]["address"]]
+    branches = quiet["uncut"]  # undisturbed: one whole step per branch (guidance: two branches)
+    assert branches == 2 and calls["uncut"] == 2 * branches, (quiet, calls)
+    # the interrupted cut call is counted, then it and the other branch's next call ran whole
+    assert calls["cut"] == quiet["cut"] - branches + 1, (quiet, calls)
+    assert not np.array_equal(patched, steady)  # one step ran whole, so the bits differ...
+    assert np.abs(patched - exact).max() < 0.5 * np.abs(exact).max()  # ...not the picture
+
+
+def test_the_route_takes_one_usable_holder_per_range_and_a_failed_node_waits_its_turn():
+    from diffuse.plan import Slice, SlicingPlan, ModelIdentity, StackPlan, Stage
+    from diffuse.repair import _failures, avoided, choose_route, note_failure
+
+    stack = StackPlan(path="blocks", length=4, block_class="m.Block")
+    plan = SlicingPlan(model=ModelIdentity("m", "transformer", "m.Model", "h"), stacks=(stack,))
+    nodes = tuple(Stage(address=f"tcp://127.0.0.1:{7000 + i}", key="", slices=()) for i in range(4))
+    front, back = [Slice("blocks", 0, 2)], [Slice("blocks", 2, 4)]
+    held = [front, back, front, back]  # listed interleaved: the route still goes front, then back
+    route = choose_route(plan, nodes, held, [True] * 4).route
+    assert [s.address for s in route] == [nodes[0].address, nodes[1].address]
+    route = choose_route(plan, nodes, held, [False, True, True, False]).route
+    assert [s.address for s in route] == [nodes[2].address, nodes[1].address]
+    with pytest.raises(diffuse_error(), match=r"no usable node holds blocks\[2:4\]"):
+        choose_route(plan, nodes, held, [True, False, True, False])
+    # nodes that load what they are asked for: an even split over the usable ones
+    route = choose_route(plan, nodes, [None] * 4, [True, False, True, True]).route
+    assert [(s.address, str(s.slices[0])) for s in route] == [
+        (nodes[0].address, "blocks[0:2]"), (nodes[2].address, "blocks[2:3]"), (nodes[3].address, "blocks[3:4]")]
+    # avoided for a while after a failure, twice as long after the next, then tried again
+    try:
+        assert note_failure("tcp://x:1", now=100.0) == 30.0
+        assert avoided("tcp://x:1", now=129.0) and not avoided("tcp://x:1", now=131.0)
+        assert note_failure("tcp://x:1", now=131.0) == 60.0
+        assert avoided("tcp://x:1", now=190.0) and not avoided("tcp://x:1", now=192.0)
+    finally:
+        _failures.clear()
+
+
+def diffuse_error():
+    from diffuse.errors import DiffuseError
+
+    return DiffuseError
 
 
 def _running(proc) -> bool:
