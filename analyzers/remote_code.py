@@ -2,7 +2,9 @@
 
 A ``.py`` file inside the checkpoint folder that model_index.json or a
 component config (``auto_map``, ``custom_pipeline``) points at would need
-``trust_remote_code``, which Diffuse never grants. A component library that is
+``trust_remote_code``, which runs a stranger's code on the nodes: Diffuse never
+grants it. A transformers folder is refused for an ``auto_map`` in config.json
+or in any JSON file beside it (a tokenizer's or processor's own code). A component library that is
 an installed Python package the user chose is not remote code: it is imported
 here, because diffusers only loads components from libraries already in
 ``sys.modules`` (see FACTS, last section).
@@ -29,10 +31,13 @@ class RemoteCode(Analyzer):
 
     def analyze(self, subject, draft):
         root, index = subject.path, subject.model_index
-        if subject.library == "transformers":
-            if subject.denoiser_config.get("auto_map"):
-                _refuse(root, "config.json has an auto_map pointing at code shipped with the checkpoint "
-                              f"({', '.join(_auto_map_files(subject.denoiser_config['auto_map']))})")
+        if subject.library == "transformers":  # config.json, and the tokenizer's and processor's files beside it
+            for rel, cfg in _configs(root, []):
+                if cfg.get("auto_map"):
+                    _refuse(root, f"{rel} has an auto_map pointing at code shipped with the checkpoint "
+                                  f"({', '.join(_auto_map_files(cfg['auto_map']))})")
+                if cfg.get("trust_remote_code") is True:
+                    _refuse(root, f"{rel} sets trust_remote_code")
             return {"component_libraries": {}}
         pipeline = index.get("_class_name")
         if isinstance(pipeline, (list, tuple)):
@@ -61,7 +66,8 @@ class RemoteCode(Analyzer):
 
 
 def _refuse(root: str, what: str):
-    raise RefusedModel(root, f"{what}: that needs trust_remote_code, which Diffuse never grants")
+    raise RefusedModel(root, f"{what}: that needs trust_remote_code, which runs a stranger's code on the nodes; "
+                             "Diffuse never grants it")
 
 
 def _shipped_file(root: str, component: str, lib: str) -> str | None:

@@ -32,7 +32,9 @@ from analyzers._shapes import (
 class StackFinder(Analyzer):
     name = "stack_finder"
     phase = "config"
-    needs = ("component_libraries",)  # after remote_code: building the denoiser imports its library
+    # after remote_code (building the denoiser imports its library) and config_reader (refusals from config.json
+    # alone come before any build)
+    needs = ("component_libraries", "config_verdict")
     provides = ("stacks", "other_lists")
     description = "The ModuleLists of same-class blocks the denoiser calls as a chain (weightless build), in call order."
 

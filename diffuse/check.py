@@ -31,7 +31,9 @@ def check(path: str, cache: bool = False) -> dict:
     (the refusal, or None), ``denoiser``, ``stacks`` (path, length, config key,
     block class, params per block, width, two-stream and why), ``output_kind``,
     ``frame_rate``, ``sample_rate``, ``patches`` (how ``--patches P>1`` will run),
-    ``other_lists`` and ``seconds``. With ``cache``, a verdict found before for
+    ``other_lists`` and ``seconds``; for a transformers model, ``config``: what config.json alone says
+    (``analyzers.config_reader.read_config``: decoder depth and its key, generates, media, encoder, recurrent
+    state). With ``cache``, a verdict found before for
     the same model and code is reused (``cached``: its file) and a new one kept.
     """
     start = time.perf_counter()
@@ -107,6 +109,10 @@ def _check(path: str, start: float) -> dict:
     subject = ModelSubject.from_path(path)
     result = {"model": path, "denoiser": (f"{subject.denoiser}: {subject.denoiser_class_name}" if subject.denoiser
                                           else subject.denoiser_class_name if subject.autoregressive else None)}
+    if subject.autoregressive:  # a transformers model: the five answers config.json gives, refused or not
+        from analyzers.config_reader import read_config
+
+        result["config"] = read_config(subject.denoiser_config)
     try:
         from diffuse.planner import config_draft
 
@@ -149,9 +155,11 @@ def print_check(path: str, console=None, cache: bool = False) -> int:
     if r["verdict"] == REFUSED:
         console.print(f"[bold red]refused[/]: {r['reason']}", highlight=False)
         console.print(f"model {path} ({r['denoiser']}), {when}", style="dim", highlight=False)
+        _print_config(console, r)
         return EXIT_CODES[REFUSED]
     console.print("[bold green]splittable[/]", highlight=False)
     console.print(f"model {path} ({r['denoiser']}), {when} from config.json alone", style="dim", highlight=False)
+    _print_config(console, r)
     console.print("block stacks, in call order:", highlight=False)
     for s in r["stacks"]:
         console.print(f"  [bold]{s['path']}[/]: {s['length']} x {s['block_class'].rpartition('.')[2]}, sized by "
@@ -170,6 +178,21 @@ def print_check(path: str, console=None, cache: bool = False) -> int:
         console.print(f"--patches: steps run uncut (blocks of {two} carry two streams)", highlight=False)
     else:
         console.print("--patches: patchable (every stack carries one stream)", highlight=False)
+    cfg = r.get("config") or {}
+    if cfg.get("depth") is not None and cfg["depth"] not in [s["length"] for s in r["stacks"]]:
+        console.print(f"note: config.json's {cfg['depth_key']} says {cfg['depth']}, but no stack found holds that many "
+                      "blocks", highlight=False)
     for p, what in r["other_lists"].items():
         console.print(f"note: {p} holds {what}; it is not a stack and runs on the client", highlight=False)
     return EXIT_CODES[SPLITTABLE]
+
+
+def _print_config(console, r: dict) -> None:
+    """A transformers model's answers from config.json, each with the fields it rests on."""
+    if not r.get("config"):
+        return
+    from analyzers.config_reader import describe
+
+    console.print("from config.json:", highlight=False)
+    for line in describe(r["config"]):
+        console.print(f"  {line}", highlight=False)
