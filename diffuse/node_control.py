@@ -238,6 +238,8 @@ class NodeControl:
         if not (isinstance(eph, bytes) and len(eph) == sealing.PUBLIC_BYTES and isinstance(sealed, bytes)):
             raise DiffuseError("a wire-2 open needs the client's fresh key (eph, 32 bytes) and its sealed keys")
         own = self.challenges.ephemeral(challenge)  # made again from the challenge; dropped on return
+        if own is None:  # its period ended between the spending and now
+            raise DiffuseError(STALE)
         key = sealing.agree("node", self.node.identity, own, sender, eph,
                             sealing.open_transcript(sender, eph, self.node.identity.public, own.public, sid, challenge))
         return sealing.open_with(key, sealed, sid + challenge)

@@ -269,3 +269,21 @@ def test_a_hello_flood_between_a_clients_hello_and_its_open_does_not_spend_its_c
     assert [n for n, _ in flooded] == [3000, 3000], flooded
     print(f"hello floods: {', '.join(f'{n} in {s:.2f} s' for n, s in flooded)}")
     assert all(r.get("ok") is True for r in split.node_reports), split.node_reports
+
+
+def test_challenges_are_checked_by_their_mac_spent_once_and_expire_with_their_period():
+    from diffuse.node_control import STALE, Challenges
+
+    ch = Challenges(period_s=3600, max_spent=2)
+    a, b, c = ch.issue(), ch.issue(), ch.issue()
+    forged = a[:-1] + bytes([a[-1] ^ 1])
+    assert ch.take(forged) == STALE and ch.take(b"x" * len(a)) == STALE and ch.take(None) == STALE
+    assert ch.ephemeral(a).public == ch.ephemeral(a).public != ch.ephemeral(b).public  # the node's fresh key, remade
+    assert ch.take(a) is None and ch.take(a) == STALE  # spent once
+    assert ch.take(b) is None
+    assert "accepted 2 opens" in ch.take(c)  # full: refused, never a spent challenge forgotten
+    short = Challenges(period_s=0.2)
+    late = short.issue()
+    time.sleep(0.45)  # two periods on: the secret that made it is gone, and the fresh key made from it
+    assert short.take(late) == STALE and short.ephemeral(late) is None
+    assert len(short.periods) <= 2
