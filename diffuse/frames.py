@@ -1,6 +1,6 @@
 """One data message: a plaintext envelope, a sealed CBOR header, sealed tensor frames.
 
-Frame 0, the envelope, is CBOR ``{"v": wire version, "s": session id, "c": hop
+Frame 0, the envelope, is CBOR ``{"v": the hop's wire version, "s": session id, "c": hop
 counter, "n": frame count}``; it is authenticated (as associated data of every
 other frame) but not secret, because a node must find the session's key before
 it can open anything. Tensors travel as raw bytes in their own dtype; received
@@ -17,7 +17,7 @@ import torch
 
 from diffuse.callplan import raw_bytes
 from diffuse.errors import WireError
-from diffuse.plan import SESSION_ID_BYTES, WIRE_VERSION
+from diffuse.plan import SESSION_ID_BYTES
 from diffuse import sealing as seal
 
 _DTYPES = {
@@ -39,6 +39,7 @@ class Hop:
     key: bytes  # 32-byte XChaCha20-Poly1305 key
     sent: int = 0  # last counter sealed by us
     seen: int = 0  # last counter accepted by us
+    wire: int = 1  # the wire version both ends of this hop speak (its envelopes' "v")
 
 
 COUNTER_LIMIT = 1 << 64  # the nonce holds the counter in 8 bytes
@@ -110,7 +111,7 @@ def seal_message(hop, header: dict, tensors: list[torch.Tensor]) -> list[bytes]:
     hop.sent += 1
     counter = hop.sent
     header = dict(header, tensors=[tensor_meta(t) for t in tensors])
-    env = cbor2.dumps({"v": WIRE_VERSION, "s": hop.session, "c": counter, "n": 2 + len(tensors)})
+    env = cbor2.dumps({"v": hop.wire, "s": hop.session, "c": counter, "n": 2 + len(tensors)})
     frames = [env, seal.seal_frame(hop.key, counter, 1, env, cbor2.dumps(header))]
     for i, t in enumerate(tensors):
         frames.append(seal.seal_frame(hop.key, counter, 2 + i, env, raw_bytes(t)))
@@ -120,8 +121,8 @@ def seal_message(hop, header: dict, tensors: list[torch.Tensor]) -> list[bytes]:
 def open_message(hop, frames: list[bytes]) -> tuple[dict, list[torch.Tensor]]:
     """Authenticate before parsing anything but the envelope; enforce the hop counter."""
     env = envelope_of(frames)
-    if env["v"] != WIRE_VERSION:
-        raise WireError(f"wire version {env['v']} is not {WIRE_VERSION}")
+    if env["v"] != hop.wire:
+        raise WireError(f"wire version {env['v']} is not this hop's ({hop.wire})")
     if env["s"] != hop.session:
         raise WireError("message is for another session")
     counter = env["c"]

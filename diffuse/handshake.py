@@ -1,10 +1,16 @@
 """The client's control protocol with each node of a ring: hello, open, close, liveness.
 
 ``hello`` (plain) gives a node's key (pinned, or trusted on first use), data
-address, model hash, the slices it holds (nodes started with ``--blocks``) and
-a one-time challenge. ``open`` and ``close`` are sealed to the node's key and
-carry their operation inside the seal; only a reply sealed by that key, for
-that operation, counts. ``open`` tells each node its ``StagePlan``.
+address, model hash, the slices it holds (nodes started with ``--blocks``), the
+wire versions it speaks and a one-time challenge. The client offers the
+versions it speaks; each node's is the highest both speak, and each data hop's
+is the highest its two ends speak (a node that speaks only an older version
+keeps serving, in a ring with newer ones). ``open`` and ``close`` are sealed to
+the node's key and carry their operation inside the seal; only a reply sealed
+by that key, for that operation, session and challenge, counts. ``open`` tells
+each node its ``StagePlan`` and its two hop keys: at wire version 1 inside the
+seal, at version 2 under a key agreed for that open (``sealing.agree``), so a
+recorded session cannot be opened later with the node's long-term key.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import time
 from diffuse import frames, sealing
 from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.known_nodes import parse_node, pin_key
-from diffuse.plan import SESSION_ID_BYTES, WIRE_VERSION, ContractError, Slice, SlicingPlan, Stage, StagePlan, \
+from diffuse.plan import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, Slice, SlicingPlan, Stage, StagePlan, \
     check_slices
 
 HELLO_TIMEOUT_S = 10.0
@@ -59,6 +65,30 @@ def route_from_slices(plan: SlicingPlan, held: list[list[Slice] | None]) -> Slic
     return plan.with_route(Stage(s.address, s.key, tuple(r)) for s, r in zip(plan.route, routes))
 
 
+def _speaks(hello: dict) -> list[int] | None:
+    """The wire versions a hello's answer says the node speaks; None if it does not say. A node that
+    predates negotiation names only the one version it speaks, as ``wire``."""
+    speaks = hello.get("speaks")
+    if isinstance(speaks, list):
+        return sorted({v for v in speaks[:16] if isinstance(v, int) and not isinstance(v, bool)})
+    wire = hello.get("wire")
+    return [wire] if hello.get("ok") and isinstance(wire, int) and not isinstance(wire, bool) else None
+
+
+def hop_versions(addresses: list[str], speaks: list[list[int]], chosen: list[int]) -> list[int]:
+    """The wire version of each data hop of the ring: the client's two hops use what each end node chose
+    with the client; a hop between two nodes uses the highest version both of them (and this client) speak."""
+    hops = [chosen[0]]
+    for k in range(1, len(addresses)):
+        common = set(speaks[k - 1]) & set(speaks[k]) & set(WIRE_VERSIONS)
+        if not common:
+            raise DiffuseError(f"nodes {addresses[k - 1]} (wire versions {speaks[k - 1]}) and {addresses[k]} "
+                               f"(wire versions {speaks[k]}) speak no version in common, so one cannot hand on to "
+                               "the other: reorder --nodes, or start one of them with a --wire the other speaks")
+        hops.append(max(common))
+    return hops + [chosen[-1]]
+
+
 class Handshake:
     """Control requests to the nodes of one session's route."""
 
@@ -78,21 +108,37 @@ class Handshake:
         self.opened: list[int] = []  # route positions whose node has this session open
         self.uncut: set[str] = set()  # stacks a node says must run uncut steps (two streams)
         self._misses = [0] * len(plan.route)
+        self.wire: dict[str, int] = {}  # node address -> the wire version its hello chose
 
     def _request(self, k: int, msg: dict, timeout: float) -> dict:
         return self.transports[k].request(self.plan.route[k].address, msg, timeout)
 
     def hello(self, k: int, expect_key: bytes | None = None) -> dict:
         stage = self.plan.route[k]
-        hello = self._request(k, {"op": "hello", "wire": [WIRE_VERSION]}, HELLO_TIMEOUT_S)
+        hello = self._request(k, {"op": "hello", "wire": list(WIRE_VERSIONS)}, HELLO_TIMEOUT_S)
+        speaks = _speaks(hello)
+        if speaks is not None and not set(speaks) & set(WIRE_VERSIONS):
+            raise NodeError(stage.address, f"speaks wire versions {speaks}, this client speaks "
+                            f"{list(WIRE_VERSIONS)}: nothing in common (start the node with a --wire this client "
+                            "speaks, or update the older side)")
         if not hello.get("ok"):
             raise NodeError(stage.address, str(hello.get("error", "refused hello"))[:500])
+        if speaks is None:
+            raise NodeError(stage.address, "answered hello without naming the wire versions it speaks")
         key = hello.get("key")
         if not isinstance(key, bytes) or len(key) != 32 or not isinstance(hello.get("data"), str):
             raise NodeError(stage.address, "answered hello without a 32-byte key and a data address")
+        best = max(set(speaks) & set(WIRE_VERSIONS))
+        if hello.get("wire") != best:
+            raise NodeError(stage.address, f"chose wire version {str(hello.get('wire'))[:16]} although both sides "
+                            f"speak {best}: refusing")
+        if best >= 2 and not (isinstance(hello.get("eph"), bytes) and len(hello["eph"]) == 32):
+            raise NodeError(stage.address, "answered a wire-2 hello without its fresh 32-byte key")
         if expect_key is not None:
             if key != expect_key:
                 raise NodeError(stage.address, "presented another key than a moment ago: refusing")
+            if self.wire.get(stage.address, best) != best:
+                raise NodeError(stage.address, "changed its wire version between two hellos: refusing")
         else:
             pin_key(stage.address, key, stage.key or None)
         if hello.get("model") != self.plan.model.content_hash:
@@ -103,6 +149,8 @@ class Handshake:
                 hello["slices"] = check_slices(hello["slices"], self.plan.lengths)
             except ContractError as exc:
                 raise NodeError(stage.address, f"says it holds what this model does not have: {exc}") from None
+        hello["speaks"] = speaks
+        self.wire[stage.address] = best
         hello["at"] = time.monotonic()
         return hello
 
@@ -119,6 +167,8 @@ class Handshake:
             data.append(d)
         plan = route_from_slices(self.plan, [h.get("slices") for h in hellos])
         self.plan = plan
+        hops = hop_versions([s.address for s in plan.route], [h["speaks"] for h in hellos],
+                            [h["wire"] for h in hellos])
         hop_keys = [sealing.new_key() for _ in range(len(plan.route) + 1)]
         nexts = data[1:] + [transport_inbox]
         try:
@@ -127,22 +177,47 @@ class Handshake:
                 if time.monotonic() - hello["at"] > CHALLENGE_FRESH_S:  # earlier nodes took long to load
                     hello = self.hello(k, self.keys[k])
                 stage_plan = StagePlan(plan.model.content_hash, plan.compute_dtype, stage.slices, nexts[k],
-                                       self.attention)
-                payload = {"session": self.sid, "challenge": hello.get("challenge"), "in_key": hop_keys[k],
-                           "out_key": hop_keys[k + 1], "stage": stage_plan.to_dict()}
+                                       self.attention, hops[k], hops[k + 1])
+                payload = self._open_payload(k, hello, stage_plan, hop_keys[k], hop_keys[k + 1])
                 reply = self.sealed(k, "open", payload, OPEN_TIMEOUT_S)
                 self.opened.append(k)
                 self.uncut.update(s for s in reply.get("uncut") or () if isinstance(s, str))
         except BaseException:
             self.close()  # the nodes that said yes free their session now, not at idle-out
             raise
-        return plan, frames.Hop(self.sid, hop_keys[0]), frames.Hop(self.sid, hop_keys[-1]), data[0]
+        return (plan, frames.Hop(self.sid, hop_keys[0], wire=hops[0]), frames.Hop(self.sid, hop_keys[-1], wire=hops[-1]),
+                data[0])
+
+    def _open_payload(self, k: int, hello: dict, stage_plan: StagePlan, in_key: bytes, out_key: bytes) -> dict:
+        """What an open tells node ``k``: at wire 1 its hop keys inside the seal to its long-term key; at wire 2
+        under a key agreed from a fresh key of ours and the one its hello gave (ours is dropped on return)."""
+        challenge = hello.get("challenge")
+        payload = {"session": self.sid, "challenge": challenge, "stage": stage_plan.to_dict(), "wire": hello["wire"],
+                   "offered": list(WIRE_VERSIONS)}  # the node checks that nobody talked us down to an older version
+        if hello["wire"] == 1:
+            return dict(payload, in_key=in_key, out_key=out_key)
+        if not isinstance(challenge, bytes):
+            raise NodeError(self.plan.route[k].address, "answered a wire-2 hello without a challenge")
+        own = sealing.ephemeral()
+        node_key, node_eph = self.keys[k], hello["eph"]
+        try:
+            key = sealing.agree("client", self.identity, own, node_key, node_eph,
+                                sealing.open_transcript(self.identity.public, own.public, node_key, node_eph, self.sid,
+                                                        challenge))
+        except WireError as exc:
+            raise NodeError(self.plan.route[k].address, f"its hello's fresh key is unusable ({exc}): refusing") from None
+        return dict(payload, eph=own.public,
+                    keys=sealing.seal_with(key, {"in_key": in_key, "out_key": out_key}, self.sid + challenge))
 
     def sealed(self, k: int, op: str, payload: dict, timeout: float) -> dict:
-        """A sealed request; only a reply sealed by node ``k``'s key for this very operation counts.
-        A plain reply can only be a refusal (one made before the node could open the request)."""
+        """A sealed request; only a reply sealed by node ``k``'s key for this very operation, session and
+        challenge counts (a close gets a fresh challenge of its own). A plain reply can only be a refusal
+        (one made before the node could open the request)."""
         address, node_key = self.plan.route[k].address, self.keys[k]
-        msg = dict(sealing.seal_control(dict(payload, op=op), node_key, self.identity), op=op)
+        payload = dict(payload, op=op)
+        if not isinstance(payload.get("challenge"), bytes):
+            payload["challenge"] = os.urandom(16)
+        msg = dict(sealing.seal_control(payload, node_key, self.identity), op=op)
         reply = self._request(k, msg, timeout)
         if "box" not in reply:
             if reply.get("ok"):
@@ -157,6 +232,11 @@ class Handshake:
             raise NodeError(address, f"its {op} reply is sealed by another key than the node's: refusing")
         if not isinstance(inner, dict) or inner.get("re") != op:
             raise NodeError(address, f"its sealed reply does not answer {op}: refusing")
+        # a node of wire 2 or later names the session and challenge it answers; one of version 1 may not
+        must_echo = self.wire.get(address, 1) >= 2
+        for name in ("session", "challenge"):
+            if (must_echo or name in inner) and inner.get(name) != payload.get(name):
+                raise NodeError(address, f"its sealed {op} reply answers another session or request: refusing")
         if not inner.get("ok"):
             raise NodeError(address, str(inner.get("error", f"refused {op}"))[:500])
         return inner

@@ -27,7 +27,7 @@ from diffuse.text import plain
 from diffuse.errors import DiffuseError, WireError
 from diffuse.home import config_home
 from diffuse.node_control import NodeControl, refusal
-from diffuse.plan import WIRE_VERSION, StackPlan, parse_slices
+from diffuse.plan import WIRE_VERSIONS, StackPlan, parse_slices
 from diffuse.sessions import SessionTable
 
 log = logging.getLogger("diffuse.node")
@@ -194,6 +194,18 @@ def _client_key(text: str) -> bytes:
     return key
 
 
+def _wire(text: str) -> tuple[int, ...]:
+    """``--wire``: the wire versions this node speaks, e.g. "1" or "1,2"."""
+    try:
+        versions = tuple(sorted({int(v) for v in text.split(",")}))
+    except ValueError:
+        versions = ()
+    if not versions or not set(versions) <= set(WIRE_VERSIONS):
+        raise argparse.ArgumentTypeError(f"{text!r}: this node speaks wire versions "
+                                         f"{','.join(map(str, WIRE_VERSIONS))} (give one or more, comma-separated)")
+    return versions
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m diffuse.node", description=plain(__doc__.split("\n")[0]))
     ap.add_argument("--model", required=True, help="diffusers pipeline folder (the same one the client uses)")
@@ -207,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allow-client", action="append", default=None, metavar="HEXKEY", type=_client_key,
                     help="serve only this client key (repeatable); a client shows its key when run with --client-key")
     ap.add_argument("--advertise-data", metavar="ADDR", help="data address peers should dial, if not the bound one")
+    ap.add_argument("--wire", type=_wire, default=WIRE_VERSIONS, metavar="V[,V]",
+                    help=f"the wire versions to speak (default {','.join(map(str, WIRE_VERSIONS))}; 1: hop keys sealed "
+                    "to this node's long-term key; 2: agreed per session, forward secret)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone (local nodes)")
     ap.add_argument("--log-level", default="INFO")
@@ -225,9 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     except (DiffuseError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({"diffuse_node": WIRE_VERSION, "address": node.endpoint.control_address,
+    node.control.speaks = a.wire
+    print(json.dumps({"diffuse_node": max(a.wire), "wire": list(a.wire), "address": node.endpoint.control_address,
                       "data": node.endpoint.address, "key": node.identity.public_hex}), flush=True)
-    log.info("serving %s at %s, key %s", a.model, node.endpoint.control_address, node.identity.public_hex)
+    log.info("serving %s at %s, key %s, wire versions %s", a.model, node.endpoint.control_address,
+             node.identity.public_hex, ",".join(map(str, a.wire)))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         node.serve(parent=a.exit_with)

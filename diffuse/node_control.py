@@ -1,43 +1,129 @@
 """A node's control server: hello, ping, status (plain); open and close (sealed).
 
 ``hello`` gives the node's key, data address, model hash, the slices it holds
-(``--blocks``) and a one-time challenge. ``ping`` says whether the node is
-alive and still has a session; it is answered while blocks compute, so a
-client notices a dead or frozen node in seconds. ``open`` and ``close`` are
-sealed to the node's key, carry their own ``op`` inside the seal, and are
-answered sealed to the sender with ``re`` naming the operation. An open must
-carry an unspent, unexpired challenge and a session id the node has never
-seen; the session then belongs to the key that opened it, and only that key
-may close it.
+(``--blocks``), the wire versions it speaks and the one it chose (the highest
+the client also offers), and a one-time challenge; at wire version 2 also a
+fresh X25519 key for the open's key agreement (``sealing.agree``). ``ping``
+says whether the node is alive and still has a session; it is answered while
+blocks compute, so a client notices a dead or frozen node in seconds. ``open``
+and ``close`` are sealed to the node's key, carry their own ``op`` inside the
+seal, and are answered sealed to the sender with ``re`` naming the operation
+and the request's session id and challenge echoed, so a reply cannot be moved
+to another request. An open must carry an unspent, unexpired challenge and a
+session id the node has never seen; the session then belongs to the key that
+opened it, and only that key may close it.
+
+Challenges keep no state per hello, so no flood of hellos can push out another
+client's challenge. A challenge is its period number, 12 random bytes and a MAC
+of both under that period's secret (``Challenges``); the node keeps the secrets
+of the current and the previous period only (``CHALLENGE_PERIOD_S`` each), so a
+challenge is good for one to two periods, and it checks an open's challenge by
+its MAC, not by looking it up. What is kept is the set of challenges spent by
+accepted opens, per period (dropped with the period's secret; capped at
+``MAX_SPENT`` opens per period, beyond which opens wait for the next period
+rather than replays being let through). The node's fresh key of a wire-2 open
+is made from the period's secret and the challenge, so it too costs nothing to
+keep between hello and open; nothing holds it after the open, and once its
+period's secret is dropped (at most two periods after the hello) no one can
+make it again: a recorded session then cannot be opened with the node's
+long-term key.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
+import struct
 import time
-from collections import OrderedDict
 
 import torch
 
 from diffuse import frames, sealing
 from diffuse.errors import DiffuseError
-from diffuse.plan import SESSION_ID_BYTES, WIRE_VERSION, ContractError, StagePlan
+from diffuse.plan import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, StagePlan
 
 log = logging.getLogger("diffuse.node")
 
-CHALLENGE_TTL_S = 300.0  # an open must come this soon after the hello that gave its challenge
-MAX_CHALLENGES = 1024  # outstanding hello challenges kept (oldest dropped first)
+CHALLENGE_PERIOD_S = 150.0  # a challenge is good until the end of the period after the one it was made in
+CHALLENGE_BYTES = 8 + 12 + 16  # period number, random, MAC
+MAX_SPENT = 1 << 16  # opens accepted per period (their challenges are kept, spent, until the period's secret goes)
+STALE = ("stale or replayed open: its hello challenge is unknown, spent or expired "
+         "(ask hello for a fresh one right before opening)")
 
 
 def refusal(text: str) -> dict:
     return {"ok": False, "error": text}
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _versions(x) -> list[int]:
+    """The wire versions a peer says it speaks (what is not a small list of integers speaks nothing)."""
+    return sorted({v for v in x[:16] if _is_int(v)}) if isinstance(x, list) else []
+
+
+class Challenges:
+    """Hello challenges checked by their MAC, not kept (see the module's docstring)."""
+
+    def __init__(self, period_s: float = CHALLENGE_PERIOD_S, max_spent: int = MAX_SPENT):
+        self.period_s, self.max_spent = period_s, max_spent
+        self.periods: dict[int, tuple[bytes, set[bytes]]] = {}  # period -> (its secret, challenges spent in it)
+
+    def _now(self) -> int:
+        now = int(time.monotonic() // self.period_s)
+        for old in [p for p in self.periods if p < now - 1]:
+            del self.periods[old]  # its secret, its spent set, and every fresh key made from it, gone
+        if now not in self.periods:
+            self.periods[now] = (os.urandom(32), set())
+        return now
+
+    @staticmethod
+    def _mac(secret: bytes, body: bytes) -> bytes:
+        return hashlib.blake2b(b"challenge" + body, key=secret, digest_size=16).digest()
+
+    def issue(self) -> bytes:
+        period = self._now()
+        body = struct.pack(">Q", period) + os.urandom(12)
+        return body + self._mac(self.periods[period][0], body)
+
+    def _held(self, challenge) -> tuple[bytes, set[bytes]] | None:
+        """The secret and spent set of a challenge this node made and has not expired; None otherwise."""
+        self._now()
+        if not isinstance(challenge, bytes) or len(challenge) != CHALLENGE_BYTES:
+            return None
+        held = self.periods.get(struct.unpack(">Q", challenge[:8])[0])
+        if held is None or not hmac.compare_digest(challenge[20:], self._mac(held[0], challenge[:20])):
+            return None
+        return held
+
+    def ephemeral(self, challenge: bytes) -> sealing.Identity | None:
+        """The node's fresh key for the open that carries ``challenge`` (the same at hello and at open)."""
+        held = self._held(challenge)
+        if held is None:
+            return None
+        return sealing.ephemeral(hashlib.blake2b(b"ephemeral" + challenge, key=held[0], digest_size=32).digest())
+
+    def take(self, challenge) -> str | None:
+        """Spend ``challenge``; why it cannot be, or None."""
+        held = self._held(challenge)
+        if held is None or challenge in held[1]:
+            return STALE
+        if len(held[1]) >= self.max_spent:
+            return (f"this node has accepted {self.max_spent} opens in the last {self.period_s:.0f} s: "
+                    "try again in a few minutes")
+        held[1].add(challenge)
+        return None
+
+
 class NodeControl:
-    def __init__(self, node):
+    def __init__(self, node, speaks: tuple[int, ...] = WIRE_VERSIONS):
         self.node = node  # diffuse.node.Node: its store, identity, sessions, data address
-        self.challenges: OrderedDict[bytes, float] = OrderedDict()  # one-time hello challenge -> expiry
+        self.speaks = speaks  # the wire versions this node speaks (``--wire``)
+        self.challenges = Challenges()
 
     def handle(self, msg: dict) -> dict:
         op = msg.get("op")
@@ -59,12 +145,18 @@ class NodeControl:
         return [s.to_dict() for s in fixed] if fixed is not None else None
 
     def hello(self, msg: dict) -> dict:
-        offered = msg.get("wire")
-        if not isinstance(offered, list) or WIRE_VERSION not in offered[:16]:
-            shown = [v for v in offered[:8] if isinstance(v, int)] if isinstance(offered, list) else "nothing"
-            return refusal(f"this node speaks wire version {WIRE_VERSION}; the client offers {shown}")
-        return {"ok": True, "wire": WIRE_VERSION, "key": self.node.identity.public, "data": self.node.data_address,
-                "model": self.node.store.model_hash, "slices": self._slices(), "challenge": self._new_challenge()}
+        offered, speaks = _versions(msg.get("wire")), list(self.speaks)
+        common = set(offered) & set(speaks)
+        if not common:  # the client names both sides to its user; an older client shows this error
+            return dict(refusal(f"this node speaks wire versions {speaks}; the client offers {offered[:8]}"),
+                        speaks=speaks)
+        wire, challenge = max(common), self.challenges.issue()
+        reply = {"ok": True, "wire": wire, "speaks": speaks, "key": self.node.identity.public,
+                 "data": self.node.data_address, "model": self.node.store.model_hash, "slices": self._slices(),
+                 "challenge": challenge}
+        if wire >= 2:
+            reply["eph"] = self.challenges.ephemeral(challenge).public
+        return reply
 
     def sealed(self, op: str, msg: dict) -> dict:
         payload, sender = sealing.open_control(msg, self.node.identity)
@@ -83,42 +175,41 @@ class NodeControl:
             log.exception("%s failed", op)
             reply = refusal(f"{type(exc).__name__}: {exc}")
         reply["re"] = op
+        for name in ("session", "challenge"):  # the reply answers this request, and no other
+            if isinstance(payload.get(name), bytes):
+                reply[name] = payload[name]
         return sealing.seal_control(reply, sender, self.node.identity)
-
-    def _new_challenge(self) -> bytes:
-        now = time.monotonic()
-        while self.challenges and next(iter(self.challenges.values())) < now:
-            self.challenges.popitem(last=False)
-        challenge = os.urandom(16)
-        self.challenges[challenge] = now + CHALLENGE_TTL_S
-        while len(self.challenges) > MAX_CHALLENGES:
-            self.challenges.popitem(last=False)
-        return challenge
-
-    def _take_challenge(self, challenge) -> bool:
-        if not isinstance(challenge, bytes):
-            return False
-        expiry = self.challenges.pop(challenge, None)
-        return expiry is not None and expiry >= time.monotonic()
 
     def open(self, p: dict, sender: bytes) -> dict:
         node = self.node
+        wire, speaks = p.get("wire", 1), list(self.speaks)  # an open without "wire" comes from a version-1 client
+        if not _is_int(wire) or wire not in speaks:
+            return refusal(f"the open uses wire version {str(wire)[:16]}; this node speaks {speaks}")
+        common = set(_versions(p.get("offered"))) & set(speaks)
+        if common and max(common) != wire:
+            return refusal(f"the open uses wire version {wire}, but this node and the client both speak "
+                           f"{max(common)}: refusing a downgrade (was the hello altered on the way?)")
         # the challenge goes first, whatever happens next: a captured open replayed later finds it spent
-        if not self._take_challenge(p.get("challenge")):
-            return refusal("stale or replayed open: its hello challenge is unknown, spent or expired "
-                           "(ask hello for a fresh one right before opening)")
+        challenge = p.get("challenge")
+        stale = self.challenges.take(challenge)
+        if stale:
+            return refusal(stale)
         sid = p.get("session")
         if not isinstance(sid, bytes) or len(sid) != SESSION_ID_BYTES:
             return refusal(f"the session id must be {SESSION_ID_BYTES} bytes")
         if node.sessions.used(sid):
             return refusal("this session id is already in use on this node, or was: open with a fresh one")
+        keys = p if wire == 1 else self._agreed_keys(p, sender, sid, challenge)
         for name in ("in_key", "out_key"):
-            if not isinstance(p.get(name), bytes) or len(p[name]) != 32:
+            if not isinstance(keys.get(name), bytes) or len(keys[name]) != 32:
                 return refusal(f"{name} must be a 32-byte key")
         try:
             stage = StagePlan.from_dict(p.get("stage"), {s.path: s.length for s in node.stacks})
         except ContractError as exc:
             return refusal(str(exc))
+        if stage.wire_in not in speaks or stage.wire_out not in speaks:
+            return refusal(f"asked for wire versions {stage.wire_in} in, {stage.wire_out} out; "
+                           f"this node speaks {speaks}")
         if stage.model_hash != node.store.model_hash:
             return refusal("this node serves a different model (content hash differs): "
                            "start it with the same model folder as the client")
@@ -134,11 +225,24 @@ class NodeControl:
         outbox = node.transport.outbox(stage.next)  # this session's own: closed with it
         from diffuse.stage import StageSession
 
-        node.sessions.add(sid, StageSession(sid, node.store, stage, frames.Hop(sid, p["in_key"]),
-                                            frames.Hop(sid, p["out_key"])), sender, outbox)
-        log.info("session %s opened: %s -> %s", sid.hex()[:8], ", ".join(map(str, stage.slices)), stage.next)
+        node.sessions.add(sid, StageSession(sid, node.store, stage, frames.Hop(sid, keys["in_key"], wire=stage.wire_in),
+                                            frames.Hop(sid, keys["out_key"], wire=stage.wire_out)), sender, outbox)
+        log.info("session %s opened (wire %d; hops in %d, out %d): %s -> %s", sid.hex()[:8], wire, stage.wire_in,
+                 stage.wire_out, ", ".join(map(str, stage.slices)), stage.next)
         # blocks that carry two streams (image and text side by side) cannot be cut into patches
         return {"ok": True, "uncut": sorted(s.stack for s in stage.slices if node.two_stream.get(s.stack))}
+
+    def _agreed_keys(self, p: dict, sender: bytes, sid: bytes, challenge: bytes) -> dict:
+        """A wire-2 open's hop keys, opened under the key agreed with the client (``sealing.agree``)."""
+        eph, sealed = p.get("eph"), p.get("keys")
+        if not (isinstance(eph, bytes) and len(eph) == sealing.PUBLIC_BYTES and isinstance(sealed, bytes)):
+            raise DiffuseError("a wire-2 open needs the client's fresh key (eph, 32 bytes) and its sealed keys")
+        own = self.challenges.ephemeral(challenge)  # made again from the challenge; dropped on return
+        if own is None:  # its period ended between the spending and now
+            raise DiffuseError(STALE)
+        key = sealing.agree("node", self.node.identity, own, sender, eph,
+                            sealing.open_transcript(sender, eph, self.node.identity.public, own.public, sid, challenge))
+        return sealing.open_with(key, sealed, sid + challenge)
 
     def close(self, p: dict, sender: bytes) -> dict:
         sid = p.get("session")

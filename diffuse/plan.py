@@ -23,7 +23,8 @@ from typing import Any
 from diffuse.errors import DiffuseError
 
 PLAN_VERSION = 2
-WIRE_VERSION = 1
+WIRE_VERSIONS = (1, 2)  # what this code speaks: 1 = hop keys sealed to the node's long-term key; 2 = agreed (forward secret)
+WIRE_VERSION = WIRE_VERSIONS[-1]  # the newest, used wherever both ends speak it
 SESSION_ID_BYTES = 16  # a session id on the wire
 
 PATCHABLE = "patchable"
@@ -314,31 +315,44 @@ def even_route(stacks, addresses: list[str], keys: list[str] | None = None) -> t
 @dataclass(frozen=True)
 class StagePlan:
     """What a node is told about one session, sealed inside ``open``: the model it must serve, the
-    dtype to compute in, its slices, where to hand results on, and the attention path allowed."""
+    dtype to compute in, its slices, where to hand results on, the attention path allowed, and the wire
+    version of the hop it receives on (``wire_in``) and of the hop it sends on (``wire_out``): the highest
+    version both ends of that hop speak."""
 
     model_hash: str
     dtype: str
     slices: tuple[Slice, ...]
     next: str
     attention: str = "auto"
+    wire_in: int = 1
+    wire_out: int = 1
 
     def slice_of(self, stack: str) -> Slice | None:
         return next((s for s in self.slices if s.stack == stack), None)
 
     def to_dict(self) -> dict:
-        return {"model_hash": self.model_hash, "dtype": self.dtype, "slices": [s.to_dict() for s in self.slices],
-                "next": self.next, "attention": self.attention}
+        d = {"model_hash": self.model_hash, "dtype": self.dtype, "slices": [s.to_dict() for s in self.slices],
+             "next": self.next, "attention": self.attention}
+        if (self.wire_in, self.wire_out) != (1, 1):  # a node that speaks only version 1 is told exactly what it knows
+            d.update(wire_in=self.wire_in, wire_out=self.wire_out)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, lengths: dict[str, int]) -> "StagePlan":
-        if not isinstance(d, dict) or set(d) != {"model_hash", "dtype", "slices", "next", "attention"}:
-            raise ContractError(f"malformed stage plan {_short(d)}: expected model_hash, dtype, slices, next, attention")
+        base = {"model_hash", "dtype", "slices", "next", "attention"}
+        if not isinstance(d, dict) or set(d) not in (base, base | {"wire_in", "wire_out"}):
+            raise ContractError(f"malformed stage plan {_short(d)}: expected model_hash, dtype, slices, next, "
+                                "attention (and wire_in, wire_out)")
         for name in ("model_hash", "dtype", "next", "attention"):
             if not isinstance(d[name], str):
                 raise ContractError(f"the stage plan's {name} must be a string")
         if d["attention"] not in ATTENTION_PATHS:
             raise ContractError(f"unknown attention path {d['attention']!r:.64} ({' or '.join(ATTENTION_PATHS)})")
-        return cls(d["model_hash"], d["dtype"], tuple(check_slices(d["slices"], lengths)), d["next"], d["attention"])
+        hops = (d.get("wire_in", 1), d.get("wire_out", 1))
+        if not all(_is_int(v) for v in hops):
+            raise ContractError("the stage plan's wire_in and wire_out must be integers")
+        return cls(d["model_hash"], d["dtype"], tuple(check_slices(d["slices"], lengths)), d["next"], d["attention"],
+                   *hops)
 
 
 # --------------------------------------------------------------------------- on the data path

@@ -8,6 +8,15 @@ is derived from the hop counter and the frame index (each key seals in one
 direction only, so the pair never repeats under one key); the plaintext
 envelope (version, session, counter, frame count) is bound into every frame as
 associated data, so a frame moved, dropped, replayed or edited fails to open.
+
+Hop keys reach a node in its sealed ``open``. Wire version 1 carries them in a
+``crypto_box`` between the client's and the node's long-term keys, so whoever
+later learns the node's secret key opens every recorded session. Version 2
+carries them under a key agreed for that open alone (``agree``): X25519 between
+a fresh key of the client and a fresh key of the node (libsodium's ``crypto_kx``),
+mixed with the two static-ephemeral products, so only the holders of the
+client's and the node's long-term keys can compute it, and once both fresh
+secrets are dropped nobody can, whatever long-term secrets leak.
 """
 
 from __future__ import annotations
@@ -66,6 +75,59 @@ def load_identity(path: str | None) -> Identity:
 
 def new_key() -> bytes:
     return pysodium.randombytes(KEY_BYTES)
+
+
+def ephemeral(seed: bytes | None = None) -> Identity:
+    """A fresh X25519 key pair for one key agreement (from ``seed`` when given: see ``node_control``)."""
+    pk, sk = pysodium.crypto_kx_seed_keypair(seed) if seed is not None else pysodium.crypto_kx_keypair()
+    return Identity(pk, sk)
+
+
+def agree(role: str, own: Identity, own_eph: Identity, peer: bytes, peer_eph: bytes, transcript: bytes) -> bytes:
+    """The 32-byte key of one wire-2 open, the same at both ends (``role``: "client" or "node").
+
+    It hashes three X25519 products: fresh-fresh (``crypto_kx``: forward secrecy), the client's fresh key
+    with the node's long-term key (only the node can compute it) and the client's long-term key with the
+    node's fresh key (only the client can); ``transcript`` (both pairs of public keys, session, challenge)
+    binds it to this one open."""
+    try:
+        if role == "client":
+            ee = pysodium.crypto_kx_client_session_keys(own_eph.public, own_eph.secret, peer_eph)[1]
+            es = pysodium.crypto_scalarmult_curve25519(own_eph.secret, peer)
+            se = pysodium.crypto_scalarmult_curve25519(own.secret, peer_eph)
+        else:
+            ee = pysodium.crypto_kx_server_session_keys(own_eph.public, own_eph.secret, peer_eph)[0]
+            es = pysodium.crypto_scalarmult_curve25519(own.secret, peer_eph)
+            se = pysodium.crypto_scalarmult_curve25519(own_eph.secret, peer)
+    except (ValueError, TypeError) as exc:  # a low-order point or a malformed key
+        raise WireError("a key in the exchange is not a usable X25519 public key") from exc
+    return pysodium.crypto_generichash(ee + es + se + transcript, k=b"diffuse wire 2 open", outlen=KEY_BYTES)
+
+
+def open_transcript(client: bytes, client_eph: bytes, node: bytes, node_eph: bytes, session: bytes,
+                    challenge: bytes) -> bytes:
+    """What a wire-2 open's agreed key is bound to: both long-term and both fresh keys, session, challenge."""
+    return b"".join((client, client_eph, node, node_eph, session, challenge))
+
+
+def seal_with(key: bytes, payload: dict, bound: bytes) -> bytes:
+    """``payload`` sealed under a one-open key (XChaCha20-Poly1305, fixed nonce: the key seals once)."""
+    import cbor2
+
+    return pysodium.crypto_aead_xchacha20poly1305_ietf_encrypt(cbor2.dumps(payload), bound, NONCE_PREFIX * 3, key)
+
+
+def open_with(key: bytes, sealed, bound: bytes) -> dict:
+    import cbor2
+
+    try:
+        payload = cbor2.loads(pysodium.crypto_aead_xchacha20poly1305_ietf_decrypt(
+            bytes(sealed), bound, NONCE_PREFIX * 3, key))
+    except Exception as exc:
+        raise WireError("the open's keys failed to open under the agreed key (another key, or tampered)") from exc
+    if not isinstance(payload, dict):
+        raise WireError("the open's sealed keys are not a map")
+    return payload
 
 
 def box(payload: bytes, peer_public: bytes, own: Identity) -> tuple[bytes, bytes]:

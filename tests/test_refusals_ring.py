@@ -65,13 +65,13 @@ def test_wire_version_mismatch_is_refused_at_hello(models, tmp_path, diffuse_hom
     try:
         import diffuse.handshake
 
-        monkeypatch.setattr(diffuse.handshake, "WIRE_VERSION", 99)  # a client from the future offers only 99
+        monkeypatch.setattr(diffuse.handshake, "WIRE_VERSIONS", (99,))  # a client from the future speaks only 99
         run = _client(model, [f"{ready['address']}#{ready['key']}"], tmp_path, diffuse_home, capsys)
     finally:
         proc.terminate()
         proc.wait(10)
     assert run.returncode == 2
-    assert "this node speaks wire version 1; the client offers [99]" in run.stderr
+    assert "speaks wire versions [1, 2], this client speaks [99]: nothing in common" in run.stderr
 
 
 def test_pinned_key_mismatch_is_refused(models, tmp_path, diffuse_home, capsys):
