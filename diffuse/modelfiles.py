@@ -104,6 +104,68 @@ def renamed_for(wmap: dict[str, str], model) -> WeightMap:
     return out
 
 
+def _shapes(wmap: dict[str, str], keys) -> dict[str, tuple]:
+    """Shapes of checkpoint tensors, from the safetensors headers (no tensor data is read)."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for k in keys:
+        by_file.setdefault(wmap[k], []).append(k)
+    out = {}
+    for fn, names in by_file.items():
+        with safe_open(fn, "pt") as f:
+            for k in names:
+                out[k] = tuple(f.get_slice(wmap.source(k) if isinstance(wmap, WeightMap) else k).get_shape())
+    return out
+
+
+def located(wmap: dict[str, str], model, stacks) -> WeightMap:
+    """``wmap`` with each stack of ``model`` found where the checkpoint keeps it, if not where the model's
+    class names it: among runs of numbered blocks (``<prefix>.<i>.<name>``), the one with as many blocks as
+    the stack, each holding tensors of the block's shapes, in order. Inside a block the names must be the
+    class's own, or the shapes must tell every tensor apart. Refused when none or several runs fit."""
+    out = wmap if isinstance(wmap, WeightMap) else WeightMap(wmap)
+    runs: dict[str, dict[int, dict[str, str]]] = {}
+    for key in out:
+        parts = key.split(".")
+        for j in range(1, len(parts) - 1):  # every numbered segment: "a.3.b.0.c" is block 3 of a, block 0 of a.3.b
+            if parts[j].isdigit():
+                runs.setdefault(".".join(parts[:j]), {}).setdefault(int(parts[j]), {})[".".join(parts[j + 1:])] = key
+    for path in stacks:
+        blocks = model.get_submodule(path)
+        wanted = [{n: tuple(t.shape) for n, t in b.state_dict().items()} for b in blocks]
+        if all(f"{path}.{i}.{n}" in out for i, w in enumerate(wanted) for n in w):
+            continue
+        fits = []
+        for prefix, run in runs.items():
+            if sorted(run) != list(range(len(blocks))) or any(len(run[i]) != len(w) for i, w in enumerate(wanted)):
+                continue
+            shapes = _shapes(out, [k for blk in run.values() for k in blk.values()])
+            match = {}
+            for i, w in enumerate(wanted):
+                have = {name: shapes[key] for name, key in run[i].items()}
+                if have == w:
+                    pairs = {n: run[i][n] for n in w}
+                else:  # other names inside the block: only shapes that occur once can be matched
+                    by_shape = {}
+                    for name, shape in have.items():
+                        by_shape.setdefault(shape, []).append(name)
+                    if sorted(have.values()) != sorted(w.values()) or any(len(v) > 1 for v in by_shape.values()):
+                        break
+                    pairs = {n: run[i][by_shape[shape][0]] for n, shape in w.items()}
+                match.update({f"{path}.{i}.{n}": key for n, key in pairs.items()})
+            else:
+                fits.append((prefix, match))
+        if len(fits) != 1:
+            why = "no run of numbered tensors" if not fits else f"{len(fits)} runs ({', '.join(p for p, _ in fits)})"
+            raise DiffuseError(f"the checkpoint does not hold {path} under its own names, and {why} "
+                               f"matches its {len(blocks)} blocks' shapes")
+        for name, key in fits[0][1].items():
+            out[name] = out[key]
+            out.sources[name] = out.source(key)
+    return out
+
+
 def content_hash(component_dir: str) -> str:
     """A fingerprint of the component's config and weight layout (names, shapes, dtypes).
 

@@ -6,11 +6,13 @@ their types: a missing one is an error naming it, not a KeyError later.
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import os
 
 from diffuse.analysis import ModelSubject, StackCall, run_analyzers
-from diffuse.errors import RefusedModel
+from diffuse.errors import DiffuseError, RefusedModel
 from diffuse.modelfiles import content_hash
 from diffuse.plan import PATCHABLE, UNCUT_STEPS, CallPlan, ModelIdentity, ReturnMap, SlicingPlan, even_route
 
@@ -70,12 +72,35 @@ def load_pipeline(path: str, subject: ModelSubject | None = None, stacks: list |
 
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
-    overrides = {}
-    if stacks:
-        overrides[subject.denoiser] = load_denoiser_shell(path, subject, stacks)
-    pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True, **overrides)
+    if not stacks:
+        pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True)
+    else:
+        shell = load_denoiser_shell(path, subject, stacks)
+        with _denoiser_taken_as(subject.denoiser, shell):
+            pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True, **{subject.denoiser: shell})
+        if getattr(pipe, subject.denoiser) is not shell:
+            raise DiffuseError(f"diffusers loaded its own {subject.denoiser} instead of the one without blocks")
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+@contextlib.contextmanager
+def _denoiser_taken_as(name: str, shell):
+    """While a pipeline loads, its component ``name`` is ``shell``. A pipeline whose ``__init__`` declares the
+    denoiser optional (Wan: ``transformer=None``) loads that component from disk even when one is passed, and
+    would hold every block for a moment; the component loader is told to hand ``shell`` back instead."""
+    from diffusers.pipelines import pipeline_utils
+
+    load = pipeline_utils.load_sub_model
+
+    def load_sub_model(*args, **kwargs):
+        return shell if kwargs.get("name") == name else load(*args, **kwargs)
+
+    pipeline_utils.load_sub_model = load_sub_model
+    try:
+        yield
+    finally:
+        pipeline_utils.load_sub_model = load
 
 
 def load_model(path: str, subject: ModelSubject):
@@ -97,7 +122,7 @@ def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list):
     the client's own computation bit-identical to a plain load.
     """
     from diffuse.analysis import build_meta
-    from diffuse.modelfiles import load_into, weight_map
+    from diffuse.modelfiles import load_into, located, weight_map
 
     model = build_meta(subject.denoiser_class(), subject.denoiser_config)
 
@@ -108,7 +133,8 @@ def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list):
                 return True
         return False
 
-    load_into(model, "", weight_map(os.path.join(path, subject.denoiser)), skip=remote)
+    wmap = located(weight_map(os.path.join(path, subject.denoiser)), model, [st.path for st in stacks])
+    load_into(model, "", wmap, skip=remote)
     model.eval()
     return model
 

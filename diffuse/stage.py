@@ -24,7 +24,7 @@ from diffuse.analysis import ModelSubject, build_meta
 from diffuse.callplan import SlotCache, encode_value, thread_outputs, unflatten
 from diffuse.errors import DiffuseError
 from diffuse.kvcache import NodeCaches
-from diffuse.modelfiles import content_hash, load_into, renamed_for, weight_map
+from diffuse.modelfiles import content_hash, load_into, located, renamed_for, weight_map
 from diffuse.pipefusion import StaleStack, why_uncut
 from diffuse.plan import PATCHABLE, Patch, ReturnMap, Slice, SlotRef, StackPlan, StagePlan
 
@@ -57,7 +57,7 @@ class BlockStore:
             return
         t0 = time.perf_counter()
         skeleton = build_meta(self.subject.denoiser_class(), self.subject.denoiser_config)
-        wmap = renamed_for(weight_map(self.component_dir), skeleton)
+        wmap = located(renamed_for(weight_map(self.component_dir), skeleton), skeleton, {s for s, _ in wanted})
         files: dict[str, object] = {}
         try:
             for stack, i in wanted:
