@@ -331,8 +331,10 @@ class StageSession:
             raise DiffuseError(f"this session's stale buffers hold {stale >> 20} MiB, more than the "
                                f"{STALE_BYTES >> 20} MiB a session may keep on this node (DIFFUSE_STALE_BYTES)")
         if self.room is not None and self.buffer_bytes > self.room:
+            held, self.slots = self.buffer_bytes, SlotCache(self.slots.max_bytes)  # what it kept goes
+            self.buffer_bytes = self._stale_bytes
             raise DiffuseError(f"this node keeps {NODE_BUFFER_BYTES >> 20} MiB of tensors for all its sessions at "
-                               f"most and has no room for this one's {self.buffer_bytes >> 20} MiB: try again "
+                               f"most and has no room for this one's {held / 2**20:.1f} MiB: try again "
                                "when other sessions end (DIFFUSE_NODE_BUFFER_BYTES)")
 
     def _resolve(self, stack: str, refs: list[SlotRef], tensors: list) -> tuple[list, dict]:
