@@ -5,23 +5,36 @@ Non-stream tensors are sent once: the channel keeps a mirror (hashes only) of
 what every node's slot cache holds, updated by the same rule, and refers to a
 kept tensor by its digest. While it waits for an answer the channel asks
 ``probe`` every few seconds whether the ring is still alive, so a dead or
-frozen node is named within seconds rather than at the timeout.
+frozen node is named within seconds rather than at the timeout; when the
+answer does not come at all, the nodes say how far the pass got, and the hop
+where it stopped is named. While the session is open a light background ping
+keeps its lease on every node alive (nodes close sessions whose client stopped
+pinging: ``diffuse.sessions``), between passes and between a chat's turns.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
 from diffuse import frames
-from diffuse.callplan import SlotCache, decode_value, digest
+from diffuse.callplan import SLOT_CACHE_BYTES, SlotCache, decode_value, digest
 from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.plan import Patch, ReturnMap, SlotRef
 
 log = logging.getLogger("diffuse.ring")
 
 PROBE_EVERY_S = 1.5  # while waiting for an answer, ask the nodes this often whether they are alive
+
+
+def keepalive_every_s() -> float:
+    """How often an open session pings its nodes when it is not waiting for an answer: well inside
+    the nodes' lease (``diffuse.sessions.lease_s``)."""
+    from diffuse.sessions import lease_s
+
+    return max(0.2, min(5.0, lease_s() / 4))
 
 
 def _nbytes(t) -> int:
@@ -49,7 +62,23 @@ class Channel:
         self._seq = 0
         self._trees: dict[str, dict] = {}
         self._sent_rmap: set[str] = set()
-        self._mirrors: dict[str, SlotCache] = {}
+        self._mirror = SlotCache(SLOT_CACHE_BYTES)  # what every node's slot cache holds: (stack, slot) -> size
+        self._waiting = False  # in receive, which probes by itself
+        self._closed = threading.Event()
+        self._keepalive = None
+        if probe is not None:
+            self._keepalive = threading.Thread(target=self._keep_alive, name="keepalive", daemon=True)
+            self._keepalive.start()
+
+    def _keep_alive(self) -> None:
+        every = keepalive_every_s()
+        while not self._closed.wait(every):
+            if self._waiting:
+                continue
+            try:
+                self.probe(keepalive=True)
+            except Exception as exc:  # the next pass finds out for itself, and says so
+                log.debug("keep-alive ping failed: %s", exc)
 
     def send(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, patch: Patch | None = None,
              digests: list | None = None, extra: dict | None = None) -> int:
@@ -58,6 +87,8 @@ class Channel:
         language model's pass, its per-layer trees and cache state)."""
         self._seq += 1
         header = {"op": "call", "stack": stack, "seq": self._seq, **(extra or {})}
+        if self._seq == 1:  # the nodes keep what the mirror assumes: this much per session at most
+            header["slot_bytes"] = self._mirror.max_bytes
         if self._trees.get(stack) != tree:
             header["tree"] = self._trees[stack] = tree
         if stack not in self._sent_rmap:
@@ -66,7 +97,7 @@ class Channel:
         if patch is not None:
             header["patch"] = patch.to_wire()
         streams = set(rmap.streams)
-        mirror = self._mirrors.setdefault(stack, SlotCache())
+        mirror = self._mirror
         refs, sent, fresh = [], [], []
         for i, t in enumerate(tensors):
             if i in streams:
@@ -74,11 +105,11 @@ class Channel:
                 sent.append(t)
                 continue
             h = digests[i] if digests else digest(t)
-            if (i, h) in mirror:
-                mirror.get(i, h)
+            if ((stack, i), h) in mirror:
+                mirror.get((stack, i), h)
                 refs.append(SlotRef(digest=h))
             else:
-                mirror.put(i, h)
+                mirror.put((stack, i), h, nbytes=_nbytes(t))
                 refs.append(SlotRef(frame=len(sent), digest=h))
                 sent.append(t)
                 fresh.append(i)
@@ -102,25 +133,11 @@ class Channel:
 
     def receive(self, seq: int):
         """The last block's answer to message ``seq``."""
-        deadline = time.monotonic() + self.timeout_s
-        next_probe = time.monotonic() + PROBE_EVERY_S
-        while True:
-            now = time.monotonic()
-            if now >= deadline:
-                raise DiffuseError(f"the ring gave no answer within {self.timeout_s:.0f} s although every node "
-                                   "still answers: a pass is slower than --timeout allows (raise --timeout)")
-            reply = self.inbox.recv(min(deadline, next_probe) - now)
-            if reply is None:
-                if self.probe is not None and time.monotonic() >= next_probe:
-                    self.probe()
-                    next_probe = time.monotonic() + PROBE_EVERY_S
-                continue
-            try:
-                header, tensors = frames.open_message(self.recv_hop, reply)
-                break
-            except WireError as exc:  # anyone can reach the inbox: junk costs itself, not the run
-                self.stats.dropped += 1
-                log.warning("dropped a message on the client's inbox: %s", exc)
+        self._waiting = True
+        try:
+            header, tensors, reply = self._wait(seq)
+        finally:
+            self._waiting = False
         if header.get("op") == "error":
             raise NodeError(str(header.get("node", "?"))[:200], str(header.get("message", "failed"))[:2000])
         if header.get("seq") != seq or header.get("op") != "result":
@@ -131,6 +148,32 @@ class Channel:
         self.stats.returns.append([seq, n_in])
         return decode_value(header["out"], tensors)
 
+    def _wait(self, seq: int):
+        deadline = time.monotonic() + self.timeout_s
+        next_probe = time.monotonic() + PROBE_EVERY_S
+        flush = getattr(self.outbox, "flush", None)  # an outbox that queues what its peer cannot take yet
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                if self.probe is not None:
+                    self.probe(stalled=seq)  # names the hop where the pass stopped, if a node can tell
+                raise DiffuseError(f"the ring gave no answer within {self.timeout_s:.0f} s although every node "
+                                   "still answers: a pass is slower than --timeout allows (raise --timeout)")
+            queued = flush is not None and flush()  # True while some of what was sent still waits here
+            reply = self.inbox.recv(min(deadline, next_probe, now + 0.2 if queued else next_probe) - now)
+            if reply is None:
+                if self.probe is not None and time.monotonic() >= next_probe:
+                    self.probe()
+                    next_probe = time.monotonic() + PROBE_EVERY_S
+                continue
+            try:
+                header, tensors = frames.open_message(self.recv_hop, reply)
+                return header, tensors, reply
+            except WireError as exc:  # anyone can reach the inbox: junk costs itself, not the run
+                self.stats.dropped += 1
+                log.warning("dropped a message on the client's inbox: %s", exc)
+
     def close(self) -> None:
+        self._closed.set()
         self.outbox.close()
         self.inbox.close()

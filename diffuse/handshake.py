@@ -241,21 +241,44 @@ class Handshake:
             raise NodeError(address, str(inner.get("error", f"refused {op}"))[:500])
         return inner
 
-    def probe(self) -> None:
-        """Ask every node of the route whether it is alive and still has the session; NodeError naming
-        the first that is dead, frozen (two pings unanswered) or has lost the session."""
+    def probe(self, keepalive: bool = False, stalled: int | None = None) -> None:
+        """Ask every node of the route whether it is alive and still has the session (each ping also
+        renews the session's lease there); NodeError naming the first that is dead, frozen (two pings
+        unanswered), has lost the session or ended it on a failure (saying why, e.g. its next hop).
+        ``keepalive``: a background renewal only, which never raises. ``stalled``: the sequence number
+        of a pass whose answer never came; NodeError naming the hop where it stopped, if the nodes tell."""
+        seen = []
         for k, stage in enumerate(self.plan.route):
             try:
                 st = self._request(k, {"op": "ping", "session": self.sid}, PROBE_TIMEOUT_S)
             except NodeError:
+                if keepalive:
+                    continue
                 self._misses[k] += 1
-                if self._misses[k] >= 2:
+                if self._misses[k] >= 2 or stalled is not None:
                     raise NodeError(stage.address, f"stopped answering (no answer to two pings of "
                                     f"{PROBE_TIMEOUT_S:.0f} s): the node is dead or frozen") from None
                 continue
+            if keepalive:
+                continue
             self._misses[k] = 0
+            failed = st.get("failed")
+            if isinstance(failed, str):
+                raise NodeError(stage.address, f"ended this session: {failed[:300]}")
             if st.get("session_known") is False:
                 raise NodeError(stage.address, "no longer has this session (restarted, or it timed the session out)")
+            seen.append(st.get("seen") if isinstance(st.get("seen"), int) else None)
+        if stalled is None or len(seen) != len(self.plan.route) or None in seen:
+            return
+        route = self.plan.route
+        for k, s in enumerate(seen):
+            if s < stalled:  # the pass never reached node k
+                if k == 0:
+                    raise NodeError(route[0].address, f"never received pass #{stalled} from this client")
+                raise NodeError(route[k - 1].address, f"did not hand pass #{stalled} on to its next hop "
+                                f"{route[k].address} (unreachable from it, or not taking messages)")
+        raise NodeError(route[-1].address, f"took pass #{stalled} and gave no answer within the timeout: it is "
+                        "slower than --timeout allows, or this client's inbox is unreachable from it")
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> list[dict]:
         """Close the session wherever it is open; each node's report of what it did ({} if it did not say)."""

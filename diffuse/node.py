@@ -29,6 +29,7 @@ from diffuse.home import config_home
 from diffuse.node_control import NodeControl, refusal
 from diffuse.plan import WIRE_VERSIONS, StackPlan, parse_slices
 from diffuse.sessions import SessionTable
+from diffuse.stage import NODE_BUFFER_BYTES
 
 log = logging.getLogger("diffuse.node")
 
@@ -83,14 +84,17 @@ class Node:
         if header.get("op") == "call":
             sess.hop_log.append([header.get("seq"), nbytes])
         t0 = time.perf_counter()
+        sess.room = NODE_BUFFER_BYTES - self.sessions.buffer_bytes(but=sess)  # what the other sessions left
         try:
             out_header, out_tensors = sess.handle(header, tensors)
         except DiffuseError as exc:  # a malformed call: one line, and the client hears of it
             log.warning("session %s: %s", sess.sid.hex()[:8], exc)
             out_header, out_tensors = self._error(header, str(exc)), []
-        except Exception as exc:  # the client must hear about it; the node keeps serving
-            log.exception("call failed in session %s", sess.sid.hex()[:8])
-            out_header, out_tensors = self._error(header, f"{type(exc).__name__}: {exc}"), []
+        except Exception as exc:  # the client must hear about it; the node keeps serving, and logs one line
+            text = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+            log.warning("call failed in session %s: %s", sess.sid.hex()[:8], text)
+            log.debug("call failed", exc_info=True)
+            out_header, out_tensors = self._error(header, text), []
         sess.busy_s += time.perf_counter() - t0
         out = frames.seal_message(sess.out_hop, out_header, out_tensors)
         sess.bytes_out += sum(len(f) for f in out)
@@ -100,7 +104,15 @@ class Node:
         try:
             outbox.send(out)
         except DiffuseError as exc:
-            log.warning("session %s: could not hand a message on: %s", sess.sid.hex()[:8], exc)
+            self._give_up(sess.sid, outbox, exc)
+
+    def _give_up(self, sid: bytes, outbox, exc: Exception) -> None:
+        """The session's next hop takes nothing: the session ends here, and its client's next ping is told
+        why (naming that hop); other sessions never wait for it."""
+        why = f"its next hop {getattr(outbox, 'address', '?')[:200]} takes no messages ({exc})"
+        log.warning("session %s failed: %s", sid.hex()[:8], why)
+        self.sessions.end(sid, failed=why)
+        outbox.close()
 
     def _error(self, header: dict, message: str) -> dict:
         seq = header.get("seq")
@@ -114,16 +126,29 @@ class Node:
         the bits a block computes)."""
         torch.set_num_threads(threads)
         while True:
-            item = self.work.get()
+            stuck = self.sessions.waiting()
+            try:
+                item = self.work.get(timeout=0.1) if stuck else self.work.get()
+            except queue.Empty:
+                item = ()
             if item is None:
                 return
             try:
                 if isinstance(item, tuple):
-                    item[1].close()
+                    if item:
+                        item[1].close()
                 else:
                     self.data(item)
-            except Exception:
-                log.exception("dropped a data message that failed unexpectedly; still serving")
+            except Exception as exc:
+                log.warning("dropped a data message that failed unexpectedly (%s); still serving",
+                            type(exc).__name__)
+                log.debug("dropped", exc_info=True)
+            for sid, outbox in stuck:  # what a next hop could not take before goes out as it can
+                try:
+                    outbox.flush()
+                except Exception as exc:  # DiffuseError: given up; anything else: the socket is gone
+                    if self.sessions.outbox(sid) is outbox:
+                        self._give_up(sid, outbox, exc)
 
     def end(self, sid: bytes) -> None:
         outbox = self.sessions.end(sid)

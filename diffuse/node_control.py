@@ -129,10 +129,8 @@ class NodeControl:
         op = msg.get("op")
         if op == "hello":
             return self.hello(msg)
-        if op == "ping":
-            sid = msg.get("session")
-            known = self.node.sessions.get(sid) is not None if isinstance(sid, bytes) else None
-            return {"ok": True, "session_known": known}
+        if op == "ping":  # renews the session's lease; says how far its passes got, or why it failed here
+            return {"ok": True, **self.node.sessions.ping(msg.get("session"))}
         if op == "status":  # cheap, and nothing a stranger should not know
             return {"ok": True, "sessions": len(self.node.sessions), "outboxes": len(self.node.sessions.outboxes),
                     "state_bytes": self.node.sessions.state_bytes(), "slices": self._slices()}

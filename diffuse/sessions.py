@@ -3,16 +3,33 @@
 Shared between the control thread (open, close, ping) and the compute thread
 (the data path), so every access holds the table's lock. An outbox is only
 ever used and closed by the compute thread: ``end`` hands it back for that.
+
+A session lives on a lease: every data message and every ping carrying its id
+renews it (a client pings its nodes while it waits, and in the background while
+its session is open). A session that heard neither for ``lease_s()`` seconds
+belongs to a client that vanished, or to a node that was frozen: it is closed
+and its buffers freed. A session that failed here (its next hop stopped taking
+messages) is ended with its reason, which the next ping with its id is told.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
 
-SESSION_IDLE_S = 900.0  # a session nobody has used for this long is closed and its buffers freed
+SESSION_IDLE_S = 900.0  # a session that carried no data for this long is closed, pinged or not
+SESSION_LEASE_S = 30.0  # a session with neither data nor pings for this long is closed
 MAX_CLOSED = 4096  # closed session ids remembered, so none is opened twice
+
+
+def lease_s() -> float:
+    """The lease: ``DIFFUSE_SESSION_LEASE_S`` if set (both ends read it), else ``SESSION_LEASE_S``."""
+    try:
+        return max(0.5, float(os.environ.get("DIFFUSE_SESSION_LEASE_S", SESSION_LEASE_S)))
+    except ValueError:
+        return SESSION_LEASE_S
 
 
 class SessionTable:
@@ -21,7 +38,9 @@ class SessionTable:
         self.sessions: dict[bytes, object] = {}  # session id -> diffuse.stage.StageSession
         self.owners: dict[bytes, bytes] = {}  # session id -> public key of the client that opened it
         self.outboxes: dict[bytes, object] = {}  # session id -> its sending end toward its next hop
-        self.closed: OrderedDict[bytes, None] = OrderedDict()  # recently ended session ids
+        self.closed: OrderedDict[bytes, str | None] = OrderedDict()  # recently ended ids -> why, if it failed
+        self.lease_s = lease_s()
+        self._checked = time.monotonic()  # the last ``idle`` check
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -39,6 +58,7 @@ class SessionTable:
             self.sessions[sid] = session
             self.owners[sid] = owner
             self.outboxes[sid] = outbox
+            session.renewed = time.monotonic()
 
     def owner(self, sid: bytes) -> bytes | None:
         with self.lock:
@@ -48,12 +68,31 @@ class SessionTable:
         with self.lock:
             return self.outboxes.get(sid)
 
-    def end(self, sid: bytes):
-        """Forget the session (its id stays spent); returns its outbox, for the compute thread to close."""
+    def waiting(self) -> list[tuple[bytes, object]]:
+        """(session id, outbox) of every outbox holding messages its next hop has not taken yet."""
+        with self.lock:
+            return [(sid, o) for sid, o in self.outboxes.items() if getattr(o, "waiting", None)]
+
+    def ping(self, sid) -> dict:
+        """A ping's answer about session ``sid``, renewing its lease: whether the node has it, the last
+        sequence number a message of it carried here (``seen``), and why it ended if it failed here."""
+        if not isinstance(sid, bytes):
+            return {"session_known": None}
+        with self.lock:
+            s = self.sessions.get(sid)
+            if s is None:
+                why = self.closed.get(sid)
+                return {"session_known": False, **({"failed": why} if why else {})}
+            s.renewed = time.monotonic()
+            return {"session_known": True, "seen": getattr(s, "last_seq", 0)}
+
+    def end(self, sid: bytes, failed: str | None = None):
+        """Forget the session (its id stays spent; ``failed``: why, told to the next ping);
+        returns its outbox, for the compute thread to close."""
         with self.lock:
             self.sessions.pop(sid, None)
             self.owners.pop(sid, None)
-            self.closed[sid] = None
+            self.closed[sid] = failed[:300] if failed else None
             while len(self.closed) > MAX_CLOSED:
                 self.closed.popitem(last=False)
             return self.outboxes.pop(sid, None)
@@ -64,7 +103,22 @@ class SessionTable:
             sessions = list(self.sessions.values())
         return sum(s.kv.nbytes() for s in sessions if hasattr(s, "kv"))
 
+    def buffer_bytes(self, but=None) -> int:
+        """Bytes of slot caches and stale buffers held for all sessions (``but``: except this one)."""
+        with self.lock:
+            sessions = [s for s in self.sessions.values() if s is not but]
+        return sum(getattr(s, "buffer_bytes", 0) for s in sessions)
+
     def idle(self, now: float | None = None) -> list[bytes]:
+        """Sessions to close: no data for ``SESSION_IDLE_S``, or neither data nor pings for the lease.
+        The lease runs only while the node serves: a time the serving loop was stopped (frozen, or
+        busy loading blocks) is not held against the sessions, whose clients could not be heard."""
         now = time.monotonic() if now is None else now
         with self.lock:
-            return [sid for sid, s in self.sessions.items() if now - s.last_used > SESSION_IDLE_S]
+            stalled, self._checked = now - self._checked, now
+            if stalled > 2.0:
+                for s in self.sessions.values():
+                    s.renewed = getattr(s, "renewed", s.last_used) + stalled
+            return [sid for sid, s in self.sessions.items()
+                    if now - s.last_used > SESSION_IDLE_S
+                    or now - max(s.last_used, getattr(s, "renewed", s.last_used)) > self.lease_s]

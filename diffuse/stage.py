@@ -10,18 +10,28 @@ that stack instead. A language model's call carries its cache state: the
 session keeps each stack's key/value cache for the layers held here
 (``diffuse.kvcache.NodeCaches``), and layers whose call differs from the first
 layer's get their own tree.
+
+Blocks are held per dtype: a session keeps the blocks of its own compute dtype
+from its open to its close, so another session asking for another dtype never
+changes them under it (a node started with ``--blocks`` serves its own dtype
+only). What a session may keep is bounded: its slot caches (the client mirrors
+the rule), its stale buffers, and all sessions' together on this node. A
+malformed call is answered with one line; nothing a header holds is used before
+its structure is checked.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 
 import torch
 
 from diffuse.analysis import ModelSubject, build_meta
-from diffuse.callplan import SlotCache, encode_value, thread_outputs, unflatten
+from diffuse.callplan import DICT, SLOT_CACHE_BYTES, TENSOR, TUPLE, SlotCache, encode_value, thread_outputs, unflatten
+from diffuse.kvcache import STATE
 from diffuse.errors import DiffuseError
 from diffuse.kvcache import NodeCaches
 from diffuse.modelfiles import content_hash, load_into, located, renamed_for, weight_map
@@ -29,6 +39,21 @@ from diffuse.pipefusion import StaleStack, why_uncut
 from diffuse.plan import PATCHABLE, Patch, ReturnMap, Slice, SlotRef, StackPlan, StagePlan
 
 log = logging.getLogger("diffuse.node")
+
+
+def _env_bytes(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+STALE_BYTES = _env_bytes("DIFFUSE_STALE_BYTES", 16 << 30)  # one session's PipeFusion stale buffers, at most
+NODE_BUFFER_BYTES = _env_bytes("DIFFUSE_NODE_BUFFER_BYTES", 32 << 30)  # all sessions' slot caches and stale buffers
+MAX_BRANCHES = 4  # PipeFusion branches one stack keeps stale buffers for (guidance needs two)
+MAX_DTYPES = 2  # compute dtypes a node without --blocks keeps copies of its blocks in (sessions keep their own)
+MAX_TREE_DEPTH = 16
+MAX_TREE_NODES = 4096
 
 
 class BlockStore:
@@ -42,19 +67,39 @@ class BlockStore:
         self.model_hash = content_hash(self.component_dir)
         self.blocks: dict[tuple[str, int], torch.nn.Module] = {}
         self.fixed: list[Slice] | None = None  # set by --blocks: the node holds exactly these
-        self.dtypes: dict[tuple[str, int], torch.dtype] = {}  # what each held block computes in
-        self._tails: dict[str, tuple] = {}  # a language model's (final norm, output head), by norm path
+        self.native: dict[tuple[str, int], torch.dtype] = {}  # what each block loads as, asked for no dtype
+        self._recent: list[torch.dtype] = []  # dtypes asked for, most recent last
+        self._tails: dict[tuple, tuple] = {}  # a language model's (final norm, output head), by norm path and dtype
 
-    def covers(self, sl: Slice) -> bool:
-        return all((sl.stack, i) in self.blocks for i in range(sl.start, sl.stop))
+    def _dtype(self, stack: str, i: int, dtype: torch.dtype | None) -> torch.dtype | None:
+        return dtype if dtype is not None else self.native.get((stack, i))
+
+    def covers(self, sl: Slice, dtype: torch.dtype | None = None) -> bool:
+        return all((sl.stack, i, self._dtype(sl.stack, i, dtype)) in self.blocks for i in range(sl.start, sl.stop))
+
+    def _served_dtypes(self) -> set:
+        return {self.native[(sl.stack, i)] for sl in self.fixed or () for i in range(sl.start, sl.stop)
+                if (sl.stack, i) in self.native}
 
     def load(self, slices: list[Slice], dtype: torch.dtype | None = None) -> None:
         """Hold what ``slices`` name, in ``dtype`` (None: as ``from_pretrained`` would load it),
-        reading the safetensors files only; a block held in another dtype is read again."""
+        reading the safetensors files only. A block held in another dtype is read again into a copy of
+        its own: sessions computing in the other dtype keep theirs. A node started with ``--blocks``
+        serves the dtype it loaded only, and refuses others."""
+        if self.fixed is not None and dtype is not None and self.native:
+            served = self._served_dtypes()
+            if dtype not in served:
+                have = " and ".join(sorted(str(d).removeprefix("torch.") for d in served))
+                raise DiffuseError(f"this node holds its blocks in {have} (started with --blocks) and serves that "
+                                   f"dtype only; the client asks {str(dtype).removeprefix('torch.')}: run the "
+                                   f"client in {have}, or use a node started without --blocks")
+        if dtype is not None:
+            self._recent = [d for d in self._recent if d != dtype] + [dtype]
         wanted = [(sl.stack, i) for sl in slices for i in range(sl.start, sl.stop)
-                  if (sl.stack, i) not in self.blocks or (dtype is not None and self.dtypes[(sl.stack, i)] != dtype)]
+                  if (sl.stack, i, self._dtype(sl.stack, i, dtype)) not in self.blocks]
         if not wanted:
             return
+        self._forget_old_dtypes(dtype)
         t0 = time.perf_counter()
         skeleton = build_meta(self.subject.denoiser_class(), self.subject.denoiser_config)
         wmap = located(renamed_for(weight_map(self.component_dir), skeleton), skeleton, {s for s, _ in wanted})
@@ -64,21 +109,40 @@ class BlockStore:
                 block = skeleton.get_submodule(stack)[i]
                 load_into(block, f"{stack}.{i}.", wmap, dtype, files=files)
                 block.eval()
-                self.blocks[(stack, i)] = block
                 p = next(block.parameters(), None)
-                self.dtypes[(stack, i)] = p.dtype if p is not None else dtype
+                actual = p.dtype if p is not None else (dtype or torch.float32)
+                if dtype is None:
+                    self.native[(stack, i)] = actual
+                self.blocks[(stack, i, dtype or actual)] = block
         finally:
             files.clear()
         del skeleton
         gc.collect()
         log.info("loaded %d blocks in %.2f s", len(wanted), time.perf_counter() - t0)
 
-    def tail(self, norm: str | None):
+    def _forget_old_dtypes(self, keep: torch.dtype | None) -> None:
+        """Without --blocks, copies in more than ``MAX_DTYPES`` dtypes are not all kept: the least recently
+        asked go from the store (sessions using them hold their own references until they close)."""
+        if self.fixed is not None:
+            return
+        held = {k[2] for k in self.blocks}
+        native = set(self.native.values())
+        for old in list(self._recent[:-1]):
+            if len(held) < MAX_DTYPES:
+                break
+            if old == keep or old in native or old not in held:
+                continue
+            for k in [k for k in self.blocks if k[2] == old]:
+                del self.blocks[k]
+            held.discard(old)
+
+    def tail(self, norm: str | None, dtype: torch.dtype | None = None):
         """(final norm or None, output head) of a language model, loaded on first use from the safetensors
-        files; ``norm`` is the path the client saw, accepted only if it names a norm (a leaf of vectors)."""
+        files in ``dtype`` (what the session's blocks compute in); ``norm`` is the path the client saw,
+        accepted only if it names a norm (a leaf of vectors)."""
         from diffuse.tail import head_path, is_norm
 
-        key = norm or ""
+        key = (norm or "", dtype)
         if key in self._tails:
             return self._tails[key]
         skeleton = build_meta(self.subject.denoiser_class(), self.subject.denoiser_config)
@@ -86,7 +150,6 @@ class BlockStore:
         if head is None:
             raise DiffuseError("this model has no output head to run here")
         wmap = renamed_for(weight_map(self.component_dir), skeleton)
-        dtype = next(iter(self.dtypes.values()), None)  # what the held blocks compute in
         modules = []
         for path in (norm, head):
             if path is None:
@@ -107,9 +170,9 @@ class BlockStore:
         self._tails[key] = tuple(modules)
         return self._tails[key]
 
-    def blocks_of(self, sl: Slice) -> list[tuple[int, torch.nn.Module]]:
-        """(index, block) for each block of ``sl``, in order."""
-        return [(i, self.blocks[(sl.stack, i)]) for i in range(sl.start, sl.stop)]
+    def blocks_of(self, sl: Slice, dtype: torch.dtype | None = None) -> list[tuple[int, torch.nn.Module]]:
+        """(index, block) for each block of ``sl`` held in ``dtype`` (None: as loaded), in order."""
+        return [(i, self.blocks[(sl.stack, i, self._dtype(sl.stack, i, dtype))]) for i in range(sl.start, sl.stop)]
 
     def held_parameters(self) -> int:
         """Elements of every real (non-meta) parameter alive in this process."""
@@ -132,45 +195,67 @@ class StageSession:
         self.in_hop, self.out_hop = in_hop, out_hop
         self.trees: dict[str, dict] = {}
         self.rmaps: dict[str, ReturnMap] = {}
-        self.caches: dict[str, SlotCache] = {}
+        self.slots = SlotCache(SLOT_CACHE_BYTES)  # (stack, slot) -> tensor; the client's mirror keeps the same
         self.kv = NodeCaches(store.subject.config_object)
         self.last_used = time.monotonic()
         self.bytes_in = self.bytes_out = self.messages = 0
+        self.last_seq = 0  # the highest sequence number a message of this session carried here
+        self.buffer_bytes = 0  # slot caches and stale buffers held now
+        self._stale_bytes = 0
+        self.room: int | None = None  # what this session may hold now, all sessions' buffers on this node counted
+        # this session's own blocks, in its own dtype, for its whole life
+        self.dtype = getattr(torch, stage.dtype, None) if stage.dtype else None
+        if not isinstance(self.dtype, torch.dtype):
+            self.dtype = None
+        self.blocks = {sl.stack: store.blocks_of(sl, self.dtype) for sl in stage.slices if not sl.empty}
+        first = next((p for bl in self.blocks.values() for _, b in bl for p in b.parameters()), None)
+        self.tail_dtype = first.dtype if first is not None else self.dtype
 
     def handle(self, header: dict, tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
         """Process one message; return the message for the next hop."""
         self.last_used = time.monotonic()
+        seq = header.get("seq")
+        if type(seq) is int and seq > self.last_seq:
+            self.last_seq = seq
         if header.get("op") != "call":
             return header, tensors  # results and errors pass through to the client
+        if type(seq) is not int:
+            raise DiffuseError("a call must carry an integer seq")
+        if "slot_bytes" in header:  # the first call: what the client's mirror assumes this session may keep
+            asked = header["slot_bytes"]
+            if type(asked) is not int or not 0 <= asked <= SLOT_CACHE_BYTES:
+                raise DiffuseError(f"the client asks to keep {str(asked)[:24]} bytes of tensors for its session; this "
+                                   f"node keeps {SLOT_CACHE_BYTES >> 20} MiB at most (DIFFUSE_SLOT_CACHE_BYTES)")
+            self.slots.max_bytes = asked
         stack = header.get("stack")
         sl = self.stage.slice_of(stack) if isinstance(stack, str) else None
         if sl is None:
             raise DiffuseError(f"this session gave the node no slice of stack {str(stack)[:64]!r}")
+        if not isinstance(header.get("slots"), list) or len(header["slots"]) > MAX_TREE_NODES:
+            raise DiffuseError("a call must list its slots")
+        refs = [SlotRef.from_wire(w, len(tensors)) for w in header["slots"]]
         if "tree" in header:
-            if not isinstance(header["tree"], dict) or set(header["tree"]) != {"args", "kwargs"}:
-                raise DiffuseError("malformed call plan")
-            self.trees[stack] = header["tree"]
+            self.trees[stack] = _checked_tree(header["tree"], "call plan")
         if "rmap" in header:
             self.rmaps[stack] = ReturnMap.from_dict(header["rmap"])
         if stack not in self.trees or stack not in self.rmaps:
             raise DiffuseError(f"first call into {stack!r} arrived without its call plan")
-        if not isinstance(header.get("slots"), list):
-            raise DiffuseError("a call must list its slots")
-        refs = [SlotRef.from_wire(w, len(tensors)) for w in header["slots"]]
         rmap = self.rmaps[stack]
         if any(i >= len(refs) for i in rmap.streams):
             raise DiffuseError("the return map threads slots this call does not have")
         layer_trees = header.get("layer_trees") or {}
-        if not isinstance(layer_trees, dict) or not all(
-                isinstance(t, dict) and set(t) == {"args", "kwargs"} for t in layer_trees.values()):
+        if not isinstance(layer_trees, dict) or len(layer_trees) > MAX_TREE_NODES \
+                or not all(isinstance(k, str) for k in layer_trees):
             raise DiffuseError("malformed per-layer call plans")
+        for t in (self.trees[stack], *layer_trees.values()):
+            _checked_tree(t, "call plan", len(refs))
         state = header.get("state")
         if state is not None and not (isinstance(state, dict) and isinstance(state.get("kind"), str)):
             raise DiffuseError("malformed cache state")
         values, forward = self._resolve(stack, refs, tensors)
         if sl.empty:
             return header, tensors
-        blocks = self.store.blocks_of(sl)
+        blocks = self.blocks[stack]
         tree = self.trees[stack]
         cache = self.kv.get(stack, state["kind"], bool(state.get("fresh"))) if state is not None else None
         with torch.no_grad():
@@ -182,7 +267,10 @@ class StageSession:
                 stale = self.stale.get(stack)
                 if stale is None:
                     stale = self.stale[stack] = StaleStack(stack, self.stage.attention)
+                if patch.branch not in stale.branches and len(stale.branches) >= MAX_BRANCHES:
+                    raise DiffuseError(f"{stack!r}: stale buffers are kept for {MAX_BRANCHES} branches at most")
                 out = stale.run(blocks, tree, values, rmap, patch)
+                self._count_buffers(stale_changed=True)
             else:
                 for i, block in blocks:
                     args, kwargs = unflatten(layer_trees.get(str(i), tree), values, cache)
@@ -214,7 +302,7 @@ class StageSession:
         if not isinstance(tail, dict) or not isinstance(tail.get("rows"), list) or len(tail["rows"]) != 2 \
                 or not all(isinstance(r, int) for r in tail["rows"]) or not isinstance(tail.get("top"), int):
             raise DiffuseError("malformed tail")
-        norm, head = self.store.tail(tail.get("norm"))
+        norm, head = self.store.tail(tail.get("norm"), self.tail_dtype)
         start, stop = tail["rows"]
         if not 0 <= start < stop <= hidden.shape[1]:
             raise DiffuseError("tail rows out of range")
@@ -232,18 +320,82 @@ class StageSession:
                 "cache_bytes": self.kv.nbytes(),
                 "hop_bytes": self.hop_log, "busy_s": self.busy_s, "stale": {k: v.report() for k, v in self.stale.items()}}
 
+    def _count_buffers(self, stale_changed: bool = False) -> None:
+        """Recount what this session keeps; past its own bounds or the node's, the call fails (the client
+        hears why, and its session is no use any more: its mirror no longer matches)."""
+        if stale_changed:
+            self._stale_bytes = sum(v.report()["buffer_bytes"] for v in self.stale.values())
+        stale = self._stale_bytes
+        self.buffer_bytes = self.slots.nbytes + stale
+        if stale > STALE_BYTES:
+            raise DiffuseError(f"this session's stale buffers hold {stale >> 20} MiB, more than the "
+                               f"{STALE_BYTES >> 20} MiB a session may keep on this node (DIFFUSE_STALE_BYTES)")
+        if self.room is not None and self.buffer_bytes > self.room:
+            held, self.slots = self.buffer_bytes, SlotCache(self.slots.max_bytes)  # what it kept goes
+            self.buffer_bytes = self._stale_bytes
+            raise DiffuseError(f"this node keeps {NODE_BUFFER_BYTES >> 20} MiB of tensors for all its sessions at "
+                               f"most and has no room for this one's {held / 2**20:.1f} MiB: try again "
+                               "when other sessions end (DIFFUSE_NODE_BUFFER_BYTES)")
+
     def _resolve(self, stack: str, refs: list[SlotRef], tensors: list) -> tuple[list, dict]:
-        cache = self.caches.setdefault(stack, SlotCache())
+        cache = self.slots
         values, forward = [], {}
         for i, ref in enumerate(refs):
             if ref.held:
-                t = cache.get(i, ref.digest)
+                t = cache.get((stack, i), ref.digest)
                 if t is None:
                     raise DiffuseError(f"slot {i} of {stack!r} refers to a tensor this node no longer holds")
             else:
                 t = tensors[ref.frame]
                 forward[i] = t
                 if ref.digest is not None:
-                    cache.put(i, ref.digest, t)
+                    cache.put((stack, i), ref.digest, t, t.numel() * t.element_size())
             values.append(t)
+        self._count_buffers()
         return values, forward
+
+
+def _checked_tree(tree, what: str, slots: int | None = None) -> dict:
+    """A call plan from a peer, checked before any of it is used: a map of ``args`` (a list) and
+    ``kwargs`` (a map of strings), nodes of known kinds, tensor numbers in range (``slots``), bounded
+    in depth and size."""
+    if not isinstance(tree, dict) or set(tree) != {"args", "kwargs"} or not isinstance(tree["args"], list) \
+            or not isinstance(tree["kwargs"], dict) or not all(isinstance(k, str) for k in tree["kwargs"]):
+        raise DiffuseError(f"malformed {what}: a map of args (a list) and kwargs (a map)")
+    count = 0
+
+    def walk(x, depth: int) -> None:
+        nonlocal count
+        count += 1
+        if depth > MAX_TREE_DEPTH or count > MAX_TREE_NODES:
+            raise DiffuseError(f"malformed {what}: nested deeper than {MAX_TREE_DEPTH} or larger than "
+                               f"{MAX_TREE_NODES} entries")
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return
+        if isinstance(x, list):
+            for v in x:
+                walk(v, depth + 1)
+            return
+        if not isinstance(x, dict) or len(x) != 1:
+            raise DiffuseError(f"malformed {what}: a {type(x).__name__} where a value or a one-key marker belongs")
+        (k, v), = x.items()
+        if k == TENSOR:
+            if type(v) is not int or v < 0 or (slots is not None and v >= slots):
+                raise DiffuseError(f"malformed {what}: tensor number {str(v)[:24]} is not one of its "
+                                   f"{slots if slots is not None else 'slots'}")
+        elif k == TUPLE and isinstance(v, list):
+            for e in v:
+                walk(e, depth + 1)
+        elif k == DICT and isinstance(v, dict) and all(isinstance(n, str) for n in v):
+            for e in v.values():
+                walk(e, depth + 1)
+        elif k == "$float" and v in ("nan", "inf", "-inf"):
+            pass
+        elif k == STATE and isinstance(v, str):
+            pass
+        else:
+            raise DiffuseError(f"malformed {what}: unknown marker {str(k)[:24]!r}")
+
+    for v in (*tree["args"], *tree["kwargs"].values()):
+        walk(v, 1)
+    return tree

@@ -9,8 +9,10 @@ becomes a NodeError, never a hang.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import time
 
 import cbor2
 import zmq
@@ -107,22 +109,50 @@ class ZmqInbox:
         _unlink_paths(self.address)
 
 
+SEND_HWM = 8  # messages ZeroMQ queues toward one peer
+MAX_WAITING = 8  # messages more an outbox keeps while its peer takes none; one more and the peer is given up
+STUCK_S = 30.0  # a message still waiting this long: the peer is given up
+
+
 class ZmqOutbox:
+    """A sending end that never blocks: what the peer cannot take yet waits here, a few messages at most,
+    and goes out on the next ``send`` or ``flush``. A peer that takes nothing while ``MAX_WAITING`` more
+    pile up, or for ``STUCK_S``, is given up: NodeError naming it. One slow peer delays only the
+    messages meant for it."""
+
     def __init__(self, ctx: zmq.Context, address: str):
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 2000)
-        self.sock.setsockopt(zmq.SNDTIMEO, 60_000)
+        self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         self.sock.connect(address)
         self.address = address
+        self.waiting: collections.deque = collections.deque()  # (since, frames)
 
     def send(self, frames: list[bytes]) -> None:
-        try:
-            self.sock.send_multipart(frames, copy=False)
-        except zmq.Again as exc:
-            raise NodeError(self.address, "could not hand a message on within 60 s (peer gone?)") from exc
+        self.flush()
+        if len(self.waiting) >= MAX_WAITING:
+            raise NodeError(self.address, f"takes no messages: {SEND_HWM + MAX_WAITING} wait for it (stuck or gone)")
+        self.waiting.append((time.monotonic(), frames))
+        self.flush()
+
+    def flush(self) -> bool:
+        """Hand on what waits, as far as the peer takes it; True while some still waits. NodeError if
+        the oldest has waited ``STUCK_S``."""
+        while self.waiting:
+            since, frames = self.waiting[0]
+            try:
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if time.monotonic() - since > STUCK_S:
+                    raise NodeError(self.address, f"took no message for {STUCK_S:.0f} s (stuck or gone)") from None
+                return True
+            self.waiting.popleft()
+        return False
 
     def close(self) -> None:
-        self.sock.close()
+        given_up = bool(self.waiting)
+        self.waiting.clear()
+        self.sock.close(0 if given_up else None)  # what a stuck peer never took is dropped, not lingered on
 
 
 class ZmqTransport:
