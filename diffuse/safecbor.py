@@ -46,7 +46,7 @@ def check(raw: bytes, limits: Limits, what: str = "message") -> None:
         raise WireError(f"{what} of {n} bytes is over the {limits.max_bytes}-byte limit")
     if not n or raw[0] & 0x1F > 27 or raw[0] == 0xF8:
         raise WireError(f"{what} is not CBOR")
-    if raw[0] >> 5 != 5:
+    if raw[0] >> 5 not in (5, 6):  # (a tag is refused below, by its number)
         raise WireError(f"{what} is a {_KINDS[raw[0] >> 5]}, not a map")
     pos = items = 0
     stack: list[list] = []  # [items still to come, is a map] per open list or map
@@ -83,7 +83,7 @@ def check(raw: bytes, limits: Limits, what: str = "message") -> None:
                 if len(stack) > limits.max_depth:
                     raise WireError(f"{what} nests deeper than {limits.max_depth}")
         elif major == 6:
-            if value not in _BIGNUM_TAGS:
+            if value not in _BIGNUM_TAGS or not stack:
                 raise WireError(f"{what} uses CBOR tag {value}, which is not accepted")
             major, info, value, pos = _head(raw, pos, what)
             if major != 2 or info == 31 or value > _BIGNUM_BYTES or value > n - pos:
