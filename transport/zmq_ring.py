@@ -30,8 +30,8 @@ from diffuse.transport_api import DEFAULT_MAX_MESSAGE_BYTES
 
 MAX_CONTROL_BYTES = 1 << 20  # a control request is a small map; a peer sending more is cut off
 MAX_REPLY_BYTES = safecbor.REPLY.max_bytes
-IDEMPOTENT = ("hello", "ping", "status")  # asked again on a fresh socket when an answer does not come
-TRIES = 3
+IDEMPOTENT = ("hello", "ping", "status")  # asked again on a fresh socket while an answer does not come
+TRIES = 3  # sockets an idempotent request may be sent on, one each third of its time
 
 
 class ZmqEndpoint:
@@ -192,35 +192,38 @@ class ZmqTransport:
             raise DiffuseError(f"cannot send to {address!r}: {exc}") from exc
 
     def request(self, address: str, message: dict, timeout_s: float) -> dict:
-        """One request/reply within ``timeout_s``. An idempotent request (hello, ping, status) is sent
-        again on a fresh socket if its answer does not come within its share of the time."""
+        """One request/reply within ``timeout_s``. An idempotent request (hello, ping, status) is also sent
+        again on a fresh socket each third of the time, in case an answer was lost; the first answer to
+        any of the tries is taken (an earlier try still counts: a slow node is not abandoned)."""
         raw = cbor2.dumps(message)
         op = message.get("op")
         tries = TRIES if op in IDEMPOTENT else 1
-        for attempt in range(tries):
-            answer = self._ask(address, raw, timeout_s / tries)
-            if answer is not None:
-                break
-        else:
+        socks: list[zmq.Socket] = []
+        poller = zmq.Poller()
+        answer = None
+        try:
+            for _ in range(tries):
+                sock = self.ctx.socket(zmq.REQ)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+                socks.append(sock)
+                sock.connect(address)
+                sock.send(raw)
+                poller.register(sock, zmq.POLLIN)
+                ready = dict(poller.poll(max(1, int(timeout_s / tries * 1000))))
+                if ready:
+                    answer = next(iter(ready)).recv()
+                    break
+        finally:
+            for sock in socks:
+                sock.close(0)
+        if answer is None:
             raise NodeError(address, f"no answer to {str(op)[:32]!r} within {timeout_s:.0f} s"
                             + (f" ({tries} tries)" if tries > 1 else ""))
         try:
             return safecbor.loads(answer, safecbor.REPLY, "reply")
         except WireError as exc:
             raise NodeError(address, f"answered with something that is not a map ({exc})") from None
-
-    def _ask(self, address: str, raw: bytes, timeout_s: float) -> bytes | None:
-        sock = self.ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-        try:
-            sock.connect(address)
-            sock.send(raw)
-            if not sock.poll(max(1, int(timeout_s * 1000))):
-                return None
-            return sock.recv()
-        finally:
-            sock.close(0)
 
 
 @hookimpl
