@@ -18,6 +18,7 @@ import torch
 from diffuse.callplan import raw_bytes
 from diffuse.errors import WireError
 from diffuse.plan import SESSION_ID_BYTES
+from diffuse import safecbor
 from diffuse import sealing as seal
 
 _DTYPES = {
@@ -88,11 +89,8 @@ def envelope_of(frames: list[bytes]) -> dict:
     raw = bytes(frames[0])
     if len(raw) > MAX_ENVELOPE_BYTES:
         raise WireError(f"envelope of {len(raw)} bytes is too large to be one")
-    try:
-        env = cbor2.loads(raw)
-    except Exception as exc:
-        raise WireError(f"envelope is not CBOR: {type(exc).__name__}") from exc
-    if not isinstance(env, dict) or not {"v", "s", "c", "n"} <= set(env):
+    env = safecbor.loads(raw, safecbor.ENVELOPE, "envelope")
+    if not {"v", "s", "c", "n"} <= set(env):
         raise WireError("envelope lacks version, session, counter or frame count")
     if not _is_int(env["v"]):
         raise WireError("envelope's wire version is not an integer")
@@ -133,12 +131,7 @@ def open_message(hop, frames: list[bytes]) -> tuple[dict, list[torch.Tensor]]:
     raw_env = bytes(frames[0])
     plain = seal.open_frame(hop.key, counter, 1, raw_env, bytes(frames[1]))
     # authenticated from here on, but still checked: a bug on the sending side must not crash the receiver
-    try:
-        header = cbor2.loads(plain)
-    except Exception as exc:
-        raise WireError(f"header is not CBOR: {type(exc).__name__}") from exc
-    if not isinstance(header, dict):
-        raise WireError(f"header is a {type(header).__name__}, not a map")
+    header = safecbor.loads(plain, safecbor.HEADER, "header")
     metas = header.pop("tensors", [])
     if not isinstance(metas, list):
         raise WireError("header's tensor list is not a list")

@@ -30,15 +30,51 @@ from diffuse.node_control import NodeControl, refusal
 from diffuse.plan import WIRE_VERSIONS, StackPlan, parse_slices
 from diffuse.sessions import SessionTable
 from diffuse.stage import NODE_BUFFER_BYTES
+from diffuse.transport_api import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger("diffuse.node")
 
 MAX_QUEUED = 256  # data messages waiting for the compute thread; more are dropped (and logged)
+MAX_SESSIONS = 256  # open sessions in all (each holds a socket toward its next hop)
+MAX_SESSIONS_PER_CLIENT = 16  # open sessions of one client key: one key's flood leaves room for the others
+FDS_PER_SESSION = 3  # a ZeroMQ socket's own descriptor, its connection, one being reconnected
+FDS_KEPT = 128  # descriptors left for everything else (model files, libraries, the node's own sockets)
+
+
+class StateTally:
+    """Bytes of per-session state (language models' key/value caches) held now, kept as it changes so
+    that reading the total costs nothing. Written by the compute thread, read by anyone."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.held: dict[bytes, int] = {}
+        self.total = 0
+
+    def set(self, sid: bytes, nbytes: int) -> None:
+        with self.lock:
+            self.total += nbytes - self.held.get(sid, 0)
+            self.held[sid] = nbytes
+
+    def drop(self, sid: bytes) -> None:
+        with self.lock:
+            self.total -= self.held.pop(sid, 0)
+
+
+def session_capacity(wanted: int, max_sockets: int | None) -> int:
+    """At most ``wanted`` sessions, and no more than the descriptors and ZeroMQ sockets this process may
+    open leave room for: a node at its limit refuses an open in one line instead of failing every socket."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    fit = wanted if soft == resource.RLIM_INFINITY else (soft - FDS_KEPT) // FDS_PER_SESSION
+    return max(1, min(wanted, fit, (max_sockets or wanted + 16) - 16))
 
 
 class Node:
     def __init__(self, model_path: str, listen: str, blocks: str | None, key_file: str | None,
-                 allowed_clients: set[bytes] | None = None, advertise: str | None = None):
+                 allowed_clients: set[bytes] | None = None, advertise: str | None = None,
+                 max_message_bytes: int | None = None, max_sessions: int = MAX_SESSIONS,
+                 max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT):
         from diffuse.analysis import ModelSubject
         from diffuse.planner import config_draft
         from diffuse.plugins import transport_for
@@ -56,7 +92,13 @@ class Node:
             self.store.load(self.store.fixed)
         self.identity = load_identity(key_file)
         self.allowed = allowed_clients
-        self.endpoint = self.transport.serve(listen)
+        self.endpoint = self.transport.serve(listen, max_message_bytes)
+        self.max_sessions = session_capacity(max_sessions, getattr(self.transport, "max_sockets", None))
+        if self.max_sessions < max_sessions:
+            log.warning("at most %d sessions at once: the open-file limit leaves room for no more (raise it "
+                        "with ulimit -n)", self.max_sessions)
+        self.max_sessions_per_client = min(max_sessions_per_client, self.max_sessions)
+        self.state_bytes = StateTally()
         self.data_address = advertise or self.endpoint.address  # what peers dial (differs behind NAT or a relay)
         self.sessions = SessionTable()
         self.control = NodeControl(self)
@@ -96,6 +138,10 @@ class Node:
             log.debug("call failed", exc_info=True)
             out_header, out_tensors = self._error(header, text), []
         sess.busy_s += time.perf_counter() - t0
+        if hasattr(sess, "kv"):
+            self.state_bytes.set(sess.sid, sess.kv.nbytes())
+            if self.sessions.get(sess.sid) is not sess:  # closed while it computed: its state went with it
+                self.state_bytes.drop(sess.sid)
         out = frames.seal_message(sess.out_hop, out_header, out_tensors)
         sess.bytes_out += sum(len(f) for f in out)
         outbox = self.sessions.outbox(sess.sid)
@@ -112,11 +158,13 @@ class Node:
         why = f"its next hop {getattr(outbox, 'address', '?')[:200]} takes no messages ({exc})"
         log.warning("session %s failed: %s", sid.hex()[:8], why)
         self.sessions.end(sid, failed=why)
+        self.state_bytes.drop(sid)
         outbox.close()
 
     def _error(self, header: dict, message: str) -> dict:
-        seq = header.get("seq")
-        return {"op": "error", "stack": str(header.get("stack"))[:64], "seq": seq if isinstance(seq, int) else None,
+        seq, stack = header.get("seq"), header.get("stack")
+        return {"op": "error", "stack": stack[:64] if isinstance(stack, str) else None,
+                "seq": seq if isinstance(seq, int) else None,
                 "node": self.endpoint.control_address, "message": message[:2000]}
 
     def compute(self, threads: int) -> None:
@@ -152,6 +200,7 @@ class Node:
 
     def end(self, sid: bytes) -> None:
         outbox = self.sessions.end(sid)
+        self.state_bytes.drop(sid)
         if outbox is not None:
             self.work.put(("close", outbox))
 
@@ -207,6 +256,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
+
+
 def _client_key(text: str) -> bytes:
     """``--allow-client``: a client's public key, 64 hex digits."""
     try:
@@ -247,6 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wire", type=_wire, default=WIRE_VERSIONS, metavar="V[,V]",
                     help=f"the wire versions to speak (default {','.join(map(str, WIRE_VERSIONS))}; 1: hop keys sealed "
                     "to this node's long-term key; 2: agreed per session, forward secret)")
+    ap.add_argument("--max-message-mb", type=_positive, default=None, metavar="MB",
+                    help=f"the most one received data frame (one tensor) may hold; a peer sending more is cut off "
+                    f"before it is buffered (default {DEFAULT_MAX_MESSAGE_BYTES >> 20})")
+    ap.add_argument("--max-sessions", type=_positive, default=MAX_SESSIONS, metavar="N",
+                    help=f"open sessions at once, in all (default {MAX_SESSIONS}; fewer if the open-file limit "
+                    "leaves no room)")
+    ap.add_argument("--max-sessions-per-client", type=_positive, default=MAX_SESSIONS_PER_CLIENT, metavar="N",
+                    help=f"open sessions at once per client key (default {MAX_SESSIONS_PER_CLIENT})")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone (local nodes)")
     ap.add_argument("--log-level", default="INFO")
@@ -261,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         key_file = None if a.ephemeral_key else (a.key_file or os.path.join(config_home(), "node.key"))
         node = Node(resolve_model(a.model), a.listen, a.blocks, key_file,
-                    set(a.allow_client) if a.allow_client else None, a.advertise_data)
+                    set(a.allow_client) if a.allow_client else None, a.advertise_data,
+                    a.max_message_mb << 20 if a.max_message_mb else None, a.max_sessions, a.max_sessions_per_client)
     except (DiffuseError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from diffuse import frames, sealing
+from diffuse import frames, safecbor, sealing
 from diffuse.errors import DiffuseError
 from diffuse.plan import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, StagePlan
 
@@ -127,16 +127,39 @@ class NodeControl:
 
     def handle(self, msg: dict) -> dict:
         op = msg.get("op")
+        if not isinstance(op, str):
+            return refusal("a control request needs an op (a string)")
         if op == "hello":
             return self.hello(msg)
         if op == "ping":  # renews the session's lease; says how far its passes got, or why it failed here
             return {"ok": True, **self.node.sessions.ping(msg.get("session"))}
-        if op == "status":  # cheap, and nothing a stranger should not know
-            return {"ok": True, "sessions": len(self.node.sessions), "outboxes": len(self.node.sessions.outboxes),
-                    "state_bytes": self.node.sessions.state_bytes(), "slices": self._slices()}
+        if op == "status":
+            return self.status()
         if op in ("open", "close"):
             return self.sealed(op, msg)
-        return refusal(f"unknown control operation {str(op)[:32]!r}")
+        return refusal(f"unknown control operation {op[:32]!r}")
+
+    def status(self) -> dict:
+        """Anyone may ask, so it is constant time (counters kept as sessions come and go, nothing walked)
+        and says only totals: no session's id, owner, errors or contents."""
+        node = self.node
+        return {"ok": True, "sessions": len(node.sessions), "outboxes": len(node.sessions.outboxes),
+                "state_bytes": node.state_bytes.total, "slices": self._slices(),
+                "max_sessions": node.max_sessions, "max_sessions_per_client": node.max_sessions_per_client}
+
+    def _session_room(self, sender: bytes) -> str | None:
+        """Why a new session of ``sender`` would be one too many (None: there is room). Caps per client key
+        and in total keep one client's flood of opens from taking the sockets every other client needs."""
+        node = self.node
+        with node.sessions.lock:
+            total = len(node.sessions.sessions)
+            mine = sum(1 for owner in node.sessions.owners.values() if owner == sender)
+        if mine >= node.max_sessions_per_client:
+            return (f"this node already holds {mine} sessions for your client key, its limit per client: "
+                    "close one first")
+        if total >= node.max_sessions:
+            return f"this node holds {total} sessions, its limit: try again later or use another node"
+        return None
 
     def _slices(self):
         fixed = self.node.store.fixed
@@ -157,13 +180,15 @@ class NodeControl:
         return reply
 
     def sealed(self, op: str, msg: dict) -> dict:
-        payload, sender = sealing.open_control(msg, self.node.identity)
+        payload, sender = sealing.open_control(msg, self.node.identity, safecbor.CONTROL)
         # from here on the sender is known: every answer is sealed to it, so it can tell ours from a forgery
         try:
             if payload.get("op") != op:  # else a sealed open could be replayed as a close, or the reverse
                 reply = refusal(f"the sealed payload is not for {op!r}")
             elif self.node.allowed is not None and sender not in self.node.allowed:
                 reply = refusal("this node does not serve your client key")
+            elif op == "open" and (full := self._session_room(sender)):
+                reply = refusal(full)
             else:
                 reply = self.open(payload, sender) if op == "open" else self.close(payload, sender)
         except DiffuseError as exc:

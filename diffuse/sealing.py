@@ -171,19 +171,14 @@ def seal_control(payload: dict, peer_public: bytes, own: Identity) -> dict:
     return {"from": own.public, "nonce": nonce, "box": sealed}
 
 
-def open_control(sealed: dict, own: Identity) -> tuple[dict, bytes]:
-    """(payload, sender's public key) of a sealed control map; WireError if it does not open or is malformed."""
-    import cbor2
-
+def open_control(sealed: dict, own: Identity, limits=None) -> tuple[dict, bytes]:
+    """(payload, sender's public key) of a sealed control map; WireError if it does not open or is malformed.
+    ``limits``: ``diffuse.safecbor`` limits for the payload (default: those of a node's reply)."""
     sender, nonce, body = sealed.get("from"), sealed.get("nonce"), sealed.get("box")
     if not (isinstance(sender, bytes) and len(sender) == PUBLIC_BYTES
             and isinstance(nonce, bytes) and len(nonce) == BOX_NONCE_BYTES and isinstance(body, bytes)):
         raise WireError("sealed control message lacks a well-formed sender key, nonce or box")
     plain = unbox(nonce, body, sender, own)
-    try:
-        payload = cbor2.loads(plain)
-    except Exception as exc:
-        raise WireError(f"sealed control payload is not CBOR: {type(exc).__name__}") from exc
-    if not isinstance(payload, dict):
-        raise WireError("sealed control payload is not a map")
-    return payload, sender
+    from diffuse import safecbor  # anyone can make a key: what it sealed may be a stranger's
+
+    return safecbor.loads(plain, limits or safecbor.REPLY, "sealed control payload"), sender

@@ -1,10 +1,17 @@
-"""The ZeroMQ ring: REQ/REP control per node, PUSH/PULL data between stages.
+"""The ZeroMQ ring: ROUTER control per node, PUSH/PULL data between stages.
 
 Sockets only: what the bytes mean, and who may read them, is core's business
 (``diffuse.frames``, ``diffuse.sealing``). A node is dialled at one address,
 its control socket; the hello reply tells the data address (a second port, or
 ``<path>.data`` for a path scheme). Every wait is bounded: a silent peer
-becomes a NodeError, never a hang.
+becomes a NodeError, never a hang. Every receiving socket has a message-size
+cap, so a peer claiming a huge message is cut off before it is buffered.
+
+The control socket is a ROUTER read with explicit framing (the peer's routing
+id, the empty delimiter a REQ socket sends, one body frame): anything else is
+dropped, and a reply goes to the peer that asked or nowhere, so no one's junk
+can take someone else's answer. The client asks with a fresh REQ socket per
+try and tries idempotent requests again (hello, ping, status).
 """
 
 from __future__ import annotations
@@ -17,21 +24,27 @@ import time
 import cbor2
 import zmq
 
+from diffuse import safecbor
 from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.hookspecs import hookimpl
+from diffuse.transport_api import DEFAULT_MAX_MESSAGE_BYTES
 
 
 MAX_CONTROL_BYTES = 1 << 20  # a control request is a small map; a peer sending more is cut off
+MAX_REPLY_BYTES = safecbor.REPLY.max_bytes
+IDEMPOTENT = ("hello", "ping", "status")  # asked again on a fresh socket while an answer does not come
+TRIES = 3  # sockets an idempotent request may be sent on, one each third of its time
 
 
 class ZmqEndpoint:
-    def __init__(self, ctx: zmq.Context, listen: str, scheme: str):
-        self.control = ctx.socket(zmq.REP)
+    def __init__(self, ctx: zmq.Context, listen: str, scheme: str, max_message_bytes: int | None = None):
+        self.control = ctx.socket(zmq.ROUTER)
         self.data = ctx.socket(zmq.PULL)
         for s in (self.control, self.data):
             s.setsockopt(zmq.LINGER, 0)
         self.control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
-        self._owe_reply = False  # REP: every request received must be answered before the next
+        self.data.setsockopt(zmq.MAXMSGSIZE, max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
+        self._asker: bytes | None = None  # routing id of the peer owed an answer to the request last received
         if scheme == "tcp":
             host = listen.split("://", 1)[1].rsplit(":", 1)[0]
             self.control.bind(listen)
@@ -51,29 +64,31 @@ class ZmqEndpoint:
         return [n for n, s in (("control", self.control), ("data", self.data)) if s in ready]
 
     def recv_control(self) -> dict:
-        """One request. A WireError raised here comes after the request was taken off the
-        socket: the caller must still answer it (with ``reply_control``)."""
-        parts = self.control.recv_multipart()  # all of it: a REP socket must take a request whole
-        self._owe_reply = True
-        if len(parts) != 1:
-            raise WireError(f"control request came in {len(parts)} parts; a request is one CBOR map")
+        """One request. A WireError raised here may come after the request was taken off the socket:
+        the caller still calls ``reply_control``, which answers it if its sender can be answered."""
+        self._asker = None
         try:
-            msg = cbor2.loads(parts[0])
-        except Exception as exc:
-            raise WireError(f"control request is not CBOR: {type(exc).__name__}") from exc
-        if not isinstance(msg, dict):
-            raise WireError("control request is not a map")
-        return msg
+            parts = self.control.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            raise WireError("no control message was waiting") from None
+        if len(parts) < 3 or parts[1] != b"":
+            # not a REQ peer's request (no delimiter): there is no one to answer, and nothing is owed
+            raise WireError(f"control message of {len(parts)} frames without the request delimiter: dropped")
+        self._asker = parts[0]
+        if len(parts) != 3:
+            raise WireError(f"control request came in {len(parts) - 2} parts; a request is one CBOR map")
+        return safecbor.loads(parts[2], safecbor.CONTROL, "control request")
 
     def reply_control(self, reply: dict) -> None:
-        if not self._owe_reply:
-            return  # nothing was received (the receive itself failed): there is nobody to answer
+        asker, self._asker = self._asker, None
+        if asker is None:
+            return  # nothing was received whole: there is nobody to answer
         try:
             raw = cbor2.dumps(reply)
         except Exception as exc:
             raw = cbor2.dumps({"ok": False, "error": f"the node could not encode its reply: {type(exc).__name__}"})
-        self._owe_reply = False
-        self.control.send(raw)
+        with contextlib.suppress(zmq.Again):  # a peer that stopped reading loses its own answer, nobody else's
+            self.control.send_multipart([asker, b"", raw], zmq.NOBLOCK)
 
     def recv_data(self) -> list[bytes]:
         return self.data.recv_multipart(copy=True)
@@ -93,9 +108,10 @@ def _unlink_paths(*addresses: str) -> None:
 
 
 class ZmqInbox:
-    def __init__(self, ctx: zmq.Context, bind: str):
+    def __init__(self, ctx: zmq.Context, bind: str, max_message_bytes: int | None = None):
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
         self.sock.bind(bind)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
@@ -163,6 +179,10 @@ class ZmqTransport:
         self.scheme = scheme
         self.ctx = zmq.Context.instance()
 
+    @property
+    def max_sockets(self) -> int:
+        return self.ctx.get(zmq.MAX_SOCKETS)
+
     # sockets
     def local_listen(self, name: str) -> str:
         """Where a node started on this machine listens (``name`` tells nodes apart)."""
@@ -189,11 +209,11 @@ class ZmqTransport:
             s.connect((host, 9))
             return f"tcp://{s.getsockname()[0]}:0"
 
-    def serve(self, listen: str) -> ZmqEndpoint:
-        return ZmqEndpoint(self.ctx, listen, self.scheme)
+    def serve(self, listen: str, max_message_bytes: int | None = None) -> ZmqEndpoint:
+        return ZmqEndpoint(self.ctx, listen, self.scheme, max_message_bytes)
 
-    def inbox(self, bind: str) -> ZmqInbox:
-        return ZmqInbox(self.ctx, bind)
+    def inbox(self, bind: str, max_message_bytes: int | None = None) -> ZmqInbox:
+        return ZmqInbox(self.ctx, bind, max_message_bytes)
 
     def outbox(self, address: str) -> ZmqOutbox:
         try:
@@ -202,23 +222,38 @@ class ZmqTransport:
             raise DiffuseError(f"cannot send to {address!r}: {exc}") from exc
 
     def request(self, address: str, message: dict, timeout_s: float) -> dict:
-        sock = self.ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
+        """One request/reply within ``timeout_s``. An idempotent request (hello, ping, status) is also sent
+        again on a fresh socket each third of the time, in case an answer was lost; the first answer to
+        any of the tries is taken (an earlier try still counts: a slow node is not abandoned)."""
+        raw = cbor2.dumps(message)
+        op = message.get("op")
+        tries = TRIES if op in IDEMPOTENT else 1
+        socks: list[zmq.Socket] = []
+        poller = zmq.Poller()
+        answer = None
         try:
-            sock.connect(address)
-            sock.send(cbor2.dumps(message))
-            if not sock.poll(int(timeout_s * 1000)):
-                raise NodeError(address, f"no answer to {message.get('op')!r} within {timeout_s:.0f} s")
-            raw = sock.recv()
+            for _ in range(tries):
+                sock = self.ctx.socket(zmq.REQ)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+                socks.append(sock)
+                sock.connect(address)
+                sock.send(raw)
+                poller.register(sock, zmq.POLLIN)
+                ready = dict(poller.poll(max(1, int(timeout_s / tries * 1000))))
+                if ready:
+                    answer = next(iter(ready)).recv()
+                    break
         finally:
-            sock.close(0)
+            for sock in socks:
+                sock.close(0)
+        if answer is None:
+            raise NodeError(address, f"no answer to {str(op)[:32]!r} within {timeout_s:.0f} s"
+                            + (f" ({tries} tries)" if tries > 1 else ""))
         try:
-            reply = cbor2.loads(raw)
-        except Exception:
-            reply = None
-        if not isinstance(reply, dict):
-            raise NodeError(address, "answered with something that is not a map")
-        return reply
+            return safecbor.loads(answer, safecbor.REPLY, "reply")
+        except WireError as exc:
+            raise NodeError(address, f"answered with something that is not a map ({exc})") from None
 
 
 @hookimpl
