@@ -26,6 +26,7 @@ import gc
 import logging
 import os
 import time
+import weakref
 
 import torch
 
@@ -70,6 +71,7 @@ class BlockStore:
         self.native: dict[tuple[str, int], torch.dtype] = {}  # what each block loads as, asked for no dtype
         self._recent: list[torch.dtype] = []  # dtypes asked for, most recent last
         self._tails: dict[tuple, tuple] = {}  # a language model's (final norm, output head), by norm path and dtype
+        self._loaded: weakref.WeakSet = weakref.WeakSet()  # every parameter read from the files, while alive
 
     def _dtype(self, stack: str, i: int, dtype: torch.dtype | None) -> torch.dtype | None:
         return dtype if dtype is not None else self.native.get((stack, i))
@@ -108,6 +110,7 @@ class BlockStore:
             for stack, i in wanted:
                 block = skeleton.get_submodule(stack)[i]
                 load_into(block, f"{stack}.{i}.", wmap, dtype, files=files)
+                self._loaded.update(block.parameters())
                 block.eval()
                 p = next(block.parameters(), None)
                 actual = p.dtype if p is not None else (dtype or torch.float32)
@@ -164,6 +167,7 @@ class BlockStore:
             if path == norm and not is_norm(module):
                 raise DiffuseError(f"{path[:64]!r} is not a norm; only the final norm and the head run after the stack")
             load_into(module, f"{path}.", wmap, dtype)
+            self._loaded.update(module.parameters())
             module.eval()
             modules.append(module)
         del skeleton
@@ -175,11 +179,10 @@ class BlockStore:
         return [(i, self.blocks[(sl.stack, i, self._dtype(sl.stack, i, dtype))]) for i in range(sl.start, sl.stop)]
 
     def held_parameters(self) -> int:
-        """Elements of every real (non-meta) parameter alive in this process."""
-        return sum(
-            o.numel() for o in gc.get_objects()
-            if isinstance(o, torch.nn.Parameter) and o.device.type != "meta"
-        )
+        """Elements of every parameter this node has read from the model's files and still holds (in the
+        store, or in a session that keeps an older dtype's copy): counted without walking the heap, so a
+        close costs nothing."""
+        return sum(p.numel() for p in list(self._loaded) if p.device.type != "meta")
 
 
 class StageSession:
