@@ -132,23 +132,47 @@ class Split:
     def __init__(self, pipe_or_model, nodes=None, local_nodes: int | None = None, patches: int = 1,
                  threads: int | None = None, timeout: float = 300.0, client_key: str | None = None,
                  attention: str = "auto", local_transport: str = "tcp", model: str | None = None,
-                 started=None):
+                 started=None, branch_groups: int = 1):
+        from diffuse.branches import parse_groups
         from diffuse.known_nodes import parse_nodes
 
         if patches < 1:
             raise DiffuseError("--patches must be at least 1")
         if nodes is not None and local_nodes is not None:
             raise DiffuseError("give nodes or local_nodes, not both")
+        if branch_groups < 1:
+            raise DiffuseError("--branch-groups must be at least 1")
         self.target = pipe_or_model
         self.info = model_info(pipe_or_model, model)
-        self.nodes = parse_nodes(nodes) if nodes is not None else None
+        self.groups = None  # node lists, one per group of branches, when there are several
+        if nodes is not None:
+            groups = [parse_nodes(g) for g in parse_groups(nodes)] if isinstance(nodes, str) and ";" in nodes \
+                else [parse_nodes(g) for g in nodes] if nodes and all(isinstance(g, list) for g in nodes) \
+                else [parse_nodes(nodes)]
+            if branch_groups not in (1, len(groups)):
+                raise DiffuseError(f"--branch-groups {branch_groups}, but --nodes lists {len(groups)} group(s) "
+                                   "(separate groups with ';')")
+            self.nodes = [n for g in groups for n in g]
+            self.groups = groups if len(groups) > 1 else None
+        else:
+            self.nodes = None
+        asked = local_nodes if local_nodes is not None else 2 * branch_groups
+        if nodes is None and asked % branch_groups:
+            raise DiffuseError(f"--local-nodes {asked} cannot be shared evenly by --branch-groups {branch_groups}")
+        self.branch_groups = len(self.groups) if self.groups else branch_groups
+        if self.branch_groups > 1 and self.info.subject.autoregressive:
+            raise DiffuseError("branch groups run a diffusion model's guidance passes side by side; a language "
+                               "model's passes go through one ring")
         self.local = None if nodes is not None else plan_local_nodes(
-            local_nodes if local_nodes is not None else 2, self.info.draft["stacks"], patches, threads)
+            asked // branch_groups, self.info.draft["stacks"], patches, threads)
+        if self.local is not None and branch_groups > 1:
+            self.local = LocalNodesPlan(self.local.count * branch_groups, self.local.threads, self.local.notes)
         self.patches, self.timeout, self.client_key = patches, timeout, client_key
         self.attention, self.local_transport = attention, local_transport
         self.started = started  # local nodes already started by the caller (a diffuse.localnodes.LocalNodes)
         self.local_nodes = None
         self.ring = None
+        self._rings: list = []
         self.splitter = None
         self.patcher = None
         self.stats = None
@@ -165,7 +189,8 @@ class Split:
     def start_local_nodes(self):
         from diffuse.localnodes import start_local_nodes
 
-        return start_local_nodes(self.info.path, self.local.count, self.local.threads, scheme=self.local_transport)
+        return start_local_nodes(self.info.path, self.local.count, self.local.threads, scheme=self.local_transport,
+                                 groups=self.branch_groups)
 
     def __enter__(self) -> "Split":
         from diffuse.planner import denoiser_dtype, make_plan
@@ -176,12 +201,23 @@ class Split:
             if self.nodes is None:
                 self.local_nodes = self.started or self.start_local_nodes()
                 self.nodes = [(n.address, n.key) for n in self.local_nodes]
+                if self.branch_groups > 1:
+                    per = len(self.nodes) // self.branch_groups
+                    self.groups = [self.nodes[k * per:(k + 1) * per] for k in range(self.branch_groups)]
             denoiser = self.denoiser
-            plan = make_plan(self.info.subject, self.info.draft, [a for a, _ in self.nodes],
-                             [k for _, k in self.nodes], denoiser_dtype(denoiser))
-            self.ring = Ring(plan, self.timeout, self.attention, self.client_key)
-            self.ring.open()
-            self.splitter = Splitter.on(denoiser, plan)
+            rings = self._rings = []  # closed on the way out, however far this gets
+            for group in self.groups or [self.nodes]:
+                plan = make_plan(self.info.subject, self.info.draft, [a for a, _ in group], [k for _, k in group],
+                                 denoiser_dtype(denoiser))
+                rings.append(Ring(plan, self.timeout, self.attention, self.client_key))
+                rings[-1].open()
+            if len(rings) > 1:
+                from diffuse.branches import BranchRings
+
+                self.ring = BranchRings(rings)
+            else:
+                self.ring = rings[0]
+            self.splitter = Splitter.on(denoiser, self.ring.plan)
             self.splitter.attach(self.ring, self.patches)
         except BaseException as exc:
             self._close(hurry=True)
@@ -196,9 +232,10 @@ class Split:
             if self.splitter is not None:
                 self.patcher = self.splitter.patcher  # what it did stays readable after the ring is gone
                 self.splitter.detach()
-            if self.ring is not None:
+            for ring in self._rings:
                 # local nodes end with their sessions; remote ones are told, briefly when in a hurry
-                self.ring.close(hurry, tell_nodes=not (hurry and self.local_nodes is not None))
+                ring.close(hurry, tell_nodes=not (hurry and self.local_nodes is not None))
+            if self.ring is not None:
                 self.stats = self.ring.stats
         finally:
             if self.local_nodes is not None:
@@ -206,6 +243,11 @@ class Split:
                 self.local_nodes = None
 
     # what the run did, for summaries and tests
+    @property
+    def rings(self) -> list:
+        """One ring per group of nodes (one in all, unless guidance branches run on groups)."""
+        return list(self._rings)
+
     @property
     def node_reports(self) -> list[dict]:
         return self.ring.node_reports if self.ring else []
@@ -235,7 +277,10 @@ class Split:
 def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: int = 1, **options) -> Split:
     """Split ``pipe_or_model`` over ``nodes`` (addresses, each optionally ``#KEY``) or over
     ``local_nodes`` started here (default 2); a context manager. ``patches > 1``: PipeFusion.
-    Options: ``threads`` (local nodes' torch threads; default: the client's at one patch, which keeps
-    the bits of a whole run), ``timeout`` (seconds for one pass), ``client_key``, ``attention``,
-    ``local_transport``, ``model`` (the pipeline folder, when it cannot be told)."""
+    ``nodes`` as ``"A,B;C,D"`` (or a list of lists) forms groups, each a whole ring; a model's guidance
+    branches then run side by side, one group each (``diffuse.branches``); with local nodes,
+    ``branch_groups=G`` shares them out. Options: ``threads`` (local nodes' torch threads; default: the
+    client's at one patch, which keeps the bits of a whole run), ``timeout`` (seconds for one pass),
+    ``client_key``, ``attention``, ``local_transport``, ``model`` (the pipeline folder, when it cannot be
+    told)."""
     return Split(pipe_or_model, nodes=nodes, local_nodes=local_nodes, patches=patches, **options)

@@ -35,19 +35,21 @@ class LocalNodes(list):
 
 
 def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: str = "tcp",
-                      extra: list[str] = ()) -> LocalNodes:
-    """Start ``n`` nodes holding even slices of every stack; wait until each prints its address."""
+                      extra: list[str] = (), groups: int = 1) -> LocalNodes:
+    """Start ``n`` nodes holding even slices of every stack; wait until each prints its address. With
+    ``groups`` G, each run of n/G nodes holds the whole stacks (one ring per group of branches)."""
     from diffuse.plugins import transport_for
 
     transport = transport_for(f"{scheme}://")
     nodes = LocalNodes()
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     try:
+        per = n // groups
         for i in range(n):
             listen = transport.local_listen(f"node-{os.getpid()}-{i}")
             log_fd, log_path = tempfile.mkstemp(prefix=f"diffuse-node{i + 1}-", suffix=".log")
             cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--listen", listen,
-                   "--blocks", f"{i + 1}/{n}", "--ephemeral-key", "--exit-with", str(os.getpid()), *extra]
+                   "--blocks", f"{i % per + 1}/{per}", "--ephemeral-key", "--exit-with", str(os.getpid()), *extra]
             if threads:
                 cmd += ["--threads", str(threads)]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_fd, env=env, text=True)

@@ -60,9 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--height", type=positive)
     ap.add_argument("--width", type=positive)
     ap.add_argument("--frames", type=positive, help="video frames (num_frames)")
-    ap.add_argument("--nodes", help="comma-separated node addresses, each optionally #HEXKEY to pin its key")
+    ap.add_argument("--nodes", help="comma-separated node addresses, each optionally #HEXKEY to pin its key; "
+                    "';' separates groups, each a whole ring, that run guidance branches side by side")
     ap.add_argument("--local-nodes", type=positive, default=None, help="start N nodes on this machine (default 2; "
                     "never more than the longest stack has blocks)")
+    ap.add_argument("--branch-groups", type=positive, default=1, metavar="G",
+                    help="with --local-nodes: share the local nodes out into G groups, one per guidance branch, "
+                    "which then run side by side (default 1)")
     ap.add_argument("--local-transport", default="tcp", metavar="SCHEME",
                     help="URL scheme local nodes listen on (tcp; ipc with the diffuse-ipc plugin)")
     ap.add_argument("--out", help="output file (.png / .mp4 / .wav by what the model makes)")
@@ -209,7 +213,10 @@ def generate(a: argparse.Namespace, console) -> dict:
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.nodes is not None:
-        parse_nodes(a.nodes)  # address and key mistakes, before anything is loaded
+        from diffuse.branches import parse_groups
+
+        for group in parse_groups(a.nodes):
+            parse_nodes(group)  # address and key mistakes, before anything is loaded
     info = ModelInfo.of(a.model)  # refusals happen here, before any node is contacted
     if info.subject.autoregressive:
         from diffuse.lm import generate_text
@@ -232,7 +239,8 @@ def generate(a: argparse.Namespace, console) -> dict:
     split = None
     if not a.whole:
         split = Split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches, threads=a.threads,
-                      timeout=a.timeout, client_key=a.client_key, local_transport=a.local_transport)
+                      timeout=a.timeout, client_key=a.client_key, local_transport=a.local_transport,
+                      branch_groups=a.branch_groups)
         if a.client_key:
             from diffuse.sealing import load_identity
 
@@ -245,8 +253,10 @@ def generate(a: argparse.Namespace, console) -> dict:
     t1 = time.perf_counter()
     with split or nullcontext():
         if split is not None:
-            for stage in split.plan.route:
-                console.print(f"  node {stage.address}: {', '.join(map(str, stage.slices))}")
+            for k, ring in enumerate(split.rings):
+                for stage in ring.plan.route:
+                    group = f" (group {k + 1})" if len(split.rings) > 1 else ""
+                    console.print(f"  node {stage.address}{group}: {', '.join(map(str, stage.slices))}")
             if a.patches > 1 and split.ring.uncut:
                 console.print(f"{', '.join(sorted(split.ring.uncut))}: two streams per block (image and text side "
                               f"by side), so steps run uncut there; --patches {a.patches} not applied", soft_wrap=True)

@@ -1,0 +1,235 @@
+"""Guidance branches on separate groups of nodes, computed at the same time.
+
+A model that runs classifier-free guidance makes two passes per step, with and
+without the prompt. With ``--nodes "A,B;C,D"`` (or ``--local-nodes 4
+--branch-groups 2``) each group is a complete ring with its own session, and
+``BranchRings`` stands where one ``Ring`` would, sending each branch to its group:
+
+- Branches batched in one call (SD3, PixArt, Sana, LTX, ...: a batch of two
+  whose text conditioning differs): the batch is cut into one part per group,
+  the parts run at once, and the answers are joined again.
+- Branches called one after the other (Wan): the calls of a step differ only in
+  their conditioning; which inputs those are is learned from the first step (by
+  content, never by family). From the second step on, the first call of a step
+  also sends the call that will follow it to its own group, its conditioning
+  taken from the same branch's call one step earlier. When that call comes, its
+  inputs are compared with what was sent, tensor by tensor; equal, the answer
+  already on its way is used (the same computation, placed elsewhere, so the
+  bits are those of one ring); different, it is dropped and the call is sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from diffuse.callplan import digest, flatten
+from diffuse.channel import ChannelStats
+from diffuse.errors import DiffuseError
+from diffuse.pipefusion.cutting import reassemble
+from diffuse.ring import NodeStats, RingStats
+
+
+def parse_groups(spec: str | list) -> list:
+    """``"A,B;C,D"`` (or a list of such group strings, or of lists) as one node list per group."""
+    if isinstance(spec, str):
+        parts = [p for p in spec.split(";")]
+    else:
+        parts = list(spec)
+    if any(isinstance(p, str) and not p.strip() for p in parts):
+        raise DiffuseError("--nodes: an empty group between ';' separators")
+    return parts
+
+
+@dataclass
+class _Sent:
+    """A pass sent ahead for the call expected next, and what it was sent with."""
+
+    group: int
+    n: int
+    stack: str
+    tree: dict
+    digests: list
+
+
+@dataclass
+class _Branches:
+    """One stack's branches as learned from its calls: which inputs differ between the calls of a step (the
+    conditioning), each branch's conditioning tensors, and the order the branches came in last step."""
+
+    stream: int
+    conditioning: set = field(default_factory=set)
+    known: list = field(default_factory=list)  # per branch: {index: tensor} of its conditioning, digests
+    step_digest: bytes = b""
+    this_step: list = field(default_factory=list)  # branches called so far in the current step
+    last_step: list = field(default_factory=list)
+    first_of_step: list = field(default_factory=list)  # (digests, tensors) of this step's first call
+
+    def identify(self, tensors: list, digests: list) -> int:
+        """Which branch this call is (a new one gets the next number)."""
+        d_stream = digests[self.stream]
+        if d_stream != self.step_digest:  # new hidden states: the scheduler stepped
+            self.step_digest = d_stream
+            self.last_step, self.this_step = self.this_step, []
+            self.first_of_step = [digests, tensors]
+        elif self.first_of_step:
+            first = self.first_of_step[0]
+            if len(first) == len(digests):
+                self.conditioning |= {i for i, (a, b) in enumerate(zip(first, digests))
+                                      if a != b and i != self.stream}
+        for b, (cond, cond_digests) in enumerate(self.known):
+            if b in self.this_step or len(cond_digests) != len(digests):
+                continue
+            if all(cond_digests[i] == digests[i] for i in self.conditioning):
+                self.known[b] = ({i: tensors[i] for i in self.conditioning}, list(digests))
+                self.this_step.append(b)
+                return b
+        self.known.append(({i: tensors[i] for i in self.conditioning}, list(digests)))
+        self.this_step.append(len(self.known) - 1)
+        return len(self.known) - 1
+
+    def expected_after(self, branch: int) -> int | None:
+        """The branch that followed ``branch`` in the previous step, if this step has not had it yet."""
+        order = self.last_step
+        if branch in order and order.index(branch) + 1 < len(order):
+            nxt = order[order.index(branch) + 1]
+            if nxt not in self.this_step and self.conditioning and set(self.known[nxt][0]) == self.conditioning:
+                return nxt
+        return None
+
+
+class BranchRings:
+    """Several rings (one per group of nodes) in place of one: the ``Ring`` calls a pipeline's stand-ins make."""
+
+    def __init__(self, rings: list):
+        self.rings = rings
+        self._branches: dict[str, _Branches] = {}
+        self._ahead: dict[str, _Sent] = {}
+        self._n = 0
+        self._sent: dict[int, list] = {}  # send number -> [(group, ring pass number)], and how to join
+        self.ahead_used = 0  # calls answered by a pass sent ahead
+        self.ahead_dropped = 0  # passes sent ahead whose call did not come as expected
+        self.batches_cut = 0  # calls whose batch was cut between the groups
+
+    # the parts of Ring the stand-ins and the run read
+    @property
+    def plan(self):
+        return self.rings[0].plan
+
+    @property
+    def uncut(self) -> set[str]:
+        return set().union(*(r.uncut for r in self.rings))
+
+    @property
+    def scheme(self) -> str:
+        return self.rings[0].scheme
+
+    @property
+    def repairs(self) -> list[str]:
+        return [line for r in self.rings for line in r.repairs]
+
+    @property
+    def on_repair(self) -> list:
+        return self.rings[0].on_repair
+
+    @property
+    def node_reports(self) -> list[dict]:
+        return [rep for r in self.rings for rep in r.node_reports]
+
+    @property
+    def channel_stats(self) -> ChannelStats:
+        out = ChannelStats()
+        for r in self.rings:
+            c = r.channel_stats
+            out.passes += c.passes
+            out.bytes_sent += c.bytes_sent
+            out.bytes_received += c.bytes_received
+            out.dropped += c.dropped
+            out.messages += c.messages
+            out.returns += c.returns
+            for stack, s in c.per_stack.items():
+                t = out.per_stack.setdefault(stack, {"calls": 0, "bytes": []})
+                t["calls"] += s["calls"]
+                t["bytes"] += s["bytes"]
+        return out
+
+    @property
+    def stats(self) -> RingStats:
+        c = self.channel_stats
+        nodes: list[NodeStats] = [n for r in self.rings for n in r.stats.nodes]
+        return RingStats(c.passes, c.bytes_sent, c.bytes_received, nodes)
+
+    def close(self, hurry: bool = False, tell_nodes: bool = True) -> None:
+        self._ahead.clear()
+        for r in self.rings:
+            r.close(hurry, tell_nodes)
+
+    # -- passes ----------------------------------------------------------------------------------------
+    def call(self, stack: str, args: tuple, kwargs: dict, rmap):
+        tree, tensors = flatten(args, kwargs)
+        return self.receive(self.send(stack, tree, tensors, rmap))
+
+    def call_layers(self, *args, **kwargs):
+        raise DiffuseError("branch groups are for guidance passes of diffusion models; a language model's "
+                           "passes go through one ring (give --nodes without ';')")
+
+    def send(self, stack: str, tree: dict, tensors: list, rmap, patch=None, digests=None) -> int:
+        digests = list(digests) if digests else [digest(t) for t in tensors]
+        stream = rmap.streams[0]
+        self._n += 1
+        parts = self._cut(tensors, stream)
+        if parts is not None:  # branches batched in one call: a part of the batch per group
+            self.batches_cut += 1
+            self._sent[self._n] = [[(g, self.rings[g].send(stack, tree, part, rmap, patch)) for g, part in parts],
+                                   rmap]
+            return self._n
+        if patch is not None:  # patches of a branch's step go to that branch's group
+            g = patch.branch % len(self.rings)
+            self._sent[self._n] = [[(g, self.rings[g].send(stack, tree, tensors, rmap, patch, digests))], rmap]
+            return self._n
+        branches = self._branches.setdefault(stack, _Branches(stream))
+        branch = branches.identify(tensors, digests)
+        ahead = self._ahead.pop(stack, None)
+        if ahead is not None:
+            if ahead.group == branch % len(self.rings) and ahead.tree == tree and ahead.digests == digests:
+                self.ahead_used += 1
+                self._sent[self._n] = [[(ahead.group, ahead.n)], rmap]
+                return self._n
+            self.rings[ahead.group].receive(ahead.n)  # its answer is due before any later one on that ring
+            self.ahead_dropped += 1
+        g = branch % len(self.rings)
+        self._sent[self._n] = [[(g, self.rings[g].send(stack, tree, tensors, rmap, None, digests))], rmap]
+        nxt = branches.expected_after(branch)
+        if nxt is not None and nxt % len(self.rings) != g:
+            cond, _ = branches.known[nxt]
+            guess = [cond.get(i, t) for i, t in enumerate(tensors)]
+            guess_digests = [branches.known[nxt][1][i] if i in cond else d for i, d in enumerate(digests)]
+            h = nxt % len(self.rings)
+            self._ahead[stack] = _Sent(h, self.rings[h].send(stack, tree, guess, rmap, None, guess_digests), stack,
+                                       tree, guess_digests)
+        return self._n
+
+    def receive(self, n: int):
+        parts, rmap = self._sent.pop(n)
+        answers = [self.rings[g].receive(seq) for g, seq in parts]
+        return answers[0] if len(answers) == 1 else reassemble(answers, 0, rmap)
+
+    def _cut(self, tensors: list, stream: int):
+        """One part of the batch per group when the call carries several branches side by side (the batch
+        divides evenly, and some input other than the hidden states differs between the parts); None if not."""
+        x, g = tensors[stream], len(self.rings)
+        if x.dim() < 2 or x.shape[0] < g or x.shape[0] % g:
+            return None
+        b = x.shape[0]
+        rows = b // g
+        batched = [i for i, t in enumerate(tensors) if t.dim() >= 1 and t.shape[0] == b]
+        differ = any(not torch.equal(tensors[i][:rows], tensors[i][k * rows:(k + 1) * rows])
+                     for i in batched if i != stream for k in range(1, g))
+        if not differ:
+            return None
+        parts = []
+        for k in range(g):
+            part = [t[k * rows:(k + 1) * rows] if i in batched else t for i, t in enumerate(tensors)]
+            parts.append((k, part))
+        return parts
