@@ -216,12 +216,16 @@ def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
         report.update(
             transport=split.ring.scheme, calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
             last_hop_bytes_per_token=st.bytes_received / per_token,
+            last_hop_max_bytes=max((n for _, n in st.returns), default=0),
             client_layer_params=split.splitter.held_block_parameters(),
             tail_passes=split.splitter.tail_passes,
             client_head_params=head_params_held(split.splitter),
             node_stats=[dict(r, address=s.address, bytes_per_token_in=r.get("bytes_in", 0) / per_token)
                         for s, r in zip(split.plan.route, split.node_reports)],
             messages=st.messages)
+        draw = split.splitter.last_draw
+        if draw is not None:  # the tokens were drawn on the last node (diffuse.sampling)
+            report["sampling"] = {"draws": draw.draws, "generator_states_sent": draw.states_sent}
     if a.out:
         with open(a.out, "w") as f:
             f.write(streamer.printed + "\n")

@@ -41,16 +41,22 @@ def lm_models(tmp_path_factory) -> LMModels:
 
 # every reference the tests compare with, computed in one interpreter (tests/lm_reference.py --jobs), each
 # model loaded afresh: (name, max new tokens, sampling, with the image)
+# sampling: the first four keys are the flags of the same name, the rest go to generate as they are (--arg)
+SAMPLINGS = {"temperature_top_p": {"seed": 3, "temperature": 0.9, "top_p": 0.95},
+             "top_k": {"seed": 5, "top_k": 4, "repetition_penalty": 1.3}}
+SAMPLING_FLAGS = ("seed", "temperature", "top_p", "top_k")
 REFERENCE_JOBS = [("qwen2", 6, None, False), ("hybrid", 6, None, False), ("smolvlm", 6, None, True),
                   ("qwen2_vl", 6, None, True), ("qwen2", 8, None, False),
-                  ("qwen2", 8, {"seed": 3, "temperature": 0.9, "top_p": 0.95}, False)]
+                  *(("qwen2", 8, sample, False) for sample in SAMPLINGS.values())]
 
 
 @pytest.fixture(scope="session")
 def lm_references(lm_models, image_file, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("lm-references")
     jobs = [dict(model=lm_models(name), prompt=PROMPT, max_new_tokens=new, images=[image_file] if image else [],
-                 do_sample=bool(sample), **(sample or {})) for name, new, sample, image in REFERENCE_JOBS]
+                 do_sample=bool(sample), **{k: v for k, v in (sample or {}).items() if k in SAMPLING_FLAGS},
+                 generate_args={k: v for k, v in (sample or {}).items() if k not in SAMPLING_FLAGS})
+            for name, new, sample, image in REFERENCE_JOBS]
     with open(root / "jobs.json", "w") as f:
         json.dump(jobs, f)
     cmd = [sys.executable, os.path.join(TESTS, "lm_reference.py"), "--jobs", str(root / "jobs.json"),
@@ -145,19 +151,29 @@ def test_split_vision_language_model_with_an_image_equals_transformers(name, nod
     assert "without its video processor" in proc.stderr  # said in one line, as it was built
 
 
-def test_seeded_sampling_equals_transformers(lm_models, lm_references, tmp_path, diffuse_home):
+@pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
+def test_seeded_sampling_draws_on_the_last_node_and_equals_transformers(sampling, lm_models, lm_references, tmp_path,
+                                                                        diffuse_home):
+    """The last node applies generate's own processors (the generation config's defaults included: top_k 50 under
+    temperature + top-p; a repetition penalty reading the token history under top-k) and draws in the client's
+    generator state: the tokens are the ones generate draws whole after torch.manual_seed, and only the drawn
+    token and the best 8 raw logits come home, never a row of the vocabulary."""
     model = lm_models("qwen2")
-    sample = {"seed": 3, "temperature": 0.9, "top_p": 0.95}
+    sample = SAMPLINGS[sampling]
     ref = reference(lm_references, model, max_new=8, sample=sample)
-    tokens, report, _ = split_run(model, tmp_path, diffuse_home, 2, max_new=8,
-                                  extra=["--seed", "3", "--temperature", "0.9", "--top-p", "0.95"])
+    flags = [f for k, v in sample.items() for f in
+             ((f"--{k.replace('_', '-')}", str(v)) if k in SAMPLING_FLAGS else ("--arg", f"{k}={v}"))]
+    tokens, report, _ = split_run(model, tmp_path, diffuse_home, 2, max_new=8, extra=flags)
     assert tokens["new_tokens"] == ref["new_tokens"]
-    # sampling reads the whole distribution: whole rows of logits came home, never a shortlist
-    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
-    assert report["last_hop_bytes_per_token"] > vocab * 4
+    assert report["top"] == ref["top"]  # the raw logits of every step, the same bits
     greedy = reference(lm_references, model, max_new=8)
     assert ref["new_tokens"] != greedy["new_tokens"]  # the draw mattered: sampling is not greedy in disguise
-
+    # every token was drawn on the last node; the client's generator state crossed once, then both stayed in step
+    assert report["sampling"] == {"draws": 8, "generator_states_sent": 1}
+    assert report["tail_passes"] == report["calls"]
+    # the last hop: no answer as large as a row of float32 logits, at most 1 KiB a token
+    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    assert vocab * 4 > 1024 and report["last_hop_max_bytes"] <= 1024 and report["last_hop_bytes_per_token"] <= 1024
 
 
 def test_language_model_flags_are_checked_before_anything_starts(lm_models, capsys, tmp_path, diffuse_home):
