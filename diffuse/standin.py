@@ -275,6 +275,9 @@ class Splitter:
                 return built  # greedy reads the best few (or the whole row); output_scores asks for whole rows
             self.draw = Draw(built, sample=True)
             self.top = GREEDY_TOP  # the raw best candidates still come home, for output_logits and the report
+            # each generate call's first draw carries everything (processors, whole history, generator state), so
+            # the passes of one call, replayed in order on a new node, rebuild its state exactly
+            self._node_tail = None
             return LogitsProcessorList([DrawnToken(self.draw)])
 
         @functools.wraps(prepare)
