@@ -151,15 +151,14 @@ def test_split_vision_language_model_with_an_image_equals_transformers(name, nod
     assert "without its video processor" in proc.stderr  # said in one line, as it was built
 
 
-@pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
-def test_seeded_sampling_draws_on_the_last_node_and_equals_transformers(sampling, lm_models, lm_references, tmp_path,
+def test_seeded_sampling_draws_on_the_last_node_and_equals_transformers(lm_models, lm_references, tmp_path,
                                                                         diffuse_home):
-    """The last node applies generate's own processors (the generation config's defaults included: top_k 50 under
-    temperature + top-p; a repetition penalty reading the token history under top-k) and draws in the client's
-    generator state: the tokens are the ones generate draws whole after torch.manual_seed, and only the drawn
-    token and the best 8 raw logits come home, never a row of the vocabulary."""
+    """The last node applies generate's own processors (the generation config's default top_k of 50 included) and
+    draws in the client's generator state: the tokens are the ones generate draws whole after torch.manual_seed,
+    and only the drawn token and the best 8 raw logits come home, never a row of the vocabulary. (Top-k with a
+    repetition penalty, which reads the token history: the Python API test.)"""
     model = lm_models("qwen2")
-    sample = SAMPLINGS[sampling]
+    sample = SAMPLINGS["temperature_top_p"]
     ref = reference(lm_references, model, max_new=8, sample=sample)
     flags = [f for k, v in sample.items() for f in
              ((f"--{k.replace('_', '-')}", str(v)) if k in SAMPLING_FLAGS else ("--arg", f"{k}={v}"))]
@@ -170,12 +169,11 @@ def test_seeded_sampling_draws_on_the_last_node_and_equals_transformers(sampling
     assert ref["new_tokens"] != greedy["new_tokens"]  # the draw mattered: sampling is not greedy in disguise
     # every token was drawn on the last node, after the processors generate built (with the generation config's
     # default top_k of 50); the client's generator state crossed once, then both stayed in step
-    steps = {"temperature_top_p": [("TemperatureLogitsWarper", {"temperature": 0.9}),
-                                   ("TopKLogitsWarper", {"top_k": 50}), ("TopPLogitsWarper", {"top_p": 0.95})],
-             "top_k": [("RepetitionPenaltyLogitsProcessor", {"penalty": 1.3}), ("TopKLogitsWarper", {"top_k": 4})]}
+    steps = [("TemperatureLogitsWarper", {"temperature": 0.9}), ("TopKLogitsWarper", {"top_k": 50}),
+             ("TopPLogitsWarper", {"top_p": 0.95})]
     described = report["sampling"].pop("processors")
     assert [(name, {k: params[k] for k in expected}) for (name, params), (_, expected)
-            in zip(described, steps[sampling], strict=True)] == steps[sampling]
+            in zip(described, steps, strict=True)] == steps
     assert report["sampling"] == {"draws": 8, "generator_states_sent": 1}
     assert report["tail_passes"] == report["calls"]
     # the last hop: no answer as large as a row of float32 logits, at most 1 KiB a token
@@ -285,8 +283,8 @@ def test_a_three_turn_chat_keeps_one_session_and_sends_only_each_new_turn(lm_mod
     assert all(t["answer"] in proc.stdout for t in turns)
 
 
-def test_python_api_splits_a_transformers_model_samples_after_each_reseed_and_refuses_beam_search(lm_models, lm_references, tmp_path,
-                                                                        diffuse_home):
+def test_python_api_splits_a_transformers_model_samples_and_refuses_beam_search(lm_models, lm_references, tmp_path,
+                                                                                diffuse_home):
     import torch
 
     import diffuse
@@ -296,7 +294,7 @@ def test_python_api_splits_a_transformers_model_samples_after_each_reseed_and_re
 
     model_dir = lm_models("qwen2")
     ref = reference(lm_references, model_dir)
-    sample = SAMPLINGS["temperature_top_p"]
+    sample = SAMPLINGS["top_k"]
     from diffuse.localnodes import start_local_nodes
     from diffuse.plugins import transport_for
 
@@ -315,14 +313,17 @@ def test_python_api_splits_a_transformers_model_samples_after_each_reseed_and_re
             during = [state(n) for n in nodes]
             with pytest.raises(diffuse.DiffuseError, match="beam search"):
                 model.generate(**inputs, max_new_tokens=3, num_beams=2, do_sample=False)
-            # seeded twice in one session: the node's generator is reset to the client's each time (its digest
-            # differs after the reseed), so both draws equal the reference
-            drawn = []
+            # top-k under a repetition penalty (it reads the token history, which travels as it grows), seeded twice
+            # in one session: the node's generator is set to the client's each time, so both equal the reference
+            drawn, answers = [], len(ring.ring.channel_stats.returns)
             for _ in range(2):
                 torch.manual_seed(sample["seed"])
-                again = model.generate(**inputs, max_new_tokens=8, do_sample=True, temperature=sample["temperature"],
-                                       top_p=sample["top_p"])
-                drawn.append((again[:, inputs["input_ids"].shape[1]:].tolist(), ring.splitter.last_draw.states_sent))
+                again = model.generate(**inputs, max_new_tokens=8, do_sample=True, top_k=sample["top_k"],
+                                       repetition_penalty=sample["repetition_penalty"])
+                draw = ring.splitter.last_draw
+                drawn.append((again[:, inputs["input_ids"].shape[1]:].tolist(), draw.draws, draw.states_sent,
+                              [name for name, _ in draw.described]))
+            last_hop = [n for _, n in ring.ring.channel_stats.returns[answers:]]
             # a processor of the user's own is code: it cannot travel to the last node, so it is refused
             with pytest.raises(diffuse.DiffuseError, match="cannot be rebuilt on the last node"):
                 model.generate(**inputs, max_new_tokens=2, do_sample=True,
@@ -335,7 +336,9 @@ def test_python_api_splits_a_transformers_model_samples_after_each_reseed_and_re
     assert all(sessions == 1 and held > 0 for sessions, held in during) and after == [(0, 0), (0, 0)]
     assert out[:, inputs["input_ids"].shape[1]:].tolist() == ref["new_tokens"]
     sampled = reference(lm_references, model_dir, max_new=8, sample=sample)["new_tokens"]
-    assert drawn == [(sampled, 1), (sampled, 1)]
+    assert sampled != reference(lm_references, model_dir, max_new=8)["new_tokens"]  # not greedy in disguise
+    assert drawn == [(sampled, 8, 1, ["RepetitionPenaltyLogitsProcessor", "TopKLogitsWarper"])] * 2
+    assert len(last_hop) == 16 and max(last_hop) <= 1024  # the drawn token home, never a row of the vocabulary
     assert ring.stats.passes >= 6
     held = [p for layers in ring.splitter.originals.values() for p in layers.parameters()]
     assert held and all(p.device.type == "meta" for p in held)  # the decoder layers were handed out and freed
