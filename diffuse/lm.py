@@ -216,12 +216,17 @@ def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
         report.update(
             transport=split.ring.scheme, calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
             last_hop_bytes_per_token=st.bytes_received / per_token,
+            last_hop_max_bytes=max((n for _, n in st.returns), default=0),
             client_layer_params=split.splitter.held_block_parameters(),
             tail_passes=split.splitter.tail_passes,
             client_head_params=head_params_held(split.splitter),
             node_stats=[dict(r, address=s.address, bytes_per_token_in=r.get("bytes_in", 0) / per_token)
                         for s, r in zip(split.plan.route, split.node_reports)],
             messages=st.messages)
+        draw = split.splitter.last_draw
+        if draw is not None:  # the tokens were drawn on the last node (diffuse.sampling)
+            report["sampling"] = {"draws": draw.draws, "generator_states_sent": draw.states_sent,
+                                  "processors": draw.described}
     if a.out:
         with open(a.out, "w") as f:
             f.write(streamer.printed + "\n")
@@ -318,6 +323,11 @@ def summarize(r: dict, console) -> None:
         console.print(f"  {r['calls']} ring passes, {r.get('tail_passes', 0)} ending in the final norm and output head "
                       f"on the last node (head: {head}); last hop {r['last_hop_bytes_per_token']:.0f} B per token; "
                       f"client holds {r['client_layer_params']} decoder-layer parameters", soft_wrap=True)
+        if r.get("sampling"):
+            sm = r["sampling"]
+            console.print(f"  {sm['draws']} tokens drawn on the last node after "
+                          f"{', '.join(name for name, _ in sm['processors']) or 'no processor'}; the client's "
+                          f"generator state sent {sm['generator_states_sent']} time(s)", soft_wrap=True)
         for i, ns in enumerate(r.get("node_stats") or [], 1):
             console.print(f"  node {i}: {ns.get('messages', 0)} messages, {ns.get('bytes_in', 0) / 1024:.1f} KiB in, "
                           f"{ns.get('bytes_out', 0) / 1024:.1f} KiB out, cache {ns.get('cache_bytes', 0) / 1024:.1f} KiB, "

@@ -299,7 +299,8 @@ class StageSession:
         return dict(header, slots=slots), sent
 
     def _tail(self, hidden: torch.Tensor, tail) -> dict:
-        """Final norm, the rows decoding needs, output head; the best candidates or the whole rows."""
+        """Final norm, the rows decoding needs, output head; the best candidates or the whole rows; with a
+        ``draw``, also the token generate's processors and sampling pick from the whole last row."""
         from diffuse.tail import top_candidates
 
         if not isinstance(tail, dict) or not isinstance(tail.get("rows"), list) or len(tail["rows"]) != 2 \
@@ -314,8 +315,18 @@ class StageSession:
             logits = head(h[:, start:stop])
         if 0 < tail["top"] < logits.shape[-1]:
             ids, values = top_candidates(logits, tail["top"])
-            return {"ids": ids, "values": values}
-        return {"logits": logits}
+            answer = {"ids": ids, "values": values}
+        else:
+            answer = {"logits": logits}
+        if tail.get("draw") is not None:  # generate's processors and its draw, here (diffuse.sampling)
+            from diffuse.sampling import NodeSampler
+
+            sampler = getattr(self, "sampler", None)
+            if sampler is None:
+                sampler = self.sampler = NodeSampler()
+            with torch.no_grad():
+                answer.update(sampler.draw(tail["draw"], logits[:, -1]))
+        return answer
 
     def report(self) -> dict:
         """What the session did, for the client's summary (sent at close, before the buffers go)."""

@@ -153,6 +153,9 @@ class Splitter:
         self.pending: _Pending | None = None
         self.in_generate = False  # passes are held back for the head only inside generate, which always calls it
         self.tail_passes = 0  # passes whose norm and head ran on the last node
+        self.draw = None  # a generate call's draws on the last node (diffuse.sampling.Draw), while it runs
+        self.last_draw = None  # the last generate call's (None when it drew nothing on the node), for its report
+        self._node_tail = None  # what the open ring's last node holds for draws (diffuse.sampling.NodeTail)
 
     @classmethod
     def on(cls, denoiser: nn.Module, plan: SlicingPlan) -> "Splitter":
@@ -229,7 +232,8 @@ class Splitter:
         self.denoiser.__dict__.pop("generate", None)
 
     def _wrap_generate(self) -> None:
-        """While split, ``generate`` first says how many candidates its decoding reads (``diffuse.tail``)."""
+        """While split, ``generate`` first says how many candidates its decoding reads (``diffuse.tail``); with
+        sampling, the last node applies generate's own processors and draws (``diffuse.sampling``)."""
         from diffuse.tail import candidates_needed
 
         model, bound = self.denoiser, type(self.denoiser).generate.__get__(self.denoiser)
@@ -238,14 +242,58 @@ class Splitter:
         def generate(*args, **kwargs):
             self.top = candidates_needed(model, kwargs)
             self.in_generate = True
+            self.draw = None
+            restore = self._capture_draws(model)
             try:
                 return bound(*args, **kwargs)
             finally:
+                restore()
                 self.top, self.in_generate = None, False
+                self.last_draw, self.draw = self.draw, None
                 if self.pending is not None:  # a pass nothing read (cannot happen in generate): not left behind
                     self.pending = None
 
         model.generate = generate
+
+    def _capture_draws(self, model):
+        """For the length of one ``generate`` call: the logits processors it builds are captured (with sampling,
+        described for the last node and replaced by ``DrawnToken``), and so is the token history it runs each
+        forward with. Returns what undoes both."""
+        from transformers import LogitsProcessorList
+
+        from diffuse.sampling import Draw, DrawnToken
+        from diffuse.tail import GREEDY_TOP
+
+        get_processors, prepare = model._get_logits_processor, model.prepare_inputs_for_generation
+
+        @functools.wraps(get_processors)
+        def get_logits_processor(*args, **kwargs):
+            built = get_processors(*args, **kwargs)
+            config = kwargs["generation_config"] if "generation_config" in kwargs else args[0]
+            if not getattr(config, "do_sample", False) or getattr(config, "output_scores", False) \
+                    or (getattr(config, "num_beams", 1) or 1) > 1:
+                return built  # greedy reads the best few (or the whole row); output_scores asks for whole rows
+            self.draw = Draw(built, sample=True)
+            self.top = GREEDY_TOP  # the raw best candidates still come home, for output_logits and the report
+            # each generate call's first draw carries everything (processors, whole history, generator state), so
+            # the passes of one call, replayed in order on a new node, rebuild its state exactly
+            self._node_tail = None
+            return LogitsProcessorList([DrawnToken(self.draw)])
+
+        @functools.wraps(prepare)
+        def prepare_inputs_for_generation(input_ids, *args, **kwargs):
+            if self.draw is not None:
+                self.draw.ids = input_ids
+            return prepare(input_ids, *args, **kwargs)
+
+        model._get_logits_processor = get_logits_processor
+        model.prepare_inputs_for_generation = prepare_inputs_for_generation
+
+        def restore():
+            model.__dict__.pop("_get_logits_processor", None)
+            model.__dict__.pop("prepare_inputs_for_generation", None)
+
+        return restore
 
     def run_stack(self, stack: StackPlan, args: tuple, kwargs: dict):
         if self.ring is None:
@@ -310,14 +358,30 @@ class Splitter:
         if rows is None:
             self._send_pending(None)
             raise unsupported_view(path)
-        answer = self._send_pending({"norm": p.norm, "rows": list(rows), "top": self.top or 0})
+        tail = {"norm": p.norm, "rows": list(rows), "top": self.top or 0}
+        if self.draw is not None:
+            tail["draw"] = self.draw.wire(self.node_tail())
+        answer = self._send_pending(tail)
         self.tail_passes += 1
         if not self.head_freed and not self.head_tied:
             original.to("meta")  # the last node holds it now
             self.head_freed = True
         if "logits" in answer:
-            return answer["logits"]
-        return logits_from(answer["ids"], answer["values"], original.weight.shape[0])
+            logits = answer["logits"]
+        else:
+            logits = logits_from(answer["ids"], answer["values"], original.weight.shape[0])
+        if self.draw is not None:  # the row generate will read, as it reads it
+            self.draw.took(answer, self.node_tail(), logits[:, -1].to(dtype=torch.float32, copy=True))
+        return logits
+
+    def node_tail(self):
+        """What the open ring's last node holds for draws; a new session starts with nothing."""
+        from diffuse.sampling import NodeTail
+
+        channel = self.ring.channel
+        if self._node_tail is None or self._node_tail.channel is not channel:
+            self._node_tail = NodeTail(channel)
+        return self._node_tail
 
     def _patchable(self, path: str, rmap: ReturnMap) -> bool:
         if path in self.uncut:

@@ -6,10 +6,12 @@ projects them onto the vocabulary. Split, that tail runs on the node holding the
 last layer, and only what decoding needs comes back: for plain greedy decoding
 the best ``GREEDY_TOP`` candidates of each row (ids and exact values, ties
 ordered as argmax breaks them: lowest id first), from which the client builds
-logits that are ``-inf`` elsewhere, so ``generate`` picks the very same token;
-for anything that reads the whole distribution (sampling, repetition
-penalties, other logits processors) the whole row of logits, so nothing is
-drawn from a shortlist.
+logits that are ``-inf`` elsewhere, so ``generate`` picks the very same token.
+With sampling the last node also applies ``generate``'s processors to the whole
+row and draws there (``diffuse.sampling``): the drawn token comes home with the
+same best candidates. Greedy decoding under a logits processor (a repetition
+penalty, say) gets the whole row of logits, so nothing is picked from a
+shortlist.
 
 Nothing about a family is named: the head is the model's own
 ``get_output_embeddings()``; the norm is the module the model applies to the
@@ -88,7 +90,8 @@ _NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_re
 
 def candidates_needed(model, kwargs: dict) -> int | None:
     """How many candidates per row a ``generate(**kwargs)`` call needs back: ``GREEDY_TOP`` for plain greedy
-    decoding, None (the whole row) for sampling or any logits processor."""
+    decoding, None (the whole row) for sampling or any logits processor, until ``generate`` builds its processors
+    (sampling then draws on the last node and ``GREEDY_TOP`` raw candidates come home: ``diffuse.sampling``)."""
     config = copy.deepcopy(kwargs.get("generation_config") or getattr(model, "generation_config", None))
     if config is None:
         return None

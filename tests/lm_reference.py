@@ -3,7 +3,7 @@
     python tests/lm_reference.py --model DIR --prompt TEXT [--image FILE]...
         [--max-new-tokens N] [--threads N]
         [--do-sample --seed S --temperature T --top-p P --top-k K]
-        [--no-template] --out OUT.json
+        [--arg KEY=JSON]... [--no-template] --out OUT.json
 
 Loads the model with ``AutoModelForImageTextToText`` when its config has a
 ``vision_config``, else ``AutoModelForCausalLM`` (float32, sdpa), sets the torch
@@ -11,7 +11,8 @@ thread count when ``--threads`` > 0, builds the inputs (``build_inputs``) and
 calls ``generate(**inputs, max_new_tokens=N, do_sample=..., output_logits=True,
 return_dict_in_generate=True)``; with ``--do-sample``, ``torch.manual_seed(S)``
 runs right before ``generate``, and only the sampling options given are
-passed (the others come from the model's generation_config). Writes::
+passed (the others come from the model's generation_config); ``--arg`` passes
+any other ``generate`` argument (VALUE is JSON). Writes::
 
     {"input_ids": [[...]], "new_tokens": [[...]],
      "top": [{"ids": [8 ids], "values_hex": [8 x float32 bytes as hex]}, ...]}
@@ -283,7 +284,8 @@ def _top(logits: torch.Tensor) -> dict:
 
 
 def run(model_dir: str, prompt: str, images=(), max_new_tokens: int = 8, threads: int = 0, do_sample: bool = False,
-        seed: int = 0, temperature=None, top_p=None, top_k=None, no_template: bool = False) -> dict:
+        seed: int = 0, temperature=None, top_p=None, top_k=None, no_template: bool = False,
+        generate_args: dict | None = None) -> dict:
     if threads > 0:
         torch.set_num_threads(threads)
     model = load_model(model_dir)
@@ -295,6 +297,7 @@ def run(model_dir: str, prompt: str, images=(), max_new_tokens: int = 8, threads
         do_sample=do_sample,
         output_logits=True,
         return_dict_in_generate=True,
+        **(generate_args or {}),
     )
     if do_sample:
         for key, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
@@ -323,11 +326,13 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float)
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--top-k", type=int)
+    parser.add_argument("--arg", action="append", default=[], metavar="KEY=JSON", help="another generate argument")
     parser.add_argument("--no-template", action="store_true", help="tokenize the prompt as given")
     parser.add_argument("--out", required=True)
     parser.add_argument("--jobs", metavar="FILE.json",
                         help="run each job of this JSON list instead ({model, prompt, images, max_new_tokens, "
-                             "do_sample, seed, temperature, top_p, top_k, no_template}; each model loaded afresh) "
+                             "do_sample, seed, temperature, top_p, top_k, generate_args, no_template}; each model "
+                             "loaded afresh) "
                              "and write the list of results: several references for one interpreter start")
     args = parser.parse_args(argv)
     if args.jobs:
@@ -338,7 +343,8 @@ def main(argv=None) -> int:
         results = [run(job["model"], job["prompt"], job.get("images", ()), max_new_tokens=job.get("max_new_tokens", 8),
                        threads=0, do_sample=job.get("do_sample", False), seed=job.get("seed", 0),
                        temperature=job.get("temperature"), top_p=job.get("top_p"), top_k=job.get("top_k"),
-                       no_template=job.get("no_template", False)) for job in jobs]
+                       no_template=job.get("no_template", False), generate_args=job.get("generate_args"))
+                   for job in jobs]
         with open(args.out, "w") as f:
             json.dump(results, f)
         return 0
@@ -357,6 +363,7 @@ def main(argv=None) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         no_template=args.no_template,
+        generate_args={k: json.loads(v) for k, _, v in (a.partition("=") for a in args.arg)},
     )
     with open(args.out, "w") as f:
         json.dump(result, f)

@@ -41,16 +41,22 @@ def lm_models(tmp_path_factory) -> LMModels:
 
 # every reference the tests compare with, computed in one interpreter (tests/lm_reference.py --jobs), each
 # model loaded afresh: (name, max new tokens, sampling, with the image)
+# sampling: the first four keys are the flags of the same name, the rest go to generate as they are (--arg)
+SAMPLINGS = {"temperature_top_p": {"seed": 3, "temperature": 0.9, "top_p": 0.95},
+             "top_k": {"seed": 5, "top_k": 4, "repetition_penalty": 1.3}}
+SAMPLING_FLAGS = ("seed", "temperature", "top_p", "top_k")
 REFERENCE_JOBS = [("qwen2", 6, None, False), ("hybrid", 6, None, False), ("smolvlm", 6, None, True),
                   ("qwen2_vl", 6, None, True), ("qwen2", 8, None, False),
-                  ("qwen2", 8, {"seed": 3, "temperature": 0.9, "top_p": 0.95}, False)]
+                  *(("qwen2", 8, sample, False) for sample in SAMPLINGS.values())]
 
 
 @pytest.fixture(scope="session")
 def lm_references(lm_models, image_file, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("lm-references")
     jobs = [dict(model=lm_models(name), prompt=PROMPT, max_new_tokens=new, images=[image_file] if image else [],
-                 do_sample=bool(sample), **(sample or {})) for name, new, sample, image in REFERENCE_JOBS]
+                 do_sample=bool(sample), **{k: v for k, v in (sample or {}).items() if k in SAMPLING_FLAGS},
+                 generate_args={k: v for k, v in (sample or {}).items() if k not in SAMPLING_FLAGS})
+            for name, new, sample, image in REFERENCE_JOBS]
     with open(root / "jobs.json", "w") as f:
         json.dump(jobs, f)
     cmd = [sys.executable, os.path.join(TESTS, "lm_reference.py"), "--jobs", str(root / "jobs.json"),
@@ -145,19 +151,93 @@ def test_split_vision_language_model_with_an_image_equals_transformers(name, nod
     assert "without its video processor" in proc.stderr  # said in one line, as it was built
 
 
-def test_seeded_sampling_equals_transformers(lm_models, lm_references, tmp_path, diffuse_home):
+def test_seeded_sampling_draws_on_the_last_node_and_equals_transformers(lm_models, lm_references, tmp_path,
+                                                                        diffuse_home):
+    """The last node applies generate's own processors (the generation config's default top_k of 50 included) and
+    draws in the client's generator state: the tokens are the ones generate draws whole after torch.manual_seed,
+    and only the drawn token and the best 8 raw logits come home, never a row of the vocabulary. (Top-k with a
+    repetition penalty, which reads the token history: the Python API test.)"""
     model = lm_models("qwen2")
-    sample = {"seed": 3, "temperature": 0.9, "top_p": 0.95}
+    sample = SAMPLINGS["temperature_top_p"]
     ref = reference(lm_references, model, max_new=8, sample=sample)
-    tokens, report, _ = split_run(model, tmp_path, diffuse_home, 2, max_new=8,
-                                  extra=["--seed", "3", "--temperature", "0.9", "--top-p", "0.95"])
+    flags = [f for k, v in sample.items() for f in
+             ((f"--{k.replace('_', '-')}", str(v)) if k in SAMPLING_FLAGS else ("--arg", f"{k}={v}"))]
+    tokens, report, _ = split_run(model, tmp_path, diffuse_home, 2, max_new=8, extra=flags)
     assert tokens["new_tokens"] == ref["new_tokens"]
-    # sampling reads the whole distribution: whole rows of logits came home, never a shortlist
-    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
-    assert report["last_hop_bytes_per_token"] > vocab * 4
+    assert report["top"] == ref["top"]  # the raw logits of every step, the same bits
     greedy = reference(lm_references, model, max_new=8)
     assert ref["new_tokens"] != greedy["new_tokens"]  # the draw mattered: sampling is not greedy in disguise
+    # every token was drawn on the last node, after the processors generate built (with the generation config's
+    # default top_k of 50); the client's generator state crossed once, then both stayed in step
+    steps = [("TemperatureLogitsWarper", {"temperature": 0.9}), ("TopKLogitsWarper", {"top_k": 50}),
+             ("TopPLogitsWarper", {"top_p": 0.95})]
+    described = report["sampling"].pop("processors")
+    assert [(name, {k: params[k] for k in expected}) for (name, params), (_, expected)
+            in zip(described, steps, strict=True)] == steps
+    assert report["sampling"] == {"draws": 8, "generator_states_sent": 1}
+    assert report["tail_passes"] == report["calls"]
+    # the last hop: no answer as large as a row of float32 logits, at most 1 KiB a token
+    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    assert vocab * 4 > 1024 and report["last_hop_max_bytes"] <= 1024 and report["last_hop_bytes_per_token"] <= 1024
 
+
+def test_sampling_processors_travel_as_data_and_a_node_rebuilds_them_as_transformers_built_them():
+    """Each processor of the closed list, described, through CBOR, rebuilt: the same scores as the original on the
+    same history; anything else (a name outside the list, code, a wrong parameter) is refused with a reason."""
+    import cbor2
+    import torch
+    from transformers.generation import logits_process as lp
+
+    import diffuse
+    from diffuse.sampling import PROCESSORS, NodeSampler, describe, rebuild
+
+    built = [lp.TemperatureLogitsWarper(0.7), lp.TopKLogitsWarper(5), lp.TopPLogitsWarper(0.9), lp.MinPLogitsWarper(0.1),
+             lp.TypicalLogitsWarper(0.8), lp.EpsilonLogitsWarper(3e-4), lp.EtaLogitsWarper(3e-4),
+             lp.RepetitionPenaltyLogitsProcessor(1.3), lp.RepetitionPenaltyLogitsProcessor(1.3, torch.tensor([2, 0])),
+             lp.NoRepeatNGramLogitsProcessor(2), lp.MinLengthLogitsProcessor(30, torch.tensor([3])),
+             lp.MinNewTokensLengthLogitsProcessor(5, 10, [3, 4]), lp.SuppressTokensLogitsProcessor([1, 2]),
+             lp.SuppressTokensAtBeginLogitsProcessor([5], 19), lp.ForcedBOSTokenLogitsProcessor(1),
+             lp.ForcedEOSTokenLogitsProcessor(20, 3), lp.InfNanRemoveLogitsProcessor()]
+    assert sorted({type(p).__name__ for p in built}) == sorted(PROCESSORS)
+    rebuilt = rebuild(cbor2.loads(cbor2.dumps(describe(built))))
+    g = torch.Generator().manual_seed(0)
+    history = torch.randint(0, 50, (2, 19), generator=g)
+    history[:, -3:] = history[:, 5:8]  # an n-gram seen before
+    for original, copy in zip(built, rebuilt, strict=True):
+        scores = torch.randn(2, 50, generator=g)
+        assert type(copy) is type(original) and torch.equal(copy(history, scores.clone()), original(history, scores))
+    with pytest.raises(diffuse.DiffuseError, match="cannot be rebuilt on the last node"):
+        describe([lp.WatermarkLogitsProcessor(50, "cpu")])
+    for bad in ([["os.system", {}]], [["TopKLogitsWarper", {"top_k": 5}]],
+                [["TopKLogitsWarper", {"top_k": "5", "filter_value": 0.0, "min_tokens_to_keep": 1}]], "x"):
+        with pytest.raises(diffuse.DiffuseError):
+            rebuild(bad)
+    sampler = NodeSampler()
+    for spec in ({"sample": True}, {"sample": True, "processors": [], "history": {"keep": 3, "add": [[1]]}},
+                 {"sample": True, "processors": [], "history": {"keep": 0, "add": [[1]]}, "rng": b"short"}):
+        with pytest.raises(diffuse.DiffuseError):
+            sampler.draw(spec, torch.zeros(1, 50))
+
+
+def test_the_client_refuses_a_draw_the_model_changed_after_its_head():
+    """Logits the model changes after the output head (a soft cap) would be drawn from another distribution on the
+    last node: generate's processor step refuses them rather than take the token."""
+    import torch
+
+    import diffuse
+    from diffuse.sampling import Draw, DrawnToken, NodeTail
+
+    draw = Draw([], sample=True)
+    draw.ids = torch.tensor([[4, 5, 6]])
+    draw.wire(NodeTail(None))
+    row = torch.full((1, 10), float("-inf"))
+    row[0, 2], row[0, 7] = 1.5, 0.5
+    draw.took({"drawn": torch.tensor([7]), "rng": "00"}, NodeTail(None), row)
+    forced = DrawnToken(draw)(torch.tensor([[4, 5, 6]]), row.clone())
+    assert forced[0, 7] == 0 and torch.isinf(forced).sum() == 9  # only the drawn token can be picked
+    draw.took({"drawn": torch.tensor([7]), "rng": "00"}, NodeTail(None), row)
+    with pytest.raises(diffuse.DiffuseError, match="changes its logits after the output head"):
+        DrawnToken(draw)(torch.tensor([[4, 5, 6]]), 30 * torch.tanh(row / 30))
 
 
 def test_language_model_flags_are_checked_before_anything_starts(lm_models, capsys, tmp_path, diffuse_home):
@@ -203,15 +283,18 @@ def test_a_three_turn_chat_keeps_one_session_and_sends_only_each_new_turn(lm_mod
     assert all(t["answer"] in proc.stdout for t in turns)
 
 
-def test_python_api_splits_a_transformers_model_and_refuses_beam_search(lm_models, lm_references, tmp_path,
-                                                                        diffuse_home):
+def test_python_api_splits_a_transformers_model_samples_and_refuses_beam_search(lm_models, lm_references, tmp_path,
+                                                                                diffuse_home):
     import torch
 
     import diffuse
     from diffuse.media_inputs import build_inputs
 
+    from transformers import LogitsProcessorList
+
     model_dir = lm_models("qwen2")
     ref = reference(lm_references, model_dir)
+    sample = SAMPLINGS["top_k"]
     from diffuse.localnodes import start_local_nodes
     from diffuse.plugins import transport_for
 
@@ -230,6 +313,21 @@ def test_python_api_splits_a_transformers_model_and_refuses_beam_search(lm_model
             during = [state(n) for n in nodes]
             with pytest.raises(diffuse.DiffuseError, match="beam search"):
                 model.generate(**inputs, max_new_tokens=3, num_beams=2, do_sample=False)
+            # top-k under a repetition penalty (it reads the token history, which travels as it grows), seeded twice
+            # in one session: the node's generator is set to the client's each time, so both equal the reference
+            drawn, answers = [], len(ring.ring.channel_stats.returns)
+            for _ in range(2):
+                torch.manual_seed(sample["seed"])
+                again = model.generate(**inputs, max_new_tokens=8, do_sample=True, top_k=sample["top_k"],
+                                       repetition_penalty=sample["repetition_penalty"])
+                draw = ring.splitter.last_draw
+                drawn.append((again[:, inputs["input_ids"].shape[1]:].tolist(), draw.draws, draw.states_sent,
+                              [name for name, _ in draw.described]))
+            last_hop = [n for _, n in ring.ring.channel_stats.returns[answers:]]
+            # a processor of the user's own is code: it cannot travel to the last node, so it is refused
+            with pytest.raises(diffuse.DiffuseError, match="cannot be rebuilt on the last node"):
+                model.generate(**inputs, max_new_tokens=2, do_sample=True,
+                               logits_processor=LogitsProcessorList([lambda ids, scores: scores]))
         after = [state(n) for n in nodes]
     finally:
         torch.set_num_threads(threads)
@@ -237,6 +335,10 @@ def test_python_api_splits_a_transformers_model_and_refuses_beam_search(lm_model
     # the session's caches grew on the nodes while it was open, and went with it at close
     assert all(sessions == 1 and held > 0 for sessions, held in during) and after == [(0, 0), (0, 0)]
     assert out[:, inputs["input_ids"].shape[1]:].tolist() == ref["new_tokens"]
+    sampled = reference(lm_references, model_dir, max_new=8, sample=sample)["new_tokens"]
+    assert sampled != reference(lm_references, model_dir, max_new=8)["new_tokens"]  # not greedy in disguise
+    assert drawn == [(sampled, 8, 1, ["RepetitionPenaltyLogitsProcessor", "TopKLogitsWarper"])] * 2
+    assert len(last_hop) == 16 and max(last_hop) <= 1024  # the drawn token home, never a row of the vocabulary
     assert ring.stats.passes >= 6
     held = [p for layers in ring.splitter.originals.values() for p in layers.parameters()]
     assert held and all(p.device.type == "meta" for p in held)  # the decoder layers were handed out and freed
