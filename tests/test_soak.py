@@ -54,7 +54,7 @@ def _generate(pipe, addresses: list[str], seed: int) -> np.ndarray:
 
 FLOOD = """
 import select, sys, cbor2, zmq
-ctx, ok, lost = zmq.Context(), 0, 0
+ctx, ok, lost, said = zmq.Context(), 0, 0, False
 while not select.select([sys.stdin], [], [], 0)[0]:  # until the test closes our stdin
     for address in sys.argv[1:]:
         for op in ({"op": "hello", "wire": [1, 2]}, {"op": "status"}):
@@ -68,6 +68,9 @@ while not select.select([sys.stdin], [], [], 0)[0]:  # until the test closes our
             else:
                 lost += 1
             s.close()
+    if not said:
+        print("flooding", flush=True)
+        said = True
 print(ok, lost)
 """
 
@@ -95,6 +98,7 @@ def test_three_clients_at_once_under_a_flood_each_get_their_solo_answer(pair):
             failures.append(exc)
 
     flooder = _flood(controls)
+    assert flooder.stdout.readline().strip() == "flooding"  # under way before any client starts
     clients = [threading.Thread(target=client, args=(seed,)) for seed in SEEDS]
     try:
         for c in clients:
@@ -105,7 +109,7 @@ def test_three_clients_at_once_under_a_flood_each_get_their_solo_answer(pair):
         answered, lost = map(int, flooder.communicate(timeout=30)[0].split())
     print(f"\nflood: {answered} hello/status answered, {lost} unanswered within 2 s")
     assert not failures, failures
-    assert answered > 100, (answered, lost)  # the flood really ran while the clients did
+    assert answered >= 20, (answered, lost)  # the flood really ran while the clients did
     for seed in SEEDS:
         assert np.array_equal(together[seed], solo[seed]), seed
 
