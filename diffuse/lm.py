@@ -30,7 +30,7 @@ def add_flags(ap: argparse.ArgumentParser, positive) -> None:
     g.add_argument("--media", action="append", default=[], metavar="FILE",
                    help="an image or video, its kind told by its content (repeatable)")
     g.add_argument("--audio", metavar="FILE", help="a clip for a model that listens (a speech recogniser transcribes "
-                   "it), at the model's sampling rate")
+                   "it; a chat model that hears audio answers --prompt about it), at the model's sampling rate")
     g.add_argument("--temperature", type=float, help="sample at this temperature (sampling on)")
     g.add_argument("--top-p", type=float, help="sample from the smallest set of this probability (sampling on)")
     g.add_argument("--top-k", type=int, help="sample from the K likeliest tokens (sampling on)")
