@@ -1,4 +1,5 @@
-"""Tiny transformers encoder-decoder audio models, built offline and saved for ``from_pretrained``.
+"""Tiny transformers audio models (encoder-decoders, and a chat model that listens), built offline and saved for
+``from_pretrained``.
 
 ``build(name, out_dir)`` (or ``BUILDERS[name](out_dir, seed=0)``) writes a complete
 model folder -- config.json, model.safetensors, generation_config.json, the
@@ -40,6 +41,13 @@ tensors are then scaled (named below and in the builders).
   output projections to std 0.1 (else guidance pins each codebook to one
   code). The codebook vectors (buffers) are drawn too, so decoded audio is not
   silence.
+- ``voxtral``: VoxtralForConditionalGeneration, an audio tower (2 layers,
+  d_model 16, 128 mel bins, 30 s windows) and a 4-layer Llama decoder (hidden
+  32), with a tekken.json written here (256 byte tokens, 96 merges counted on
+  the text below, Voxtral's special-token ranks and audio section; it needs
+  mistral-common to load). Decoder token embeddings are scaled to std 1.0
+  (else the answer is one token repeated); ``</s>`` scores exactly 0, so
+  greedy decoding runs to ``max_new_tokens``.
 
     python tests/encdec_models.py NAME OUT_DIR [SEED]
 """
