@@ -30,7 +30,7 @@ def add_flags(ap: argparse.ArgumentParser, positive) -> None:
     g.add_argument("--media", action="append", default=[], metavar="FILE",
                    help="an image or video, its kind told by its content (repeatable)")
     g.add_argument("--audio", metavar="FILE", help="a clip for a model that listens (a speech recogniser transcribes "
-                   "it), at the model's sampling rate")
+                   "it; a chat model that hears audio answers --prompt about it), at the model's sampling rate")
     g.add_argument("--temperature", type=float, help="sample at this temperature (sampling on)")
     g.add_argument("--top-p", type=float, help="sample from the smallest set of this probability (sampling on)")
     g.add_argument("--top-k", type=int, help="sample from the K likeliest tokens (sampling on)")
@@ -144,7 +144,8 @@ def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
 
     import diffuse
     from diffuse.api import Split
-    from diffuse.media_inputs import build_inputs, load_tokenizer, media_kind
+    from diffuse.audio_inputs import takes_audio_in_chat
+    from diffuse.media_inputs import build_inputs, load_config, load_tokenizer, media_kind
     from diffuse.planner import load_model
 
     t0 = time.perf_counter()
@@ -159,6 +160,17 @@ def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
         if a.image or a.video or a.media or a.prompt is not None or a.no_template:
             raise DiffuseError(f"{cls.__name__} takes audio only (--audio); no prompt, images or video")
         inputs, note = build_audio_inputs(info.path, a.audio)
+    elif a.audio and takes_audio_in_chat(load_config(info.path)):  # it listens through its prompt: audio + question
+        from diffuse.audio_inputs import build_audio_chat_inputs
+
+        if a.no_template:
+            raise DiffuseError(f"--no-template: {cls.__name__} takes audio only through its chat template (one user "
+                               f"turn: the audio, then the text); leave the flag out")
+        if a.image or a.video or a.media:
+            raise DiffuseError(f"{cls.__name__} takes audio and text; no images or video")
+        if a.prompt is None:
+            raise DiffuseError("--prompt is needed: the question about the audio")
+        inputs, note = build_audio_chat_inputs(info.path, a.audio, a.prompt), None
     else:
         if a.audio:
             raise DiffuseError(f"--audio: {cls.__name__} does not take audio")

@@ -126,6 +126,11 @@ def _tokenizer(path: str, stamp: tuple):
         raise DiffuseError(f"cannot load the tokenizer of {path}: {_first_line(exc)}") from None
 
 
+def load_config(model_dir):
+    """The model's config (``AutoConfig``), read once per folder state."""
+    return _config(*_key(model_dir))
+
+
 def load_tokenizer(model_dir):
     """The model's tokenizer (``AutoTokenizer``), for decoding and streaming."""
     return _tokenizer(*_key(model_dir))
@@ -319,6 +324,27 @@ def _has_template(obj) -> bool:
     return bool(getattr(obj, "chat_template", None))
 
 
+def _renders_chats_itself(tokenizer) -> bool:
+    """A tokenizer with no Jinja template whose class renders conversations by its own code (Mistral's tekken
+    tokenizer: its chat format lives in mistral-common, and only its token ids are safe, not a rendered text
+    tokenized again)."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    own = getattr(type(tokenizer), "apply_chat_template", None)
+    return not _has_template(tokenizer) and own is not None and own is not PreTrainedTokenizerBase.apply_chat_template
+
+
+def _chat_ids(tokenizer, messages: list[dict]) -> dict:
+    import torch
+
+    try:
+        enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    except Exception as exc:
+        raise DiffuseError(f"the {type(tokenizer).__name__} could not render the conversation: {_first_line(exc)}") from None
+    ids = torch.tensor([list(enc["input_ids"])], dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
 def _media_token(processor, kind: str) -> str | None:
     token = getattr(processor, f"{kind}_token", None) or getattr(processor.tokenizer, f"{kind}_token", None)
     return token if isinstance(token, str) and token else None
@@ -425,11 +451,13 @@ def build_inputs(model_dir: str, prompt: str, images: list = (), videos: list = 
     config, processor, note, images, videos = _media(path, stamp, images, videos)
     if processor is None:
         tokenizer = _tokenizer(path, stamp)
+        chat = [{"role": "user", "content": prompt}]
+        if not no_template and _renders_chats_itself(tokenizer):
+            return _chat_ids(tokenizer, chat), None
         if no_template or not _has_template(tokenizer):
             text = prompt
         else:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                 add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         return _tokenize(tokenizer, text), None
 
     if no_template or not _has_template(processor):
@@ -466,6 +494,8 @@ def chat_inputs(model_dir, messages: list[dict], images=()) -> tuple[dict, str |
     if not _takes_images(config):
         _media(path, stamp, images, ())  # refuses images
         tokenizer = _tokenizer(path, stamp)
+        if _renders_chats_itself(tokenizer):
+            return _chat_ids(tokenizer, messages), None
         if not _has_template(tokenizer):
             raise DiffuseError(f"{config.model_type} has no chat template: a conversation cannot be rendered "
                                f"(give one prompt instead)")

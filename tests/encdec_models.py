@@ -1,4 +1,5 @@
-"""Tiny transformers encoder-decoder audio models, built offline and saved for ``from_pretrained``.
+"""Tiny transformers audio models (encoder-decoders, and a chat model that listens), built offline and saved for
+``from_pretrained``.
 
 ``build(name, out_dir)`` (or ``BUILDERS[name](out_dir, seed=0)``) writes a complete
 model folder -- config.json, model.safetensors, generation_config.json, the
@@ -40,6 +41,13 @@ tensors are then scaled (named below and in the builders).
   output projections to std 0.1 (else guidance pins each codebook to one
   code). The codebook vectors (buffers) are drawn too, so decoded audio is not
   silence.
+- ``voxtral``: VoxtralForConditionalGeneration, an audio tower (2 layers,
+  d_model 16, 128 mel bins, 30 s windows) and a 4-layer Llama decoder (hidden
+  32), with a tekken.json written here (256 byte tokens, 96 merges counted on
+  the text below, Voxtral's special-token ranks and audio section; it needs
+  mistral-common to load). Decoder token embeddings are scaled to std 1.0
+  (else the answer is one token repeated); ``</s>`` scores exactly 0, so
+  greedy decoding runs to ``max_new_tokens``.
 
     python tests/encdec_models.py NAME OUT_DIR [SEED]
 """
@@ -50,7 +58,7 @@ import json
 import os
 import sys
 
-NAMES = ["whisper", "musicgen"]
+NAMES = ["whisper", "musicgen", "voxtral"]
 
 # What the tokenizers are trained on: plain spoken-style English and the words
 # music prompts use.
@@ -413,11 +421,159 @@ def build_musicgen(out_dir: str, seed: int = 0) -> str:
 
 
 # --------------------------------------------------------------------------- #
+# voxtral
+
+
+# Tekken's special tokens, at the ranks Voxtral's tekken.json gives them (the
+# processor hard-codes the audio placeholder at id 24); the ranks between are
+# filled with <SPECIAL_n> by the Tekkenizer itself.
+_TEKKEN_SPECIALS = {
+    0: "<unk>", 1: "<s>", 2: "</s>", 3: "[INST]", 4: "[/INST]", 5: "[AVAILABLE_TOOLS]", 6: "[/AVAILABLE_TOOLS]",
+    7: "[TOOL_RESULTS]", 8: "[/TOOL_RESULTS]", 9: "[TOOL_CALLS]", 10: "[IMG]", 11: "<pad>", 12: "[IMG_BREAK]",
+    13: "[IMG_END]", 14: "[PREFIX]", 15: "[MIDDLE]", 16: "[SUFFIX]", 17: "[SYSTEM_PROMPT]", 18: "[/SYSTEM_PROMPT]",
+    19: "[TOOL_CONTENT]", 24: "[AUDIO]", 25: "[BEGIN_AUDIO]", 32: "[ARGS]", 33: "[CALL_ID]", 34: "[TRANSCRIBE]",
+}
+_TEKKEN_NUM_SPECIAL = 40
+_TEKKEN_MERGES = 96  # byte-pair merges after the 256 byte tokens
+_TEKKEN_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+                   r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+"
+                   r"[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # Tekken's own pre-tokenizer pattern
+_VOXTRAL_AUDIO_TOKEN = 24
+_VOXTRAL_RATE = 16000
+_VOXTRAL_MELS = 128
+_VOXTRAL_CHUNK_S = 30  # the processor pads every clip to a multiple of 30 s (480 000 samples)
+_VOXTRAL_FRAME_RATE = 12.5  # audio tokens per second: 30 s -> 3000 mel frames -> 1500 encoder positions -> 375
+_VOXTRAL_EMBED_GAIN = 5.0  # decoder token embeddings: std 1.0 (at 0.2 the answer is one token repeated)
+
+
+def _tekken_merges(n: int) -> list[bytes]:
+    """``n`` byte-pair merges counted on ``_CORPUS`` (split as Tekken's pattern splits it), most frequent pair
+    first, ties broken by the pair's bytes: a deterministic, tiny stand-in for Tekken's trained ranks."""
+    import regex
+    from collections import Counter
+
+    words = Counter(regex.findall(_TEKKEN_PATTERN, _CORPUS))
+    split = {w: [bytes([b]) for b in w.encode()] for w in words}
+    merges: list[bytes] = []
+    while len(merges) < n:
+        pairs: Counter = Counter()
+        for w, parts in split.items():
+            for a, b in zip(parts, parts[1:]):
+                pairs[(a, b)] += words[w]
+        if not pairs:
+            break
+        (a, b), _ = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
+        merges.append(a + b)
+        for w, parts in split.items():
+            out, i = [], 0
+            while i < len(parts):
+                if i + 1 < len(parts) and parts[i] == a and parts[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(parts[i])
+                    i += 1
+            split[w] = out
+    return merges
+
+
+def tekken_json() -> dict:
+    """A tiny tekken.json (version v11, as Voxtral's): the 256 byte tokens and ``_TEKKEN_MERGES`` merges after
+    ``_TEKKEN_NUM_SPECIAL`` special tokens, and Voxtral's audio section (16 kHz, 128 mel bins, hop 160,
+    window 400, 12.5 audio tokens per second, clips padded to 30 s)."""
+    import base64
+
+    pieces = [bytes([i]) for i in range(256)] + _tekken_merges(_TEKKEN_MERGES)
+
+    def text(b: bytes):
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
+    vocab = [{"rank": i, "token_bytes": base64.b64encode(b).decode("ascii"), "token_str": text(b)}
+             for i, b in enumerate(pieces)]
+    specials = [{"rank": r, "token_str": s, "is_control": True} for r, s in sorted(_TEKKEN_SPECIALS.items())]
+    specials = _fill_specials(specials)
+    return {
+        "config": {"pattern": _TEKKEN_PATTERN, "num_vocab_tokens": len(vocab),
+                   "default_vocab_size": _TEKKEN_NUM_SPECIAL + len(vocab),
+                   "default_num_special_tokens": _TEKKEN_NUM_SPECIAL, "version": "v11"},
+        "vocab": vocab,
+        "special_tokens": specials,
+        "audio": {"sampling_rate": _VOXTRAL_RATE, "frame_rate": _VOXTRAL_FRAME_RATE,
+                  "audio_encoding_config": {"num_mel_bins": _VOXTRAL_MELS, "hop_length": 160, "window_size": 400},
+                  "chunk_length_s": float(_VOXTRAL_CHUNK_S)},
+    }
+
+
+def _fill_specials(specials: list[dict]) -> list[dict]:
+    """The special tokens listed rank by rank: the Tekkenizer numbers them by position in the list, so the
+    ranks not named get a ``<SPECIAL_n>`` filler of their own."""
+    named = {t["rank"]: t for t in specials}
+    return [named.get(r, {"rank": r, "token_str": f"<SPECIAL_{r}>", "is_control": True})
+            for r in range(max(named) + 1)]
+
+
+def build_voxtral(out_dir: str, seed: int = 0) -> str:
+    """Voxtral (VoxtralForConditionalGeneration): a Whisper-like audio tower (2 layers, d_model 16, 2 heads,
+    128 mel bins, 1500 positions = 30 s), a projector (4 audio frames -> one 32-wide embedding) and a Llama
+    decoder (4 layers, hidden 32, 4 heads, 2 key/value heads, FFN 64); the vocabulary is the hand-made
+    tekken.json above (``tekken_json``); processor_config.json names VoxtralProcessor with a
+    WhisperFeatureExtractor (128 mel bins, 30 s window). Generation: greedy, 8 new tokens.
+
+    Traps: the processor takes audio only through its chat template (``apply_chat_template`` with an audio
+    part, then the text; it calls mistral-common, which reads the file); every clip is padded to 30 s, so the
+    prompt holds 375 ``[AUDIO]`` placeholders (id 24) after ``[BEGIN_AUDIO]``; the audio tower and the
+    projector run inside ``forward`` on the first pass and their output replaces the placeholders'
+    embeddings, so the decoder stack (``model.language_model.layers``, ``text_config.num_hidden_layers``)
+    sees one ordinary stream; the audio tower's stack is ``model.audio_tower.layers``
+    (``audio_config.num_hidden_layers``)."""
+    import torch
+    from transformers import VoxtralConfig, VoxtralForConditionalGeneration, WhisperFeatureExtractor
+
+    tekken = tekken_json()
+    vocab_size = tekken["config"]["default_vocab_size"]
+    bos, eos, pad = 1, 2, 11
+    config = VoxtralConfig(
+        audio_config=dict(model_type="voxtral_encoder", hidden_size=16, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_mel_bins=_VOXTRAL_MELS, max_source_positions=1500,
+                          vocab_size=vocab_size),
+        text_config=dict(model_type="llama", vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=1024, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=False),
+        audio_token_id=_VOXTRAL_AUDIO_TOKEN,
+        projector_hidden_act="gelu",
+        dtype="float32",
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = VoxtralForConditionalGeneration(config).to(torch.float32).eval()
+    _randomize(model, seed, quiet_ids=[eos])
+    with torch.no_grad():
+        model.model.language_model.embed_tokens.weight.mul_(_VOXTRAL_EMBED_GAIN)
+    features = WhisperFeatureExtractor(feature_size=_VOXTRAL_MELS, sampling_rate=_VOXTRAL_RATE, hop_length=160,
+                                       chunk_length=_VOXTRAL_CHUNK_S, n_fft=400)
+    generation = dict(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, max_new_tokens=8, do_sample=False)
+
+    def save_processor(path: str) -> None:
+        with open(os.path.join(path, "tekken.json"), "w") as f:
+            json.dump(tekken, f, ensure_ascii=False)
+        features.save_pretrained(path)
+        with open(os.path.join(path, "processor_config.json"), "w") as f:
+            json.dump({"processor_class": "VoxtralProcessor"}, f)
+
+    return _save(model, out_dir, generation, save_processor)
+
+
+# --------------------------------------------------------------------------- #
 
 
 BUILDERS = {
     "whisper": build_whisper,
     "musicgen": build_musicgen,
+    "voxtral": build_voxtral,
 }
 
 

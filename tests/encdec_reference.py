@@ -4,6 +4,8 @@
         [--max-new-tokens N] [--threads N] --out OUT.json
     python tests/encdec_reference.py --model MUSICGEN_DIR --prompt TEXT
         [--max-new-tokens N] [--threads N] [--wav OUT.wav] --out OUT.json
+    python tests/encdec_reference.py --model VOXTRAL_DIR --audio CLIP.wav --prompt TEXT
+        [--max-new-tokens N] [--threads N] --out OUT.json
     python tests/encdec_reference.py --jobs JOBS.json [--threads N] --out OUT.json
 
 The model type comes from the folder's config.json. Both load float32 in eval
@@ -58,10 +60,29 @@ first, codebooks inner), before the guidance processor mixes them.
 ``--wav`` the audio is written there too (soundfile's default WAV subtype,
 16-bit PCM, at the codec's rate).
 
-``--jobs FILE.json``: a JSON list of jobs, each ``{"model", "audio"}`` (Whisper)
-or ``{"model", "prompt"}`` (MusicGen), with optional ``"max_new_tokens"`` and
-``"wav"``; each model is loaded afresh in one interpreter and the list of
-results is written.
+Voxtral (VoxtralForConditionalGeneration, sdpa): its processor takes audio only
+through its chat template, so the inputs are
+``processor.apply_chat_template(conversation)`` for one user turn holding the
+clip (``{"type": "audio", "path": CLIP}``, read by mistral-common) and then the
+text (``{"type": "text", "text": PROMPT}``): ``input_ids`` (the clip's
+``[AUDIO]`` placeholders included), ``attention_mask`` and ``input_features``.
+Then ``generate(**inputs, max_new_tokens=N, output_logits=True,
+return_dict_in_generate=True)`` with the rest from the generation config
+(greedy). Writes::
+
+    {"input_ids": [[...]], "new_tokens": [[...]], "text": "...", "top": [...],
+     "text_only_input_ids": [[...]]}
+
+``new_tokens`` follow the prompt in ``sequences``; ``top`` as for Whisper.
+``text_only_input_ids``: the same question without the audio, as the
+tokenizer's own ``apply_chat_template(..., add_generation_prompt=True,
+tokenize=True, return_dict=True)`` renders it (Mistral's tokenizer renders chats in
+mistral-common, with no Jinja template).
+
+``--jobs FILE.json``: a JSON list of jobs, each ``{"model", "audio"}`` (Whisper),
+``{"model", "prompt"}`` (MusicGen) or ``{"model", "audio", "prompt"}``
+(Voxtral), with optional ``"max_new_tokens"`` and ``"wav"``; each model is
+loaded afresh in one interpreter and the list of results is written.
 
 ``write_clip(path, seconds=1.0, rate=16000)`` writes the deterministic test
 clip the tests use (three sine tones under an envelope plus seeded noise,
@@ -85,6 +106,7 @@ from transformers import (
     AutoConfig,
     AutoProcessor,
     MusicgenForConditionalGeneration,
+    VoxtralForConditionalGeneration,
     WhisperForConditionalGeneration,
 )
 
@@ -230,6 +252,44 @@ def run_musicgen(model_dir: str, prompt: str, max_new_tokens: int | None = None,
 
 
 # --------------------------------------------------------------------------- #
+# voxtral
+
+
+def voxtral_inputs(model_dir: str, audio_path: str, prompt: str) -> dict:
+    """``input_ids``, ``attention_mask`` and ``input_features`` as the processor's chat template makes them for
+    one user turn: the clip, then the text."""
+    processor = AutoProcessor.from_pretrained(model_dir)
+    read_audio(audio_path, processor.feature_extractor.sampling_rate)  # the rate checked, as for Whisper
+    conversation = [{"role": "user", "content": [{"type": "audio", "path": str(audio_path)},
+                                                 {"type": "text", "text": prompt}]}]
+    return dict(processor.apply_chat_template(conversation))
+
+
+def run_voxtral(model_dir: str, audio_path: str, prompt: str, max_new_tokens: int = DEFAULT_WHISPER_NEW_TOKENS,
+                threads: int = 0) -> dict:
+    if threads > 0:
+        torch.set_num_threads(threads)
+    inputs = voxtral_inputs(model_dir, audio_path, prompt)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = VoxtralForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, output_logits=True,
+                             return_dict_in_generate=True)
+    new_tokens = out.sequences[:, inputs["input_ids"].shape[1]:]
+    return {
+        "input_ids": inputs["input_ids"].tolist(),
+        "new_tokens": new_tokens.tolist(),
+        "text": processor.batch_decode(new_tokens, skip_special_tokens=True)[0],
+        "top": [_top(step[0]) for step in out.logits],
+        "text_only_input_ids": [list(processor.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+            return_dict=True)["input_ids"])],
+    }
+
+
+# --------------------------------------------------------------------------- #
 
 
 def run_job(job: dict, threads: int = 0) -> dict:
@@ -244,22 +304,28 @@ def run_job(job: dict, threads: int = 0) -> dict:
             raise ValueError("a musicgen job needs a prompt")
         return run_musicgen(job["model"], job["prompt"], job.get("max_new_tokens"), threads=threads,
                             wav=job.get("wav"))
-    raise ValueError(f"no reference for model type {kind!r} (whisper and musicgen only)")
+    if kind == "voxtral":
+        if "audio" not in job or "prompt" not in job:
+            raise ValueError("a voxtral job needs an audio file and a prompt")
+        return run_voxtral(job["model"], job["audio"], job["prompt"],
+                           job.get("max_new_tokens", DEFAULT_WHISPER_NEW_TOKENS), threads=threads)
+    raise ValueError(f"no reference for model type {kind!r} (whisper, musicgen and voxtral only)")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model")
-    parser.add_argument("--audio", help="Whisper: a mono WAV (or any soundfile format) at the extractor's rate")
-    parser.add_argument("--prompt", help="MusicGen: the text prompt")
+    parser.add_argument("--audio", help="Whisper, Voxtral: a mono WAV (or any soundfile format) at the extractor's rate")
+    parser.add_argument("--prompt", help="MusicGen: the text prompt; Voxtral: the question after the audio")
     parser.add_argument("--max-new-tokens", type=int,
-                        help=f"Whisper: default {DEFAULT_WHISPER_NEW_TOKENS}; "
+                        help=f"Whisper, Voxtral: default {DEFAULT_WHISPER_NEW_TOKENS}; "
                              "MusicGen: default from its generation config")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 leaves torch's default")
     parser.add_argument("--wav", help="MusicGen: also write the generated audio here")
     parser.add_argument("--out", required=True)
     parser.add_argument("--jobs", metavar="FILE.json",
-                        help="run each job of this JSON list instead ({model, audio} or {model, prompt}, optional "
+                        help="run each job of this JSON list instead ({model, audio}, {model, prompt} or "
+                             "{model, audio, prompt}, optional "
                              "max_new_tokens and wav; each model loaded afresh) and write the list of results")
     args = parser.parse_args(argv)
     if args.jobs:
