@@ -2,17 +2,22 @@
 
 A Wan-shaped transformer of real block width (WanTransformer3DModel, hidden
 1536 = 12 heads x 128, FFN 8960, 4 blocks, random weights) is saved to a temp
-folder; two local nodes hold half of its blocks each, one torch thread per node
-and one for the client. The transformer is driven directly with fixed inputs
-(no VAE, no text encoder) for a few denoising steps, through the real
-Splitter, Ring and nodes. Only the transformer's forward calls are timed, and
-only steps after the first (the first step of a branch always runs whole).
+folder. Two local nodes hold half of its blocks each (one ring of 2), and two
+more hold all of them (two groups of one node); one torch thread per node and
+one for the client. The transformer is driven directly with fixed inputs (no
+VAE, no text encoder) as a guided pipeline drives it: two calls per step, with
+and without the prompt, through the real Splitter, Ring and nodes. Only the
+transformer's forward calls are timed, and only steps after the first two (a
+branch's first step runs whole; the second checks the quick attention path).
 
-Printed: the overhead of splitting at one patch (split / whole), the speedup
-at P = 2 and 4 over the whole model on one thread against the ideal for two
-stages, 2P/(P+1), the bytes on the wire per step against sending the whole
+Printed, each as the mean over the timed steps with its spread (one standard
+error): the overhead of splitting at one patch (split / whole), the speedup at
+P = 2 and 4 over the whole model on one thread against the ideal for two
+stages, 2P/(P+1), the speedup of the two branches run side by side on two
+groups against 2, the bytes on the wire per step against sending the whole
 latent on every pass, and the time per patch of the quick and plain attention
-paths. ``--quick`` runs a small model for a smoke test.
+paths; with the machine's core count and load. ``--quick`` runs a small model
+for a smoke test.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-FULL = dict(heads=12, head_dim=128, ffn=8960, layers=4, text_dim=4096, text_len=512, frames=3, size=32, steps=5)
+FULL = dict(heads=12, head_dim=128, ffn=8960, layers=4, text_dim=4096, text_len=512, frames=3, size=32, steps=10)
 QUICK = dict(heads=4, head_dim=32, ffn=512, layers=4, text_dim=64, text_len=32, frames=3, size=16, steps=4)
+GUIDANCE = 5.0
 TIMED_FROM = 2  # steps (0-based) timed: the first runs whole, the second also checks quick against plain once
 
 
@@ -63,11 +69,13 @@ def inputs(cfg: dict, seed: int = 0) -> dict:
     return {
         "latent": torch.randn(1, 16, cfg["frames"], cfg["size"], cfg["size"], generator=g),
         "text": torch.randn(1, cfg["text_len"], cfg["text_dim"], generator=g),
+        "negative": torch.randn(1, cfg["text_len"], cfg["text_dim"], generator=g),
     }
 
 
 def denoise(transformer, x: dict, steps: int) -> tuple[list[float], "torch.Tensor"]:
-    """A plain Euler loop over ``steps`` steps; the seconds of each transformer call, and the result."""
+    """A guided Euler loop over ``steps`` steps (a call with the prompt, then one without, combined as a
+    pipeline combines them); the seconds of each step's two transformer calls, and the result."""
     import torch
 
     latent = x["latent"].clone()
@@ -76,19 +84,44 @@ def denoise(transformer, x: dict, steps: int) -> tuple[list[float], "torch.Tenso
         for s in range(steps):
             t = torch.tensor([1000.0 * (1 - s / steps)])
             t0 = time.perf_counter()
-            v = transformer(hidden_states=latent, timestep=t, encoder_hidden_states=x["text"], return_dict=False)[0]
+            cond = transformer(hidden_states=latent, timestep=t, encoder_hidden_states=x["text"],
+                               return_dict=False)[0]
+            uncond = transformer(hidden_states=latent, timestep=t, encoder_hidden_states=x["negative"],
+                                 return_dict=False)[0]
             times.append(time.perf_counter() - t0)
-            latent = latent - v / steps
+            latent = latent - (uncond + GUIDANCE * (cond - uncond)) / steps
     return times, latent
 
 
-def split_run(path: str, nodes, x: dict, steps: int, patches: int, attention: str = "auto") -> dict:
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    """Mean and its standard error."""
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, 0.0
+    var = sum((v - m) ** 2 for v in xs) / (len(xs) - 1)
+    return m, (var / len(xs)) ** 0.5
+
+
+def ratio(whole: list[float], split: list[float]) -> tuple[float, float]:
+    """whole / split of the mean step times, and its spread (standard errors combined)."""
+    (mw, sw), (ms, ss) = mean_se(whole), mean_se(split)
+    r = mw / ms
+    return r, r * ((sw / mw) ** 2 + (ss / ms) ** 2) ** 0.5
+
+
+def split_run(path: str, nodes, x: dict, steps: int, patches: int, attention: str = "auto", groups: int = 1) -> dict:
     import diffuse
 
     transformer = load_transformer(path)
-    with diffuse.split(transformer, nodes=[f"{n.address}#{n.key}" for n in nodes], patches=patches,
-                       attention=attention, timeout=600, model=path) as split:
+    addresses = [f"{n.address}#{n.key}" for n in nodes]
+    per = len(addresses) // groups
+    spec = ";".join(",".join(addresses[k * per:(k + 1) * per]) for k in range(groups))
+    with diffuse.split(transformer, nodes=spec, patches=patches, attention=attention, timeout=600,
+                       model=path) as split:
         times, out = denoise(transformer, x, steps)
+    if groups > 1:
+        return {"times": times, "out": out, "busy": [r.get("busy_s", 0.0) for r in split.node_reports],
+                "ahead_used": split.ring.ahead_used}
     st, reports = split.ring.channel_stats, split.node_reports
     later = [m for m in st.messages if m.get("step", 2) > 1]
     seqs = {m["seq"] for m in later} if patches > 1 else {m["seq"] for m in st.messages[1:]}
@@ -173,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     tmp = a.keep or tempfile.mkdtemp(prefix="diffuse-bench-")
-    nodes = []
+    nodes, group_nodes = [], []
     try:
         hidden = cfg["heads"] * cfg["head_dim"]
         tokens = cfg["frames"] * (cfg["size"] // 2) ** 2
@@ -181,22 +214,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{cfg['head_dim']}), FFN {cfg['ffn']}, random weights; {tokens} tokens "
               f"(latent {cfg['frames']}x{cfg['size']}x{cfg['size']}, patch 1x2x2), text {cfg['text_len']} tokens",
               flush=True)
-        print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}; client and each of 2 local nodes "
-              f"at 1 torch thread; {cfg['steps']} steps per run, the first {TIMED_FROM} not timed", flush=True)
+        print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}; client and each local node at 1 "
+              f"torch thread; {cfg['steps']} guided steps per run (two transformer calls each), the first "
+              f"{TIMED_FROM} not timed", flush=True)
         if not os.path.isfile(os.path.join(tmp, "model_index.json")):
             build_model(tmp, cfg)
         nodes = start_local_nodes(tmp, 2, threads=1, extra=["--log-level", "WARNING"])
+        group_nodes = start_local_nodes(tmp, 2, threads=1, extra=["--log-level", "WARNING"], groups=2)
         x = inputs(cfg)
         steps = cfg["steps"]
 
         load0 = os.getloadavg()
         whole_times, whole_out = denoise(load_transformer(tmp), x, steps)
-        timed = steps - TIMED_FROM
-        whole = sum(whole_times[TIMED_FROM:]) / timed
+        timed = whole_times[TIMED_FROM:]
+        whole = mean_se(timed)[0]
         runs = {}
-        for name, p, att in (("P=1", 1, "auto"), ("P=2", 2, "auto"), ("P=4", 4, "auto"), ("P=4 plain", 4, "plain")):
-            r = split_run(tmp, nodes, x, steps, p, att)
-            r["step"] = sum(r["times"][TIMED_FROM:]) / timed
+        for name, p, att, g in (("P=1", 1, "auto", 1), ("P=2", 2, "auto", 1), ("P=4", 4, "auto", 1),
+                                ("P=4 plain", 4, "plain", 1), ("2 groups", 1, "auto", 2)):
+            r = split_run(tmp, group_nodes if g > 1 else nodes, x, steps, p, att, g)
+            r["step"] = mean_se(r["times"][TIMED_FROM:])[0]
             runs[name] = r
             busy = ", ".join(f"{b / steps:.2f}" for b in r["busy"])
             print(f"  {name:10s} {r['step']:.3f} s per step (whole: {whole:.3f} s); steps: "
@@ -205,26 +241,37 @@ def main(argv: list[str] | None = None) -> int:
         exact = runs["P=1"]["out"]
         latent_bytes = tokens * hidden * 4
 
-        print(f"\nresults (seconds are transformer forward calls, mean of steps {TIMED_FROM + 1}..{steps}; "
-              f"load average {load0[0]:.2f} before, {load1[0]:.2f} after)")
-        print(f"  whole, one process:       {whole:.3f} s/step")
-        o = runs["P=1"]["step"] / whole
-        print(f"  overhead (split P=1 / whole): {o:.3f}   target <= 1.10   "
+        print(f"\nresults on {os.cpu_count()} cores (seconds are a step's two transformer calls, mean of steps "
+              f"{TIMED_FROM + 1}..{steps} +- one standard error; load average {load0[0]:.2f} before, "
+              f"{load1[0]:.2f} after)")
+        mw, sw = mean_se(timed)
+        print(f"  whole, one process:       {mw:.3f} +- {sw:.3f} s/step")
+        o, so = ratio(runs["P=1"]["times"][TIMED_FROM:], timed)
+        print(f"  overhead (split P=1 / whole): {o:.3f} +- {so:.3f}   target <= 1.10   "
               f"(P=1 output equals whole: {bool(torch.equal(exact, whole_out))})")
         for p in (2, 4):
             r = runs[f"P={p}"]
-            s, ideal = whole / r["step"], 2 * p / (p + 1)
-            print(f"  speedup P={p}: {s:.2f}x   ideal {ideal:.2f}x   {100 * s / ideal:.0f}% of ideal"
-                  + ("   target >= 90%" if p == 4 else "")
+            sp, ss = ratio(timed, r["times"][TIMED_FROM:])
+            ideal = 2 * p / (p + 1)
+            print(f"  speedup P={p}: {sp:.2f}x +- {ss:.2f}   ideal {ideal:.2f}x   {100 * sp / ideal:.0f}% of ideal"
+                  + ("   target >= 95%" if p == 4 else "")
                   + f"   max |out - exact| {float((r['out'] - exact).abs().max()):.2e}")
         rp = runs["P=4 plain"]
-        print(f"  P=4 on the plain path: {whole / rp['step']:.2f}x")
+        print(f"  P=4 on the plain path: {ratio(timed, rp['times'][TIMED_FROM:])[0]:.2f}x")
+        rg = runs["2 groups"]
+        sg, sgs = ratio(timed, rg["times"][TIMED_FROM:])
+        print(f"  speedup, branches side by side on 2 groups of 1 node: {sg:.2f}x +- {sgs:.2f}   ideal 2.00x   "
+              f"{50 * sg:.0f}% of ideal   target >= 1.80x   (calls answered by a pass sent ahead: "
+              f"{rg['ahead_used']}; output equals whole: {bool(torch.equal(rg['out'], whole_out))})")
+        busy = {name: sum(r["busy"]) / steps for name, r in runs.items()}
+        print(f"  node busy per step, all nodes: P=1 {busy['P=1']:.2f} s, P=4 {busy['P=4']:.2f} s "
+              f"({100 * (busy['P=4'] / busy['P=1'] - 1):+.0f}%; target within 10%)")
         for name in ("P=1", "P=2", "P=4"):
             r = runs[name]
             print(f"  wire {name}: {r['bytes_per_step'] / 2**20:.2f} MiB per step over {r['hops']} hops "
                   f"(whole latent each pass: {r['hops'] * latent_bytes / 2**20:.2f} MiB)")
         for name, r in runs.items():
-            for stack, m in r["paths"].items():
+            for stack, m in r.get("paths", {}).items():
                 agree = "" if m["agreement"] is None else f", agreement {m['agreement']:.1e}"
                 print(f"  attention {name}: {stack} {m['path']}{agree}")
         pt = patch_times(tmp, cfg, x, 4)
@@ -234,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if nodes:
             stop_local_nodes(nodes)
+        if group_nodes:
+            stop_local_nodes(group_nodes)
         if not a.keep:
             shutil.rmtree(tmp, ignore_errors=True)
     return 0

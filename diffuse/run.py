@@ -277,6 +277,10 @@ def generate(a: argparse.Namespace, console) -> dict:
             client_block_params=split.splitter.held_block_parameters(),
             node_params=[r.get("params") for r in split.node_reports], node_stats=split.node_reports,
             messages=st.messages, returns=st.returns)
+        if len(split.rings) > 1:
+            ring = split.ring
+            report["branches"] = {"groups": len(split.rings), "ahead_used": ring.ahead_used,
+                                  "ahead_dropped": ring.ahead_dropped, "batches_cut": ring.batches_cut}
         if a.patches > 1:
             report.update(patches=a.patches, patcher_calls=split.patch_calls, patches_used=split.patches_used,
                           uncut={k: v for k, v in split.uncut.items() if k not in split.ring.uncut},
@@ -350,6 +354,11 @@ def summarize(r: dict, console) -> None:
                 console.print(f"  node {i}: {ns.get('messages', 0)} messages, {ns.get('bytes_in', 0) / 1024:.1f} KiB in, "
                               f"{ns.get('bytes_out', 0) / 1024:.1f} KiB out, busy {ns.get('busy_s', 0.0):.1f} s",
                               soft_wrap=True)
+        b = r.get("branches")
+        if b:
+            console.print(f"  {b['groups']} groups of nodes: {b['batches_cut']} calls cut between them by batch, "
+                          f"{b['ahead_used']} answered by a pass sent ahead ({b['ahead_dropped']} sent ahead unused)",
+                          soft_wrap=True)
         if r.get("patches", 1) > 1:
             from diffuse.pipefusion import describe_paths
 

@@ -17,8 +17,10 @@ def test_bench_quick_prints_overhead_speedups_wire_and_attention_paths(diffuse_h
     assert re.search(r"overhead \(split P=1 / whole\): \d+\.\d+", out), out
     assert "P=1 output equals whole: True" in out
     for p, ideal in ((2, "1.33"), (4, "1.60")):
-        assert re.search(rf"speedup P={p}: \d+\.\d+x +ideal {ideal}x +\d+% of ideal", out), out
+        assert re.search(rf"speedup P={p}: \d+\.\d+x \+- \d+\.\d+ +ideal {ideal}x +\d+% of ideal", out), out
     assert len(re.findall(r"wire P=\d: \d+\.\d+ MiB per step over 3 hops \(whole latent each pass", out)) == 3
+    assert re.search(r"branches side by side on 2 groups of 1 node: \d+\.\d+x .*calls answered by a pass sent "
+                     r"ahead: [1-9]\d*; output equals whole: True\)", out), out
     assert "attention P=4: blocks quick" in out and "attention P=4 plain: blocks plain" in out
     assert re.search(r"quick \d+\.\d+ ms, plain \d+\.\d+ ms", out), out
 
