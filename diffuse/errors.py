@@ -31,5 +31,9 @@ class WireError(DiffuseError):
     """A message failed to open: tampered, replayed, truncated or from another version."""
 
 
+class MalformedHeader(WireError):
+    """A message that authenticated, but whose header cannot be read: its sender is answered, not ignored."""
+
+
 class PluginError(DiffuseError):
     """A plugin broke a hook contract; names the plugin."""

@@ -16,7 +16,7 @@ import cbor2
 import torch
 
 from diffuse.callplan import raw_bytes
-from diffuse.errors import WireError
+from diffuse.errors import MalformedHeader, WireError
 from diffuse.plan import SESSION_ID_BYTES
 from diffuse import safecbor
 from diffuse import sealing as seal
@@ -131,13 +131,17 @@ def open_message(hop, frames: list[bytes]) -> tuple[dict, list[torch.Tensor]]:
     raw_env = bytes(frames[0])
     plain = seal.open_frame(hop.key, counter, 1, raw_env, bytes(frames[1]))
     # authenticated from here on, but still checked: a bug on the sending side must not crash the receiver
-    header = safecbor.loads(plain, safecbor.HEADER, "header")
-    metas = header.pop("tensors", [])
-    if not isinstance(metas, list):
-        raise WireError("header's tensor list is not a list")
-    if len(metas) != len(frames) - 2:
-        raise WireError(f"header lists {len(metas)} tensors, message carries {len(frames) - 2}")
-    checked = [_check_meta(m) for m in metas]  # every description, before any tensor is built
+    try:
+        header = safecbor.loads(plain, safecbor.HEADER, "header")
+        metas = header.pop("tensors", [])
+        if not isinstance(metas, list):
+            raise WireError("header's tensor list is not a list")
+        if len(metas) != len(frames) - 2:
+            raise WireError(f"header lists {len(metas)} tensors, message carries {len(frames) - 2}")
+        checked = [_check_meta(m) for m in metas]  # every description, before any tensor is built
+    except WireError as exc:  # authentic, so its counter is spent; its sender is told what is wrong
+        hop.seen = counter
+        raise MalformedHeader(str(exc)) from None
     tensors = [
         tensor_from(dtype, shape, seal.open_frame(hop.key, counter, 2 + i, raw_env, bytes(f)))
         for i, ((dtype, shape), f) in enumerate(zip(checked, frames[2:]))

@@ -24,7 +24,7 @@ import torch
 
 from diffuse import frames
 from diffuse.text import plain
-from diffuse.errors import DiffuseError, WireError
+from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.home import config_home
 from diffuse.node_control import NodeControl, refusal
 from diffuse.plan import WIRE_VERSIONS, StackPlan, parse_slices
@@ -115,8 +115,11 @@ class Node:
         if sess is None:
             log.warning("rejected a message: unknown session %s", env["s"].hex()[:8])
             return
+        malformed = None
         try:
             header, tensors = frames.open_message(sess.in_hop, raw)
+        except MalformedHeader as exc:  # its sender is authentic: it hears why, in one line
+            header, tensors, malformed = {}, [], f"malformed header: {exc}"
         except WireError as exc:
             log.warning("rejected a message for session %s: %s", sess.sid.hex()[:8], exc)
             return
@@ -128,6 +131,8 @@ class Node:
         t0 = time.perf_counter()
         sess.room = NODE_BUFFER_BYTES - self.sessions.buffer_bytes(but=sess)  # what the other sessions left
         try:
+            if malformed:
+                raise DiffuseError(malformed)
             out_header, out_tensors = sess.handle(header, tensors)
         except DiffuseError as exc:  # a malformed call: one line, and the client hears of it
             log.warning("session %s: %s", sess.sid.hex()[:8], exc)

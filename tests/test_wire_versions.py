@@ -266,7 +266,8 @@ def test_a_hello_flood_between_a_clients_hello_and_its_open_does_not_spend_its_c
             assert len(split.ring.handshake.opened) == 2
     finally:
         Handshake.hello = hello
-    assert [n for n, _ in flooded] == [3000, 3000], flooded
+    # every hello (the client asks each node what it holds, then again right before opening) was flooded
+    assert len(flooded) >= 2 and all(n == 3000 for n, _ in flooded), flooded
     print(f"hello floods: {', '.join(f'{n} in {s:.2f} s' for n, s in flooded)}")
     assert all(r.get("ok") is True for r in split.node_reports), split.node_reports
 
