@@ -99,6 +99,17 @@ class _Branches:
         return None
 
 
+class _EveryRing:
+    """``on_repair.append(hook)`` for several rings: the hook runs whichever ring is repaired."""
+
+    def __init__(self, rings: list):
+        self.rings = rings
+
+    def append(self, hook) -> None:
+        for r in self.rings:
+            r.on_repair.append(hook)
+
+
 class BranchRings:
     """Several rings (one per group of nodes) in place of one: the ``Ring`` calls a pipeline's stand-ins make."""
 
@@ -130,8 +141,8 @@ class BranchRings:
         return [line for r in self.rings for line in r.repairs]
 
     @property
-    def on_repair(self) -> list:
-        return self.rings[0].on_repair
+    def on_repair(self) -> "_EveryRing":
+        return _EveryRing(self.rings)
 
     @property
     def node_reports(self) -> list[dict]:
