@@ -135,7 +135,16 @@ class Channel:
         """The last block's answer to message ``seq``."""
         self._waiting = True
         try:
-            header, tensors, reply = self._wait(seq)
+            while True:
+                header, tensors, reply = self._wait(seq)
+                if header.get("op") != "error" or header.get("seq") == seq or \
+                        (isinstance(header.get("seq"), int) and header["seq"] > seq):
+                    break
+                # an error about no pass, or an earlier one, answered already: it says something went wrong
+                # with a message this client did not send as a pass (or sent before); the pass waited for goes on
+                self.stats.dropped += 1
+                log.warning("node %.200s reported about another message: %.500s", header.get("node", "?"),
+                            header.get("message", ""))
         finally:
             self._waiting = False
         if header.get("op") == "error":
