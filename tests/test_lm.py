@@ -415,3 +415,13 @@ def test_the_embedding_table_leaves_the_client_only_where_the_first_layer_takes_
                       (torch.ones(1, 2), "integer"), (torch.tensor([1, 2]), "2-D")):
         with pytest.raises(diffuse.DiffuseError, match=said):
             checked_ids(bad, 64)
+    # what a pass says about its ids is checked on the node before any of it is used
+    from diffuse.plan import ReturnMap
+    from diffuse.stage import StageSession
+
+    rmap = ReturnMap(single=True, outputs=[0], names=["args[0]"])
+    assert StageSession._embed_spec({"slot": 0, "dtype": "bfloat16"}, rmap, 3) == (0, torch.bfloat16)
+    for bad in ({"slot": 1, "dtype": "float32"}, {"slot": 5, "dtype": "float32"}, {"slot": 0, "dtype": "int64"},
+                {"slot": 0, "dtype": "Tensor"}, {"slot": "0", "dtype": "float32"}, [0]):
+        with pytest.raises(diffuse.DiffuseError):
+            StageSession._embed_spec(bad, rmap, 3)
