@@ -125,18 +125,32 @@ def top_candidates(logits_row, k: int = TOP_SAVED) -> dict:
 
 
 def held_parameters(model) -> int:
-    """Elements of the model's parameters that are real here (handed-out layers are on meta)."""
-    return sum(p.numel() for p in model.parameters() if p.device.type != "meta")
+    """Elements of the model's parameters that are real here (handed-out layers are on meta), the modules
+    that stand-ins replaced (embedding, head) included, each parameter once."""
+    splitter = getattr(model, "_diffuse_splitter", None)
+    originals = [m for m in (getattr(splitter, "embed", None), getattr(splitter, "head", None)) if m is not None]
+    params = {id(p): p for p in model.parameters()}
+    params.update({id(p): p for _, m in originals for p in m.parameters()})
+    return sum(p.numel() for p in params.values() if p.device.type != "meta")
 
 
 def head_params_held(splitter) -> int | None:
     """Elements of the output head's weights still held here: 0 once the last node runs it; None where the
-    head shares its weights with the input embedding, which the client needs (tied weights)."""
+    head shares its weights with an input embedding the client keeps (tied weights)."""
     if splitter.head is None:
         return None
-    if splitter.head_tied:
+    if splitter.head_tied and splitter.embed is None:
         return None
     return sum(p.numel() for p in splitter.head[1].parameters() if p.device.type != "meta")
+
+
+def embedding_report(splitter) -> dict:
+    """Where the input embedding table lives, the parameters of it held here, and why it stays here if it does."""
+    if splitter.embed is None:
+        return {"embedding": "client", "embedding_kept_because": splitter.embed_kept}
+    return {"embedding": "first node", "embed_passes": splitter.embed_passes,
+            "client_embedding_params": sum(p.numel() for p in splitter.embed[1].parameters()
+                                           if p.device.type != "meta")}
 
 
 def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
@@ -232,6 +246,7 @@ def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
             client_layer_params=split.splitter.held_block_parameters(),
             tail_passes=split.splitter.tail_passes,
             client_head_params=head_params_held(split.splitter),
+            **embedding_report(split.splitter),
             node_stats=[dict(r, address=s.address, bytes_per_token_in=r.get("bytes_in", 0) / per_token)
                         for s, r in zip(split.plan.route, split.node_reports)],
             messages=st.messages)
@@ -335,6 +350,11 @@ def summarize(r: dict, console) -> None:
         console.print(f"  {r['calls']} ring passes, {r.get('tail_passes', 0)} ending in the final norm and output head "
                       f"on the last node (head: {head}); last hop {r['last_hop_bytes_per_token']:.0f} B per token; "
                       f"client holds {r['client_layer_params']} decoder-layer parameters", soft_wrap=True)
+        if r.get("embedding") == "first node":
+            console.print(f"  embedding table on the first node: {r.get('embed_passes', 0)} passes sent token ids, "
+                          f"{r.get('client_embedding_params', 0)} parameters of it held here", soft_wrap=True)
+        elif r.get("embedding"):
+            console.print(f"  embedding table kept here: {r.get('embedding_kept_because')}", soft_wrap=True)
         if r.get("sampling"):
             sm = r["sampling"]
             console.print(f"  {sm['draws']} tokens drawn on the last node after "

@@ -144,14 +144,17 @@ class Ring:
         return self.receive(self.send(stack, tree, tensors, rmap))
 
     def call_layers(self, stack: str, calls: list[tuple[tuple, dict]], rmap: ReturnMap, cache, fresh: bool,
-                    tail: dict | None = None):
+                    tail: dict | None = None, embed: dict | None = None):
         """One pass of a language model's ``stack``: every layer's own call (``calls``, in order) in one
         message; ``cache`` is the client's cache object, ``fresh`` whether the nodes start theirs anew;
-        ``tail``: the last node also runs the final norm and output head (``diffuse.tail``)."""
+        ``tail``: the last node also runs the final norm and output head (``diffuse.tail``); ``embed``: the
+        first layer's input slot holds token ids, which the first node embeds (``diffuse.embedding``)."""
         tree, layer_trees, tensors = flatten_layers(calls)
         extra = {"state": {"kind": type(cache).__name__, "fresh": bool(fresh)}}
         if tail is not None:
             extra["tail"] = tail
+        if embed is not None:
+            extra["embed"] = embed
         if layer_trees:
             extra["layer_trees"] = layer_trees
         if fresh:

@@ -9,7 +9,9 @@ call plans and return maps, and slot caches. A call that carries a ``Patch``
 that stack instead. A language model's call carries its cache state: the
 session keeps each stack's key/value cache for the layers held here
 (``diffuse.kvcache.NodeCaches``), and layers whose call differs from the first
-layer's get their own tree.
+layer's get their own tree. A pass that carries token ids in its first layer's
+input slot is embedded by the node holding the first layer, with the table it
+loads on first use (``diffuse.embedding``).
 
 Blocks are held per dtype: a session keeps the blocks of its own compute dtype
 from its open to its close, so another session asking for another dtype never
@@ -71,6 +73,7 @@ class BlockStore:
         self.native: dict[tuple[str, int], torch.dtype] = {}  # what each block loads as, asked for no dtype
         self._recent: list[torch.dtype] = []  # dtypes asked for, most recent last
         self._tails: dict[tuple, tuple] = {}  # a language model's (final norm, output head), by norm path and dtype
+        self._embeds: dict[torch.dtype, torch.nn.Module] = {}  # a language model's input embedding, by dtype
         self._loaded: weakref.WeakSet = weakref.WeakSet()  # every parameter read from the files, while alive
 
     def _dtype(self, stack: str, i: int, dtype: torch.dtype | None) -> torch.dtype | None:
@@ -174,6 +177,25 @@ class BlockStore:
         self._tails[key] = tuple(modules)
         return self._tails[key]
 
+    def embedding(self, dtype: torch.dtype):
+        """A language model's input embedding (its own ``get_input_embeddings()``, found here, not named by the
+        client), loaded on first use from the safetensors files in ``dtype``."""
+        from diffuse.embedding import embedding_path
+
+        if dtype in self._embeds:
+            return self._embeds[dtype]
+        skeleton = build_meta(self.subject.denoiser_class(), self.subject.denoiser_config)
+        path = embedding_path(skeleton)
+        if path is None:
+            raise DiffuseError("this model has no input embedding table to run here")
+        module = skeleton.get_submodule(path)
+        load_into(module, f"{path}.", renamed_for(weight_map(self.component_dir), skeleton), dtype)
+        self._loaded.update(module.parameters())
+        module.eval()
+        del skeleton
+        self._embeds[dtype] = module
+        return module
+
     def blocks_of(self, sl: Slice, dtype: torch.dtype | None = None) -> list[tuple[int, torch.nn.Module]]:
         """(index, block) for each block of ``sl`` held in ``dtype`` (None: as loaded), in order."""
         return [(i, self.blocks[(sl.stack, i, self._dtype(sl.stack, i, dtype))]) for i in range(sl.start, sl.stop)]
@@ -255,9 +277,15 @@ class StageSession:
         state = header.get("state")
         if state is not None and not (isinstance(state, dict) and isinstance(state.get("kind"), str)):
             raise DiffuseError("malformed cache state")
+        embed = header.get("embed")
+        if embed is not None:
+            embed = self._embed_spec(embed, rmap, len(refs))
         values, forward = self._resolve(stack, refs, tensors)
         if sl.empty:
             return header, tensors
+        if embed is not None and sl.start == 0:  # token ids in the first layer's input slot: embedded here
+            values[embed[0]] = self._embed(values[embed[0]], embed[1])
+            header = {k: v for k, v in header.items() if k != "embed"}
         blocks = self.blocks[stack]
         tree = self.trees[stack]
         cache = self.kv.get(stack, state["kind"], bool(state.get("fresh"))) if state is not None else None
@@ -297,6 +325,27 @@ class StageSession:
             else:
                 slots.append(ref.to_wire())
         return dict(header, slots=slots), sent
+
+    @staticmethod
+    def _embed_spec(embed, rmap: ReturnMap, slots: int) -> tuple[int, torch.dtype]:
+        """(slot, dtype) of a pass whose first layer's input is token ids, checked: a stream slot, a float dtype."""
+        if not isinstance(embed, dict) or type(embed.get("slot")) is not int or not isinstance(embed.get("dtype"), str):
+            raise DiffuseError("malformed embed: a map of slot (an integer) and dtype (a name)")
+        slot, dtype = embed["slot"], getattr(torch, embed["dtype"][:32], None)
+        if not 0 <= slot < slots or slot not in rmap.streams:
+            raise DiffuseError("embed names a slot that does not carry the stack's hidden state")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise DiffuseError(f"embed asks for dtype {embed['dtype'][:32]!r}, which is not a float dtype")
+        return slot, dtype
+
+    def _embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The first hidden states of a pass: its token ids looked up in this node's copy of the table."""
+        from diffuse.embedding import checked_ids
+
+        table = self.store.embedding(dtype)
+        ids = checked_ids(ids, table.weight.shape[0])
+        with torch.no_grad():
+            return table(ids)
 
     def _tail(self, hidden: torch.Tensor, tail) -> dict:
         """Final norm, the rows decoding needs, output head; the best candidates or the whole rows; with a

@@ -13,6 +13,8 @@ stack's calls are collected instead: each proxy but the last hands back its
 input untouched, and the last ships every layer's call in one pass and answers
 with what the last layer returned. The model's code between layers does nothing
 with what a layer returns but pass it to the next (checked), so nothing is lost.
+Where the model's forward allows, its input embedding is a stand-in too and the
+pass carries token ids for the first node to embed (``diffuse.embedding``).
 
 With ``patches > 1`` a stack that carries one stream goes through a
 ``diffuse.pipefusion.Patcher`` (cut into token patches, pipelined through the
@@ -28,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from diffuse.callplan import flatten
+from diffuse.callplan import flatten, flatten_layers
+from diffuse.embedding import EmbedStandIn, embedding_path, embedding_stays, placeholder
 from diffuse.errors import DiffuseError
 from diffuse.kvcache import ClientCaches, is_cache
 from diffuse.pipefusion import Patcher, why_uncut
@@ -122,8 +125,18 @@ class _Pending:
     rmap: ReturnMap
     fresh: bool
     placeholder: torch.Tensor  # what the last layer answered meanwhile: its input, untouched
+    ids: torch.Tensor | None = None  # the token ids the first node embeds, when the pass carries them
     norm: str | None = None  # the final norm's path, once it has run on the placeholder
     normed: torch.Tensor | None = None
+
+
+@dataclass
+class _Embedded:
+    """The placeholder the embedding answered in this forward, until the first decoder layer takes it."""
+
+    placeholder: torch.Tensor
+    ids: torch.Tensor
+    version: int  # its in-place version counter then: a write to it after shows
 
 
 def _find_cache(args: tuple, kwargs: dict):
@@ -149,6 +162,13 @@ class Splitter:
         self.head: tuple[str, nn.Module] | None = None  # a language model's output head: (path, the original)
         self.head_freed = False
         self.head_tied = False
+        self.embed: tuple[str, nn.Module] | None = None  # the input embedding, when the first node holds the table
+        self.embed_kept: str | None = None  # else why the client keeps it (diffuse.embedding.embedding_stays)
+        self.embed_freed = False
+        self.embed_passes = 0  # passes that carried token ids for the first node to embed
+        self._embedded: _Embedded | None = None
+        self._forwards = 0  # the model's own forward calls under way (the placeholder is answered only inside one)
+        self._plain_pass = True  # whether the forward under way got token ids only (no media to merge)
         self.top: int | None = None  # candidates per row the head's answer needs (None: the whole row)
         self.pending: _Pending | None = None
         self.in_generate = False  # passes are held back for the head only inside generate, which always calls it
@@ -170,6 +190,7 @@ class Splitter:
         return splitter
 
     def install(self) -> None:
+        embed_path = self._embedding_decision()
         for st in self.plan.stacks:
             parent_path, _, name = st.path.rpartition(".")
             parent = self.denoiser.get_submodule(parent_path) if parent_path else self.denoiser
@@ -181,6 +202,94 @@ class Splitter:
                 block.to("meta")
             setattr(parent, name, StandIn(st, self))
         self._install_head()
+        if embed_path is not None:
+            self._install_embedding(embed_path)
+
+    def _embedding_decision(self) -> str | None:
+        """A language model's embedding table goes to the first node where its forward allows (decided here,
+        once, on the model's own forward: ``diffuse.embedding``); returns its path then, else None and the reason
+        is kept in ``embed_kept``."""
+        if len(self.plan.stacks) != 1 or head_path(self.denoiser) is None:
+            return None
+        path = embedding_path(self.denoiser)
+        stack = self.plan.stacks[0].path
+        if path is not None and (path == stack or path.startswith(stack + ".")):
+            path = None
+        first = self.denoiser.get_submodule(stack)[0]
+        self.embed_kept = embedding_stays(self.denoiser, path, first)
+        return path if self.embed_kept is None else None
+
+    def _install_embedding(self, path: str) -> None:
+        parent_path, _, name = path.rpartition(".")
+        parent = self.denoiser.get_submodule(parent_path) if parent_path else self.denoiser
+        original = getattr(parent, name)
+        self.embed = (path, original)
+        setattr(parent, name, EmbedStandIn(self, original))
+        self.denoiser.register_forward_pre_hook(self._forward_starts, with_kwargs=True)
+        self.denoiser.register_forward_hook(self._forward_ends, always_call=True)
+
+    def _forward_starts(self, _module, args: tuple, kwargs: dict):
+        from diffuse.embedding import TEXT_INPUTS
+
+        if self._forwards == 0:
+            self._embedded = None
+            # media or anything else beside token ids: its values may be merged into the embeddings
+            self._plain_pass = len(args) <= 1 and not any(
+                isinstance(v, torch.Tensor) for k, v in kwargs.items() if k not in TEXT_INPUTS)
+        self._forwards += 1
+
+    def _forward_ends(self, _module, _args, output):
+        self._forwards -= 1
+        if self._forwards == 0 and self._embedded is not None:
+            self._embedded = None
+            if output is not None:  # a forward that ended normally without handing them to the first layer
+                raise DiffuseError("the model's forward made token embeddings and never handed them to its first "
+                                   "decoder layer; the embedding table is held by the first node, so Diffuse cannot "
+                                   "answer this call")
+
+    def run_embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embedding's answer: inside the split model's forward, a placeholder whose token ids the pass
+        takes to the first node; else the table here while it is held here."""
+        path, original = self.embed
+        if self.ring is not None and self._forwards > 0 and self._plain_pass and isinstance(ids, torch.Tensor) \
+                and ids.dim() == 2 and not ids.is_floating_point():
+            out = placeholder(ids, original.weight.shape[1], original.weight.dtype)
+            self._embedded = _Embedded(out, ids.detach().clone(), out._version)
+            return out
+        if original.weight.device.type != "meta":
+            return original(ids)
+        if self._forwards > 0 and not self._plain_pass:
+            raise DiffuseError(f"this call gives the model more than token ids, which it may merge into the "
+                               f"embeddings; its embedding table ({path}) is held by the first node")
+        raise DiffuseError(f"this model's embedding table ({path}) is held by the first node: call the model "
+                           "inside `with diffuse.split(...)`")
+
+    def _take_ids(self, hidden) -> torch.Tensor | None:
+        """The token ids of this pass when its first layer got the embedding's placeholder unchanged (the first
+        node embeds them); None when the embedding made nothing in this forward."""
+        e, self._embedded = self._embedded, None
+        if e is None:
+            return None
+        if hidden is not e.placeholder or e.placeholder._version != e.version:
+            raise DiffuseError("the model changed the token embeddings before its first decoder layer in this pass; "
+                               "its embedding table is held by the first node, so Diffuse refuses the pass rather "
+                               "than give a wrong answer")
+        return e.ids
+
+    def _free_remote_weights(self) -> None:
+        """The client frees the embedding table once a pass carried token ids, the head once the last node ran
+        it; a head tied to the table goes when both have happened."""
+        if self.embed is not None and not self.embed_freed and self.embed_passes:
+            if not self.head_tied:
+                self.embed[1].to("meta")
+                self.embed_freed = True
+            elif self.tail_passes and not self.head_freed:
+                self.embed[1].to("meta")
+                self.head[1].to("meta")  # each module's own parameter goes (moving one leaves the other)
+                self.embed_freed = self.head_freed = True
+        if self.head is not None and not self.head_freed and not self.head_tied and self.tail_passes:
+            self.head[1].to("meta")  # the last node holds it now
+            self.head_freed = True
 
     def _install_head(self) -> None:
         """A language model's output head becomes a stand-in answered by the last node (``diffuse.tail``);
@@ -200,7 +309,7 @@ class Splitter:
                              if not name.startswith(path + "."))
         setattr(parent, name, HeadStandIn(self, weight.shape[0], original))
         for mpath, module in self.denoiser.named_modules():
-            if isinstance(module, (StandIn, BlockProxy, HeadStandIn)):
+            if isinstance(module, (StandIn, BlockProxy, HeadStandIn, EmbedStandIn)):
                 continue
             module.register_forward_pre_hook(functools.partial(self._before_module, mpath))
             module.register_forward_hook(functools.partial(self._after_module, mpath))
@@ -229,6 +338,7 @@ class Splitter:
     def detach(self) -> None:
         self.ring = self.patcher = None
         self.pending = None
+        self._embedded = None
         self.denoiser.__dict__.pop("generate", None)
 
     def _wrap_generate(self) -> None:
@@ -314,13 +424,21 @@ class Splitter:
         its shadow (see ``diffuse.kvcache``)."""
         if self.ring is None:
             raise DiffuseError("this model's layers are held by nodes: call it inside `with diffuse.split(...)`")
+        placeholder = calls[0][0][0] if calls[0][0] else calls[0][1].get("hidden_states")
+        ids = self._take_ids(placeholder)
         if stack.path in self._first_blocks:
             block = self._first_blocks.pop(stack.path)
             args, kwargs = calls[0]
-            # the first layer runs once here to learn its return map, on a copy of the cache it would write
+            # the first layer runs once here to learn its return map, on a copy of the cache it would write (and
+            # on the real embeddings, not the placeholder, while the table is still here)
             scratch = copy.deepcopy(cache)
-            args = tuple(scratch if a is cache else a for a in args)
-            kwargs = {k: scratch if v is cache else v for k, v in kwargs.items()}
+            real = None
+            if ids is not None:
+                real = self.embed[1](ids) if self.embed[1].weight.device.type != "meta" else \
+                    torch.randn(placeholder.shape, generator=torch.Generator().manual_seed(0)).to(placeholder.dtype)
+            swap = {id(cache): scratch, **({id(placeholder): real} if real is not None else {})}
+            args = tuple(swap.get(id(a), a) for a in args)
+            kwargs = {k: swap.get(id(v), v) for k, v in kwargs.items()}
             call_plan, rmap = learn_call(stack, args, kwargs, block)
             self.plan = self.plan.with_call(stack.path, call_plan, rmap)
             block.to("meta")
@@ -328,21 +446,34 @@ class Splitter:
         fresh = self.caches.fresh(stack.path, cache)
         if self.pending is not None:  # a pass held back that nothing read: send it first
             self._send_pending(None)
-        placeholder = calls[0][0][0] if calls[0][0] else calls[0][1].get("hidden_states")
         if self.head is not None and self.in_generate and rmap.single and isinstance(placeholder, torch.Tensor):
-            self.pending = _Pending(stack, calls, cache, rmap, fresh, placeholder)
+            self.pending = _Pending(stack, calls, cache, rmap, fresh, placeholder, ids)
             return placeholder
-        return self._send(stack, calls, cache, rmap, fresh, None)
+        return self._send(stack, calls, cache, rmap, fresh, None, ids)
 
-    def _send(self, stack: StackPlan, calls, cache, rmap: ReturnMap, fresh: bool, tail: dict | None):
-        out = self.ring.call_layers(stack.path, calls, rmap, cache, fresh, tail)
+    def _send(self, stack: StackPlan, calls, cache, rmap: ReturnMap, fresh: bool, tail: dict | None,
+              ids: torch.Tensor | None = None):
         rows = calls[0][0][0] if calls[0][0] else calls[0][1].get("hidden_states")
+        embed = None
+        if ids is not None:  # the token ids travel in the hidden state's slot; the first node embeds them
+            calls = [(tuple(ids if a is rows else a for a in args), {k: ids if v is rows else v for k, v in kw.items()})
+                     for args, kw in calls]
+            _, _, tensors = flatten_layers(calls)
+            slot = next(i for i, t in enumerate(tensors) if t is ids)
+            if slot not in rmap.streams:
+                raise DiffuseError(f"{stack.path}: the first layer's input is not the slot its output threads into, "
+                                   "so the first node cannot put the token embeddings there")
+            embed = {"slot": slot, "dtype": str(rows.dtype).removeprefix("torch.")}
+        out = self.ring.call_layers(stack.path, calls, rmap, cache, fresh, tail, embed=embed)
         self.caches.shadow(cache, range(stack.length), rows)
+        if ids is not None:
+            self.embed_passes += 1
+            self._free_remote_weights()
         return out
 
     def _send_pending(self, tail: dict | None):
         p, self.pending = self.pending, None
-        return self._send(p.stack, p.calls, p.cache, p.rmap, p.fresh, tail)
+        return self._send(p.stack, p.calls, p.cache, p.rmap, p.fresh, tail, p.ids)
 
     def run_head(self, x: torch.Tensor) -> torch.Tensor:
         """The output head's answer for ``x``: from the last node when the pass is held back (norm, the rows
@@ -363,13 +494,12 @@ class Splitter:
             tail["draw"] = self.draw.wire(self.node_tail())
         answer = self._send_pending(tail)
         self.tail_passes += 1
-        if not self.head_freed and not self.head_tied:
-            original.to("meta")  # the last node holds it now
-            self.head_freed = True
+        vocab = original.weight.shape[0]
+        self._free_remote_weights()
         if "logits" in answer:
             logits = answer["logits"]
         else:
-            logits = logits_from(answer["ids"], answer["values"], original.weight.shape[0])
+            logits = logits_from(answer["ids"], answer["values"], vocab)
         if self.draw is not None:  # the row generate will read, as it reads it
             self.draw.took(answer, self.node_tail(), logits[:, -1].to(dtype=torch.float32, copy=True))
         return logits

@@ -105,6 +105,12 @@ def test_split_greedy_tokens_and_logits_equal_transformers(name, nodes, lm_model
     assert [len(n["hop_bytes"]) for n in report["node_stats"]] == [report["calls"]] * nodes
     # the last node ran the final norm and the head on every pass and sent home only the best candidates
     assert report["tail_passes"] == report["calls"] and report["last_hop_bytes_per_token"] <= 1024
+    # the first node embedded the token ids of every pass: the client holds none of the table, nor of the head
+    # tied to it (each counted on the model's own modules, which are on meta)
+    assert report["embedding"] == "first node" and report["embed_passes"] == report["calls"]
+    assert report["client_embedding_params"] == 0 and report["client_head_params"] == 0
+    hops = [n["bytes_in"] for n in report["node_stats"]]
+    assert hops[0] < hops[1]  # ids on the first hop, hidden states (8 bytes a position against 128) after it
     if name == "qwen2":  # full attention everywhere: every position seen stays in the cache of its layer's node
         check_cache_bytes(model, report)
 
@@ -148,6 +154,8 @@ def test_split_vision_language_model_with_an_image_equals_transformers(name, nod
     assert report["tail_passes"] == report["calls"] and report["last_hop_bytes_per_token"] <= 1024
     if name == "smolvlm":  # its head has weights of its own (not tied to the embedding): none of them stay here
         assert report["client_head_params"] == 0
+    # the image's features are merged into the token embeddings here: the table stays, and the report says why
+    assert report["embedding"] == "client" and "pixel_values" in report["embedding_kept_because"]
     assert "without its video processor" in proc.stderr  # said in one line, as it was built
 
 
@@ -342,6 +350,11 @@ def test_python_api_splits_a_transformers_model_samples_and_refuses_beam_search(
     assert ring.stats.passes >= 6
     held = [p for layers in ring.splitter.originals.values() for p in layers.parameters()]
     assert held and all(p.device.type == "meta" for p in held)  # the decoder layers were handed out and freed
+    # so were the embedding table and the head tied to it: the first node embeds, the last one projects
+    ends = [p for _, m in (ring.splitter.embed, ring.splitter.head) for p in m.parameters()]
+    assert len(ends) == 2 and all(p.device.type == "meta" for p in ends)
+    with pytest.raises(diffuse.DiffuseError, match="held by the first node"):
+        model.get_input_embeddings()(inputs["input_ids"])
 
 
 def test_check_finds_the_decoder_stack_and_its_depth_setting_from_config_alone(lm_models):
@@ -354,3 +367,61 @@ def test_check_finds_the_decoder_stack_and_its_depth_setting_from_config_alone(l
     assert [(s["path"], s["length"], s["config_key"]) for s in r["stacks"]] == [
         ("model.language_model.layers", 4, "text_config.num_hidden_layers")]
     assert "attend both ways" in r["other_lists"]["model.visual.blocks"]
+
+
+def test_the_embedding_table_leaves_the_client_only_where_the_first_layer_takes_it_untouched():
+    """Decided on the model's own forward, run twice on token ids with two different embedding outputs: the table
+    goes to the first node only when its first decoder layer receives that output itself, unchanged, and the same
+    other arguments both times. A model that scales it (Granite), one that derives an argument from its values, and
+    one that takes media keep it; ids from a peer are checked before the lookup."""
+    import torch
+    import transformers
+    from torch import nn
+
+    import diffuse
+    from diffuse.embedding import checked_ids, embedding_path, embedding_stays
+
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)
+    torch.manual_seed(0)
+
+    def decision(model):
+        return embedding_stays(model, embedding_path(model), model.model.layers[0])
+
+    assert decision(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small)).eval()) is None
+    # Gemma's scale sits inside its embedding module, which the first node runs as it is
+    assert decision(transformers.GemmaForCausalLM(transformers.GemmaConfig(**small, head_dim=8)).eval()) is None
+    granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(**small, embedding_multiplier=12.0)).eval()
+    assert "changes the token embeddings" in decision(granite)
+
+    class Peeks(transformers.LlamaForCausalLM):  # hands its layers a gate read off the embeddings' values
+        def forward(self, input_ids=None, attention_mask=None, **kwargs):
+            x = self.model.embed_tokens(input_ids)
+            gate = x.mean(-1)
+            for layer in self.model.layers:
+                x = layer(x, attention_mask=gate)
+            return x
+
+    assert "derives" in decision(Peeks(transformers.LlamaConfig(**small)).eval())
+
+    class Listens(transformers.LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, input_features=None, **kwargs):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    assert "input_features" in decision(Listens(transformers.LlamaConfig(**small)).eval())
+    assert "no input embedding" in embedding_stays(nn.Linear(2, 2), None, nn.Linear(2, 2))
+    assert torch.equal(checked_ids(torch.tensor([[1, 63]]), 64), torch.tensor([[1, 63]]))
+    for bad, said in ((torch.tensor([[1, 64]]), "outside the embedding table"), (torch.tensor([[-1]]), "outside"),
+                      (torch.ones(1, 2), "integer"), (torch.tensor([1, 2]), "2-D")):
+        with pytest.raises(diffuse.DiffuseError, match=said):
+            checked_ids(bad, 64)
+    # what a pass says about its ids is checked on the node before any of it is used
+    from diffuse.plan import ReturnMap
+    from diffuse.stage import StageSession
+
+    rmap = ReturnMap(single=True, outputs=[0], names=["args[0]"])
+    assert StageSession._embed_spec({"slot": 0, "dtype": "bfloat16"}, rmap, 3) == (0, torch.bfloat16)
+    for bad in ({"slot": 1, "dtype": "float32"}, {"slot": 5, "dtype": "float32"}, {"slot": 0, "dtype": "int64"},
+                {"slot": 0, "dtype": "Tensor"}, {"slot": "0", "dtype": "float32"}, [0]):
+        with pytest.raises(diffuse.DiffuseError):
+            StageSession._embed_spec(bad, rmap, 3)
