@@ -176,13 +176,30 @@ def _provided_by_any(fieldname: str, analyzers: list[Analyzer]) -> bool:
     return any(fieldname in a.provides for a in analyzers)
 
 
-def run_analyzers(phase: str, subject: Any, draft: dict | None = None, required: dict | None = None) -> dict:
+def _needed_for(analyzers: list[Analyzer], wanted: set) -> list[Analyzer]:
+    """The analyzers that provide ``wanted`` fields, and those whose fields they need, in order."""
+    keep, todo = set(), set(wanted)
+    while todo:
+        name = todo.pop()
+        for a in analyzers:
+            if name in a.provides and a.name not in keep:
+                keep.add(a.name)
+                todo.update(a.needs)
+    return [a for a in analyzers if a.name in keep]
+
+
+def run_analyzers(phase: str, subject: Any, draft: dict | None = None, required: dict | None = None,
+                  wanted: set | None = None) -> dict:
     """Run every analyzer of ``phase`` on ``subject``; return the merged draft.
 
     ``required``: the fields the core reads from this phase, each with the type it must have; one
-    that no installed analyzer provides, or one of another type, is a PluginError naming it."""
+    that no installed analyzer provides, or one of another type, is a PluginError naming it.
+    ``wanted``: run only what these fields need (a node needs the stacks, not what the pipeline outputs)."""
     draft = dict(draft or {})
-    for a in installed_analyzers(phase):
+    analyzers = installed_analyzers(phase)
+    if wanted is not None:
+        analyzers = _needed_for(analyzers, set(wanted) | set(required or {}))
+    for a in analyzers:
         missing = [n for n in a.needs if n not in draft]
         if missing:
             raise PluginError(f"analyzer {a.name!r} needs {missing}, which no analyzer provided")

@@ -83,7 +83,7 @@ class Node:
 
         self.transport = transport_for(listen)
         subject = ModelSubject.from_path(model_path)
-        draft = config_draft(subject)
+        draft = config_draft(subject, wanted={"stacks", "two_stream"})  # not the pipeline's output: it loads far more
         self.stacks: list[StackPlan] = draft["stacks"]
         self.two_stream: dict[str, bool] = dict(draft.get("two_stream", {}))  # such stacks run uncut steps
         self.store = BlockStore(model_path, subject, self.stacks)

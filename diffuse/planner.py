@@ -20,9 +20,10 @@ CONFIG_FIELDS = {"stacks": list}  # what the core reads from the config phase (o
 CALL_FIELDS = {"call_plan": CallPlan, "return_map": ReturnMap}  # ... and from a stack's first call
 
 
-def config_draft(subject: ModelSubject) -> dict:
-    """The config-phase analyzers' draft, with each stack's sizing config key (if found) set on it."""
-    draft = run_analyzers("config", subject, required=CONFIG_FIELDS)
+def config_draft(subject: ModelSubject, wanted: set | None = None) -> dict:
+    """The config-phase analyzers' draft, with each stack's sizing config key (if found) set on it
+    (``wanted``: only the analyzers these fields need)."""
+    draft = run_analyzers("config", subject, required=CONFIG_FIELDS, wanted=wanted)
     keys = draft.get("stack_config_keys") or {}
     draft["stacks"] = [dataclasses.replace(s, config_key=keys.get(s.path, s.config_key)) for s in draft["stacks"]]
     return draft
