@@ -92,6 +92,47 @@ def reference_loads(model: str, kwargs: dict, out: str, seed: int = 0, threads: 
     return [a.copy() for a in _REFERENCES[key]]
 
 
+@pytest.fixture(scope="session")
+def standard_references(request, models, tmp_path_factory) -> None:
+    """The whole-model reference of every family the selected tests compare with (test_exact's and
+    test_families' cases, at each family's own call arguments, seed 0), computed up front by
+    tests/reference.py --jobs in two processes side by side (one start-up each, not one per model) and
+    kept where ``reference_loads`` finds them. A job that fails is left for ``reference_loads`` to run
+    alone, so its error is reported where it is needed."""
+    import families
+
+    names = []
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        name = params.get("family") or params.get("model")
+        if isinstance(name, str) and os.path.basename(str(item.fspath)) in ("test_exact.py", "test_families.py") \
+                and name not in names and (name in families.FAMILIES or name == "odd"):
+            names.append(name)
+    root = tmp_path_factory.mktemp("standard-references")
+    jobs = []
+    for name in names:
+        model, kwargs = models(name), families.call_args(name)  # built one after another (seeded builders)
+        key = (model, json.dumps(kwargs, sort_keys=True), 0, THREADS)
+        if key not in _REFERENCES:
+            out = str(root / f"{name}.npy")
+            jobs.append((key, {"model": model, "kwargs": kwargs, "seed": 0,
+                               "out": [out, f"{os.path.splitext(out)[0]}.load2.npy"]}))
+    halves = [jobs[0::2], jobs[1::2]]
+    procs = []
+    for k, half in enumerate(h for h in halves if h):
+        with open(root / f"jobs{k}.json", "w") as f:
+            json.dump([job for _, job in half], f)
+        procs.append(subprocess.Popen([sys.executable, os.path.join(TESTS, "reference.py"), "--jobs",
+                                       str(root / f"jobs{k}.json"), "--threads", str(THREADS)],
+                                      env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True))
+    for p in procs:
+        p.communicate(timeout=1200)
+    for key, job in jobs:
+        if all(os.path.isfile(o) for o in job["out"]):
+            _REFERENCES[key] = [np.load(o) for o in job["out"]]
+
+
 def run_reference(model: str, kwargs: dict, out: str, seed: int = 0, threads: int = THREADS) -> np.ndarray:
     """The reference array (the first of ``reference_loads``)."""
     return reference_loads(model, kwargs, out, seed, threads)[0]
@@ -112,14 +153,26 @@ class ClientRun:
         self.returncode, self.stderr, self.stdout = returncode, stderr, stdout
 
 
+def run_cli(argv: list[str], home: str | None = None) -> ClientRun:
+    """``diffuse ARGV`` (``diffuse.cli.main``, the command's own code) in this process: its exit status and
+    what it printed. ``home``: the DIFFUSE_HOME it sees."""
+    from diffuse.cli import main
+
+    return _in_process(main, argv, home)
+
+
 def run_client(argv: list[str], home: str | None = None) -> ClientRun:
     """``python -m diffuse.run ARGV`` with its client in this process (``run.main``, the command's own code;
     a fresh interpreter per run would only add its start-up): its exit status and what it printed to stderr.
     ``home``: the DIFFUSE_HOME the run sees."""
+    from diffuse.run import main
+
+    return _in_process(main, argv, home)
+
+
+def _in_process(main, argv: list[str], home: str | None) -> ClientRun:
     import contextlib
     import io
-
-    from diffuse.run import main
 
     before = os.environ.get("DIFFUSE_HOME")
     if home:
@@ -127,7 +180,10 @@ def run_client(argv: list[str], home: str | None = None) -> ClientRun:
     said, printed = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stderr(said), contextlib.redirect_stdout(printed):
-            code = main(list(argv))
+            try:
+                code = main(list(argv))
+            except SystemExit as exc:  # argparse's refusals, as the command would exit with them
+                code = exc.code if isinstance(exc.code, int) else 1
     finally:
         if before is None:
             os.environ.pop("DIFFUSE_HOME", None)

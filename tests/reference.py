@@ -11,7 +11,10 @@ for byte.
 
 Repeat ``--out`` to load the model afresh and run again for each file: two
 independent runs in one process (cheaper than two processes when checking that
-a model is reproducible).
+a model is reproducible). ``--jobs FILE`` runs a JSON list of ``{"model",
+"kwargs", "seed", "out": [...]}`` in this one process (one start-up for many
+models); a job that fails writes its error to ``<first out>.error`` and the
+others go on.
 
 Imports only torch, numpy and diffusers, plus any component library that
 model_index.json names besides diffusers and transformers (such a library must
@@ -79,15 +82,30 @@ def run_once(model_dir: str, kwargs: dict, seed: int) -> np.ndarray:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="folder written by save_pretrained")
+    parser.add_argument("--model", help="folder written by save_pretrained")
+    parser.add_argument("--jobs", help="a JSON list of {model, kwargs, seed, out: [...]} run in this process")
     parser.add_argument("--kwargs", default="{}", help="JSON object of __call__ keyword arguments")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's own default)")
-    parser.add_argument("--out", action="append", required=True, help="where to np.save the array (repeatable)")
+    parser.add_argument("--out", action="append", help="where to np.save the array (repeatable)")
     args = parser.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.jobs:
+        with open(args.jobs) as f:
+            jobs = json.load(f)
+        for job in jobs:
+            try:
+                import_component_libraries(job["model"])
+                for out in job["out"]:
+                    np.save(out, run_once(job["model"], job["kwargs"], job["seed"]))
+            except BaseException as exc:  # noqa: BLE001 - this job's failure is reported in its own file
+                with open(job["out"][0] + ".error", "w") as f:
+                    f.write(f"{type(exc).__name__}: {exc}")
+        return 0
+    if not args.model or not args.out:
+        parser.error("give --model and --out, or --jobs")
     kwargs = json.loads(args.kwargs)
     if not isinstance(kwargs, dict):
         parser.error("--kwargs must be a JSON object")

@@ -6,12 +6,12 @@ import json
 import subprocess
 import sys
 
-from conftest import subprocess_env
+from conftest import run_cli, subprocess_env
 
 
 def _diffuse(*args, home):
-    return subprocess.run([sys.executable, "-m", "diffuse.cli", *args], env=subprocess_env(home),
-                          capture_output=True, text=True, timeout=180)
+    """``diffuse ARGS`` run by the command's own code in this process (``conftest.run_cli``)."""
+    return run_cli(list(args), home)
 
 
 def test_plan_prints_json_that_round_trips_unchanged(models, tmp_path):

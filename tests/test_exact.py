@@ -18,7 +18,8 @@ CASES = [(f, 2) for f in families.FAMILIES] + [("odd", 2)] + [(f, 3) for f in ("
 
 
 @pytest.mark.parametrize("family,nodes", CASES, ids=[f"{f}-{n}nodes" for f, n in CASES])
-def test_split_output_is_byte_identical_to_plain_diffusers(family, nodes, models, tmp_path, diffuse_home):
+def test_split_output_is_byte_identical_to_plain_diffusers(family, nodes, models, tmp_path, diffuse_home,
+                                                          standard_references):
     model = models(family)
     kwargs = families.call_args(family)
     reference = run_reference(model, kwargs, str(tmp_path / "reference.npy"))

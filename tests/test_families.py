@@ -1,9 +1,9 @@
 """Every tiny pipeline builds offline, and its reference run is reproducible byte
 for byte: across two fresh loads in one process, and across processes.
 
-The reference runs (tests/reference.py, one subprocess per model, two loads
-each) start together in a session fixture, two at a time, for the models the
-selected tests need.
+The reference runs (tests/reference.py, two loads each) are conftest's
+``standard_references``, computed once for the whole session in two processes
+side by side; any left over run here, two at a time.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _selected_models(session) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def reference_runs(request, models, tmp_path_factory) -> dict[str, ReferenceRun]:
+def reference_runs(request, models, tmp_path_factory, standard_references) -> dict[str, ReferenceRun]:
     """Each needed model (the session's shared builds) run by tests/reference.py with two fresh loads; the
     runs are conftest's, so a model test_exact already compared is not run again."""
     from conftest import reference_loads

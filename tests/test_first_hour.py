@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import run_client, subprocess_env
 
 RUN = [sys.executable, "-m", "diffuse.run", "--quiet"]
 
@@ -58,9 +58,14 @@ class Client:
     (["--prompt", "x", "--nodes", "tcp://127.0.0.1:7#nothex"], "is not a public key"),
     (["--prompt", "x", "--nodes", "127.0.0.1:7"], "has no scheme"),
 ])
-def test_bad_values_are_one_line_exit_2_and_nothing_starts(args, why, tmp_path, diffuse_home):
-    run = subprocess.run(RUN + args + ["--out", str(tmp_path / "o.mp4")], capture_output=True, text=True,
-                         env=subprocess_env(diffuse_home), timeout=120, cwd=tmp_path)
+def test_bad_values_are_one_line_exit_2_and_nothing_starts(args, why, tmp_path, diffuse_home, monkeypatch):
+    """The first case in a real process, as typed; the others through the command's own code in this one."""
+    if args == ["--steps", "-3"]:
+        run = subprocess.run(RUN + args + ["--out", str(tmp_path / "o.mp4")], capture_output=True, text=True,
+                             env=subprocess_env(diffuse_home), timeout=120, cwd=tmp_path)
+    else:
+        monkeypatch.chdir(tmp_path)
+        run = run_client(["--quiet", *args, "--out", str(tmp_path / "o.mp4")], diffuse_home)
     assert run.returncode == 2, run.stderr
     assert why in " ".join(run.stderr.split())
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
