@@ -349,6 +349,7 @@ class Splitter:
         self.ring = self.patcher = None
         self.pending = None
         self._embedded = None
+        self._heads_answer = None
         self.denoiser.__dict__.pop("generate", None)
 
     def _wrap_generate(self) -> None:
@@ -444,6 +445,7 @@ class Splitter:
         if self.ring is None:
             raise DiffuseError("this model's layers are held by nodes: call it inside `with diffuse.split(...)`")
         placeholder = calls[0][0][0] if calls[0][0] else calls[0][1].get("hidden_states")
+        self._heads_answer = None  # a new pass: the heads' last answer is for another hidden state
         ids = self._take_ids(placeholder)
         if stack.path in self._first_blocks:
             block = self._first_blocks.pop(stack.path)
@@ -528,34 +530,26 @@ class Splitter:
         return logits
 
     def run_head_of(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Head ``index`` of a list of heads, on ``x``: the first head called sends the pass (every head runs on
-        the last node, ``diffuse.tail.stack_heads``), the others answer their part of that answer; every head must
-        read the same hidden state."""
+        """Head ``index`` of a list of heads, on ``x``: the first head called in a held-back pass sends it (every
+        head runs on the last node, ``diffuse.tail.stack_heads``), every head then answers its part of that answer;
+        each must read the same hidden state."""
         path, original = self.head
         heads = len(original)
-        if index == 0:
-            self._heads_answer = None
-            if self.pending is None:
-                if self.head_freed:
-                    raise DiffuseError(f"{path} was called on a hidden state the last node did not make, and its "
-                                       "weights are held by the nodes")
-                return original[0](x)
+        if self.pending is not None:
             logits = self.run_head(x)  # (batch * heads) x rows x vocab
             if logits.shape[0] % heads:
                 raise DiffuseError(f"the last node answered {logits.shape[0]} rows for {heads} heads")
             self._heads_answer = (x, logits.reshape(-1, heads, *logits.shape[1:]))
-        elif self._heads_answer is None:
-            if self.head_freed:
-                raise DiffuseError(f"{path}[{index}] was called without {path}[0] first, and the heads' weights are "
-                                   "held by the nodes")
-            return original[index](x)
-        seen, logits = self._heads_answer
-        if x is not seen:
-            raise DiffuseError(f"{path}[{index}] reads another hidden state than {path}[0]; the heads run side by "
-                               "side on the last node, so Diffuse cannot answer this call")
-        if index == heads - 1:
-            self._heads_answer = None
-        return logits[:, index]
+        if self._heads_answer is not None:
+            seen, logits = self._heads_answer
+            if x is not seen:
+                raise DiffuseError(f"{path}[{index}] reads another hidden state than the head called first; the "
+                                   "heads run side by side on the last node, so Diffuse cannot answer this call")
+            return logits[:, index]
+        if self.head_freed:
+            raise DiffuseError(f"{path}[{index}] was called on a hidden state the last node did not make, and its "
+                               "weights are held by the nodes")
+        return original[index](x)
 
     def node_tail(self):
         """What the open ring's last node holds for draws; a new session starts with nothing."""
