@@ -324,14 +324,29 @@ def compose_audio(a, console, info, model, inputs, gen, times, t0) -> dict:
               "times": times, "out": written, "sample_rate": rate, "shape": list(arr.shape),
               "codes_shape": list(codes[-1].shape) if codes else None}
     if split is not None:
-        st = split.ring.channel_stats
+        st, sp = split.ring.channel_stats, split.splitter
         report.update(calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
-                      client_layer_params=split.splitter.held_block_parameters(), node_stats=split.node_reports)
+                      last_hop_bytes_per_step=st.bytes_received / max(1, st.passes),
+                      last_hop_max_bytes=max((n for _, n in st.returns), default=0),
+                      tail_passes=sp.tail_passes, tail_answer_max_bytes=sp.tail_bytes_max,
+                      client_head_params=head_params_held(sp),
+                      client_layer_params=sp.held_block_parameters(), node_stats=split.node_reports)
+        draw = sp.last_draw
+        if draw is not None:  # the codes were picked on the last node (diffuse.sampling)
+            report["codes_picked"] = {"sample": draw.sample, "draws": draw.draws, "processors": draw.described,
+                                      "generator_states_sent": draw.states_sent}
     if a.save_tokens:
         with open(a.save_tokens, "w") as f:
             json.dump({"input_ids": inputs["input_ids"].tolist(), "new_tokens": codes[-1].tolist() if codes else None}, f)
     console.print(f"[bold green]wrote[/] {written}  (audio, {arr.shape[-1] / rate:.2f} s at {rate} Hz) in "
                   f"{report['seconds']:.1f} s" + (f"; {report['calls']} ring passes" if split else ""))
+    if split is not None and report["tail_passes"]:
+        picked = report.get("codes_picked")
+        how = (f"{'drawn' if picked['sample'] else 'picked'} there after "
+               f"{', '.join(name for name, _ in picked['processors']) or 'no processor'}" if picked
+               else "picked here from the best candidates")
+        console.print(f"  {report['tail_passes']} passes ended in the final norm and heads on the last node, codes "
+                      f"{how}; last hop {report['last_hop_bytes_per_step']:.0f} B per step", soft_wrap=True)
     if a.report:
         with open(a.report, "w") as f:
             json.dump(report, f, indent=1, default=str)

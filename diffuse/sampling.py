@@ -23,6 +23,14 @@ differs from the one the node reported after its last draw (the first draw of a
 session, or after ``torch.manual_seed``). The token history the processors read
 (repetition penalty, n-gram bans, length rules) travels as what changed: the
 columns the node keeps and the ones to add, usually the one token just drawn.
+
+Classifier-free guidance (``ClassifierFreeGuidanceLogitsProcessor``, which
+MusicGen's ``generate`` adds) is rebuilt too: the logits have twice the rows of
+the token history (conditional half, then unconditional), both halves computed
+on the last node, and the processor hands on one row per history row. With a
+list of heads (``diffuse.tail``) the same machinery serves greedy decoding: the
+node applies the processors and takes the argmax (``sample`` false), and the
+client's ``DrawnToken`` leaves only that token for ``generate``'s argmax.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from diffuse.errors import DiffuseError
 
 # The processors a node rebuilds, with their constructor's parameters (read from the instance under the same
 # names) and what each holds: "float", "int", "ids" (token ids, a tensor or a list), "lengths" (None, an int, or
-# one int per row). Anything else generate builds (guidance, watermarks, a user's own processor) is refused.
+# one int per row). Anything else generate builds (watermarks, a user's own processor) is refused.
 PROCESSORS: dict[str, dict[str, str]] = {
     "TemperatureLogitsWarper": {"temperature": "float"},
     "TopKLogitsWarper": {"top_k": "int", "filter_value": "float", "min_tokens_to_keep": "int"},
@@ -55,6 +63,7 @@ PROCESSORS: dict[str, dict[str, str]] = {
     "ForcedBOSTokenLogitsProcessor": {"bos_token_id": "int"},
     "ForcedEOSTokenLogitsProcessor": {"max_length": "int", "eos_token_id": "ids"},
     "InfNanRemoveLogitsProcessor": {},
+    "ClassifierFreeGuidanceLogitsProcessor": {"guidance_scale": "float"},
 }
 MAX_IDS = 1 << 16  # token ids one parameter may list
 
@@ -187,7 +196,7 @@ class NodeSampler:
             self.processors = rebuild(spec["processors"])
         if self.processors is None:
             raise DiffuseError("this session's draw arrived without its logits processors")
-        self._update_history(spec.get("history"), logits.shape[0])
+        self._update_history(spec.get("history"))
         if "rng" in spec:
             state = spec["rng"]
             if not isinstance(state, bytes) or len(state) != torch.get_rng_state().numel():
@@ -195,8 +204,14 @@ class NodeSampler:
             self.generator = torch.Generator()
             self.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
         scores = logits.to(dtype=torch.float32, device="cpu", copy=True)  # as generate takes the row
-        for p in self.processors:
-            scores = p(self.history, scores)
+        try:
+            for p in self.processors:
+                scores = p(self.history, scores)
+        except (ValueError, RuntimeError, IndexError) as exc:
+            raise DiffuseError(f"generate's processors refused these logits: {str(exc)[:160]}") from None
+        if scores.dim() != 2 or scores.shape[0] != self.history.shape[0]:
+            raise DiffuseError(f"the processors left {scores.shape[0]} rows for {self.history.shape[0]} rows of "
+                               "token history")
         if spec["sample"]:
             if self.generator is None:
                 raise DiffuseError("this session's draw arrived without the client's generator state")
@@ -205,11 +220,14 @@ class NodeSampler:
             return {"drawn": token, "rng": rng_digest(self.generator.get_state())}
         return {"drawn": torch.argmax(scores, dim=-1)}
 
-    def _update_history(self, history, batch: int) -> None:
+    def _update_history(self, history) -> None:
+        """The token history the processors read (one row per row they answer: the logits have as many, or twice
+        as many under guidance)."""
         if not (isinstance(history, dict) and _is_int(history.get("keep")) and isinstance(history.get("add"), list)):
             raise DiffuseError("malformed token history")
         keep, add = history["keep"], history["add"]
-        if not 0 <= keep <= self.history.shape[1] or len(add) != batch \
+        batch = len(add)
+        if not 0 <= keep <= self.history.shape[1] or not 0 < batch <= MAX_IDS \
                 or not all(isinstance(r, list) and len(r) == len(add[0]) and all(_is_int(t) for t in r) for r in add):
             raise DiffuseError("malformed token history")
         if keep and self.history.shape[0] != batch:
@@ -268,7 +286,8 @@ class Draw:
 
     def took(self, answer: dict, node: NodeTail, row: torch.Tensor) -> None:
         drawn = answer.get("drawn")
-        if not isinstance(drawn, torch.Tensor) or drawn.dim() != 1 or drawn.shape[0] != row.shape[0]:
+        if not isinstance(drawn, torch.Tensor) or drawn.dim() != 1 or drawn.shape[0] != self.sent_ids.shape[0] \
+                or drawn.is_floating_point() or not ((drawn >= 0) & (drawn < row.shape[-1])).all():
             raise DiffuseError("the last node answered a draw without its tokens")
         self.token, self.row = drawn.to(torch.long), row
         node.rng = answer.get("rng") if self.sample else node.rng
@@ -295,5 +314,6 @@ class DrawnToken:
         if scores.shape != d.row.shape or not torch.equal(scores.detach().cpu(), d.row):
             raise DiffuseError("the model changes its logits after the output head (a soft cap or a scale), so "
                                "the last node would sample from another distribution; Diffuse cannot sample it")
-        forced = torch.full_like(scores, float("-inf"))
+        # one row per token history row (fewer than the logits' under guidance, as generate's processors leave)
+        forced = torch.full((token.shape[0], scores.shape[1]), float("-inf"), dtype=scores.dtype, device=scores.device)
         return forced.scatter_(1, token.to(scores.device)[:, None], 0.0)

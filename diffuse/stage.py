@@ -145,8 +145,9 @@ class BlockStore:
     def tail(self, norm: str | None, dtype: torch.dtype | None = None):
         """(final norm or None, output head) of a language model, loaded on first use from the safetensors
         files in ``dtype`` (what the session's blocks compute in); ``norm`` is the path the client saw,
-        accepted only if it names a norm (a leaf of vectors)."""
-        from diffuse.tail import head_path, is_norm
+        accepted only if it names a norm (a leaf of vectors). The head is the model's own: one projection, or a
+        list of ``Linear`` heads of one shape side by side (``diffuse.tail.is_head_list``)."""
+        from diffuse.tail import head_path, is_head_list, is_norm
 
         key = (norm or "", dtype)
         if key in self._tails:
@@ -169,6 +170,9 @@ class BlockStore:
                 raise DiffuseError(f"the model has no module {path[:64]!r}") from None
             if path == norm and not is_norm(module):
                 raise DiffuseError(f"{path[:64]!r} is not a norm; only the final norm and the head run after the stack")
+            if path == head and isinstance(module, torch.nn.ModuleList) and not is_head_list(module):
+                raise DiffuseError(f"the output head {path[:64]!r} is a list of modules that are not Linear heads "
+                                   "of one shape; Diffuse runs such a head on the client")
             load_into(module, f"{path}.", wmap, dtype)
             self._loaded.update(module.parameters())
             module.eval()
@@ -349,8 +353,9 @@ class StageSession:
 
     def _tail(self, hidden: torch.Tensor, tail) -> dict:
         """Final norm, the rows decoding needs, output head; the best candidates or the whole rows; with a
-        ``draw``, also the token generate's processors and sampling pick from the whole last row."""
-        from diffuse.tail import top_candidates
+        ``draw``, also the token generate's processors and sampling pick from the whole last row. A list of heads
+        runs whole, laid out as generate reads it (``diffuse.tail.stack_heads``), its ids as int32."""
+        from diffuse.tail import stack_heads, top_candidates
 
         if not isinstance(tail, dict) or not isinstance(tail.get("rows"), list) or len(tail["rows"]) != 2 \
                 or not all(isinstance(r, int) for r in tail["rows"]) or not isinstance(tail.get("top"), int):
@@ -359,11 +364,14 @@ class StageSession:
         start, stop = tail["rows"]
         if not 0 <= start < stop <= hidden.shape[1]:
             raise DiffuseError("tail rows out of range")
+        listed = isinstance(head, torch.nn.ModuleList)
         with torch.no_grad():
             h = norm(hidden) if norm is not None else hidden
-            logits = head(h[:, start:stop])
+            logits = stack_heads(head, h[:, start:stop]) if listed else head(h[:, start:stop])
         if 0 < tail["top"] < logits.shape[-1]:
             ids, values = top_candidates(logits, tail["top"])
+            if listed and logits.shape[-1] <= torch.iinfo(torch.int32).max:
+                ids = ids.to(torch.int32)
             answer = {"ids": ids, "values": values}
         else:
             answer = {"logits": logits}
@@ -375,6 +383,8 @@ class StageSession:
                 sampler = self.sampler = NodeSampler()
             with torch.no_grad():
                 answer.update(sampler.draw(tail["draw"], logits[:, -1]))
+            if listed:
+                answer["drawn"] = answer["drawn"].to(torch.int32)
         return answer
 
     def report(self) -> dict:

@@ -37,7 +37,8 @@ from diffuse.kvcache import ClientCaches, is_cache
 from diffuse.pipefusion import Patcher, why_uncut
 from diffuse.plan import PATCHABLE, ReturnMap, SlicingPlan, StackPlan
 from diffuse.planner import learn_call
-from diffuse.tail import HeadStandIn, head_path, is_norm, logits_from, rows_of, unsupported_view
+from diffuse.tail import (HeadListStandIn, HeadStandIn, _HeadProxy, head_path, head_vocab, is_head_list, is_norm,
+                          logits_from, rows_of, unsupported_view)
 
 
 class BlockProxy(nn.Module):
@@ -162,6 +163,8 @@ class Splitter:
         self.head: tuple[str, nn.Module] | None = None  # a language model's output head: (path, the original)
         self.head_freed = False
         self.head_tied = False
+        self.head_list = False  # the head is a list of heads side by side (diffuse.tail.HeadListStandIn)
+        self._heads_answer: tuple | None = None  # (the hidden state, every head's logits) while the heads are called
         self.embed: tuple[str, nn.Module] | None = None  # the input embedding, when the first node holds the table
         self.embed_kept: str | None = None  # else why the client keeps it (diffuse.embedding.embedding_stays)
         self.embed_freed = False
@@ -173,6 +176,7 @@ class Splitter:
         self.pending: _Pending | None = None
         self.in_generate = False  # passes are held back for the head only inside generate, which always calls it
         self.tail_passes = 0  # passes whose norm and head ran on the last node
+        self.tail_bytes = self.tail_bytes_max = 0  # what their answers' tensors held (in all, the most in one)
         self.draw = None  # a generate call's draws on the last node (diffuse.sampling.Draw), while it runs
         self.last_draw = None  # the last generate call's (None when it drew nothing on the node), for its report
         self._node_tail = None  # what the open ring's last node holds for draws (diffuse.sampling.NodeTail)
@@ -300,16 +304,22 @@ class Splitter:
         parent_path, _, name = path.rpartition(".")
         parent = self.denoiser.get_submodule(parent_path) if parent_path else self.denoiser
         original = getattr(parent, name)
-        weight = getattr(original, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            return
+        if is_head_list(original):
+            weights = [h.weight for h in original]
+            self.head_list = True
+        else:
+            weight = getattr(original, "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+                return
+            weights = [weight]
         self.head = (path, original)
         # tied to the input embedding, which the client needs for the first layer's input: never freed here
-        self.head_tied = any(p is weight for name, p in self.denoiser.named_parameters(remove_duplicate=False)
-                             if not name.startswith(path + "."))
-        setattr(parent, name, HeadStandIn(self, weight.shape[0], original))
+        self.head_tied = any(p is w for name, p in self.denoiser.named_parameters(remove_duplicate=False)
+                             if not name.startswith(path + ".") for w in weights)
+        setattr(parent, name, HeadListStandIn(self, original) if self.head_list
+                else HeadStandIn(self, head_vocab(original), original))
         for mpath, module in self.denoiser.named_modules():
-            if isinstance(module, (StandIn, BlockProxy, HeadStandIn, EmbedStandIn)):
+            if isinstance(module, (StandIn, BlockProxy, HeadStandIn, HeadListStandIn, _HeadProxy, EmbedStandIn)):
                 continue
             module.register_forward_pre_hook(functools.partial(self._before_module, mpath))
             module.register_forward_hook(functools.partial(self._after_module, mpath))
@@ -339,6 +349,7 @@ class Splitter:
         self.ring = self.patcher = None
         self.pending = None
         self._embedded = None
+        self._heads_answer = None
         self.denoiser.__dict__.pop("generate", None)
 
     def _wrap_generate(self) -> None:
@@ -372,7 +383,7 @@ class Splitter:
         from transformers import LogitsProcessorList
 
         from diffuse.sampling import Draw, DrawnToken
-        from diffuse.tail import GREEDY_TOP
+        from diffuse.tail import GREEDY_TOP, LISTED_TOP
 
         get_processors, prepare = model._get_logits_processor, model.prepare_inputs_for_generation
 
@@ -380,11 +391,20 @@ class Splitter:
         def get_logits_processor(*args, **kwargs):
             built = get_processors(*args, **kwargs)
             config = kwargs["generation_config"] if "generation_config" in kwargs else args[0]
-            if not getattr(config, "do_sample", False) or getattr(config, "output_scores", False) \
-                    or (getattr(config, "num_beams", 1) or 1) > 1:
-                return built  # greedy reads the best few (or the whole row); output_scores asks for whole rows
-            self.draw = Draw(built, sample=True)
-            self.top = GREEDY_TOP  # the raw best candidates still come home, for output_logits and the report
+            if getattr(config, "output_scores", False) or (getattr(config, "num_beams", 1) or 1) > 1:
+                return built  # output_scores asks for whole rows
+            if not getattr(config, "do_sample", False):
+                if not self.head_list or self.top is not None:
+                    return built  # greedy reads the best few (or the whole row)
+                # a list of heads under processors (guidance): the last node applies them and takes the argmax
+                try:
+                    self.draw = Draw(built, sample=False)
+                except DiffuseError:
+                    return built  # a processor the node cannot rebuild: whole rows come home, processed here
+            else:
+                self.draw = Draw(built, sample=True)
+            # the raw best candidates still come home, for output_logits and the report
+            self.top = LISTED_TOP if self.head_list else GREEDY_TOP
             # each generate call's first draw carries everything (processors, whole history, generator state), so
             # the passes of one call, replayed in order on a new node, rebuild its state exactly
             self._node_tail = None
@@ -425,6 +445,7 @@ class Splitter:
         if self.ring is None:
             raise DiffuseError("this model's layers are held by nodes: call it inside `with diffuse.split(...)`")
         placeholder = calls[0][0][0] if calls[0][0] else calls[0][1].get("hidden_states")
+        self._heads_answer = None  # a new pass: the heads' last answer is for another hidden state
         ids = self._take_ids(placeholder)
         if stack.path in self._first_blocks:
             block = self._first_blocks.pop(stack.path)
@@ -494,7 +515,11 @@ class Splitter:
             tail["draw"] = self.draw.wire(self.node_tail())
         answer = self._send_pending(tail)
         self.tail_passes += 1
-        vocab = original.weight.shape[0]
+        held = sum(t.numel() * t.element_size() for t in (answer.values() if isinstance(answer, dict) else ())
+                   if isinstance(t, torch.Tensor))
+        self.tail_bytes += held
+        self.tail_bytes_max = max(self.tail_bytes_max, held)
+        vocab = head_vocab(original)
         self._free_remote_weights()
         if "logits" in answer:
             logits = answer["logits"]
@@ -503,6 +528,28 @@ class Splitter:
         if self.draw is not None:  # the row generate will read, as it reads it
             self.draw.took(answer, self.node_tail(), logits[:, -1].to(dtype=torch.float32, copy=True))
         return logits
+
+    def run_head_of(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Head ``index`` of a list of heads, on ``x``: the first head called in a held-back pass sends it (every
+        head runs on the last node, ``diffuse.tail.stack_heads``), every head then answers its part of that answer;
+        each must read the same hidden state."""
+        path, original = self.head
+        heads = len(original)
+        if self.pending is not None:
+            logits = self.run_head(x)  # (batch * heads) x rows x vocab
+            if logits.shape[0] % heads:
+                raise DiffuseError(f"the last node answered {logits.shape[0]} rows for {heads} heads")
+            self._heads_answer = (x, logits.reshape(-1, heads, *logits.shape[1:]))
+        if self._heads_answer is not None:
+            seen, logits = self._heads_answer
+            if x is not seen:
+                raise DiffuseError(f"{path}[{index}] reads another hidden state than the head called first; the "
+                                   "heads run side by side on the last node, so Diffuse cannot answer this call")
+            return logits[:, index]
+        if self.head_freed:
+            raise DiffuseError(f"{path}[{index}] was called on a hidden state the last node did not make, and its "
+                               "weights are held by the nodes")
+        return original[index](x)
 
     def node_tail(self):
         """What the open ring's last node holds for draws; a new session starts with nothing."""

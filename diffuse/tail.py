@@ -23,6 +23,17 @@ head; a module other than a norm that reads the stack's answer gets the real
 hidden state at once instead (the pass is sent then, and the head runs on the
 client). Outside ``generate`` (a direct forward, the base model alone) every
 pass is sent at the last layer and the answer is the real hidden state.
+
+A model may have several heads side by side: its output head is then a list of
+``Linear`` of one shape reading the final norm's output (MusicGen: one head per
+codebook, their logits stacked per codebook and the batch flattened, batch
+then codebook). The last node runs every head and lays their logits out the
+same way (``stack_heads``); ``HeadListStandIn`` hands each head its part of
+the answer. Under classifier-free guidance (the batch doubled inside
+``generate``) both halves are on the last node together, so ``generate``'s
+processors, the guidance combination among them, run there with greedy
+decoding too, and only the codes and ``LISTED_TOP`` raw candidates per row
+come home (ids as int32).
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from torch import nn
 from diffuse.errors import DiffuseError
 
 GREEDY_TOP = 8
+LISTED_TOP = 2  # raw candidates per row that come home with the codes a node picked for a list of heads
 
 
 def head_path(model: nn.Module) -> str | None:
@@ -44,6 +56,27 @@ def head_path(model: nn.Module) -> str | None:
     if head is None:
         return None
     return next((name for name, m in model.named_modules() if m is head), None)
+
+
+def is_head_list(module: nn.Module) -> bool:
+    """A list of ``Linear`` heads of one shape, side by side (each reads the same hidden state)."""
+    if not isinstance(module, nn.ModuleList) or len(module) == 0:
+        return False
+    heads = list(module)
+    return all(type(h) is nn.Linear for h in heads) and len({(h.in_features, h.out_features) for h in heads}) == 1
+
+
+def head_vocab(module: nn.Module) -> int:
+    """The logits per row the head (or each head of a list) answers."""
+    return module[0].out_features if is_head_list(module) else module.weight.shape[0]
+
+
+def stack_heads(heads: nn.ModuleList, h: torch.Tensor) -> torch.Tensor:
+    """Every head on ``h`` (batch x rows x hidden), laid out as ``generate`` reads a list of heads' logits: stacked
+    per head after the batch, then (batch * heads) x rows x vocab. The client checks that the model itself reads
+    them so (``diffuse.sampling.DrawnToken``) before a token picked from this layout is taken."""
+    logits = torch.stack([head(h) for head in heads], dim=1)
+    return logits.reshape(-1, *logits.shape[2:])
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -125,6 +158,36 @@ class HeadStandIn(nn.Module):
 
     def extra_repr(self) -> str:
         return f"out_features={self.out_features}, on the last node"
+
+
+class _HeadProxy(nn.Module):
+    def __init__(self, owner: "HeadListStandIn", index: int):
+        super().__init__()
+        self._owner = (owner,)
+        self.index = index
+        self.out_features = owner.out_features
+
+    @property
+    def weight(self):
+        return self._owner[0]._original[0][self.index].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._owner[0]._splitter[0].run_head_of(self.index, x)
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}, on the last node"
+
+
+class HeadListStandIn(nn.ModuleList):
+    """Where a list of heads was: as many parameterless heads, each answering its part of what the last node sent
+    back for all of them (the first one called sends the pass)."""
+
+    def __init__(self, splitter, original: nn.ModuleList):
+        super().__init__()
+        self._splitter = (splitter,)
+        self._original = (original,)  # a tuple: not registered, its weights are not this module's
+        self.out_features = head_vocab(original)
+        self.extend([_HeadProxy(self, i) for i in range(len(original))])
 
 
 def unsupported_view(path: str) -> DiffuseError:

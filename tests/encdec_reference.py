@@ -40,7 +40,8 @@ MusicGen (MusicgenForConditionalGeneration): ``input_ids`` and
 padding=True)``, i.e. the T5 tokenizer), then ``generate(**inputs,
 output_logits=True, return_dict_in_generate=True)`` with the generation
 config's guidance scale, greedy setting and ``max_new_tokens`` (``--max-new-tokens``
-overrides the last). ``generate`` returns audio, not codes: the codes are what
+overrides the last); with ``--seed S`` (a job's ``seed``) ``do_sample=True`` after
+``torch.manual_seed(S)``. ``generate`` returns audio, not codes: the codes are what
 it hands to ``audio_encoder.decode`` once the delay pattern is undone, and the
 reference records them by replacing ``model.audio_encoder.decode`` on the
 instance with a wrapper that stores a clone of its first argument and calls
@@ -207,7 +208,7 @@ def musicgen_inputs(model_dir: str, prompt: str) -> dict:
 
 
 def run_musicgen(model_dir: str, prompt: str, max_new_tokens: int | None = None, threads: int = 0,
-                 wav: str | None = None) -> dict:
+                 wav: str | None = None, seed: int | None = None) -> dict:
     if threads > 0:
         torch.set_num_threads(threads)
     model = MusicgenForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -225,6 +226,9 @@ def run_musicgen(model_dir: str, prompt: str, max_new_tokens: int | None = None,
     kwargs = dict(output_logits=True, return_dict_in_generate=True)
     if max_new_tokens is not None:
         kwargs["max_new_tokens"] = max_new_tokens
+    if seed is not None:  # sampling, the rest from the generation config, after torch.manual_seed(seed)
+        kwargs["do_sample"] = True
+        torch.manual_seed(seed)
     try:
         with torch.no_grad():
             out = model.generate(**inputs, **kwargs)
@@ -303,7 +307,7 @@ def run_job(job: dict, threads: int = 0) -> dict:
         if "prompt" not in job:
             raise ValueError("a musicgen job needs a prompt")
         return run_musicgen(job["model"], job["prompt"], job.get("max_new_tokens"), threads=threads,
-                            wav=job.get("wav"))
+                            wav=job.get("wav"), seed=job.get("seed"))
     if kind == "voxtral":
         if "audio" not in job or "prompt" not in job:
             raise ValueError("a voxtral job needs an audio file and a prompt")
@@ -322,11 +326,12 @@ def main(argv=None) -> int:
                              "MusicGen: default from its generation config")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 leaves torch's default")
     parser.add_argument("--wav", help="MusicGen: also write the generated audio here")
+    parser.add_argument("--seed", type=int, help="MusicGen: sample (do_sample=True) after torch.manual_seed(SEED)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--jobs", metavar="FILE.json",
                         help="run each job of this JSON list instead ({model, audio}, {model, prompt} or "
                              "{model, audio, prompt}, optional "
-                             "max_new_tokens and wav; each model loaded afresh) and write the list of results")
+                             "max_new_tokens, wav and seed; each model loaded afresh) and write the list of results")
     args = parser.parse_args(argv)
     if args.jobs:
         if args.threads > 0:
@@ -341,7 +346,7 @@ def main(argv=None) -> int:
     if not args.model:
         parser.error("--model is needed (or --jobs)")
     job = {"model": args.model}
-    for key in ("audio", "prompt", "wav"):
+    for key in ("audio", "prompt", "wav", "seed"):
         if getattr(args, key) is not None:
             job[key] = getattr(args, key)
     if args.max_new_tokens is not None:

@@ -205,14 +205,16 @@ def test_sampling_processors_travel_as_data_and_a_node_rebuilds_them_as_transfor
              lp.NoRepeatNGramLogitsProcessor(2), lp.MinLengthLogitsProcessor(30, torch.tensor([3])),
              lp.MinNewTokensLengthLogitsProcessor(5, 10, [3, 4]), lp.SuppressTokensLogitsProcessor([1, 2]),
              lp.SuppressTokensAtBeginLogitsProcessor([5], 19), lp.ForcedBOSTokenLogitsProcessor(1),
-             lp.ForcedEOSTokenLogitsProcessor(20, 3), lp.InfNanRemoveLogitsProcessor()]
+             lp.ForcedEOSTokenLogitsProcessor(20, 3), lp.InfNanRemoveLogitsProcessor(),
+             lp.ClassifierFreeGuidanceLogitsProcessor(3.0)]
     assert sorted({type(p).__name__ for p in built}) == sorted(PROCESSORS)
     rebuilt = rebuild(cbor2.loads(cbor2.dumps(describe(built))))
     g = torch.Generator().manual_seed(0)
     history = torch.randint(0, 50, (2, 19), generator=g)
     history[:, -3:] = history[:, 5:8]  # an n-gram seen before
     for original, copy in zip(built, rebuilt, strict=True):
-        scores = torch.randn(2, 50, generator=g)
+        # guidance reads twice the rows of the history (conditional half, then unconditional)
+        scores = torch.randn(4 if isinstance(original, lp.ClassifierFreeGuidanceLogitsProcessor) else 2, 50, generator=g)
         assert type(copy) is type(original) and torch.equal(copy(history, scores.clone()), original(history, scores))
     with pytest.raises(diffuse.DiffuseError, match="cannot be rebuilt on the last node"):
         describe([lp.WatermarkLogitsProcessor(50, "cpu")])
