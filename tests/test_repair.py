@@ -87,27 +87,6 @@ def test_killed_then_frozen_replicas_leave_the_result_unchanged(replicas):
     assert [str(s) for st in final_route for s in st.slices] == ["blocks[0:2]", "blocks[2:4]"]
 
 
-def test_without_another_holder_the_failure_is_the_answer(replicas, tmp_path):
-    """Two of the four are gone (the test above): a run that loses a node with no spare left fails,
-    naming it."""
-    import diffuse
-    from diffuse.errors import NodeError
-
-    model, nodes = replicas
-    alive = [(p, r) for p, r in nodes if p.poll() is None and _running(p)]
-    assert len(alive) == 2
-    addresses = [f"{r['address']}#{r['key']}" for _, r in alive]
-    pipe = diffuse.from_pretrained(model)
-
-    def strike(i, route):
-        if i == 0:
-            alive[1][0].send_signal(signal.SIGKILL)
-
-    with pytest.raises(NodeError) as err:
-        _run(pipe, addresses, [], strike)
-    assert alive[1][1]["address"] in str(err.value)
-
-
 def test_a_patched_step_cut_short_by_a_repair_runs_again_whole(models, diffuse_home):
     """With patches the new holder has none of the stale buffers of earlier steps: after the repair
     each branch's next step runs whole (as its first did), then patches resume."""
@@ -170,11 +149,6 @@ def diffuse_error():
     from diffuse.errors import DiffuseError
 
     return DiffuseError
-
-
-def _running(proc) -> bool:
-    with open(f"/proc/{proc.pid}/stat") as f:
-        return f.read().split(") ", 1)[1][0] != "T"
 
 
 def test_a_language_model_answers_the_same_after_a_node_dies_mid_answer(tmp_path_factory, diffuse_home):
