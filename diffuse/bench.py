@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("P=1", "P=2", "P=4"):
             r = runs[name]
             print(f"  wire {name}: {r['bytes_per_step'] / 2**20:.2f} MiB per step over {r['hops']} hops "
-                  f"(whole latent each pass: {r['hops'] * latent_bytes / 2**20:.2f} MiB)")
+                  f"(the whole latent on every hop of both calls: {2 * r['hops'] * latent_bytes / 2**20:.2f} MiB)")
         for name, r in runs.items():
             for stack, m in r.get("paths", {}).items():
                 agree = "" if m["agreement"] is None else f", agreement {m['agreement']:.1e}"

@@ -18,7 +18,7 @@ def test_bench_quick_prints_overhead_speedups_wire_and_attention_paths(diffuse_h
     assert "P=1 output equals whole: True" in out
     for p, ideal in ((2, "1.33"), (4, "1.60")):
         assert re.search(rf"speedup P={p}: \d+\.\d+x \+- \d+\.\d+ +ideal {ideal}x +\d+% of ideal", out), out
-    assert len(re.findall(r"wire P=\d: \d+\.\d+ MiB per step over 3 hops \(whole latent each pass", out)) == 3
+    assert len(re.findall(r"wire P=\d: \d+\.\d+ MiB per step over 3 hops \(the whole latent on every hop of both calls", out)) == 3
     assert re.search(r"branches side by side on 2 groups of 1 node: \d+\.\d+x .*calls answered by a pass sent "
                      r"ahead: [1-9]\d*; output equals whole: True\)", out), out
     assert "attention P=4: blocks quick" in out and "attention P=4 plain: blocks plain" in out
