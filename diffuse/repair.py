@@ -52,13 +52,14 @@ def choose_route(plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, u
     live = [i for i in range(len(candidates)) if usable[i]]
     if not live:
         raise DiffuseError("no listed node is left to route through")
-    if all(held[i] is None for i in live) or any(held[i] is None for i in range(len(candidates))):
-        # nodes that load what they are asked for: an even split over the usable ones
+    if any(held[i] is None for i in live):
+        # nodes that load what they are asked for (with any others): an even split over the usable ones
         stages = [candidates[i] for i in live]
         return plan.with_route(even_route(plan.stacks, [s.address for s in stages], [s.key for s in stages]))
     picked: dict[tuple, int] = {}
     for i in range(len(candidates)):  # a range's place in the route: where its first holder is listed
-        picked.setdefault(_key(held[i]), -1)
+        if held[i] is not None:  # (a node that never answered said nothing of what it holds)
+            picked.setdefault(_key(held[i]), -1)
     for i in live:
         if picked[_key(held[i])] < 0:
             picked[_key(held[i])] = i
@@ -67,12 +68,3 @@ def choose_route(plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, u
         names = ", ".join(str(Slice(*s)) for s in lost[0])
         raise DiffuseError(f"no usable node holds {names}")
     return plan.with_route(candidates[i] for i in picked.values())
-
-
-def spare_for(plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, usable: list[bool]) -> bool:
-    """Whether a route can still be made without the nodes marked unusable."""
-    try:
-        choose_route(plan, candidates, held, usable)
-        return True
-    except DiffuseError:
-        return False

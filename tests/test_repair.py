@@ -129,6 +129,9 @@ def test_the_route_takes_one_usable_holder_per_range_and_a_failed_node_waits_its
     assert [s.address for s in route] == [nodes[0].address, nodes[1].address]
     route = choose_route(plan, nodes, held, [False, True, True, False]).route
     assert [s.address for s in route] == [nodes[2].address, nodes[1].address]
+    # a holder that never answered (nothing known of what it holds) is simply not used
+    route = choose_route(plan, nodes, [front, None, back, back], [True, False, True, True]).route
+    assert [s.address for s in route] == [nodes[0].address, nodes[2].address]
     with pytest.raises(diffuse_error(), match=r"no usable node holds blocks\[2:4\]"):
         choose_route(plan, nodes, held, [True, False, True, False])
     # nodes that load what they are asked for: an even split over the usable ones
