@@ -31,6 +31,7 @@ from torch import nn
 
 from diffuse.callplan import flatten
 from diffuse.errors import DiffuseError
+from diffuse.tail import HeldElsewhere
 
 # a causal LM's forward arguments that carry nothing to merge into the embeddings
 TEXT_INPUTS = frozenset({
@@ -144,21 +145,15 @@ def _plain_ids(config, vocab: int) -> list[int]:
     return plain if len(plain) == 3 else [0, 0, 0]
 
 
-class EmbedStandIn(nn.Module):
+class EmbedStandIn(HeldElsewhere):
     """Where the input embedding was: inside the split model's forward, a placeholder whose token ids the pass
     carries to the first node; elsewhere, the table itself while the client still holds it."""
 
     def __init__(self, splitter, original: nn.Module):
-        super().__init__()
-        self._splitter = (splitter,)
-        self._original = (original,)  # a tuple: not registered, its weights are not this module's
+        super().__init__(splitter, original)
         self.num_embeddings, self.embedding_dim = original.weight.shape
         self.padding_idx = getattr(original, "padding_idx", None)
         self.dtype = original.weight.dtype
-
-    @property
-    def weight(self):  # code that reads the table's weight (tying, resizing) sees the original
-        return self._original[0].weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self._splitter[0].run_embedding(input_ids)

@@ -173,13 +173,16 @@ class BlockStore:
             if path == head and isinstance(module, torch.nn.ModuleList) and not is_head_list(module):
                 raise DiffuseError(f"the output head {path[:64]!r} is a list of modules that are not Linear heads "
                                    "of one shape; Diffuse runs such a head on the client")
-            load_into(module, f"{path}.", wmap, dtype)
-            self._loaded.update(module.parameters())
-            module.eval()
-            modules.append(module)
+            modules.append(self._load_part(module, path, wmap, dtype))
         del skeleton
         self._tails[key] = tuple(modules)
         return self._tails[key]
+
+    def _load_part(self, module: torch.nn.Module, path: str, wmap, dtype: torch.dtype | None) -> torch.nn.Module:
+        """``module`` (at ``path`` in a weightless skeleton) read from the files in ``dtype``, counted as held."""
+        load_into(module, f"{path}.", wmap, dtype)
+        self._loaded.update(module.parameters())
+        return module.eval()
 
     def embedding(self, dtype: torch.dtype):
         """A language model's input embedding (its own ``get_input_embeddings()``, found here, not named by the
@@ -192,10 +195,8 @@ class BlockStore:
         path = embedding_path(skeleton)
         if path is None:
             raise DiffuseError("this model has no input embedding table to run here")
-        module = skeleton.get_submodule(path)
-        load_into(module, f"{path}.", renamed_for(weight_map(self.component_dir), skeleton), dtype)
-        self._loaded.update(module.parameters())
-        module.eval()
+        module = self._load_part(skeleton.get_submodule(path), path,
+                                 renamed_for(weight_map(self.component_dir), skeleton), dtype)
         del skeleton
         self._embeds[dtype] = module
         return module

@@ -140,18 +140,26 @@ def candidates_needed(model, kwargs: dict) -> int | None:
     return GREEDY_TOP
 
 
-class HeadStandIn(nn.Module):
+class HeldElsewhere(nn.Module):
+    """A stand-in for one of a model's modules whose weights a node holds (the output head, the input
+    embedding): code that reads its ``weight`` (tying, resizing) sees the original's."""
+
+    def __init__(self, splitter, original: nn.Module):
+        super().__init__()
+        self._splitter = (splitter,)
+        self._original = (original,)  # tuples: not registered, so their weights are not this module's
+
+    @property
+    def weight(self):
+        return self._original[0].weight
+
+
+class HeadStandIn(HeldElsewhere):
     """Where the output head was: answers with logits built from what the last node sent back."""
 
     def __init__(self, splitter, vocab: int, original: nn.Module):
-        super().__init__()
-        self._splitter = (splitter,)
-        self._original = (original,)  # a tuple: not registered, its weights are not this module's
+        super().__init__(splitter, original)
         self.out_features = vocab
-
-    @property
-    def weight(self):  # code that reads the head's weight (tying, resizing) sees the original
-        return self._original[0].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._splitter[0].run_head(x)
