@@ -274,7 +274,7 @@ def generate(a: argparse.Namespace, console) -> dict:
         report.update(
             transport=split.ring.scheme, calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
             per_stack=st.per_stack, return_maps={k: v.to_dict() for k, v in split.splitter.plan.return_maps.items()},
-            client_block_params=split.splitter.held_block_parameters(),
+            client_block_params=split.splitter.held_block_parameters(), client_reused=split.splitter.reused,
             node_params=[r.get("params") for r in split.node_reports], node_stats=split.node_reports,
             messages=st.messages, returns=st.returns)
         if len(split.rings) > 1:

@@ -34,6 +34,7 @@ from diffuse.callplan import flatten, flatten_layers
 from diffuse.embedding import EmbedStandIn, embedding_path, embedding_stays, placeholder
 from diffuse.errors import DiffuseError
 from diffuse.kvcache import ClientCaches, is_cache
+from diffuse.memo import RepeatMemo
 from diffuse.pipefusion import Patcher, why_uncut
 from diffuse.plan import PATCHABLE, ReturnMap, SlicingPlan, StackPlan
 from diffuse.planner import learn_call
@@ -158,6 +159,8 @@ class Splitter:
         self._first_blocks: dict[str, nn.Module] = {}
         self.ring = None
         self.patcher = None
+        self.memo: RepeatMemo | None = None  # projections of repeated inputs, while a ring is attached
+        self.reused = 0  # projections answered from the memo by rings already detached
         self.uncut: dict[str, str] = {}  # stack -> why its steps run uncut although patches > 1
         self.caches = ClientCaches()
         self.head: tuple[str, nn.Module] | None = None  # a language model's output head: (path, the original)
@@ -340,12 +343,19 @@ class Splitter:
 
     def attach(self, ring, patches: int = 1) -> None:
         self.ring = ring
+        if self.head is None:  # a denoiser, stepped with the same conditioning (a language model's inputs all change)
+            self.memo = RepeatMemo(self.denoiser, skip=tuple(st.path for st in self.plan.stacks))
+            self.memo.install()
         self.patcher = Patcher(ring, patches) if patches > 1 else None
         self.uncut = {}
         if self.head is not None and callable(getattr(type(self.denoiser), "generate", None)):
             self._wrap_generate()
 
     def detach(self) -> None:
+        if self.memo is not None:
+            self.memo.remove()
+            self.reused += self.memo.hits
+            self.memo = None
         self.ring = self.patcher = None
         self.pending = None
         self._embedded = None
