@@ -132,7 +132,7 @@ class Split:
     def __init__(self, pipe_or_model, nodes=None, local_nodes: int | None = None, patches: int = 1,
                  threads: int | None = None, timeout: float = 300.0, client_key: str | None = None,
                  attention: str = "auto", local_transport: str = "tcp", model: str | None = None,
-                 started=None, branch_groups: int = 1):
+                 started=None, branch_groups: int = 1, ahead: bool = True):
         from diffuse.branches import parse_groups
         from diffuse.known_nodes import parse_nodes
 
@@ -168,6 +168,7 @@ class Split:
         if self.local is not None and branch_groups > 1:
             self.local = LocalNodesPlan(self.local.count * branch_groups, self.local.threads, self.local.notes)
         self.patches, self.timeout, self.client_key = patches, timeout, client_key
+        self.ahead = ahead  # with patches, the next guidance branch's call sent while this one finishes
         self.attention, self.local_transport = attention, local_transport
         self.started = started  # local nodes already started by the caller (a diffuse.localnodes.LocalNodes)
         self.local_nodes = None
@@ -218,7 +219,7 @@ class Split:
             else:
                 self.ring = rings[0]
             self.splitter = Splitter.on(denoiser, self.ring.plan)
-            self.splitter.attach(self.ring, self.patches)
+            self.splitter.attach(self.ring, self.patches, self.ahead)
         except BaseException as exc:
             self._close(hurry=True)
             raise
@@ -258,6 +259,12 @@ class Split:
         return patcher.calls if patcher else None
 
     @property
+    def patch_ahead(self) -> dict | None:
+        """Cut calls answered by passes sent ahead ("used"), and passes sent ahead in vain ("dropped")."""
+        patcher = self.patcher or (self.splitter.patcher if self.splitter else None)
+        return patcher.ahead if patcher else None
+
+    @property
     def patches_used(self) -> dict | None:
         """Per stack: patches asked, patches actually used, and why fewer."""
         patcher = self.patcher or (self.splitter.patcher if self.splitter else None)
@@ -282,5 +289,6 @@ def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: in
     ``branch_groups=G`` shares them out. Options: ``threads`` (local nodes' torch threads; default: the
     client's at one patch, which keeps the bits of a whole run), ``timeout`` (seconds for one pass),
     ``client_key``, ``attention``, ``local_transport``, ``model`` (the pipeline folder, when it cannot be
-    told)."""
+    told), ``ahead`` (with patches, send the next guidance branch's call while this one finishes; default
+    True)."""
     return Split(pipe_or_model, nodes=nodes, local_nodes=local_nodes, patches=patches, **options)

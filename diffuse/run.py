@@ -283,6 +283,7 @@ def generate(a: argparse.Namespace, console) -> dict:
                                   "ahead_dropped": ring.ahead_dropped, "batches_cut": ring.batches_cut}
         if a.patches > 1:
             report.update(patches=a.patches, patcher_calls=split.patch_calls, patches_used=split.patches_used,
+                          patches_ahead=split.patch_ahead,
                           uncut={k: v for k, v in split.uncut.items() if k not in split.ring.uncut},
                           attention=split.attention_paths())
     if a.save_array:
@@ -367,6 +368,10 @@ def summarize(r: dict, console) -> None:
                 console.print(f"  {stack}: patches used {used['used']} of {used['asked']} asked{why}", soft_wrap=True)
             for stack, why in r.get("uncut", {}).items():
                 console.print(f"  {stack}: uncut steps ({why})", soft_wrap=True)
+            ahead = r.get("patches_ahead") or {}
+            if ahead.get("used") or ahead.get("dropped"):
+                console.print(f"  calls sent ahead while the one before finished: {ahead['used']} used, "
+                              f"{ahead['dropped']} dropped", soft_wrap=True)
             for line in describe_paths(r.get("attention", {})):
                 console.print(f"  {line}", soft_wrap=True)
 

@@ -341,12 +341,12 @@ class Splitter:
         if p is not None and p.norm == path and args and args[0] is p.placeholder:
             p.normed = output
 
-    def attach(self, ring, patches: int = 1) -> None:
+    def attach(self, ring, patches: int = 1, ahead: bool = True) -> None:
         self.ring = ring
         if self.head is None:  # a denoiser, stepped with the same conditioning (a language model's inputs all change)
             self.memo = RepeatMemo(self.denoiser, skip=tuple(st.path for st in self.plan.stacks))
             self.memo.install()
-        self.patcher = Patcher(ring, patches) if patches > 1 else None
+        self.patcher = Patcher(ring, patches, ahead) if patches > 1 else None
         self.uncut = {}
         if self.head is not None and callable(getattr(type(self.denoiser), "generate", None)):
             self._wrap_generate()

@@ -71,7 +71,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def split_run(model: str, kwargs: dict, addresses, patches: int, attention: str = "auto") -> tuple[np.ndarray, dict]:
+def split_run(model: str, kwargs: dict, addresses, patches: int, attention: str = "auto",
+              ahead: bool = True, groups: bool = False) -> tuple[np.ndarray, dict]:
     """The pipeline's own __call__ here, its stack on the given nodes; returns the array and what was seen."""
     import diffusers
 
@@ -80,13 +81,14 @@ def split_run(model: str, kwargs: dict, addresses, patches: int, attention: str 
 
     pipe = diffusers.DiffusionPipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
-    with diffuse.split(pipe, nodes=[f"{a}#{k}" for a, k in addresses], patches=patches, attention=attention,
-                       timeout=60) as split, torch.no_grad():
+    listed = [f"{a}#{k}" for a, k in addresses]
+    with diffuse.split(pipe, nodes=[[n] for n in listed] if groups else listed, patches=patches, attention=attention,
+                       timeout=60, ahead=ahead) as split, torch.no_grad():
         result = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0), output_type="np")
     st = split.ring.channel_stats
     seen = {"messages": st.messages, "returns": st.returns, "node_stats": split.node_reports,
             "attention": split.attention_paths(), "uncut": split.uncut, "calls": split.patch_calls,
-            "used": split.patches_used, "plan": split.splitter.plan.with_route(split.plan.route)}
+            "ahead": split.patch_ahead, "used": split.patches_used, "plan": split.splitter.plan.with_route(split.plan.route)}
     return output_array(result), seen
 
 
@@ -148,6 +150,36 @@ def test_patcher_reports_the_patches_it_used_not_the_ones_asked():
     assert torch.equal(out, x * 2) and none is None
     assert patcher.used == {"blocks": {"asked": 4, "used": 3, "why": "only 3 tokens"}}
     assert patcher.calls == {"uncut": 1, "cut": 1}
+
+
+def test_the_next_branch_is_sent_ahead_and_used_only_if_its_call_is_what_was_sent():
+    ring, one = EchoRing(), ReturnMap(single=True, outputs=[0], names=["args[0]"])
+    patcher = Patcher(ring, 2)
+    cond, uncond, t = torch.randn(1, 5, 8), torch.randn(1, 5, 8), torch.ones(1)
+
+    def step(x, second=uncond):
+        a = patcher.run("blocks", {}, [x, cond, t], one)
+        b = patcher.run("blocks", {}, [x, second, t], one)
+        assert torch.equal(a, x * 2) and torch.equal(b, x * 2)
+
+    step(torch.randn(1, 4, 8))  # first step: both branches whole, nothing to guess from
+    ring.log.clear()
+    step(torch.randn(1, 4, 8))
+    # the first call's two patches, then the second branch's two sent at once; the second call only receives
+    assert [op for op, _ in ring.log] == ["send"] * 4 + ["receive"] * 4
+    guessed = [ring.sent[seq] for op, seq in ring.log[2:4]]
+    assert all(sent[1] is uncond and p.branch == 1 and not p.uncut for sent, p, _ in guessed)
+    assert patcher.ahead == {"used": 1, "dropped": 0} and patcher.calls == {"uncut": 2, "cut": 2}
+    ring.log.clear()
+    step(torch.randn(1, 4, 8), second=torch.randn(1, 5, 8))  # the second call is not what was guessed
+    sends = [ring.sent[seq][1] for op, seq in ring.log if op == "send"]
+    # the guess for branch 1 is received and dropped, and the call (a branch never seen: 2) runs whole
+    assert patcher.ahead == {"used": 1, "dropped": 1} and sends[-1].uncut and sends[-1].branch == 2
+    assert [op for op, _ in ring.log][-4:] == ["receive", "receive", "send", "receive"]
+    ring.log.clear()
+    step(torch.randn(1, 4, 8))  # branch 1 again: the nodes' buffers of it hold the dropped guess, so it runs whole
+    sends = [ring.sent[seq][1] for op, seq in ring.log if op == "send"]
+    assert sends[-1].uncut and sends[-1].branch == 1 and patcher.ahead["dropped"] == 2  # the guess was for 2
 
 
 def test_guidance_branches_are_told_apart_by_their_conditioning():
@@ -233,9 +265,14 @@ def test_quick_rows_are_the_block_run_over_the_whole_buffer(family, models):
         first = stale.run(held, tree, with_stream(two, s, two[s].narrow(axis, a, b - a)), rmap, step.cut(0, a, b))
         second = stale.run(held, tree, with_stream(two, s, two[s].narrow(axis, c, d - c)), rmap, step.cut(1, c, d))
     assert stale.paths[0]["path"] == "quick", stale.paths[0]
-    # the first patch (plain, while the path is chosen) sees its own rows fresh and last step's for the rest...
-    mixed = torch.cat([two[s].narrow(axis, a, b - a), one[s].narrow(axis, c, d - c)], axis)
-    assert rel(first, whole(block, tree, with_stream(two, s, mixed), rmap).narrow(axis, a, b - a)) < 1e-6
+    # the first patch (while the path is chosen) is answered by the kept path, as on a stack that had chosen it
+    # already: where or when the choice is made changes no bit...
+    chosen = StaleStack("stack")
+    chosen.paths[0] = {"path": "quick", "agreement": 0.0, "why": ""}
+    with torch.no_grad():
+        chosen.run(held, tree, [t.clone() for t in one], rmap, Patch(0, 1, axis, tokens, uncut=True))
+        again = chosen.run(held, tree, with_stream(two, s, two[s].narrow(axis, a, b - a)), rmap, step.cut(0, a, b))
+    assert torch.equal(first, again)
     # ...the second, by the quick path, this step's rows everywhere: the block over this step's whole input
     expected = whole(block, tree, two, rmap).narrow(axis, c, d - c)
     assert rel(second, expected) < 1e-4, rel(second, expected)
@@ -311,6 +348,16 @@ def test_patched_output_is_the_same_on_one_two_or_three_nodes(patches, models, n
     (one, seen), (two, _), (three, _) = runs
     assert seen["calls"]["cut"] > 0, "the run was never cut into patches"
     assert one.tobytes() == two.tobytes() == three.tobytes()
+    # each step's second guidance call was sent ahead, while the first finished; sent when called, the same bits
+    assert seen["ahead"] == {"used": seen["calls"]["cut"] // 2, "dropped": 0}
+    if patches == 2:
+        waited, seen_waited = split_run(model, args_for("wan"), nodes(model, 2), patches, ahead=False)
+        assert seen_waited["ahead"] == {"used": 0, "dropped": 0} and waited.tobytes() == two.tobytes()
+        # two groups of one node: each branch's patches on its own group, the second sent ahead to run alongside
+        grouped, seen_grouped = split_run(model, args_for("wan"), nodes(model, 2), patches, groups=True)
+        assert seen_grouped["ahead"]["used"] > 0
+        assert grouped.tobytes() == two.tobytes()
+        assert all(n["messages"] > 0 for n in seen_grouped["node_stats"])
 
 
 @pytest.mark.parametrize("family,patches,calls", [("wan", 4, 2), ("pixart_sigma", 3, 1)])

@@ -9,8 +9,9 @@ only, by one of the attention paths in ``diffuse.pipefusion.attention``.
 Each block's path is chosen on the first patch it sees in the session: plain and
 quick both run, and quick is kept only if it agrees with plain to
 ``QUICK_TOLERANCE`` (relative); the buffers the other path would need are then
-dropped. The choice is per block, so it does not depend on how the stack is
-split over nodes. Branches never share buffers; all of it goes with the session.
+dropped, and the kept path answers that patch as it will answer every later one.
+The choice is per block, so it does not depend on how the stack is split over
+nodes or groups. Branches never share buffers; all of it goes with the session.
 """
 
 from __future__ import annotations
@@ -128,8 +129,10 @@ class StaleStack:
         return out
 
     def _choose(self, idx: int, block, p: Pass):
-        """The first patch this block sees: plain runs (recording this step's keys and values),
-        then quick on them; quick is kept if it agrees. Either way plain's answer goes on."""
+        """The first patch this block sees: plain runs (recording this step's keys and values), then quick
+        on them; quick is kept if it agrees. The answer that goes on is then the kept path's own, run on
+        the branch's buffers as every later patch will be: which session or which branch happened to
+        choose never changes a bit (branch groups choose once per group)."""
         if self.attention == "plain":
             self.paths[idx] = {"path": "plain", "agreement": None, "why": "plain path forced"}
             return PATHS["plain"](self, idx, block, p)
@@ -144,14 +147,14 @@ class StaleStack:
                 err, why = float("inf"), f"{type(exc).__name__}: {exc}"
         finally:
             p.check = None
+        del fresh
         if err <= QUICK_TOLERANCE:
             self.paths[idx] = {"path": "quick", "agreement": err, "why": ""}
-            self.kv[(p.patch.branch, idx)] = fresh  # this step's keys/values, the patch's rows among them
             self._drop(idx, self.inputs)
-        else:
-            why = why or f"quick differs from plain by {err:.2e} (relative), more than {QUICK_TOLERANCE:g}"
-            self.paths[idx] = {"path": "plain", "agreement": err, "why": why}
-            self._drop(idx, self.kv)
+            return PATHS["quick"](self, idx, block, p)
+        why = why or f"quick differs from plain by {err:.2e} (relative), more than {QUICK_TOLERANCE:g}"
+        self.paths[idx] = {"path": "plain", "agreement": err, "why": why}
+        self._drop(idx, self.kv)
         return plain
 
     @staticmethod

@@ -16,6 +16,8 @@ two in one call is one branch whose buffers hold both rows, which never mix.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from diffuse.callplan import digest
@@ -46,13 +48,16 @@ def patch_ranges(tokens: int, patches: int) -> list[tuple[int, int]]:
 
 
 class BranchTracker:
-    """Which branch a call into one stack belongs to, and whether it is that branch's first step."""
+    """Which branch a call into one stack belongs to, and whether it is that branch's first step; and, from
+    the order the branches came in last step, which call should come next and with what inputs."""
 
     def __init__(self):
         self.branches: list[list[bytes]] = []  # each branch's non-stream digests at its first call
         self.step: list[tuple[bytes, list[bytes], int]] = []  # this step's calls: (stream, digests, branch)
         self.conditioning: set[int] = set()  # slots on which calls of one step differ
         self.steps = 0
+        self.latest: dict[int, tuple[list, list[bytes]]] = {}  # branch -> its last call's (tensors, digests)
+        self.last_order: list[int] = []  # the branches of the previous step, in the order they came
 
     def identify(self, tensors: list[torch.Tensor], stream: int, d: list[bytes] | None = None) -> tuple[int, int, bool]:
         """(branch, step number from 1, first step of this branch?) for one call; ``d``: the digests
@@ -62,6 +67,7 @@ class BranchTracker:
         d[stream] = b""
         same = [c for c in self.step if c[0] == sd]
         if not same:  # new hidden states: the scheduler has stepped
+            self.last_order = [c[2] for c in self.step]
             self.step = []
             self.steps += 1
         for c in same:
@@ -76,7 +82,24 @@ class BranchTracker:
             branch = len(self.branches)
             self.branches.append(d)
         self.step.append((sd, d, branch))
+        self.latest[branch] = (list(tensors), d)
         return branch, self.steps, first
+
+    def expected_after(self, branch: int) -> int | None:
+        """The branch that followed ``branch`` last step, if this step has not had it yet (and the inputs that
+        tell branches apart are known)."""
+        order, taken = self.last_order, {c[2] for c in self.step}
+        if not self.conditioning or branch not in order or order.index(branch) + 1 >= len(order):
+            return None
+        nxt = order[order.index(branch) + 1]
+        return nxt if nxt not in taken and nxt in self.latest else None
+
+    def guess(self, branch: int, tensors: list, digests: list[bytes]) -> tuple[list, list[bytes]]:
+        """The call ``branch`` should make next in this step: this call's inputs, with the conditioning
+        ``branch`` had at its last call."""
+        own, own_d = self.latest[branch]
+        return ([own[i] if i in self.conditioning else t for i, t in enumerate(tensors)],
+                [own_d[i] if i in self.conditioning else x for i, x in enumerate(digests)])
 
 
 def reassemble(answers: list, axis: int, rmap: ReturnMap):
@@ -90,6 +113,18 @@ def reassemble(answers: list, axis: int, rmap: ReturnMap):
     return type(answers[0])(out)
 
 
+@dataclass
+class _Ahead:
+    """The patches of a call sent before the pipeline made it: its branch, what it was sent with, and the
+    ring's numbers of its patches' passes."""
+
+    branch: int
+    step: int  # the step it was guessed for: calls of one step carry the same hidden states
+    tree: dict
+    digests: list  # the stream's is not among them; the step stands for it
+    seqs: list
+
+
 class Patcher:
     """Runs one-stream stacks' calls through a ring: uncut on a branch's first step, else as patches.
 
@@ -97,16 +132,35 @@ class Patcher:
     patches of a step are sent before any answer is awaited, so each node works on one patch while
     the next node works on the one before. ``calls`` counts uncut and cut calls; ``used`` says per
     stack how many patches were asked, the most actually used, and why fewer where they were.
+
+    Guidance branches called one after the other (Wan) are sent ahead: once a cut call's patches are
+    on their way, the call the next branch made after it last step is sent too, with this call's
+    inputs and that branch's conditioning, so the first node starts on it while the last one
+    finishes this call (and with branch groups, the other group works at the same time). When the
+    call comes, its tree and every input's digest must equal what was sent; then the answers on
+    their way are its answers (the same passes on the same buffers, so not a bit differs from
+    sending it then). Otherwise they are received and dropped, and as the nodes' buffers of that
+    branch now hold the guessed call's activations, its next call runs uncut, recording them anew.
+    ``ahead`` counts calls answered that way, and passes sent ahead in vain.
     """
 
-    def __init__(self, ring, patches: int):
+    def __init__(self, ring, patches: int, ahead: bool = True):
         self.ring = ring
         self.patches = patches
+        self.send_ahead = ahead
         self.trackers: dict[str, BranchTracker] = {}
+        self._ahead: dict[str, _Ahead] = {}
+        self._rerecord: set[tuple[str, int]] = set()  # (stack, branch) whose buffers a dropped guess overwrote
         if hasattr(ring, "on_repair"):  # nodes new to the session hold no stale buffers: every branch
-            ring.on_repair.append(self.trackers.clear)  # starts again with a whole step
+            ring.on_repair.append(self._forget)  # starts again with a whole step
         self.calls = {"uncut": 0, "cut": 0}
+        self.ahead = {"used": 0, "dropped": 0}
         self.used: dict[str, dict] = {}
+
+    def _forget(self) -> None:
+        self.trackers.clear()
+        self._ahead.clear()  # the ring dropped every pass in flight with the old route
+        self._rerecord.clear()
 
     def run(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap):
         stream = rmap.streams[0]
@@ -114,23 +168,59 @@ class Patcher:
         axis = token_axis(x.shape)
         tokens = x.shape[axis]
         digests = [b"" if i == stream else digest(t) for i, t in enumerate(tensors)]  # once per call, not per patch
-        branch, step, first = self.trackers.setdefault(stack, BranchTracker()).identify(tensors, stream, digests)
-        patch = Patch(branch, step, axis, tokens, uncut=True)
+        tracker = self.trackers.setdefault(stack, BranchTracker())
+        branch, step, first = tracker.identify(tensors, stream, digests)
+        ahead = self._ahead.pop(stack, None)
+        try:
+            if ahead is not None:
+                if (ahead.branch, ahead.step, ahead.tree, ahead.digests) == (branch, step, tree, digests) and not first:
+                    self.ahead["used"] += 1
+                    return self._cut(stack, tree, tensors, rmap, digests, tracker, branch, step, ahead.seqs)
+                for seq in ahead.seqs:  # due before any later answer of the ring: received, and not used
+                    self.ring.receive(seq)
+                self.ahead["dropped"] += 1
+                self._rerecord.add((stack, ahead.branch))
+            ranges = patch_ranges(tokens, self.patches)
+            if first or (stack, branch) in self._rerecord or len(ranges) < 2:
+                self._note(stack, 1 if first else len(ranges), tokens, len(ranges))
+                self._rerecord.discard((stack, branch))
+                self.calls["uncut"] += 1
+                patch = Patch(branch, step, axis, tokens, uncut=True)
+                return self.ring.receive(self.ring.send(stack, tree, tensors, rmap, patch, digests))
+            return self._cut(stack, tree, tensors, rmap, digests, tracker, branch, step)
+        except Repaired:  # a node was replaced mid-step: the step again, whole, on the repaired route
+            return self.run(stack, tree, tensors, rmap)
+
+    def _cut(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, digests: list, tracker: BranchTracker,
+             branch: int, step: int, seqs: list | None = None):
+        """A cut call: its patches sent (unless ``seqs`` says they were, ahead), then the next branch's call
+        sent ahead where one is expected, then this call's answers awaited and joined."""
+        stream = rmap.streams[0]
+        x = tensors[stream]
+        axis = token_axis(x.shape)
+        tokens = x.shape[axis]
         ranges = patch_ranges(tokens, self.patches)
-        self._note(stack, 1 if first else len(ranges), tokens, len(ranges))
-        if first or len(ranges) < 2:
-            self.calls["uncut"] += 1
-            return self.ring.receive(self.ring.send(stack, tree, tensors, rmap, patch, digests))
+        self._note(stack, len(ranges), tokens, len(ranges))
         self.calls["cut"] += 1
+        if seqs is None:
+            seqs = self._send_cut(stack, tree, tensors, rmap, Patch(branch, step, axis, tokens), ranges, digests)
+        nxt = tracker.expected_after(branch) if self.send_ahead else None
+        if nxt is not None and (stack, nxt) not in self._rerecord:
+            guess, guess_digests = tracker.guess(nxt, tensors, digests)
+            sent = self._send_cut(stack, tree, guess, rmap, Patch(nxt, step, axis, tokens), ranges, guess_digests)
+            self._ahead[stack] = _Ahead(nxt, step, tree, guess_digests, sent)
+        return reassemble([self.ring.receive(seq) for seq in seqs], axis, rmap)
+
+    def _send_cut(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, patch: Patch, ranges: list,
+                  digests: list) -> list[int]:
+        stream = rmap.streams[0]
+        x = tensors[stream]
         seqs = []
         for i, (lo, hi) in enumerate(ranges):
             cut = list(tensors)
-            cut[stream] = x.narrow(axis, lo, hi - lo)
+            cut[stream] = x.narrow(patch.axis, lo, hi - lo)
             seqs.append(self.ring.send(stack, tree, cut, rmap, patch.cut(i, lo, hi), digests))
-        try:
-            return reassemble([self.ring.receive(seq) for seq in seqs], axis, rmap)
-        except Repaired:  # a node was replaced mid-step: the step again, whole, on the repaired route
-            return self.run(stack, tree, tensors, rmap)
+        return seqs
 
     def _note(self, stack: str, n: int, tokens: int, possible: int) -> None:
         u = self.used.setdefault(stack, {"asked": self.patches, "used": 0, "why": ""})
