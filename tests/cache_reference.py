@@ -1,6 +1,6 @@
 """Ground truth for the first-block cache: a Wan pipeline run whole by plain diffusers, its blocks wrapped.
 
-    python tests/cache_reference.py --model DIR --kwargs JSON --threshold T --out OUT.npy
+    python tests/cache_reference.py --model DIR --kwargs JSON --threshold T --out OUT.npy [--threshold T2 --out OUT2.npy]
 
 The rule, written here against plain diffusers and nothing of the ``diffuse``
 package: at each call into the transformer's blocks, block 0 runs and its
@@ -8,8 +8,10 @@ residual r (output minus input) is compared with the one kept at the last call
 of the same branch (the same text conditioning) that ran every block:
 mean|r - r_prev| / mean|r_prev|. Below T the other blocks do not run and the
 output is block 0's output plus what they added at that last full call; else
-they run, and r and what they added are kept. Prints a JSON line with the calls
-and the skipped ones; saves the pipeline's array as float32.
+they run, and r and what they added are kept. Threshold 0 never skips: the
+pipeline as it is. For each threshold (the pipeline loaded once, the cache
+started anew) prints a JSON line with the calls and the skipped ones, and saves
+the pipeline's array as float32.
 """
 
 from __future__ import annotations
@@ -77,21 +79,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--kwargs", default="{}")
-    ap.add_argument("--threshold", type=float, required=True)
+    ap.add_argument("--threshold", type=float, action="append", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", action="append", required=True)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     pipe = DiffusionPipeline.from_pretrained(a.model)
     pipe.set_progress_bar_config(disable=True)
-    blocks = pipe.transformer.blocks
-    cache = FirstBlockCache(a.threshold, len(blocks))
-    pipe.transformer.blocks = torch.nn.ModuleList([Wrapped(i, b, cache) for i, b in enumerate(blocks)])
-    with torch.no_grad():
-        out = pipe(**json.loads(a.kwargs), generator=torch.Generator("cpu").manual_seed(a.seed), output_type="np")
-    np.save(a.out, np.asarray(out[0], dtype=np.float32))
-    print(json.dumps({"calls": cache.calls, "skipped": cache.skipped}))
+    if len(a.threshold) != len(a.out):
+        ap.error("give one --out per --threshold")
+    blocks = list(pipe.transformer.blocks)
+    for threshold, out_file in zip(a.threshold, a.out):
+        cache = FirstBlockCache(threshold, len(blocks))
+        pipe.transformer.blocks = torch.nn.ModuleList([Wrapped(i, b, cache) for i, b in enumerate(blocks)])
+        with torch.no_grad():
+            out = pipe(**json.loads(a.kwargs), generator=torch.Generator("cpu").manual_seed(a.seed), output_type="np")
+        np.save(out_file, np.asarray(out[0], dtype=np.float32))
+        print(json.dumps({"threshold": threshold, "calls": cache.calls, "skipped": cache.skipped}), flush=True)
     return 0
 
 
