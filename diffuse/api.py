@@ -132,7 +132,7 @@ class Split:
     def __init__(self, pipe_or_model, nodes=None, local_nodes: int | None = None, patches: int = 1,
                  threads: int | None = None, timeout: float = 300.0, client_key: str | None = None,
                  attention: str = "auto", local_transport: str = "tcp", model: str | None = None,
-                 started=None, branch_groups: int = 1, ahead: bool = True):
+                 started=None, branch_groups: int = 1, cache_threshold: float = 0.0, ahead: bool = True):
         from diffuse.branches import parse_groups
         from diffuse.known_nodes import parse_nodes
 
@@ -142,8 +142,15 @@ class Split:
             raise DiffuseError("give nodes or local_nodes, not both")
         if branch_groups < 1:
             raise DiffuseError("--branch-groups must be at least 1")
+        from diffuse.firstblock import NOT_FOR_LANGUAGE_MODELS, checked_threshold, not_with_patches
+
+        self.cache_threshold = checked_threshold(cache_threshold)
+        if self.cache_threshold and patches > 1:
+            raise DiffuseError(not_with_patches(patches))
         self.target = pipe_or_model
         self.info = model_info(pipe_or_model, model)
+        if self.cache_threshold and self.info.subject.autoregressive:
+            raise DiffuseError(NOT_FOR_LANGUAGE_MODELS)
         self.groups = None  # node lists, one per group of branches, when there are several
         if nodes is not None:
             groups = [parse_nodes(g) for g in parse_groups(nodes)] if isinstance(nodes, str) and ";" in nodes \
@@ -219,7 +226,7 @@ class Split:
             else:
                 self.ring = rings[0]
             self.splitter = Splitter.on(denoiser, self.ring.plan)
-            self.splitter.attach(self.ring, self.patches, self.ahead)
+            self.splitter.attach(self.ring, self.patches, self.cache_threshold, self.ahead)
         except BaseException as exc:
             self._close(hurry=True)
             raise
@@ -275,6 +282,23 @@ class Split:
         """Stacks whose steps ran uncut although patches > 1, and why."""
         return dict(self.splitter.uncut) if self.splitter else {}
 
+    @property
+    def cache(self) -> dict:
+        """The first-block cache per stack: calls tagged and calls skipped (empty when it is off)."""
+        from diffuse.firstblock import counts
+
+        return counts(self.ring.channel_stats) if self.ring is not None else {}
+
+    @property
+    def cache_skipped(self) -> int:
+        """Calls whose step the first-block cache skipped, all stacks together."""
+        return sum(v["skipped"] for v in self.cache.values())
+
+    @property
+    def cache_calls(self) -> int:
+        """Calls the first-block cache decided on (skipped or computed in full), all stacks together."""
+        return sum(v["calls"] for v in self.cache.values())
+
     def attention_paths(self) -> dict:
         from diffuse.pipefusion import attention_paths
 
@@ -286,8 +310,9 @@ def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: in
     ``local_nodes`` started here (default 2); a context manager. ``patches > 1``: PipeFusion.
     ``nodes`` as ``"A,B;C,D"`` (or a list of lists) forms groups, each a whole ring; a model's guidance
     branches then run side by side, one group each (``diffuse.branches``); with local nodes,
-    ``branch_groups=G`` shares them out. Options: ``threads`` (local nodes' torch threads; default: the
-    client's at one patch, which keeps the bits of a whole run), ``timeout`` (seconds for one pass),
+    ``branch_groups=G`` shares them out. ``cache_threshold=T`` (> 0): the first-block cache skips steps whose
+    first block changes less than T (``diffuse.firstblock``; ``split.cache_skipped`` counts them). Options:
+    ``threads`` (local nodes' torch threads; default: the client's at one patch, which keeps the bits of a whole run), ``timeout`` (seconds for one pass),
     ``client_key``, ``attention``, ``local_transport``, ``model`` (the pipeline folder, when it cannot be
     told), ``ahead`` (with patches, send the next guidance branch's call while this one finishes; default
     True)."""

@@ -181,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         from diffuse.quality import main as quality_main
 
         return quality_main(argv[1:])
+    if argv[:1] == ["cache"]:  # the first-block cache's speed and quality: diffuse/quality.py
+        from diffuse.quality import cache_main
+
+        return cache_main(argv[1:])
     if argv and argv[0] == "lm":
         from diffuse.bench_lm import main as lm_main
 
@@ -190,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m diffuse.bench", description=plain(__doc__.split("\n")[0]),
                                  epilog="python -m diffuse.bench quality [--help]: what patches cost in pixels and in "
                                         "the prompt's colour and motion, on the shipped trained model. "
+                                        "python -m diffuse.bench cache [--help]: the same for --cache-threshold, "
+                                        "with speed. "
                                         "python -m diffuse.bench lm [--help]: a language model whole and split "
                                         "(tokens/s, first token, bytes per hop)")
     ap.add_argument("--quick", action="store_true", help="a small model, for a smoke test (well under a minute)")

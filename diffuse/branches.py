@@ -27,6 +27,7 @@ import torch
 from diffuse.callplan import digest, flatten
 from diffuse.channel import ChannelStats
 from diffuse.errors import DiffuseError
+from diffuse.firstblock import with_branch
 from diffuse.pipefusion.cutting import reassemble
 from diffuse.ring import NodeStats, RingStats
 
@@ -51,6 +52,7 @@ class _Sent:
     stack: str
     tree: dict
     digests: list
+    extra: dict | None = None
 
 
 @dataclass
@@ -159,6 +161,10 @@ class BranchRings:
             out.dropped += c.dropped
             out.messages += c.messages
             out.returns += c.returns
+            for stack, (skipped, calls) in c.reuse.items():
+                t = out.reuse.setdefault(stack, [0, 0])
+                t[0] += skipped
+                t[1] += calls
             for stack, s in c.per_stack.items():
                 t = out.per_stack.setdefault(stack, {"calls": 0, "bytes": []})
                 t["calls"] += s["calls"]
@@ -185,40 +191,47 @@ class BranchRings:
         raise DiffuseError("branch groups are for guidance passes of diffusion models; a language model's "
                            "passes go through one ring (give --nodes without ';')")
 
-    def send(self, stack: str, tree: dict, tensors: list, rmap, patch=None, digests=None) -> int:
+    def send(self, stack: str, tree: dict, tensors: list, rmap, patch=None, digests=None, extra=None) -> int:
+        """As ``Ring.send``; ``extra``'s first-block cache tag names the branch as this group numbers it
+        (``diffuse.firstblock``), so a pass sent ahead keeps its own branch's residuals."""
         digests = list(digests) if digests else [digest(t) for t in tensors]
         stream = rmap.streams[0]
         self._n += 1
         parts = self._cut(tensors, stream)
         if parts is not None:  # branches batched in one call: a part of the batch per group
             self.batches_cut += 1
-            self._sent[self._n] = [[(g, self.rings[g].send(stack, tree, part, rmap, patch)) for g, part in parts],
-                                   rmap]
+            self._sent[self._n] = [[(g, self.rings[g].send(stack, tree, part, rmap, patch, extra=extra))
+                                    for g, part in parts], rmap]
             return self._n
         if patch is not None:  # patches of a branch's step go to that branch's group
             g = patch.branch % len(self.rings)
             self._sent[self._n] = [[(g, self.rings[g].send(stack, tree, tensors, rmap, patch, digests))], rmap]
             return self._n
+        if not digests[stream]:  # left out by a caller that does not send it by digest; steps are told by it
+            digests[stream] = digest(tensors[stream])
         branches = self._branches.setdefault(stack, _Branches(stream))
         branch = branches.identify(tensors, digests)
+        extra = with_branch(extra, branch)
         ahead = self._ahead.pop(stack, None)
         if ahead is not None:
-            if ahead.group == branch % len(self.rings) and ahead.tree == tree and ahead.digests == digests:
+            if ahead.group == branch % len(self.rings) and ahead.tree == tree and ahead.digests == digests \
+                    and ahead.extra == extra:
                 self.ahead_used += 1
                 self._sent[self._n] = [[(ahead.group, ahead.n)], rmap]
                 return self._n
             self.rings[ahead.group].receive(ahead.n)  # its answer is due before any later one on that ring
             self.ahead_dropped += 1
         g = branch % len(self.rings)
-        self._sent[self._n] = [[(g, self.rings[g].send(stack, tree, tensors, rmap, None, digests))], rmap]
+        self._sent[self._n] = [[(g, self.rings[g].send(stack, tree, tensors, rmap, None, digests, extra))], rmap]
         nxt = branches.expected_after(branch)
         if nxt is not None and nxt % len(self.rings) != g:
             cond, _ = branches.known[nxt]
             guess = [cond.get(i, t) for i, t in enumerate(tensors)]
             guess_digests = [branches.known[nxt][1][i] if i in cond else d for i, d in enumerate(digests)]
             h = nxt % len(self.rings)
-            self._ahead[stack] = _Sent(h, self.rings[h].send(stack, tree, guess, rmap, None, guess_digests), stack,
-                                       tree, guess_digests)
+            guess_extra = with_branch(extra, nxt)
+            self._ahead[stack] = _Sent(h, self.rings[h].send(stack, tree, guess, rmap, None, guess_digests, guess_extra),
+                                       stack, tree, guess_digests, guess_extra)
         return self._n
 
     def receive(self, n: int):

@@ -50,6 +50,7 @@ class ChannelStats:
     messages: list = field(default_factory=list)  # one record per message sent into the ring
     returns: list = field(default_factory=list)  # [seq, bytes] of every answer from the last node
     dropped: int = 0  # messages on the client's inbox that failed to open (junk, replays) and were dropped
+    reuse: dict = field(default_factory=dict)  # stack -> [skipped, calls] of the first-block cache (diffuse.firstblock)
 
 
 class Channel:
@@ -155,6 +156,10 @@ class Channel:
         self.stats.passes += 1
         self.stats.bytes_received += n_in
         self.stats.returns.append([seq, n_in])
+        if "skipped" in header:
+            counted = self.stats.reuse.setdefault(str(header.get("stack"))[:200], [0, 0])
+            counted[0] += header["skipped"] is True
+            counted[1] += 1
         return decode_value(header["out"], tensors)
 
     def _wait(self, seq: int):

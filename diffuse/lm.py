@@ -47,6 +47,10 @@ def check_flags(a: argparse.Namespace) -> None:
             raise DiffuseError(f"--{flag.replace('_', '-')} applies to diffusion pipelines, not to a language model")
     if a.patches != 1:
         raise DiffuseError("--patches applies to diffusion pipelines; a language model runs one pass per token")
+    if getattr(a, "cache_threshold", 0):
+        from diffuse.firstblock import NOT_FOR_LANGUAGE_MODELS
+
+        raise DiffuseError(NOT_FOR_LANGUAGE_MODELS)
 
     if a.temperature is not None and a.temperature <= 0:
         raise DiffuseError(f"--temperature {a.temperature}: must be above 0 (leave it out for greedy decoding)")

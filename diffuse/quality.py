@@ -1,4 +1,4 @@
-"""``python -m diffuse.bench quality``: what patches cost on a real picture.
+"""``python -m diffuse.bench quality`` and ``... cache``: what patches and the first-block cache cost on a real picture.
 
 The embedded trained model (or ``--model``) generates each held-out prompt
 whole in this process and split over two local nodes at ``--patches`` 1, 2 and
@@ -6,6 +6,13 @@ whole in this process and split over two local nodes at ``--patches`` 1, 2 and
 mean and maximum absolute difference from the whole model in 8-bit levels, and
 how often the prompt's colour and direction of motion still measure as asked
 (``diffuse.train.props``). Row one must be exactly zero.
+
+``cache`` does the same for ``--cache-threshold`` 0 (off), 0.05, 0.1 and 0.2
+(``--thresholds``) with ``--patches 2`` beside them, the runs of each prompt
+one after another so that load on the machine falls on every row alike: calls
+skipped of all calls, seconds of the pipeline calls and the speedup over
+threshold 0, and the denoiser's own seconds (the sum of its forward calls: the
+time the ring takes, without the text encoder, scheduler and VAE around it).
 """
 
 from __future__ import annotations
@@ -42,39 +49,58 @@ def _holds(prompt: str, frames: np.ndarray) -> bool:
     return bool(m["colour"] and m["motion"])
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser(name: str, doc: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=f"python -m diffuse.bench {name}", description=doc)
+    ap.add_argument("--model", default=None, help="default: the embedded trained model")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prompts", type=int, default=None, help="use only the first N held-out prompts")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def _whole_and_split(a):
+    """(model folder, prompts, the whole model's output per prompt, a pipeline to split, two local nodes
+    and their pinned addresses), all at one torch thread."""
     import torch
-    from rich.console import Console
-    from rich.table import Table
 
     import diffuse
     from diffuse.api import ModelInfo
     from diffuse.localnodes import start_local_nodes
     from diffuse.planner import load_pipeline
     from diffuse.train.data import heldout_prompts
-    from diffuse.writers import to_uint8
 
-    ap = argparse.ArgumentParser(prog="python -m diffuse.bench quality", description=plain(__doc__.split("\n")[0]))
-    ap.add_argument("--model", default=None, help="default: the embedded trained model")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--patches", default="1,2,4")
-    ap.add_argument("--prompts", type=int, default=None, help="use only the first N held-out prompts")
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    console = Console()
     torch.set_num_threads(1)
     info = ModelInfo.of(a.model)
     model = info.path
     prompts = heldout_prompts()[: a.prompts]
-    patch_counts = [int(p) for p in a.patches.split(",")]
-
     whole_pipe = load_pipeline(model)
     whole_pipe._diffuse = info
     whole = {p: _generate(whole_pipe, p, a.steps, a.seed) for p in prompts}
-    rows = []
     pipe = diffuse.from_pretrained(model)
     nodes = start_local_nodes(model, 2, threads=1)
-    addresses = [f"{n.address}#{n.key}" for n in nodes]
+    return model, prompts, whole, pipe, nodes, [f"{n.address}#{n.key}" for n in nodes]
+
+
+def _diff(split: np.ndarray, whole: np.ndarray) -> np.ndarray:
+    """|split - whole| in 8-bit levels."""
+    from diffuse.writers import to_uint8
+
+    return np.abs(to_uint8(split).astype(np.int16) - to_uint8(whole).astype(np.int16))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    import diffuse
+
+    ap = _parser("quality", plain(__doc__.split("\n")[0]))
+    ap.add_argument("--patches", default="1,2,4")
+    a = ap.parse_args(argv)
+    console = Console()
+    patch_counts = [int(p) for p in a.patches.split(",")]
+    model, prompts, whole, pipe, nodes, addresses = _whole_and_split(a)
+    rows = []
     try:
         for patches in patch_counts:
             diffs, holds, t0 = [], 0, time.perf_counter()
@@ -82,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 # a fresh session per prompt: stale buffers never carry over from another picture
                 with diffuse.split(pipe, nodes=addresses, patches=patches):
                     split = _generate(pipe, prompt, a.steps, a.seed)
-                diffs.append(np.abs(to_uint8(split).astype(np.int16) - to_uint8(whole[prompt]).astype(np.int16)))
+                diffs.append(_diff(split, whole[prompt]))
                 holds += _holds(prompt, split)
             d = np.stack(diffs)
             rows.append((patches, float(d.mean()), int(d.max()), holds, time.perf_counter() - t0))
@@ -101,6 +127,86 @@ def main(argv: list[str] | None = None) -> int:
     if rows and rows[0][0] == 1 and (rows[0][1] != 0 or rows[0][2] != 0):
         console.print("[bold red]row one is not zero: the split model at one patch differs from the whole model[/]")
         return 1
+    return 0
+
+
+class _DenoiserClock:
+    """Calls of the denoiser's forward and the seconds spent in them (hooks on the module, removed by ``close``)."""
+
+    def __init__(self, denoiser):
+        self.seconds, self.calls, self._t0 = 0.0, 0, None
+        self._hooks = [denoiser.register_forward_pre_hook(self._start),
+                       denoiser.register_forward_hook(self._stop, always_call=True)]
+
+    def _start(self, *_):
+        self._t0 = time.perf_counter()
+
+    def _stop(self, *_):
+        self.seconds += time.perf_counter() - self._t0
+        self.calls += 1
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def cache_main(argv: list[str] | None = None) -> int:
+    """``python -m diffuse.bench cache``: the first-block cache's speed and quality against --patches 2."""
+    from rich.console import Console
+    from rich.table import Table
+
+    import diffuse
+    from diffuse.firstblock import checked_threshold
+
+    ap = _parser("cache", "What the first-block cache (--cache-threshold) costs and saves on the trained model, "
+                          "beside --patches 2.")
+    ap.add_argument("--thresholds", default="0,0.05,0.1,0.2", help="comma-separated; 0 is off (the baseline)")
+    a = ap.parse_args(argv)
+    console = Console(width=160)
+    thresholds = [checked_threshold(float(t)) for t in a.thresholds.split(",")]
+    if 0.0 not in thresholds:
+        thresholds.insert(0, 0.0)
+    configs = [(t, 1) for t in thresholds] + [(0.0, 2)]
+    model, prompts, whole, pipe, nodes, addresses = _whole_and_split(a)
+    rows = {c: {"diffs": [], "holds": 0, "seconds": 0.0, "denoiser": 0.0, "skipped": 0, "calls": 0} for c in configs}
+    clock = _DenoiserClock(pipe.transformer)
+    try:
+        for prompt in prompts:
+            for threshold, patches in configs:  # one prompt's rows back to back: load falls on each alike
+                row = rows[(threshold, patches)]
+                seconds, calls = clock.seconds, clock.calls
+                with diffuse.split(pipe, nodes=addresses, patches=patches, cache_threshold=threshold) as split:
+                    t0 = time.perf_counter()
+                    out = _generate(pipe, prompt, a.steps, a.seed)
+                    row["seconds"] += time.perf_counter() - t0
+                row["denoiser"] += clock.seconds - seconds
+                row["skipped"] += split.cache_skipped
+                row["calls"] += clock.calls - calls
+                row["diffs"].append(_diff(out, whole[prompt]))
+                row["holds"] += _holds(prompt, out)
+    finally:
+        clock.close()
+        nodes.stop()
+
+    base = rows[(0.0, 1)]
+    table = Table(title=f"first-block cache: {os.path.basename(model)}, 2 nodes, {a.steps} steps, "
+                        f"{len(prompts)} held-out prompts; differences from whole in 8-bit levels")
+    for col in ("run", "calls skipped", "seconds", "speedup", "denoiser s", "denoiser speedup", "mean |diff|",
+                "max |diff|", "colour+motion hold"):
+        table.add_column(col, justify="right")
+    for (threshold, patches), row in rows.items():
+        name = f"--patches {patches}" if patches > 1 else "threshold 0 (off)" if threshold == 0 else \
+            f"threshold {threshold:g}"
+        d = np.stack(row["diffs"])
+        table.add_row(name, f"{row['skipped']}/{row['calls']}", f"{row['seconds']:.1f}",
+                      f"{base['seconds'] / row['seconds']:.2f}x", f"{row['denoiser']:.1f}",
+                      f"{base['denoiser'] / row['denoiser']:.2f}x", f"{float(d.mean()):.3f}", str(int(d.max())),
+                      f"{row['holds']}/{len(prompts)}")
+    console.print(table)
+    whole_holds = sum(_holds(p, whole[p]) for p in prompts)
+    console.print(f"whole model: colour+motion hold in {whole_holds}/{len(prompts)}; seconds: the pipeline calls "
+                  f"(text encoder, steps, VAE); denoiser s: its forward calls only (the ring's share); "
+                  f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
     return 0
 
 

@@ -41,6 +41,15 @@ def positive(text: str) -> int:
     return n
 
 
+def threshold(text: str) -> float:
+    from diffuse.firstblock import checked_threshold
+
+    try:
+        return checked_threshold(float(text))
+    except (ValueError, DiffuseError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of 0 or more") from None
+
+
 class Parser(argparse.ArgumentParser):
     """A flag mistake is one line and exit status 2, before anything is loaded or started."""
 
@@ -56,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--negative-prompt")
     ap.add_argument("--steps", type=positive, help="denoising steps (default: the pipeline's)")
     ap.add_argument("--patches", type=positive, default=1, help="patches per step (1: exact; >1: PipeFusion)")
+    ap.add_argument("--cache-threshold", type=threshold, default=0.0, metavar="T",
+                    help="first-block cache: skip the rest of a step's blocks where the first block's residual "
+                    "changed less than T (relative) since the last step computed in full, reusing what each node's "
+                    "blocks added then (default 0: off, exact)")
     ap.add_argument("--seed", type=int, default=0, help='generator=torch.Generator("cpu").manual_seed(SEED)')
     ap.add_argument("--height", type=positive)
     ap.add_argument("--width", type=positive)
@@ -227,6 +240,12 @@ def generate(a: argparse.Namespace, console) -> dict:
             raise DiffuseError(f"--{flag.replace('_', '-')} applies to language models, not to a diffusion pipeline")
     if a.image or a.video or a.media or a.no_template:
         raise DiffuseError("--image, --video, --media and --no-template apply to language models")
+    if a.cache_threshold and a.patches > 1:
+        from diffuse.firstblock import not_with_patches
+
+        raise DiffuseError(not_with_patches(a.patches))
+    if a.cache_threshold and a.whole:
+        raise DiffuseError("--cache-threshold applies to split runs; --whole runs the model as it is")
     check_output_path(a.out, info.draft)
     if a.whole:
         pipe = load_pipeline(info.path)
@@ -240,7 +259,7 @@ def generate(a: argparse.Namespace, console) -> dict:
     if not a.whole:
         split = Split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches, threads=a.threads,
                       timeout=a.timeout, client_key=a.client_key, local_transport=a.local_transport,
-                      branch_groups=a.branch_groups)
+                      branch_groups=a.branch_groups, cache_threshold=a.cache_threshold)
         if a.client_key:
             from diffuse.sealing import load_identity
 
@@ -281,6 +300,9 @@ def generate(a: argparse.Namespace, console) -> dict:
             ring = split.ring
             report["branches"] = {"groups": len(split.rings), "ahead_used": ring.ahead_used,
                                   "ahead_dropped": ring.ahead_dropped, "batches_cut": ring.batches_cut}
+        if a.cache_threshold:
+            report["first_block_cache"] = {"threshold": a.cache_threshold, "skipped": split.cache_skipped,
+                                           "calls": split.cache_calls, "per_stack": split.cache}
         if a.patches > 1:
             report.update(patches=a.patches, patcher_calls=split.patch_calls, patches_used=split.patches_used,
                           patches_ahead=split.patch_ahead,
@@ -355,6 +377,11 @@ def summarize(r: dict, console) -> None:
                 console.print(f"  node {i}: {ns.get('messages', 0)} messages, {ns.get('bytes_in', 0) / 1024:.1f} KiB in, "
                               f"{ns.get('bytes_out', 0) / 1024:.1f} KiB out, busy {ns.get('busy_s', 0.0):.1f} s",
                               soft_wrap=True)
+        fbc = r.get("first_block_cache")
+        if fbc:
+            from diffuse.firstblock import summary_line
+
+            console.print(f"  {summary_line(fbc['per_stack'], fbc['threshold'])}", soft_wrap=True)
         b = r.get("branches")
         if b:
             console.print(f"  {b['groups']} groups of nodes: {b['batches_cut']} calls cut between them by batch, "

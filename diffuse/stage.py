@@ -36,6 +36,7 @@ from diffuse.analysis import ModelSubject, build_meta
 from diffuse.callplan import DICT, SLOT_CACHE_BYTES, TENSOR, TUPLE, SlotCache, encode_value, thread_outputs, unflatten
 from diffuse.kvcache import STATE
 from diffuse.errors import DiffuseError
+from diffuse.firstblock import NodeResiduals, Reuse
 from diffuse.kvcache import NodeCaches
 from diffuse.modelfiles import content_hash, load_into, located, renamed_for, weight_map
 from diffuse.pipefusion import StaleStack, why_uncut
@@ -227,6 +228,7 @@ class StageSession:
         self.rmaps: dict[str, ReturnMap] = {}
         self.slots = SlotCache(SLOT_CACHE_BYTES)  # (stack, slot) -> tensor; the client's mirror keeps the same
         self.kv = NodeCaches(store.subject.config_object)
+        self.residuals = NodeResiduals()  # the first-block cache's (diffuse.firstblock)
         self.last_used = time.monotonic()
         self.bytes_in = self.bytes_out = self.messages = 0
         self.last_seq = 0  # the highest sequence number a message of this session carried here
@@ -285,6 +287,14 @@ class StageSession:
         embed = header.get("embed")
         if embed is not None:
             embed = self._embed_spec(embed, rmap, len(refs))
+        reuse = None
+        if header.get("reuse") is not None:
+            reuse = Reuse.from_wire(header["reuse"])
+            if state is not None or layer_trees or header.get("patch") is not None:
+                raise DiffuseError("the first-block cache applies to whole steps of a diffusion stack, not to "
+                                   "patches or a language model's passes")
+            if not isinstance(header.get("skip", False), bool):
+                raise DiffuseError("malformed skip: true or false")
         values, forward = self._resolve(stack, refs, tensors)
         if sl.empty:
             return header, tensors
@@ -307,6 +317,12 @@ class StageSession:
                     raise DiffuseError(f"{stack!r}: stale buffers are kept for {MAX_BRANCHES} branches at most")
                 out = stale.run(blocks, tree, values, rmap, patch)
                 self._count_buffers(stale_changed=True)
+            elif reuse is not None:
+                last = sl.stop == self.store.stacks[stack].length
+                out, skipped = self.residuals.run(stack, blocks, tree, values, rmap, reuse, sl.start == 0,
+                                                  header.get("skip", False), last, str(sl))
+                header = dict(header, skip=skipped)
+                self._count_buffers(stale_changed=True)
             else:
                 for i, block in blocks:
                     args, kwargs = unflatten(layer_trees.get(str(i), tree), values, cache)
@@ -316,7 +332,10 @@ class StageSession:
             if header.get("tail") is not None:
                 out = self._tail(out, header["tail"])
             tree, out_tensors = encode_value(out)
-            return {"op": "result", "stack": stack, "seq": header.get("seq"), "out": tree}, out_tensors
+            result = {"op": "result", "stack": stack, "seq": header.get("seq"), "out": tree}
+            if reuse is not None:
+                result["skipped"] = header["skip"]
+            return result, out_tensors
         # hand on: stream slots carry this node's output; new cached tensors travel on once
         streams = set(rmap.streams)
         slots, sent = [], []
@@ -392,17 +411,19 @@ class StageSession:
         """What the session did, for the client's summary (sent at close, before the buffers go)."""
         return {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "messages": self.messages,
                 "cache_bytes": self.kv.nbytes(),
-                "hop_bytes": self.hop_log, "busy_s": self.busy_s, "stale": {k: v.report() for k, v in self.stale.items()}}
+                "hop_bytes": self.hop_log, "busy_s": self.busy_s, "stale": {k: v.report() for k, v in self.stale.items()},
+                "first_block_cache": self.residuals.report()}
 
     def _count_buffers(self, stale_changed: bool = False) -> None:
         """Recount what this session keeps; past its own bounds or the node's, the call fails (the client
         hears why, and its session is no use any more: its mirror no longer matches)."""
-        if stale_changed:
-            self._stale_bytes = sum(v.report()["buffer_bytes"] for v in self.stale.values())
+        if stale_changed:  # PipeFusion's stale buffers and the first-block cache's residuals: one bound
+            self._stale_bytes = sum(v.report()["buffer_bytes"] for v in self.stale.values()) + self.residuals.nbytes
         stale = self._stale_bytes
         self.buffer_bytes = self.slots.nbytes + stale
         if stale > STALE_BYTES:
-            raise DiffuseError(f"this session's stale buffers hold {stale >> 20} MiB, more than the "
+            what = "cached residuals" if not self.stale else "stale buffers"
+            raise DiffuseError(f"this session's {what} hold {stale >> 20} MiB, more than the "
                                f"{STALE_BYTES >> 20} MiB a session may keep on this node (DIFFUSE_STALE_BYTES)")
         if self.room is not None and self.buffer_bytes > self.room:
             held, self.slots = self.buffer_bytes, SlotCache(self.slots.max_bytes)  # what it kept goes

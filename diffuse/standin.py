@@ -161,6 +161,7 @@ class Splitter:
         self.patcher = None
         self.memo: RepeatMemo | None = None  # projections of repeated inputs, while a ring is attached
         self.reused = 0  # projections answered from the memo by rings already detached
+        self.tagger = None  # the first-block cache's (diffuse.firstblock), when a threshold is set
         self.uncut: dict[str, str] = {}  # stack -> why its steps run uncut although patches > 1
         self.caches = ClientCaches()
         self.head: tuple[str, nn.Module] | None = None  # a language model's output head: (path, the original)
@@ -341,12 +342,18 @@ class Splitter:
         if p is not None and p.norm == path and args and args[0] is p.placeholder:
             p.normed = output
 
-    def attach(self, ring, patches: int = 1, ahead: bool = True) -> None:
+    def attach(self, ring, patches: int = 1, cache_threshold: float = 0.0, ahead: bool = True) -> None:
+        """Calls go through ``ring``; ``patches > 1``: PipeFusion (``ahead``: the next guidance branch's call
+        sent while this one finishes); ``cache_threshold > 0``: the first-block cache (``diffuse.firstblock``)
+        on every stack called whole."""
+        from diffuse.firstblock import CacheTagger
+
         self.ring = ring
         if self.head is None:  # a denoiser, stepped with the same conditioning (a language model's inputs all change)
             self.memo = RepeatMemo(self.denoiser, skip=tuple(st.path for st in self.plan.stacks))
             self.memo.install()
         self.patcher = Patcher(ring, patches, ahead) if patches > 1 else None
+        self.tagger = CacheTagger(cache_threshold, ring) if cache_threshold > 0 else None
         self.uncut = {}
         if self.head is not None and callable(getattr(type(self.denoiser), "generate", None)):
             self._wrap_generate()
@@ -356,7 +363,7 @@ class Splitter:
             self.memo.remove()
             self.reused += self.memo.hits
             self.memo = None
-        self.ring = self.patcher = None
+        self.ring = self.patcher = self.tagger = None
         self.pending = None
         self._embedded = None
         self._heads_answer = None
@@ -447,6 +454,10 @@ class Splitter:
         if self.patcher is not None and self._patchable(stack.path, rmap):
             tree, tensors = flatten(args, kwargs)
             return self.patcher.run(stack.path, tree, tensors, rmap)
+        if self.tagger is not None:
+            tree, tensors = flatten(args, kwargs)
+            extra, digests = self.tagger.tag(stack.path, tensors, rmap.streams[0])
+            return self.ring.receive(self.ring.send(stack.path, tree, tensors, rmap, None, digests, extra))
         return self.ring.call(stack.path, args, kwargs, rmap)
 
     def run_layers(self, stack: StackPlan, calls: list[tuple[tuple, dict]], cache):
@@ -454,6 +465,10 @@ class Splitter:
         its shadow (see ``diffuse.kvcache``)."""
         if self.ring is None:
             raise DiffuseError("this model's layers are held by nodes: call it inside `with diffuse.split(...)`")
+        if self.tagger is not None:
+            from diffuse.firstblock import NOT_FOR_LANGUAGE_MODELS
+
+            raise DiffuseError(NOT_FOR_LANGUAGE_MODELS)
         placeholder = calls[0][0][0] if calls[0][0] else calls[0][1].get("hidden_states")
         self._heads_answer = None  # a new pass: the heads' last answer is for another hidden state
         ids = self._take_ids(placeholder)

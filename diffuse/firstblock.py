@@ -1,0 +1,207 @@
+"""The first-block cache across the ring (``--cache-threshold T``): steps that change little are skipped.
+
+At each step of a diffusion stack called whole, the node holding block 0 runs
+that block and compares its residual (output minus input of the main stream)
+with the one it kept at the last step it computed in full for the same branch:
+``mean|r - r_prev| / mean|r_prev|``. Below ``T`` the rest of the stack is not
+run: every node adds the residual its own slice made at that last full step
+(what its blocks added to each stream) and hands on, so a skipped step costs a
+subtraction and an addition everywhere. Otherwise every block runs, and each
+node keeps its slice's new residuals. ``r_prev`` changes only on full steps, so
+drift is bounded by ``T`` against the last step computed (the rule of the known
+first-block cache technique, applied per node).
+
+The client tags each call ``{"reuse": {"t": T, "branch": b, "fresh": bool}}``:
+``b`` tells guidance branches apart (``diffuse.pipefusion.BranchTracker``), so
+each branch decides for itself; ``fresh`` asks for a full step (after a repair,
+nodes new to the session hold nothing). The block-0 node marks the call
+``skip`` for the next hops; the last node's result says ``skipped``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from diffuse.callplan import digest, thread_outputs, unflatten
+from diffuse.errors import DiffuseError
+from diffuse.plan import ReturnMap
+
+MAX_BRANCHES = 4  # branches one stack keeps residuals for (guidance needs two)
+_STREAM = object()  # where the remembered answer held a stream tensor
+
+
+def checked_threshold(t) -> float:
+    """``--cache-threshold``: a finite number >= 0 (0: off)."""
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        raise DiffuseError(f"--cache-threshold {t!r}: must be a number of 0 or more (0: off; 0.1 skips steps "
+                           "whose first block changes less than 10%)")
+    return float(t)
+
+
+NOT_FOR_LANGUAGE_MODELS = ("--cache-threshold applies to diffusion pipelines; a language model's passes carry a "
+                           "key/value cache and are never skipped")
+
+
+def not_with_patches(patches: int) -> str:
+    return (f"--cache-threshold and --patches {patches} do not go together: a skipped step has no patches to "
+            "pipeline; choose one")
+
+
+def relative_change(r: torch.Tensor, prev: torch.Tensor) -> float:
+    """mean|r - prev| / mean|prev|, in float32 (inf where prev is all zeros)."""
+    r, prev = r.float(), prev.float()
+    return float((r - prev).abs().mean() / prev.abs().mean())
+
+
+# --------------------------------------------------------------------------- the client
+
+
+class CacheTagger:
+    """Tags a client's calls into whole-step stacks with the threshold, their branch and whether the nodes
+    must compute in full (the first call of each branch after a repair)."""
+
+    def __init__(self, threshold: float, ring=None):
+        self.threshold = threshold
+        self.trackers: dict = {}
+        self._since_repair: set | None = None  # (stack, branch) tagged fresh since the last repair
+        if ring is not None and hasattr(ring, "on_repair"):
+            ring.on_repair.append(self.repaired)
+
+    def repaired(self) -> None:
+        self._since_repair = set()
+
+    def tag(self, stack: str, tensors: list, stream: int) -> tuple[dict, list]:
+        """(the header field, the tensors' digests with the stream's left out) for one call."""
+        from diffuse.pipefusion.cutting import BranchTracker
+
+        digests = [b"" if i == stream else digest(t) for i, t in enumerate(tensors)]
+        branch, _, _ = self.trackers.setdefault(stack, BranchTracker()).identify(tensors, stream, digests)
+        fresh = self._since_repair is not None and (stack, branch) not in self._since_repair
+        if fresh:
+            self._since_repair.add((stack, branch))
+        return {"reuse": {"t": self.threshold, "branch": branch, "fresh": fresh}}, digests
+
+
+def with_branch(extra: dict | None, branch: int) -> dict | None:
+    """``extra`` with its reuse tag naming ``branch`` (a group of nodes numbers the branches it sees itself)."""
+    if not extra or "reuse" not in extra:
+        return extra
+    return dict(extra, reuse=dict(extra["reuse"], branch=branch))
+
+
+def counts(stats) -> dict:
+    """Per stack: calls tagged and calls skipped, from a ``ChannelStats``."""
+    return {stack: {"skipped": s, "calls": c} for stack, (s, c) in sorted(stats.reuse.items())}
+
+
+def summary_line(per_stack: dict, threshold: float) -> str:
+    skipped = sum(v["skipped"] for v in per_stack.values())
+    calls = sum(v["calls"] for v in per_stack.values())
+    return f"first-block cache: skipped {skipped} of {calls} calls at threshold {threshold:g}"
+
+
+# --------------------------------------------------------------------------- a node
+
+
+@dataclass(frozen=True)
+class Reuse:
+    threshold: float
+    branch: int
+    fresh: bool
+
+    @classmethod
+    def from_wire(cls, x) -> "Reuse":
+        if not isinstance(x, dict) or set(x) != {"t", "branch", "fresh"}:
+            raise DiffuseError("malformed reuse: a map of t, branch and fresh")
+        t, b, fresh = x["t"], x["branch"], x["fresh"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0 \
+                or type(b) is not int or not 0 <= b < 1 << 16 or not isinstance(fresh, bool):
+            raise DiffuseError("malformed reuse: t a number >= 0, branch a small integer, fresh true or false")
+        return cls(float(t), b, fresh)
+
+
+@dataclass
+class _Kept:
+    """What one node kept of a branch's last full step."""
+
+    first: torch.Tensor | None  # block 0's residual of the main stream (the node holding block 0 only)
+    rest: dict  # stream slot -> what this node's blocks (after block 0) added to it
+    answer: list | None  # the last block's return value, its stream tensors marked (the last node only)
+    single: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        ts = [self.first, *self.rest.values(), *(self.answer or ())]
+        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+    def answer_with(self, values: list, rmap: ReturnMap):
+        """The last block's return value as a full step returned it, its streams replaced by ``values``."""
+        if self.single:
+            return values[rmap.outputs[0]]
+        return tuple(values[slot] if kept is _STREAM else kept for kept, slot in zip(self.answer, rmap.outputs))
+
+
+@dataclass
+class NodeResiduals:
+    """One session's first-block cache on one node: per (stack, branch), what its last full step left."""
+
+    kept: dict = field(default_factory=dict)
+    skipped: int = 0
+    full: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes for k in self.kept.values())
+
+    def run(self, stack: str, blocks: list, tree: dict, values: list, rmap: ReturnMap, reuse: Reuse,
+            holds_first: bool, skip: bool, last: bool, where: str):
+        """Thread ``values`` through this node's ``blocks`` (a whole step) or reuse its residuals; returns
+        (the last block's answer, whether the step was skipped). ``holds_first``: this node holds block 0 and
+        decides; others follow ``skip``, as the previous hop decided."""
+        key = (stack, reuse.branch)
+        held = self.kept.get(key)
+        streams = rmap.streams
+        out = None
+        first_residual = None
+        rest = blocks
+        if holds_first:
+            main = streams[0]
+            x0 = values[main]
+            args, kwargs = unflatten(tree, values)
+            out = blocks[0][1](*args, **kwargs)
+            thread_outputs(values, out, rmap)
+            first_residual = values[main] - x0
+            skip = not reuse.fresh and held is not None and held.first is not None \
+                and relative_change(first_residual, held.first) < reuse.threshold
+            rest = blocks[1:]
+        if skip:
+            if rest:
+                if held is None or set(held.rest) != set(streams) or (last and held.answer is None):
+                    raise DiffuseError(f"the node holding {where} has no residual of branch {reuse.branch} to reuse "
+                                       "in a skipped step (its session lost them): run again")
+                for s in streams:
+                    values[s] = values[s] + held.rest[s]
+                out = held.answer_with(values, rmap) if last else None
+            self.skipped += 1
+            return out, True
+        start = {s: values[s] for s in streams}
+        for _, block in rest:
+            args, kwargs = unflatten(tree, values)
+            out = block(*args, **kwargs)
+            thread_outputs(values, out, rmap)
+        if key not in self.kept and sum(1 for k in self.kept if k[0] == stack) >= MAX_BRANCHES:
+            raise DiffuseError(f"{stack!r}: residuals are kept for {MAX_BRANCHES} branches at most")
+        answer = None
+        if last:  # its shape, to answer a skipped step as the last block would have
+            answer = [] if rmap.single else [_STREAM if slot is not None and o is not None else o
+                                             for o, slot in zip(out, rmap.outputs)]
+        self.kept[key] = _Kept(first_residual, {s: values[s] - start[s] for s in streams} if rest else {},
+                               answer, rmap.single)
+        self.full += 1
+        return out, False
+
+    def report(self) -> dict:
+        return {"skipped": self.skipped, "full": self.full, "bytes": self.nbytes}
