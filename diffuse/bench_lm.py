@@ -6,6 +6,14 @@ this process, then split over 1 and over 2 local nodes (every process at one
 torch thread). Printed: tokens per second after the first token, first-token
 latency, the bytes one decoding step puts on each hop (sealed, as measured on
 the wire), and whether the tokens are the same.
+
+``--sessions N``: N greedy sessions at once (prompts of different lengths),
+each its own client on a thread of this process (its own model copy and
+``diffuse.split``) over the same 2 local nodes, started once with ``--no-batch``
+and once batching; and a single stream on each. Printed: tokens per second of
+all sessions together, the median time between two tokens of a session, the
+batches the nodes formed, and whether every session's tokens are those of its
+prompt run alone, whole.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 
 FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, prompt=64, new=32)
@@ -80,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m diffuse.bench lm", description=__doc__.split("\n")[0].strip("`"))
     ap.add_argument("--quick", action="store_true", help="a tiny model, for a smoke test")
     ap.add_argument("--new-tokens", type=int, help="tokens to generate per run")
+    ap.add_argument("--sessions", type=int, metavar="N",
+                    help="N concurrent sessions, the nodes batching off and on, and a single stream on each")
     a = ap.parse_args(argv)
+    if a.sessions is not None and a.sessions < 1:
+        ap.error("--sessions must be at least 1")
     cfg = dict(QUICK if a.quick else FULL)
     if a.new_tokens:
         cfg["new"] = max(2, a.new_tokens)
@@ -100,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
               f"prompt {cfg['prompt']} tokens, {cfg['new']} new tokens, greedy", flush=True)
         print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}; every process at 1 torch thread",
               flush=True)
+        if a.sessions:
+            return sessions(tmp, cfg, a.sessions)
         ids = torch.randint(0, cfg["vocab"], (1, cfg["prompt"]), generator=torch.Generator().manual_seed(0))
         info = ModelInfo.of(tmp)
         whole_model = load_model(tmp, info.subject)
@@ -139,3 +154,91 @@ def per_token_hops(ring, new: int) -> list[tuple[str, float]]:
         hops.append((f"{i - 1}->{i}", statistics.median(into)))
     hops.append((f"{len(ring.node_reports)}->client", statistics.median(back)))
     return hops
+
+
+def gaps(clock: Clock) -> list[float]:
+    """Seconds between a session's consecutive tokens."""
+    return [b - a for a, b in zip(clock.times, clock.times[1:])]
+
+
+def sessions(model_dir: str, cfg: dict, n: int) -> int:
+    """``--sessions N`` (see the module's docstring); 1 if any session's tokens differ from its solo run."""
+    import torch
+
+    import diffuse
+    from diffuse.api import ModelInfo
+    from diffuse.localnodes import start_local_nodes
+    from diffuse.planner import load_model
+    from diffuse.plugins import transport_for
+
+    lengths = [max(2, cfg["prompt"] * (i + 1) // n) for i in range(n)]
+    prompts = [torch.randint(0, cfg["vocab"], (1, length), generator=torch.Generator().manual_seed(i))
+               for i, length in enumerate(lengths)]
+    whole = load_model(model_dir, ModelInfo.of(model_dir).subject)
+    solo = [generate(whole, ids, cfg["new"])[0] for ids in prompts]  # each prompt alone, whole
+    del whole
+    print(f"{n} concurrent greedy sessions (prompts of {lengths[0]} to {lengths[-1]} tokens, {cfg['new']} new tokens "
+          "each), each its own client thread and split, over the same 2 local nodes", flush=True)
+    rows, same = {}, True
+    for mode, extra in (("off", ["--no-batch"]), ("on", [])):
+        nodes = start_local_nodes(model_dir, 2, threads=1, extra=extra)
+        try:
+            spec = [f"{node.address}#{node.key}" for node in nodes]
+            copies = [diffuse.from_pretrained(model_dir) for _ in range(n)]  # one after another: imports race
+            with diffuse.split(copies[0], nodes=spec) as ring:
+                generate(copies[0], prompts[0], 2)  # warm-up
+                tokens, clock = generate(copies[0], prompts[0], cfg["new"])
+            single_same = bool(torch.equal(tokens, solo[0]))
+            rows[("single", mode)] = (clock.per_second, statistics.median(gaps(clock)), single_same)
+            before = [transport_for(node.address).request(node.address, {"op": "status"}, 10.0) for node in nodes]
+            ready = threading.Barrier(n + 1, timeout=600)
+            out: dict[int, object] = {}
+
+            def session(i: int) -> None:
+                try:
+                    with diffuse.split(copies[i], nodes=spec):
+                        generate(copies[i], prompts[i], 2)  # warm-up: the session is open, its call plans learnt
+                        ready.wait()
+                        out[i] = generate(copies[i], prompts[i], cfg["new"])
+                except BaseException as exc:  # reported below
+                    ready.abort()
+                    out[i] = exc
+
+            threads = [threading.Thread(target=session, args=(i,), daemon=True) for i in range(n)]
+            for t in threads:
+                t.start()
+            ready.wait()
+            t0 = time.perf_counter()
+            for t in threads:
+                t.join(600)
+            wall = time.perf_counter() - t0
+            for i in range(n):
+                if not isinstance(out.get(i), tuple):
+                    raise RuntimeError(f"session {i} failed: {out.get(i)!r}")
+            after = [transport_for(node.address).request(node.address, {"op": "status"}, 10.0) for node in nodes]
+        finally:
+            nodes.stop()
+        equal = [bool(torch.equal(out[i][0], solo[i])) for i in range(n)]
+        same = same and all(equal) and single_same
+        batches = sum(a["batches"] - b["batches"] for a, b in zip(after, before))
+        batched = sum(a["batched_rows"] - b["batched_rows"] for a, b in zip(after, before))
+        rows[("sessions", mode)] = (n * cfg["new"] / wall,
+                                    statistics.median(g for i in range(n) for g in gaps(out[i][1])), all(equal),
+                                    batches, batched)
+    print("\nresults (tokens/s: all sessions together; latency: median time between two tokens of a session)")
+    for mode in ("off", "on"):
+        rate, latency, equal, batches, batched = rows[("sessions", mode)]
+        formed = f"   batches formed {batches} ({batched / batches:.1f} sessions each on average)" if batches else \
+            "   batches formed 0"
+        print(f"  {n} sessions, batching {mode:3s} {rate:7.1f} tokens/s   median latency {1000 * latency:7.1f} ms   "
+              f"tokens equal solo: {equal}{formed}")
+    for mode in ("off", "on"):
+        rate, latency, equal = rows[("single", mode)]
+        print(f"  single stream, batching {mode:3s} {rate:7.1f} tokens/s   median latency {1000 * latency:7.1f} ms   "
+              f"tokens equal solo: {equal}")
+    on, off = rows[("sessions", "on")], rows[("sessions", "off")]
+    single_on, single_off = rows[("single", "on")], rows[("single", "off")]
+    print(f"  batching on / off: {n} sessions {on[0] / off[0]:.2f}x tokens/s, latency {on[1] / off[1]:.2f}x; "
+          f"single stream {single_on[0] / single_off[0]:.2f}x tokens/s")
+    print(f"  every session's tokens equal its solo run: {same}")
+    return 0 if same else 1

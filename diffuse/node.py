@@ -23,13 +23,14 @@ import time
 import torch
 
 from diffuse import frames
+from diffuse.batching import MAX_BATCH, batch_key, run_batch
 from diffuse.text import plain
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.home import config_home
 from diffuse.node_control import NodeControl, refusal
 from diffuse.plan import WIRE_VERSIONS, StackPlan, parse_slices
 from diffuse.sessions import SessionTable
-from diffuse.stage import NODE_BUFFER_BYTES
+from diffuse.stage import NODE_BUFFER_BYTES, Pass
 from diffuse.transport_api import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger("diffuse.node")
@@ -70,11 +71,24 @@ def session_capacity(wanted: int, max_sockets: int | None) -> int:
     return max(1, min(wanted, fit, (max_sockets or wanted + 16) - 16))
 
 
+class Incoming:
+    """A data message opened on the compute thread: its session, header and tensors; once prepared, the pass
+    to run (``pass_``) or the message to send at once (``reply``); its batch key (``diffuse.batching``)."""
+
+    __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key")
+
+    def __init__(self, sess, header: dict, tensors: list, malformed: str | None):
+        self.sess, self.header, self.tensors, self.malformed = sess, header, tensors, malformed
+        self.pass_: Pass | None = None
+        self.reply: tuple[dict, list] | None = None
+        self.key: tuple | None = None
+
+
 class Node:
     def __init__(self, model_path: str, listen: str, blocks: str | None, key_file: str | None,
                  allowed_clients: set[bytes] | None = None, advertise: str | None = None,
                  max_message_bytes: int | None = None, max_sessions: int = MAX_SESSIONS,
-                 max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT):
+                 max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT, batch: bool = True):
         from diffuse.analysis import ModelSubject
         from diffuse.planner import config_draft
         from diffuse.plugins import transport_for
@@ -103,18 +117,28 @@ class Node:
         self.sessions = SessionTable()
         self.control = NodeControl(self)
         self.work: queue.Queue = queue.Queue(MAX_QUEUED)  # frames to compute, or ("close", outbox)
+        # decoding passes of several sessions batched through the layers (language models only; --no-batch)
+        self.batching = batch and bool(getattr(subject, "autoregressive", False))
+        self.batches = self.batched_rows = self.batch_fallbacks = 0  # counted by the compute thread
 
     # -- data (compute thread) ---------------------------------------------------
     def data(self, raw: list[bytes]) -> None:
+        """One data message, alone: opened, handled, sealed and sent on."""
+        m = self._open(raw)
+        if m is not None:
+            self._prepare(m)
+            self._solo(m)
+
+    def _open(self, raw: list[bytes]) -> "Incoming | None":
         try:
             env = frames.envelope_of(raw)
         except WireError as exc:
             log.warning("rejected a message: %s", exc)
-            return
+            return None
         sess = self.sessions.get(env["s"])
         if sess is None:
             log.warning("rejected a message: unknown session %s", env["s"].hex()[:8])
-            return
+            return None
         malformed = None
         try:
             header, tensors = frames.open_message(sess.in_hop, raw)
@@ -122,31 +146,91 @@ class Node:
             header, tensors, malformed = {}, [], f"malformed header: {exc}"
         except WireError as exc:
             log.warning("rejected a message for session %s: %s", sess.sid.hex()[:8], exc)
-            return
+            return None
         nbytes = sum(len(f) for f in raw)
         sess.bytes_in += nbytes
         sess.messages += 1
         if header.get("op") == "call":
             sess.hop_log.append([header.get("seq"), nbytes])
+        return Incoming(sess, header, tensors, malformed)
+
+    def _failed(self, m: "Incoming", exc: Exception) -> None:
+        """The message that answers a call that failed: the client hears of it; the node keeps serving."""
+        sid = m.sess.sid.hex()[:8]
+        if isinstance(exc, DiffuseError):  # a malformed call: one line
+            log.warning("session %s: %s", sid, exc)
+            text = str(exc)
+        else:  # logged in one line
+            text = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+            log.warning("call failed in session %s: %s", sid, text)
+            log.debug("call failed", exc_info=True)
+        m.reply = (self._error(m.header, text), [])
+
+    def _prepare(self, m: "Incoming") -> None:
+        """Check and take apart a message (``StageSession.prepare``): ``m.pass_`` to run, or ``m.reply`` at once."""
+        sess = m.sess
         t0 = time.perf_counter()
         sess.room = NODE_BUFFER_BYTES - self.sessions.buffer_bytes(but=sess)  # what the other sessions left
         try:
-            if malformed:
-                raise DiffuseError(malformed)
-            out_header, out_tensors = sess.handle(header, tensors)
-        except DiffuseError as exc:  # a malformed call: one line, and the client hears of it
-            log.warning("session %s: %s", sess.sid.hex()[:8], exc)
-            out_header, out_tensors = self._error(header, str(exc)), []
-        except Exception as exc:  # the client must hear about it; the node keeps serving, and logs one line
-            text = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
-            log.warning("call failed in session %s: %s", sess.sid.hex()[:8], text)
-            log.debug("call failed", exc_info=True)
-            out_header, out_tensors = self._error(header, text), []
+            if m.malformed:
+                raise DiffuseError(m.malformed)
+            got = sess.prepare(m.header, m.tensors)
+        except Exception as exc:
+            self._failed(m, exc)
+        else:
+            if isinstance(got, Pass):
+                m.pass_ = got
+            else:
+                m.reply = got
         sess.busy_s += time.perf_counter() - t0
+
+    def _solo(self, m: "Incoming") -> None:
+        """Run a prepared message alone, then send what it made."""
+        if m.reply is None:
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    out = m.sess.run(m.pass_)
+                m.reply = m.sess.finish(m.pass_, out)
+            except Exception as exc:
+                self._failed(m, exc)
+            m.sess.busy_s += time.perf_counter() - t0
+        self._send(m)
+
+    def _batch(self, group: list["Incoming"]) -> None:
+        """Decoding passes of different sessions through the layers as one batch (``diffuse.batching``); each
+        session's tail and message then as for a lone pass. What cannot be batched runs one by one."""
+        t0 = time.perf_counter()
+        try:
+            outs = run_batch([m.pass_ for m in group])
+        except Exception as exc:
+            log.debug("a batch of %d passes ran one by one: %s", len(group), exc)
+            self.batch_fallbacks += 1
+            for m in group:
+                self._solo(m)
+            return
+        rows = sum(out.shape[0] if isinstance(out, torch.Tensor) else 1 for out in outs)
+        self.batches += 1
+        self.batched_rows += rows
+        share = (time.perf_counter() - t0) / len(group)
+        for m, out in zip(group, outs):
+            t1 = time.perf_counter()
+            m.sess.batched_passes += 1
+            try:
+                m.reply = m.sess.finish(m.pass_, out)
+            except Exception as exc:
+                self._failed(m, exc)
+            m.sess.busy_s += share + time.perf_counter() - t1
+        for m in group:
+            self._send(m)
+
+    def _send(self, m: "Incoming") -> None:
+        sess = m.sess
         if hasattr(sess, "kv"):
             self.state_bytes.set(sess.sid, sess.kv.nbytes())
             if self.sessions.get(sess.sid) is not sess:  # closed while it computed: its state went with it
                 self.state_bytes.drop(sess.sid)
+        out_header, out_tensors = m.reply
         out = frames.seal_message(sess.out_hop, out_header, out_tensors)
         sess.bytes_out += sum(len(f) for f in out)
         outbox = self.sessions.outbox(sess.sid)
@@ -156,6 +240,63 @@ class Node:
             outbox.send(out)
         except DiffuseError as exc:
             self._give_up(sess.sid, outbox, exc)
+
+    def serve_taken(self, items: list) -> None:
+        """What the compute thread took from its queue at once, in arrival order, except that decoding passes
+        of different sessions that fit together run as one batch when the first of them comes up (each
+        session's messages keep their order: only a session's earliest waiting message joins a batch)."""
+        entries: list = []
+        for item in items:
+            if isinstance(item, tuple):
+                entries.append(item)
+                continue
+            try:
+                m = self._open(item)
+            except Exception as exc:
+                log.warning("dropped a data message that failed unexpectedly (%s); still serving", type(exc).__name__)
+                log.debug("dropped", exc_info=True)
+                continue
+            if m is not None:
+                entries.append(m)
+        while entries:
+            e = entries.pop(0)
+            try:
+                if isinstance(e, tuple):
+                    if e:
+                        e[1].close()
+                    continue
+                group = [e] + self._partners(e, entries) if self.batching else [e]
+                if len(group) > 1:
+                    for f in group[1:]:
+                        entries.remove(f)
+                    self._batch(group)
+                else:
+                    if e.pass_ is None and e.reply is None:
+                        self._prepare(e)
+                    self._solo(e)
+            except Exception as exc:
+                log.warning("dropped a data message that failed unexpectedly (%s); still serving", type(exc).__name__)
+                log.debug("dropped", exc_info=True)
+
+    def _partners(self, e: "Incoming", entries: list) -> list["Incoming"]:
+        """Messages among ``entries`` that can run in one batch with ``e``: each the earliest waiting message of
+        a session other than ``e``'s (prepared here, in its session's order), with ``e``'s batch key."""
+        if e.pass_ is None and e.reply is None:
+            self._prepare(e)
+        key = e.key = batch_key(e.sess.dtype, e.pass_) if e.pass_ is not None else None
+        if key is None:
+            return []
+        found, seen = [], {id(e.sess)}
+        for f in entries:
+            if isinstance(f, tuple) or id(f.sess) in seen:
+                continue
+            seen.add(id(f.sess))
+            if f.pass_ is None and f.reply is None:
+                self._prepare(f)
+                f.key = batch_key(f.sess.dtype, f.pass_) if f.pass_ is not None else None
+            if f.key == key:
+                found.append(f)
+        return found
 
     def _give_up(self, sid: bytes, outbox, exc: Exception) -> None:
         """The session's next hop takes nothing: the session ends here, and its client's next ping is told
@@ -173,10 +314,12 @@ class Node:
                 "node": self.endpoint.control_address, "message": message[:2000]}
 
     def compute(self, threads: int) -> None:
-        """The compute thread: data messages in arrival order; outboxes of ended sessions closed here.
-        ``threads``: the process's torch thread count, set again here because a new thread's own count
-        starts from the library's default, not from what the main thread set (and the count is part of
-        the bits a block computes)."""
+        """The compute thread: data messages in arrival order; outboxes of ended sessions closed here. A
+        language model's node takes everything already waiting (up to ``MAX_BATCH``) with the message it
+        waited for, so that decoding passes of several sessions can run as one batch (``serve_taken``); it
+        never waits for more to come. ``threads``: the process's torch thread count, set again here because a
+        new thread's own count starts from the library's default, not from what the main thread set (and the
+        count is part of the bits a block computes)."""
         torch.set_num_threads(threads)
         while True:
             stuck = self.sessions.waiting()
@@ -186,14 +329,19 @@ class Node:
                 item = ()
             if item is None:
                 return
+            items = [item]
+            while self.batching and item != () and len(items) < MAX_BATCH:
+                try:
+                    items.append(self.work.get_nowait())
+                except queue.Empty:
+                    break
+                if items[-1] is None:
+                    break
+            stop = items[-1] is None
             try:
-                if isinstance(item, tuple):
-                    if item:
-                        item[1].close()
-                else:
-                    self.data(item)
+                self.serve_taken(items[:-1] if stop else items)
             except Exception as exc:
-                log.warning("dropped a data message that failed unexpectedly (%s); still serving",
+                log.warning("dropped data messages that failed unexpectedly (%s); still serving",
                             type(exc).__name__)
                 log.debug("dropped", exc_info=True)
             for sid, outbox in stuck:  # what a next hop could not take before goes out as it can
@@ -202,7 +350,8 @@ class Node:
                 except Exception as exc:  # DiffuseError: given up; anything else: the socket is gone
                     if self.sessions.outbox(sid) is outbox:
                         self._give_up(sid, outbox, exc)
-
+            if stop:
+                return
     def end(self, sid: bytes) -> None:
         outbox = self.sessions.end(sid)
         self.state_bytes.drop(sid)
@@ -319,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
                     "leaves no room)")
     ap.add_argument("--max-sessions-per-client", type=_positive, default=MAX_SESSIONS_PER_CLIENT, metavar="N",
                     help=f"open sessions at once per client key (default {MAX_SESSIONS_PER_CLIENT})")
+    ap.add_argument("--no-batch", action="store_true",
+                    help="run every pass alone (default for a language model: decoding passes of several sessions "
+                    "that wait together run through the layers as one batch)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone (local nodes)")
     ap.add_argument("--log-level", default="INFO")
@@ -334,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         key_file = None if a.ephemeral_key else (a.key_file or os.path.join(config_home(), "node.key"))
         node = Node(resolve_model(a.model), a.listen, a.blocks, key_file,
                     set(a.allow_client) if a.allow_client else None, a.advertise_data,
-                    a.max_message_mb << 20 if a.max_message_mb else None, a.max_sessions, a.max_sessions_per_client)
+                    a.max_message_mb << 20 if a.max_message_mb else None, a.max_sessions, a.max_sessions_per_client,
+                    batch=not a.no_batch)
     except (DiffuseError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

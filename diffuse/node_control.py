@@ -145,7 +145,9 @@ class NodeControl:
         node = self.node
         return {"ok": True, "sessions": len(node.sessions), "outboxes": len(node.sessions.outboxes),
                 "state_bytes": node.state_bytes.total, "slices": self._slices(),
-                "max_sessions": node.max_sessions, "max_sessions_per_client": node.max_sessions_per_client}
+                "max_sessions": node.max_sessions, "max_sessions_per_client": node.max_sessions_per_client,
+                "batching": node.batching, "batches": node.batches, "batched_rows": node.batched_rows,
+                "batch_fallbacks": node.batch_fallbacks}
 
     def _session_room(self, sender: bytes) -> str | None:
         """Why a new session of ``sender`` would be one too many (None: there is room). Caps per client key

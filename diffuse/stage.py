@@ -29,6 +29,7 @@ import logging
 import os
 import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -213,6 +214,26 @@ class BlockStore:
         return sum(p.numel() for p in list(self._loaded) if p.device.type != "meta")
 
 
+@dataclass
+class Pass:
+    """One call, checked and taken apart (``StageSession.prepare``): what running it through this node's layers
+    needs, and what its outgoing message is made from. ``values`` holds the tensor slots, the stream slots
+    replaced by each layer's output as it runs."""
+
+    header: dict
+    stack: str
+    sl: Slice
+    refs: list[SlotRef]
+    values: list
+    forward: dict
+    rmap: ReturnMap
+    tree: dict
+    layer_trees: dict
+    cache: object | None  # the session's key/value cache of this stack (a language model's pass), or None
+    blocks: list[tuple[int, torch.nn.Module]]
+    reuse: object | None = None  # the first-block cache's tag (diffuse.firstblock.Reuse), or None
+
+
 class StageSession:
     """One client's session on this node."""
 
@@ -222,6 +243,7 @@ class StageSession:
         self.stale: dict[str, StaleStack] = {}  # per stack, made by the first call that carries a patch
         self.hop_log: list[list[int]] = []  # [seq, bytes] of every message that arrived on this hop
         self.busy_s = 0.0  # seconds spent running blocks (handle), for the benchmark's utilisation
+        self.batched_passes = 0  # passes of this session that ran in a batch with other sessions' (diffuse.batching)
         self.store = store
         self.in_hop, self.out_hop = in_hop, out_hop
         self.trees: dict[str, dict] = {}
@@ -245,6 +267,17 @@ class StageSession:
 
     def handle(self, header: dict, tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
         """Process one message; return the message for the next hop."""
+        p = self.prepare(header, tensors)
+        if not isinstance(p, Pass):
+            return p
+        with torch.no_grad():
+            out = self.run(p)
+        return self.finish(p, out)
+
+    def prepare(self, header: dict, tensors: list[torch.Tensor]) -> "Pass | tuple[dict, list[torch.Tensor]]":
+        """A message checked and taken apart, ready to run through this node's layers (``run``), or the message
+        to pass on as it is (results and errors on their way to the client; a call for a slice this node holds
+        none of)."""
         self.last_used = time.monotonic()
         seq = header.get("seq")
         if type(seq) is int and seq > self.last_seq:
@@ -301,51 +334,64 @@ class StageSession:
         if embed is not None and sl.start == 0:  # token ids in the first layer's input slot: embedded here
             values[embed[0]] = self._embed(values[embed[0]], embed[1])
             header = {k: v for k, v in header.items() if k != "embed"}
-        blocks = self.blocks[stack]
-        tree = self.trees[stack]
         cache = self.kv.get(stack, state["kind"], bool(state.get("fresh"))) if state is not None else None
-        with torch.no_grad():
-            if header.get("patch") is not None:
-                patch = Patch.from_wire(header["patch"])
-                why = why_uncut(rmap, PATCHABLE, False)
-                if why:
-                    raise DiffuseError(f"{stack!r}: {why}, so its steps are never cut into patches")
-                stale = self.stale.get(stack)
-                if stale is None:
-                    stale = self.stale[stack] = StaleStack(stack, self.stage.attention)
-                if patch.branch not in stale.branches and len(stale.branches) >= MAX_BRANCHES:
-                    raise DiffuseError(f"{stack!r}: stale buffers are kept for {MAX_BRANCHES} branches at most")
-                out = stale.run(blocks, tree, values, rmap, patch)
-                self._count_buffers(stale_changed=True)
-            elif reuse is not None:
-                last = sl.stop == self.store.stacks[stack].length
-                out, skipped = self.residuals.run(stack, blocks, tree, values, rmap, reuse, sl.start == 0,
-                                                  header.get("skip", False), last, str(sl))
-                header = dict(header, skip=skipped)
-                self._count_buffers(stale_changed=True)
-            else:
-                for i, block in blocks:
-                    args, kwargs = unflatten(layer_trees.get(str(i), tree), values, cache)
-                    out = block(*args, **kwargs)
-                    thread_outputs(values, out, rmap)
-        if sl.stop == self.store.stacks[stack].length:
+        return Pass(header, stack, sl, refs, values, forward, rmap, self.trees[stack], layer_trees, cache,
+                    self.blocks[stack], reuse)
+
+    def run(self, p: "Pass"):
+        """The call through this node's layers (or its PipeFusion patch through its stale buffers): the last
+        layer's output; ``p.values`` then holds the stream slots' new values."""
+        stack, rmap, values = p.stack, p.rmap, p.values
+        if p.header.get("patch") is not None:
+            patch = Patch.from_wire(p.header["patch"])
+            why = why_uncut(rmap, PATCHABLE, False)
+            if why:
+                raise DiffuseError(f"{stack!r}: {why}, so its steps are never cut into patches")
+            stale = self.stale.get(stack)
+            if stale is None:
+                stale = self.stale[stack] = StaleStack(stack, self.stage.attention)
+            if patch.branch not in stale.branches and len(stale.branches) >= MAX_BRANCHES:
+                raise DiffuseError(f"{stack!r}: stale buffers are kept for {MAX_BRANCHES} branches at most")
+            out = stale.run(p.blocks, p.tree, values, rmap, patch)
+            self._count_buffers(stale_changed=True)
+            return out
+        if p.reuse is not None:  # the first-block cache (diffuse.firstblock): this step skipped, or run and kept
+            sl = p.sl
+            last = sl.stop == self.store.stacks[stack].length
+            out, skipped = self.residuals.run(stack, p.blocks, p.tree, values, rmap, p.reuse, sl.start == 0,
+                                              p.header.get("skip", False), last, str(sl))
+            p.header = dict(p.header, skip=skipped)
+            self._count_buffers(stale_changed=True)
+            return out
+        out = None
+        for i, block in p.blocks:
+            args, kwargs = unflatten(p.layer_trees.get(str(i), p.tree), values, p.cache)
+            out = block(*args, **kwargs)
+            thread_outputs(values, out, rmap)
+        return out
+
+    def finish(self, p: "Pass", out) -> tuple[dict, list[torch.Tensor]]:
+        """The message a run makes: the result for the client (after the tail, on the stack's last node), or
+        the call handed on to the next node."""
+        header, stack, rmap, values = p.header, p.stack, p.rmap, p.values
+        if p.sl.stop == self.store.stacks[stack].length:
             if header.get("tail") is not None:
                 out = self._tail(out, header["tail"])
             tree, out_tensors = encode_value(out)
             result = {"op": "result", "stack": stack, "seq": header.get("seq"), "out": tree}
-            if reuse is not None:
+            if p.reuse is not None:
                 result["skipped"] = header["skip"]
             return result, out_tensors
         # hand on: stream slots carry this node's output; new cached tensors travel on once
         streams = set(rmap.streams)
         slots, sent = [], []
-        for i, ref in enumerate(refs):
+        for i, ref in enumerate(p.refs):
             if i in streams:
                 slots.append(SlotRef(frame=len(sent)).to_wire())
                 sent.append(values[i])
             elif not ref.held:
                 slots.append(SlotRef(frame=len(sent), digest=ref.digest).to_wire())
-                sent.append(forward[i])
+                sent.append(p.forward[i])
             else:
                 slots.append(ref.to_wire())
         return dict(header, slots=slots), sent
@@ -410,7 +456,7 @@ class StageSession:
     def report(self) -> dict:
         """What the session did, for the client's summary (sent at close, before the buffers go)."""
         return {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "messages": self.messages,
-                "cache_bytes": self.kv.nbytes(),
+                "cache_bytes": self.kv.nbytes(), "batched_passes": self.batched_passes,
                 "hop_bytes": self.hop_log, "busy_s": self.busy_s, "stale": {k: v.report() for k, v in self.stale.items()},
                 "first_block_cache": self.residuals.report()}
 
