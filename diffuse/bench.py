@@ -13,11 +13,13 @@ branch's first step runs whole; the second checks the quick attention path).
 Printed, each as the mean over the timed steps with its spread (one standard
 error): the overhead of splitting at one patch (split / whole), the speedup at
 P = 2 and 4 over the whole model on one thread against the ideal for two
-stages, 2P/(P+1), the speedup of the two branches run side by side on two
-groups against 2, the bytes on the wire per step against sending the whole
-latent on every pass, and the time per patch of the quick and plain attention
-paths; with the machine's core count and load. ``--quick`` runs a small model
-for a smoke test.
+stages: 2P/(P+1) for calls sent one at a time, 4P/(2P+1) where the second call
+of each step is sent ahead and follows the first through the ring back to back;
+the speedup of the two branches run side by side on two groups against 2; the
+nodes' own busy time per timed step (each node's clock over the calls it ran);
+the bytes on the wire per step against sending the whole latent on every pass,
+and the time per patch of the quick and plain attention paths; with the
+machine's core count and load. ``--quick`` runs a small model for a smoke test.
 """
 
 from __future__ import annotations
@@ -73,15 +75,18 @@ def inputs(cfg: dict, seed: int = 0) -> dict:
     }
 
 
-def denoise(transformer, x: dict, steps: int) -> tuple[list[float], "torch.Tensor"]:
+def denoise(transformer, x: dict, steps: int, on_step=None) -> tuple[list[float], "torch.Tensor"]:
     """A guided Euler loop over ``steps`` steps (a call with the prompt, then one without, combined as a
-    pipeline combines them); the seconds of each step's two transformer calls, and the result."""
+    pipeline combines them); the seconds of each step's two transformer calls, and the result. ``on_step(s)``
+    is called before step ``s`` (from 0)."""
     import torch
 
     latent = x["latent"].clone()
     times = []
     with torch.no_grad():
         for s in range(steps):
+            if on_step is not None:
+                on_step(s)
             t = torch.tensor([1000.0 * (1 - s / steps)])
             t0 = time.perf_counter()
             cond = transformer(hidden_states=latent, timestep=t, encoder_hidden_states=x["text"],
@@ -109,19 +114,29 @@ def ratio(whole: list[float], split: list[float]) -> tuple[float, float]:
     return r, r * ((sw / mw) ** 2 + (ss / ms) ** 2) ** 0.5
 
 
-def split_run(path: str, nodes, x: dict, steps: int, patches: int, attention: str = "auto", groups: int = 1) -> dict:
+def split_run(path: str, nodes, x: dict, steps: int, patches: int, attention: str = "auto", groups: int = 1,
+              ahead: bool = True) -> dict:
     import diffuse
 
     transformer = load_transformer(path)
     addresses = [f"{n.address}#{n.key}" for n in nodes]
     per = len(addresses) // groups
     spec = ";".join(",".join(addresses[k * per:(k + 1) * per]) for k in range(groups))
+    marks: list[int] = []  # per ring, the last pass number sent before the first timed step
+
+    def mark(step: int) -> None:
+        if step == TIMED_FROM:
+            marks.extend(max((m["seq"] for m in r.channel_stats.messages), default=0) for r in split.rings)
+
     with diffuse.split(transformer, nodes=spec, patches=patches, attention=attention, timeout=600,
-                       model=path) as split:
-        times, out = denoise(transformer, x, steps)
+                       model=path, ahead=ahead) as split:
+        times, out = denoise(transformer, x, steps, mark)
+    # what each node worked on during the timed steps (its own clock, per call it ran)
+    busy = [sum(b for seq, b in rep.get("busy_log", []) if seq > marks[k]) / max(1, steps - TIMED_FROM)
+            for k, r in enumerate(split.rings) for rep in r.node_reports]
     if groups > 1:
-        return {"times": times, "out": out, "busy": [r.get("busy_s", 0.0) for r in split.node_reports],
-                "ahead_used": split.ring.ahead_used}
+        return {"times": times, "out": out, "busy": busy, "ahead_used": split.ring.ahead_used,
+                "reused": split.splitter.reused}
     st, reports = split.ring.channel_stats, split.node_reports
     later = [m for m in st.messages if m.get("step", 2) > 1]
     seqs = {m["seq"] for m in later} if patches > 1 else {m["seq"] for m in st.messages[1:]}
@@ -129,8 +144,8 @@ def split_run(path: str, nodes, x: dict, steps: int, patches: int, attention: st
     back = sum(n for seq, n in st.returns if seq in seqs)
     hops = [sum(n for seq, n in r.get("hop_bytes", []) if seq in seqs) for r in reports[1:]]
     return {"times": times, "out": out, "bytes_per_step": (sent + back + sum(hops)) / max(1, steps - 1),
-            "hops": 2 + len(hops), "paths": split.attention_paths(),
-            "busy": [r.get("busy_s", 0.0) for r in reports]}
+            "hops": 2 + len(hops), "paths": split.attention_paths(), "busy": busy,
+            "ahead": split.patch_ahead, "reused": split.splitter.reused}
 
 
 def patch_times(path: str, cfg: dict, x: dict, patches: int, repeat: int = 3) -> dict:
@@ -235,14 +250,14 @@ def main(argv: list[str] | None = None) -> int:
         timed = whole_times[TIMED_FROM:]
         whole = mean_se(timed)[0]
         runs = {}
-        for name, p, att, g in (("P=1", 1, "auto", 1), ("P=2", 2, "auto", 1), ("P=4", 4, "auto", 1),
-                                ("P=4 plain", 4, "plain", 1), ("2 groups", 1, "auto", 2)):
-            r = split_run(tmp, group_nodes if g > 1 else nodes, x, steps, p, att, g)
+        for name, p, g, ahead in (("P=1", 1, 1, True), ("P=2", 2, 1, True), ("P=4 one by one", 4, 1, False),
+                                  ("P=4", 4, 1, True), ("2 groups", 1, 2, True)):
+            r = split_run(tmp, group_nodes if g > 1 else nodes, x, steps, p, "auto", g, ahead)
             r["step"] = mean_se(r["times"][TIMED_FROM:])[0]
             runs[name] = r
-            busy = ", ".join(f"{b / steps:.2f}" for b in r["busy"])
-            print(f"  {name:10s} {r['step']:.3f} s per step (whole: {whole:.3f} s); steps: "
-                  f"{' '.join(f'{t:.2f}' for t in r['times'])} s; node busy per step: {busy} s", flush=True)
+            busy = ", ".join(f"{b:.2f}" for b in r["busy"])
+            print(f"  {name:14s} {r['step']:.3f} s per step (whole: {whole:.3f} s); steps: "
+                  f"{' '.join(f'{t:.2f}' for t in r['times'])} s; node busy per timed step: {busy} s", flush=True)
         load1 = os.getloadavg()
         exact = runs["P=1"]["out"]
         latent_bytes = tokens * hidden * 4
@@ -254,23 +269,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  whole, one process:       {mw:.3f} +- {sw:.3f} s/step")
         o, so = ratio(runs["P=1"]["times"][TIMED_FROM:], timed)
         print(f"  overhead (split P=1 / whole): {o:.3f} +- {so:.3f}   target <= 1.10   "
-              f"(P=1 output equals whole: {bool(torch.equal(exact, whole_out))})")
-        for p in (2, 4):
-            r = runs[f"P={p}"]
+              f"(P=1 output equals whole: {bool(torch.equal(exact, whole_out))}; the client reused "
+              f"{runs['P=1']['reused']} projections of repeated inputs)")
+        for name, p, ideal, what in (("P=2", 2, 4 / 3, "2P/(P+1), one call at a time"),
+                                     ("P=4 one by one", 4, 8 / 5, "2P/(P+1), one call at a time"),
+                                     ("P=4", 4, 16 / 9, "4P/(2P+1), both calls of a step back to back")):
+            r = runs[name]
             sp, ss = ratio(timed, r["times"][TIMED_FROM:])
-            ideal = 2 * p / (p + 1)
-            print(f"  speedup P={p}: {sp:.2f}x +- {ss:.2f}   ideal {ideal:.2f}x   {100 * sp / ideal:.0f}% of ideal"
-                  + ("   target >= 95%" if p == 4 else "")
+            ahead = r["ahead"] or {}
+            print(f"  speedup {name}: {sp:.2f}x +- {ss:.2f}   ideal {ideal:.2f}x ({what})   "
+                  f"{100 * sp / ideal:.0f}% of ideal" + ("   target >= 95%" if name == "P=4 one by one" else "")
+                  + f"   calls sent ahead and used: {ahead.get('used', 0)}"
                   + f"   max |out - exact| {float((r['out'] - exact).abs().max()):.2e}")
-        rp = runs["P=4 plain"]
-        print(f"  P=4 on the plain path: {ratio(timed, rp['times'][TIMED_FROM:])[0]:.2f}x")
+        same = bool(torch.equal(runs["P=4"]["out"], runs["P=4 one by one"]["out"]))
+        print(f"  P=4 output with calls sent ahead equals P=4 one by one: {same}")
         rg = runs["2 groups"]
         sg, sgs = ratio(timed, rg["times"][TIMED_FROM:])
         print(f"  speedup, branches side by side on 2 groups of 1 node: {sg:.2f}x +- {sgs:.2f}   ideal 2.00x   "
               f"{50 * sg:.0f}% of ideal   target >= 1.80x   (calls answered by a pass sent ahead: "
               f"{rg['ahead_used']}; output equals whole: {bool(torch.equal(rg['out'], whole_out))})")
-        busy = {name: sum(r["busy"]) / steps for name, r in runs.items()}
-        print(f"  node busy per step, all nodes: P=1 {busy['P=1']:.2f} s, P=4 {busy['P=4']:.2f} s "
+        busy = {name: sum(r["busy"]) for name, r in runs.items()}
+        print(f"  node busy per timed step, all nodes: P=1 {busy['P=1']:.2f} s, P=4 {busy['P=4']:.2f} s "
               f"({100 * (busy['P=4'] / busy['P=1'] - 1):+.0f}%; target within 10%)")
         for name in ("P=1", "P=2", "P=4"):
             r = runs[name]

@@ -75,13 +75,19 @@ class Incoming:
     """A data message opened on the compute thread: its session, header and tensors; once prepared, the pass
     to run (``pass_``) or the message to send at once (``reply``); its batch key (``diffuse.batching``)."""
 
-    __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key")
+    __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key", "busy")
 
     def __init__(self, sess, header: dict, tensors: list, malformed: str | None):
         self.sess, self.header, self.tensors, self.malformed = sess, header, tensors, malformed
         self.pass_: Pass | None = None
         self.reply: tuple[dict, list] | None = None
         self.key: tuple | None = None
+        self.busy = 0.0  # seconds its preparing and running took
+
+    def spent(self, seconds: float) -> None:
+        """Count ``seconds`` of work on this message: in its session's busy time, and per call in its busy log."""
+        self.busy += seconds
+        self.sess.busy_s += seconds
 
 
 class Node:
@@ -182,7 +188,7 @@ class Node:
                 m.pass_ = got
             else:
                 m.reply = got
-        sess.busy_s += time.perf_counter() - t0
+        m.spent(time.perf_counter() - t0)
 
     def _solo(self, m: "Incoming") -> None:
         """Run a prepared message alone, then send what it made."""
@@ -194,7 +200,7 @@ class Node:
                 m.reply = m.sess.finish(m.pass_, out)
             except Exception as exc:
                 self._failed(m, exc)
-            m.sess.busy_s += time.perf_counter() - t0
+            m.spent(time.perf_counter() - t0)
         self._send(m)
 
     def _batch(self, group: list["Incoming"]) -> None:
@@ -220,7 +226,7 @@ class Node:
                 m.reply = m.sess.finish(m.pass_, out)
             except Exception as exc:
                 self._failed(m, exc)
-            m.sess.busy_s += share + time.perf_counter() - t1
+            m.spent(share + time.perf_counter() - t1)
         for m in group:
             self._send(m)
 
@@ -231,6 +237,8 @@ class Node:
             if self.sessions.get(sess.sid) is not sess:  # closed while it computed: its state went with it
                 self.state_bytes.drop(sess.sid)
         out_header, out_tensors = m.reply
+        if m.header.get("op") == "call" and type(m.header.get("seq")) is int:
+            sess.busy_log.append([m.header["seq"], m.busy])
         out = frames.seal_message(sess.out_hop, out_header, out_tensors)
         sess.bytes_out += sum(len(f) for f in out)
         outbox = self.sessions.outbox(sess.sid)

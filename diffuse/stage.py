@@ -243,6 +243,7 @@ class StageSession:
         self.stale: dict[str, StaleStack] = {}  # per stack, made by the first call that carries a patch
         self.hop_log: list[list[int]] = []  # [seq, bytes] of every message that arrived on this hop
         self.busy_s = 0.0  # seconds spent running blocks (handle), for the benchmark's utilisation
+        self.busy_log: list[list] = []  # [seq, seconds] of every call this node worked on, for the same
         self.batched_passes = 0  # passes of this session that ran in a batch with other sessions' (diffuse.batching)
         self.store = store
         self.in_hop, self.out_hop = in_hop, out_hop
@@ -457,7 +458,8 @@ class StageSession:
         """What the session did, for the client's summary (sent at close, before the buffers go)."""
         return {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "messages": self.messages,
                 "cache_bytes": self.kv.nbytes(), "batched_passes": self.batched_passes,
-                "hop_bytes": self.hop_log, "busy_s": self.busy_s, "stale": {k: v.report() for k, v in self.stale.items()},
+                "hop_bytes": self.hop_log, "busy_s": self.busy_s, "busy_log": self.busy_log,
+                "stale": {k: v.report() for k, v in self.stale.items()},
                 "first_block_cache": self.residuals.report()}
 
     def _count_buffers(self, stale_changed: bool = False) -> None:
