@@ -227,7 +227,7 @@ class Split:
                 self.ring = rings[0]
             self.splitter = Splitter.on(denoiser, self.ring.plan)
             self.splitter.attach(self.ring, self.patches, self.cache_threshold, self.ahead)
-        except BaseException as exc:
+        except BaseException:
             self._close(hurry=True)
             raise
         return self

@@ -283,7 +283,6 @@ def audio_rate(model) -> int | None:
 def compose_audio(a, console, info, model, inputs, gen, times, t0) -> dict:
     """A model that writes audio (MusicGen): ``generate`` returns the waveform its codec decoded; the codes it
     decoded (exactly as handed to the codec) are kept for ``--save-tokens``."""
-    import numpy as np
     import torch
 
     from diffuse.api import Split
