@@ -181,6 +181,16 @@ class Launcher:
             return msg
         return None
 
+    def stop(self) -> None:
+        """Close, and end the launcher itself (one that failed)."""
+        self.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            try:
+                self.proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
+
     def close(self) -> None:
         """Closing the socket ends the launcher; what it forked runs on (local nodes end with their client)."""
         self.closed = True
@@ -204,7 +214,7 @@ def enabled(env: dict | None = None) -> bool:
 
 def _launcher(env: dict, cwd: str) -> Launcher:
     # what a process reads while it imports must be what the launcher had when it imported
-    key = (sys.executable, cwd, tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE_ENV)))
+    key = (sys.executable, tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE_ENV)))
     with _lock:
         found = _launchers.get(key)
         if found is not None and not found.closed and found.proc.poll() is None:
@@ -235,9 +245,13 @@ def spawn(args: list[str], stdin=None, stdout=None, stderr=None, env: dict | Non
     env = dict(os.environ if env is None else env)
     cwd = os.fspath(cwd) if cwd is not None else os.getcwd()
     if len(args) >= 2 and args[0] == "-m" and enabled(env):
+        found = None
         try:
-            return _spawn(_launcher(env, cwd), list(args), stdin, stdout, stderr, env, cwd, text)
+            found = _launcher(env, cwd)
+            return _spawn(found, list(args), stdin, stdout, stderr, env, cwd, text)
         except (LauncherError, OSError, subprocess.SubprocessError) as exc:
+            if found is not None:
+                found.stop()
             _fail(str(exc))
     return subprocess.Popen([sys.executable, *args], stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
                             text=text)
@@ -311,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     sock = socket.socket(fileno=a.fd)
     try:
-        loaded = _preload()
+        loaded = _preload(a.exit_with)
         why = _unforkable()
         if why:
             _send(sock, {"error": why})
@@ -326,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _preload() -> list[str]:
+def _preload(parent: int | None) -> list[str]:
     """Import what a node imports (every module that imports here, and the installed plugins' modules), then
     freeze what exists so forked nodes share those pages instead of copying them when the collector runs."""
     import gc
@@ -336,6 +350,8 @@ def _preload() -> list[str]:
     loaded = []
     names = list(PRELOAD) + sorted({ep.module for ep in entry_points(group="diffuse")})
     for name in names:
+        if parent is not None and not _alive(parent):  # the client gave up (a refusal after it asked for this): no point going on
+            os._exit(0)
         try:
             importlib.import_module(name)
             loaded.append(name)
@@ -450,6 +466,8 @@ def _child(request: dict, fds: list[int], own: tuple[int, ...]) -> None:
         os.dup2(fd, target)
     for fd in set(fds) - {0, 1, 2}:
         os.close(fd)
+    if sys.path and sys.path[0] == os.getcwd():  # ``python -m`` puts the folder it starts in first
+        sys.path[0] = request["cwd"]
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])

@@ -38,6 +38,16 @@ class LocalNodes(list):
         stop_local_nodes(self, 0.5 if hurry else 1.5)
 
 
+def node_env() -> dict:
+    """The environment local nodes start in."""
+    return dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+
+
+def warm_launcher() -> None:
+    """Start the nodes' launcher now, without waiting: its imports overlap with the client's own loading."""
+    launcher.warm(node_env())
+
+
 def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: str = "tcp",
                       extra: list[str] = (), groups: int = 1) -> LocalNodes:
     """Start ``n`` nodes holding even slices of every stack; wait until each prints its address. With
@@ -46,7 +56,7 @@ def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: st
 
     transport = transport_for(f"{scheme}://")
     nodes = LocalNodes()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = node_env()
     try:
         per = n // groups
         for i in range(n):

@@ -12,7 +12,7 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     print(json.dumps({
         "pid": os.getpid(), "cwd": os.getcwd(), "argv": sys.argv[1:], "name": __name__,
-        "marker": os.environ.get("PROBE_MARKER"), "threads": torch.get_num_threads(),
+        "home": os.environ.get("DIFFUSE_HOME"), "threads": torch.get_num_threads(),
         "interop_threads": torch.get_num_interop_threads(),
         "draw": torch.randn(64, 64).matmul(torch.randn(64, 64)).sum().item(),
     }), flush=True)
