@@ -90,8 +90,7 @@ class Launcher:
         import tempfile
 
         self.lock = threading.Lock()
-        self.exits: dict[int, int] = {}
-        self.pids: set[int] = set()
+        self.exits: dict[int, int] = {}  # reported, not yet asked for
         self.closed = False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = ours
@@ -140,7 +139,6 @@ class Launcher:
                     raise LauncherError("the launcher did not answer a fork" if not self.closed else
                                         "the launcher is gone")
                 if "pid" in msg:
-                    self.pids.add(msg["pid"])
                     return msg["pid"]
                 if "error" in msg:
                     raise LauncherError(msg["error"])
@@ -158,7 +156,7 @@ class Launcher:
                     break
                 if self._receive(deadline) is None and time.monotonic() >= deadline:
                     break
-            return self.exits.get(pid)
+            return self.exits.pop(pid, None)  # the handle keeps it from here on
 
     def _receive(self, deadline: float) -> dict | None:
         """One message from the launcher (exit statuses are recorded on the way), or None at the deadline or
@@ -324,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone")
     a = ap.parse_args(argv)
     sock = socket.socket(fileno=a.fd)
+    global _start_dir
+    _start_dir = os.getcwd()
     try:
         loaded = _preload(a.exit_with)
         why = _unforkable()
@@ -331,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
             _send(sock, {"error": why})
             return 1
         _send(sock, {"ready": os.getpid(), "preloaded": loaded})
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # nobody reads it once it is ready
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)  # nobody reads it once it is ready
+        os.close(devnull)
         _serve(sock, a.exit_with)
     except KeyboardInterrupt:  # Ctrl-C in the client's terminal reaches the whole process group
         pass
@@ -455,6 +457,8 @@ def _alive(pid: int) -> bool:
 
 # --------------------------------------------------------------------------- a forked process
 
+_start_dir = ""  # the launcher's own working folder when it started
+
 
 def _child(request: dict, fds: list[int], own: tuple[int, ...]) -> None:
     """Become ``python ARGS`` as the caller asked for it, then exit with its status; never returns."""
@@ -466,7 +470,7 @@ def _child(request: dict, fds: list[int], own: tuple[int, ...]) -> None:
         os.dup2(fd, target)
     for fd in set(fds) - {0, 1, 2}:
         os.close(fd)
-    if sys.path and sys.path[0] == os.getcwd():  # ``python -m`` puts the folder it starts in first
+    if sys.path and sys.path[0] == _start_dir:  # ``python -m`` puts the folder it starts in first
         sys.path[0] = request["cwd"]
     os.chdir(request["cwd"])
     os.environ.clear()
@@ -554,4 +558,4 @@ def _finish(code: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    os._exit(main())  # no interpreter teardown of everything imported: Ctrl-C ends it at once
