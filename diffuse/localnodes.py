@@ -1,22 +1,26 @@
-"""Starting node processes on this machine (``--local-nodes N``) and stopping them."""
+"""Starting node processes on this machine (``--local-nodes N``) and stopping them.
+
+Nodes are forked from a pre-imported launcher (``diffuse.launcher``), so each is ready in well under a
+second plus its block loading; ``DIFFUSE_LAUNCHER=0`` starts them as plain ``python -m diffuse.node``
+processes instead."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 
+from diffuse import launcher
 from diffuse.errors import DiffuseError
 
 READY_TIMEOUT_S = 180.0
 
 
 class LocalNode:
-    def __init__(self, proc: subprocess.Popen, log_path: str, address: str, key: str):
+    def __init__(self, proc, log_path: str, address: str, key: str):
         self.proc, self.log_path, self.address, self.key = proc, log_path, address, key
 
     def log_tail(self, n: int = 20) -> str:
@@ -34,6 +38,16 @@ class LocalNodes(list):
         stop_local_nodes(self, 0.5 if hurry else 1.5)
 
 
+def node_env() -> dict:
+    """The environment local nodes start in."""
+    return dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+
+
+def warm_launcher() -> None:
+    """Start the nodes' launcher now, without waiting: its imports overlap with the client's own loading."""
+    launcher.warm(node_env())
+
+
 def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: str = "tcp",
                       extra: list[str] = (), groups: int = 1) -> LocalNodes:
     """Start ``n`` nodes holding even slices of every stack; wait until each prints its address. With
@@ -42,17 +56,17 @@ def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: st
 
     transport = transport_for(f"{scheme}://")
     nodes = LocalNodes()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = node_env()
     try:
         per = n // groups
         for i in range(n):
             listen = transport.local_listen(f"node-{os.getpid()}-{i}")
             log_fd, log_path = tempfile.mkstemp(prefix=f"diffuse-node{i + 1}-", suffix=".log")
-            cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--listen", listen,
-                   "--blocks", f"{i % per + 1}/{per}", "--ephemeral-key", "--exit-with", str(os.getpid()), *extra]
+            args = ["-m", "diffuse.node", "--model", model, "--listen", listen,
+                    "--blocks", f"{i % per + 1}/{per}", "--ephemeral-key", "--exit-with", str(os.getpid()), *extra]
             if threads:
-                cmd += ["--threads", str(threads)]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_fd, env=env, text=True)
+                args += ["--threads", str(threads)]
+            proc = launcher.spawn(args, stdout=subprocess.PIPE, stderr=log_fd, env=env)
             os.close(log_fd)
             nodes.append(LocalNode(proc, log_path, "", ""))
         for i, node in enumerate(nodes):

@@ -231,6 +231,10 @@ def generate(a: argparse.Namespace, console) -> dict:
         for group in parse_groups(a.nodes):
             parse_nodes(group)  # address and key mistakes, before anything is loaded
     info = ModelInfo.of(a.model)  # refusals happen here, before any node is contacted
+    if a.nodes is None and not a.whole:
+        from diffuse.localnodes import warm_launcher
+
+        warm_launcher()  # its imports run while this process loads the model
     if info.subject.autoregressive:
         from diffuse.lm import generate_text
 

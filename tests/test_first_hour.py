@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import run_client, subprocess_env
+from conftest import node_process, run_client, subprocess_env
 
 RUN = [sys.executable, "-m", "diffuse.run", "--quiet"]
 
@@ -76,9 +76,8 @@ def _nodes(shares, home: str):
     """Nodes of the embedded model holding these shares, started together."""
     from diffuse.default_model import default_model_dir
 
-    procs = [subprocess.Popen([sys.executable, "-m", "diffuse.node", "--model", default_model_dir(), "--blocks", share,
-                               "--ephemeral-key", "--log-level", "WARNING"], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, env=subprocess_env(home)) for share in shares]
+    procs = [node_process(["--model", default_model_dir(), "--blocks", share, "--ephemeral-key", "--log-level",
+                           "WARNING"], env=subprocess_env(home)) for share in shares]
     return [(proc, json.loads(proc.stdout.readline())) for proc in procs]
 
 
@@ -122,5 +121,5 @@ def test_ctrl_c_ends_the_run_and_its_local_nodes_within_two_seconds(tmp_path, di
     assert client.proc.returncode == 130, client.said
     assert "Traceback" not in client.said and "interrupted" in client.said
     time.sleep(0.5)
-    left = subprocess.run(["pgrep", "-f", f"--exit-with {client.proc.pid}"], capture_output=True, text=True)
-    assert left.stdout.strip() == "", "local nodes left running"
+    left = subprocess.run(["pgrep", "-f", "--", f"--exit-with {client.proc.pid}( |$)"], capture_output=True, text=True)
+    assert left.returncode == 1 and left.stdout.strip() == "", f"local nodes (or their launcher) left running: {left}"

@@ -22,7 +22,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import THREADS, run_client, run_reference, subprocess_env
+from conftest import THREADS, node_process, run_client, run_reference, subprocess_env
 
 WAN_ARGS = families.call_args("wan")
 
@@ -31,13 +31,13 @@ WAN_ARGS = families.call_args("wan")
 
 
 def _node(model: str, blocks: str | None, extra=(), home: str | None = None, log_path: str | None = None):
-    cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--threads", str(THREADS), *extra]
-    cmd += ["--blocks", blocks] if blocks else []
+    args = ["--model", model, "--threads", str(THREADS), *extra]
+    args += ["--blocks", blocks] if blocks else []
     if "--key-file" not in extra and home is None:
-        cmd.append("--ephemeral-key")
+        args.append("--ephemeral-key")
     # a file, not a pipe: a chatty node never blocks on it
     with (open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")) as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=subprocess_env(home))
+        proc = node_process(args, stderr=log, env=subprocess_env(home))
         line = proc.stdout.readline()
         if not line:
             proc.wait(30)
@@ -51,9 +51,8 @@ def _nodes(model: str, slices: list[str]):
     procs, logs = [], []
     for blocks in slices:
         log = tempfile.TemporaryFile("w+")
-        cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--threads", str(THREADS), "--blocks", blocks,
-               "--ephemeral-key"]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=subprocess_env()))
+        procs.append(node_process(["--model", model, "--threads", str(THREADS), "--blocks", blocks, "--ephemeral-key"],
+                                  stderr=log))
         logs.append(log)
     out = []
     for proc, log in zip(procs, logs):

@@ -8,9 +8,6 @@ model without a fixed share, so the same nodes serve rings of one, two or three.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-
 import math
 
 import families
@@ -18,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import THREADS, run_reference, split_command, subprocess_env
+from conftest import THREADS, node_process, run_client, run_reference, split_command
 from diffuse.callplan import unflatten
 from diffuse.pipefusion import (PATHS, AttentionBuffer, BranchTracker, Pass, Patcher, QuickUnsupported, StaleStack,
                                 attention_scope, patch_ranges, token_axis, why_uncut)
@@ -36,10 +33,8 @@ class Nodes:
     def __call__(self, model: str, n: int) -> list[tuple[str, str]]:
         procs = self.procs.setdefault(model, [])
         while len(procs) < n:
-            cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--ephemeral-key",
-                   "--threads", str(THREADS), "--log-level", "WARNING"]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                          env=subprocess_env()))
+            procs.append(node_process(["--model", model, "--ephemeral-key", "--threads", str(THREADS),
+                                       "--log-level", "WARNING"]))
         out = []
         for p in procs[:n]:
             if not hasattr(p, "ready"):
@@ -453,8 +448,7 @@ def test_two_stream_model_runs_uncut_steps_and_says_so(family, stacks, models, d
     reference = run_reference(model, kwargs, str(tmp_path / "reference.npy"))
     save = tmp_path / "split.npy"
     cmd = split_command(model, kwargs, str(save), nodes=2, extra=["--patches", "3", "--out", str(tmp_path / "o.png")])
-    proc = subprocess.run(cmd, env=subprocess_env(diffuse_home), capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
+    proc = run_client(cmd[3:], diffuse_home)  # the command's own code, its client in this process
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [line for line in proc.stderr.splitlines() if "two streams" in line and "steps run uncut" in line]
     assert len(said) == 1, proc.stderr

@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import families
 from safetensors import safe_open
 
-from conftest import THREADS, run_client, run_split, subprocess_env
+from conftest import THREADS, node_process, run_client, run_split
 
 
 def _nodes(model, *shares):
     """Node processes holding these shares (None: what each session asks for), started together."""
     procs = []
     for share in shares:
-        cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--ephemeral-key", "--threads", str(THREADS)]
-        cmd += ["--blocks", share] if share else []
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                      env=subprocess_env()))
+        args = ["--model", model, "--ephemeral-key", "--threads", str(THREADS)]
+        procs.append(node_process(args + (["--blocks", share] if share else [])))
     return [(proc, json.loads(proc.stdout.readline())) for proc in procs]
 
 

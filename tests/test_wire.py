@@ -6,8 +6,6 @@ Real node processes, real ZeroMQ sockets on loopback, real libsodium sealing.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import families
@@ -16,16 +14,14 @@ import pytest
 import torch
 import zmq
 
-from conftest import THREADS, subprocess_env
+from conftest import THREADS, node_process, run_client
 from relay import RecordingRelay
 
 PROMPT = "a zebra crossing a quiet lagoon at dawn"
 
 
 def _start_node(model, share, extra=()):
-    cmd = [sys.executable, "-m", "diffuse.node", "--model", model, "--blocks", share, "--ephemeral-key",
-           "--threads", str(THREADS), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    proc = node_process(["--model", model, "--blocks", share, "--ephemeral-key", "--threads", str(THREADS), *extra])
     import json
 
     line = json.loads(proc.stdout.readline())
@@ -65,11 +61,11 @@ def test_captured_wire_holds_no_prompt_and_no_plaintext_tensor(models, tmp_path,
             data_relays.append(data_relay)
             procs.append(proc)
             nodes.append(f"{control_relay.address}#{ready['key']}")
-        cmd = [sys.executable, "-m", "diffuse.run", "--model", model, "--nodes", ",".join(nodes), "--quiet",
-               "--threads", str(THREADS), "--save-array", str(tmp_path / "a.npy"), "--out", str(tmp_path / "a.mp4")]
+        argv = ["--model", model, "--nodes", ",".join(nodes), "--quiet", "--threads", str(THREADS),
+                "--save-array", str(tmp_path / "a.npy"), "--out", str(tmp_path / "a.mp4")]
         for k, v in kwargs.items():
-            cmd += ["--arg", f"{k}={__import__('json').dumps(v)}"]
-        run = subprocess.run(cmd, env=subprocess_env(diffuse_home), capture_output=True, text=True, timeout=300)
+            argv += ["--arg", f"{k}={__import__('json').dumps(v)}"]
+        run = run_client(argv, diffuse_home)  # the command's own code, its client in this process
         assert run.returncode == 0, run.stderr[-2000:]
     finally:
         for p in procs:
