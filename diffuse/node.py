@@ -85,7 +85,8 @@ class Incoming:
         self.busy = 0.0  # seconds its preparing and running took
 
     def spent(self, seconds: float) -> None:
-        """Count ``seconds`` of work on this message: in its session's busy time, and per call in its busy log."""
+        """Count ``seconds`` of work on this message (the compute thread's own CPU time: waiting for a core
+        another process holds is not work) in its session's busy time, and per call in its busy log."""
         self.busy += seconds
         self.sess.busy_s += seconds
 
@@ -175,7 +176,7 @@ class Node:
     def _prepare(self, m: "Incoming") -> None:
         """Check and take apart a message (``StageSession.prepare``): ``m.pass_`` to run, or ``m.reply`` at once."""
         sess = m.sess
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         sess.room = NODE_BUFFER_BYTES - self.sessions.buffer_bytes(but=sess)  # what the other sessions left
         try:
             if m.malformed:
@@ -188,25 +189,25 @@ class Node:
                 m.pass_ = got
             else:
                 m.reply = got
-        m.spent(time.perf_counter() - t0)
+        m.spent(time.thread_time() - t0)
 
     def _solo(self, m: "Incoming") -> None:
         """Run a prepared message alone, then send what it made."""
         if m.reply is None:
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             try:
                 with torch.no_grad():
                     out = m.sess.run(m.pass_)
                 m.reply = m.sess.finish(m.pass_, out)
             except Exception as exc:
                 self._failed(m, exc)
-            m.spent(time.perf_counter() - t0)
+            m.spent(time.thread_time() - t0)
         self._send(m)
 
     def _batch(self, group: list["Incoming"]) -> None:
         """Decoding passes of different sessions through the layers as one batch (``diffuse.batching``); each
         session's tail and message then as for a lone pass. What cannot be batched runs one by one."""
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         try:
             outs = run_batch([m.pass_ for m in group])
         except Exception as exc:
@@ -218,15 +219,15 @@ class Node:
         rows = sum(out.shape[0] if isinstance(out, torch.Tensor) else 1 for out in outs)
         self.batches += 1
         self.batched_rows += rows
-        share = (time.perf_counter() - t0) / len(group)
+        share = (time.thread_time() - t0) / len(group)
         for m, out in zip(group, outs):
-            t1 = time.perf_counter()
+            t1 = time.thread_time()
             m.sess.batched_passes += 1
             try:
                 m.reply = m.sess.finish(m.pass_, out)
             except Exception as exc:
                 self._failed(m, exc)
-            m.spent(share + time.perf_counter() - t1)
+            m.spent(share + time.thread_time() - t1)
         for m in group:
             self._send(m)
 

@@ -242,7 +242,7 @@ class StageSession:
         self.stage = stage
         self.stale: dict[str, StaleStack] = {}  # per stack, made by the first call that carries a patch
         self.hop_log: list[list[int]] = []  # [seq, bytes] of every message that arrived on this hop
-        self.busy_s = 0.0  # seconds spent running blocks (handle), for the benchmark's utilisation
+        self.busy_s = 0.0  # CPU seconds spent preparing and running calls, for the benchmark's utilisation
         self.busy_log: list[list] = []  # [seq, seconds] of every call this node worked on, for the same
         self.batched_passes = 0  # passes of this session that ran in a batch with other sessions' (diffuse.batching)
         self.store = store
