@@ -352,7 +352,7 @@ def _preload(parent: int | None) -> list[str]:
     loaded = []
     names = list(PRELOAD) + sorted({ep.module for ep in entry_points(group="diffuse")})
     for name in names:
-        if parent is not None and not _alive(parent):  # the client gave up (a refusal after it asked for this): no point going on
+        if parent is not None and not alive(parent):  # the client gave up (a refusal after it asked for this): no point going on
             os._exit(0)
         try:
             importlib.import_module(name)
@@ -407,7 +407,7 @@ def _serve(sock: socket.socket, parent: int | None) -> None:
             if not raw:
                 return  # the client is gone
             _fork(sock, json.loads(raw), fds, own)
-        if parent is not None and not _alive(parent):
+        if parent is not None and not alive(parent):
             return
 
 
@@ -445,7 +445,8 @@ def _fork(sock: socket.socket, request: dict, fds: list[int], own: tuple[int, ..
         _send(sock, {"pid": pid})
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (one owned by another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

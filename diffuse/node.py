@@ -24,6 +24,7 @@ import torch
 
 from diffuse import frames
 from diffuse.batching import MAX_BATCH, batch_key, run_batch
+from diffuse.launcher import alive
 from diffuse.text import plain
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.home import config_home
@@ -373,7 +374,7 @@ class Node:
         worker.start()
         try:
             while until is None or time.monotonic() < until:
-                if parent is not None and not _alive(parent):
+                if parent is not None and not alive(parent):
                     log.info("the process that started this node (%d) is gone: stopping", parent)
                     return
                 for ready in self.endpoint.wait(1.0):
@@ -407,16 +408,6 @@ class Node:
             log.exception("control request failed")
             reply = refusal(f"{type(exc).__name__}: {exc}")
         self.endpoint.reply_control(reply)  # a request taken off the socket is always answered
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _positive(text: str) -> int:
