@@ -177,6 +177,27 @@ def test_the_next_branch_is_sent_ahead_and_used_only_if_its_call_is_what_was_sen
     assert sends[-1].uncut and sends[-1].branch == 1 and patcher.ahead["dropped"] == 2  # the guess was for 2
 
 
+def test_a_pass_sent_ahead_that_no_call_claims_is_received_before_any_other_answer():
+    ring, one = EchoRing(), ReturnMap(single=True, outputs=[0], names=["args[0]"])
+    patcher = Patcher(ring, 2)
+    cond, uncond, t = torch.randn(1, 5, 8), torch.randn(1, 5, 8), torch.ones(1)
+    x = torch.randn(1, 4, 8)
+    patcher.run("a", {}, [x, cond, t], one)
+    patcher.run("a", {}, [x, uncond, t], one)
+    x = torch.randn(1, 4, 8)
+    patcher.run("a", {}, [x, cond, t], one)  # sends the second call of this step ahead
+    ahead = list(patcher._ahead["a"].seqs)
+    ring.log.clear()
+    patcher.run("b", {}, [torch.randn(1, 4, 8), cond, t], one)  # another stack's call: the ring answers in order
+    assert ring.log[:2] == [("receive", s) for s in ahead] and patcher.ahead["dropped"] == 1
+    patcher.run("a", {}, [x, uncond, t], one)  # its guess was dropped: this branch runs whole and records anew
+    patcher.run("a", {}, [torch.randn(1, 4, 8), cond, t], one)  # the next step sends it ahead again...
+    assert "a" in patcher._ahead
+    ring.log.clear()
+    patcher.settle()  # ...and a call that does not go through the patcher takes it off the ring first
+    assert [op for op, _ in ring.log] == ["receive", "receive"] and patcher.ahead["dropped"] == 2
+
+
 def test_guidance_branches_are_told_apart_by_their_conditioning():
     tracker, t = BranchTracker(), torch.ones(1)
     cond, uncond = torch.randn(1, 5, 8), torch.randn(1, 5, 8)

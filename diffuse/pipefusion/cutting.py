@@ -170,16 +170,15 @@ class Patcher:
         digests = [b"" if i == stream else digest(t) for i, t in enumerate(tensors)]  # once per call, not per patch
         tracker = self.trackers.setdefault(stack, BranchTracker())
         branch, step, first = tracker.identify(tensors, stream, digests)
-        ahead = self._ahead.pop(stack, None)
         try:
+            for other in [k for k in self._ahead if k != stack]:  # the ring answers in order: theirs first
+                self._drop(other, self._ahead.pop(other))
+            ahead = self._ahead.pop(stack, None)
             if ahead is not None:
                 if (ahead.branch, ahead.step, ahead.tree, ahead.digests) == (branch, step, tree, digests) and not first:
                     self.ahead["used"] += 1
                     return self._cut(stack, tree, tensors, rmap, digests, tracker, branch, step, ahead.seqs)
-                for seq in ahead.seqs:  # due before any later answer of the ring: received, and not used
-                    self.ring.receive(seq)
-                self.ahead["dropped"] += 1
-                self._rerecord.add((stack, ahead.branch))
+                self._drop(stack, ahead)
             ranges = patch_ranges(tokens, self.patches)
             if first or (stack, branch) in self._rerecord or len(ranges) < 2:
                 self._note(stack, 1 if first else len(ranges), tokens, len(ranges))
@@ -190,6 +189,21 @@ class Patcher:
             return self._cut(stack, tree, tensors, rmap, digests, tracker, branch, step)
         except Repaired:  # a node was replaced mid-step: the step again, whole, on the repaired route
             return self.run(stack, tree, tensors, rmap)
+
+    def settle(self) -> None:
+        """Receive and drop whatever was sent ahead, before a call that does not go through here: the ring
+        answers in order, so a pass sent ahead that no call will claim must be taken off it first."""
+        try:
+            for stack in list(self._ahead):
+                self._drop(stack, self._ahead.pop(stack))
+        except Repaired:  # the ring dropped every pass in flight, and every branch starts whole again
+            pass
+
+    def _drop(self, stack: str, ahead: _Ahead) -> None:
+        for seq in ahead.seqs:  # due before any later answer of the ring: received, and not used
+            self.ring.receive(seq)
+        self.ahead["dropped"] += 1
+        self._rerecord.add((stack, ahead.branch))  # the nodes' buffers of that branch now hold the guess
 
     def _cut(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, digests: list, tracker: BranchTracker,
              branch: int, step: int, seqs: list | None = None):
