@@ -121,6 +121,7 @@ class BranchRings:
         self._ahead: dict[str, _Sent] = {}
         self._n = 0
         self._sent: dict[int, list] = {}  # send number -> [(group, ring pass number)], and how to join
+        self._kept: dict[tuple, object] = {}  # (group, ring pass number) -> an answer taken off its ring early
         self.ahead_used = 0  # calls answered by a pass sent ahead
         self.ahead_dropped = 0  # passes sent ahead whose call did not come as expected
         self.batches_cut = 0  # calls whose batch was cut between the groups
@@ -198,6 +199,8 @@ class BranchRings:
         stream = rmap.streams[0]
         self._n += 1
         parts = self._cut(tensors, stream)
+        for g in range(len(self.rings)):  # a ring answers in order: what was sent ahead there comes first
+            self._take(g, but=stack if parts is None and patch is None else None)
         if parts is not None:  # branches batched in one call: a part of the batch per group
             self.batches_cut += 1
             self._sent[self._n] = [[(g, self.rings[g].send(stack, tree, part, rmap, patch, extra=extra))
@@ -219,7 +222,8 @@ class BranchRings:
                 self.ahead_used += 1
                 self._sent[self._n] = [[(ahead.group, ahead.n)], rmap]
                 return self._n
-            self.rings[ahead.group].receive(ahead.n)  # its answer is due before any later one on that ring
+            if self._kept.pop((ahead.group, ahead.n), None) is None:
+                self.rings[ahead.group].receive(ahead.n)  # its answer is due before any later one on that ring
             self.ahead_dropped += 1
         g = branch % len(self.rings)
         self._sent[self._n] = [[(g, self.rings[g].send(stack, tree, tensors, rmap, None, digests, extra))], rmap]
@@ -234,9 +238,17 @@ class BranchRings:
                                        stack, tree, guess_digests, guess_extra)
         return self._n
 
+    def _take(self, g: int, but: str | None) -> None:
+        """Receive now, and keep for their calls, the answers of passes sent ahead on ring ``g`` for stacks
+        other than ``but`` (whose own is claimed or dropped by the call being sent)."""
+        for stack, ahead in self._ahead.items():
+            if stack != but and ahead.group == g and (g, ahead.n) not in self._kept:
+                self._kept[(g, ahead.n)] = self.rings[g].receive(ahead.n)
+
     def receive(self, n: int):
         parts, rmap = self._sent.pop(n)
-        answers = [self.rings[g].receive(seq) for g, seq in parts]
+        answers = [self._kept.pop((g, seq)) if (g, seq) in self._kept else self.rings[g].receive(seq)
+                   for g, seq in parts]
         return answers[0] if len(answers) == 1 else reassemble(answers, 0, rmap)
 
     def _cut(self, tensors: list, stream: int):

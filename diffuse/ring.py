@@ -77,6 +77,7 @@ class Ring:
         self._usable: list[bool] = []
         self._n = 0  # this ring's own pass numbers (a repaired route starts a new channel)
         self._pending: dict[int, tuple] = {}  # pass number -> (channel seq, what was sent), until answered
+        self._lost: set[int] = set()  # passes a repair dropped (patches): asking for one raises Repaired
         self._history: list[tuple] = []  # a language model's passes since its cache was last started anew
 
     @property
@@ -169,6 +170,9 @@ class Ring:
         return self._n
 
     def receive(self, n: int):
+        if n in self._lost:
+            self._lost.discard(n)
+            raise Repaired(f"pass {n} was dropped when the route was repaired")
         while True:
             seq, sent = self._pending[n]
             try:
@@ -224,6 +228,7 @@ class Ring:
         for hook in self.on_repair:
             hook()
         if cut:  # patches of a step cannot be replayed on nodes without that step's stale buffers
+            self._lost |= set(self._pending)
             self._pending.clear()
             raise Repaired(line)
         try:

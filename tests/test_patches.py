@@ -177,7 +177,7 @@ def test_the_next_branch_is_sent_ahead_and_used_only_if_its_call_is_what_was_sen
     assert sends[-1].uncut and sends[-1].branch == 1 and patcher.ahead["dropped"] == 2  # the guess was for 2
 
 
-def test_a_pass_sent_ahead_that_no_call_claims_is_received_before_any_other_answer():
+def test_passes_sent_ahead_are_taken_off_the_ring_before_any_other_answer_and_kept_for_their_call():
     ring, one = EchoRing(), ReturnMap(single=True, outputs=[0], names=["args[0]"])
     patcher = Patcher(ring, 2)
     cond, uncond, t = torch.randn(1, 5, 8), torch.randn(1, 5, 8), torch.ones(1)
@@ -189,13 +189,17 @@ def test_a_pass_sent_ahead_that_no_call_claims_is_received_before_any_other_answ
     ahead = list(patcher._ahead["a"].seqs)
     ring.log.clear()
     patcher.run("b", {}, [torch.randn(1, 4, 8), cond, t], one)  # another stack's call: the ring answers in order
-    assert ring.log[:2] == [("receive", s) for s in ahead] and patcher.ahead["dropped"] == 1
-    patcher.run("a", {}, [x, uncond, t], one)  # its guess was dropped: this branch runs whole and records anew
-    patcher.run("a", {}, [torch.randn(1, 4, 8), cond, t], one)  # the next step sends it ahead again...
-    assert "a" in patcher._ahead
+    assert ring.log[:2] == [("receive", s) for s in ahead]
+    ring.log.clear()
+    out = patcher.run("a", {}, [x, uncond, t], one)  # the call it was sent for: its kept answers, nothing sent
+    assert torch.equal(out, x * 2) and ring.log == [] and patcher.ahead == {"used": 1, "dropped": 0}
+    x = torch.randn(1, 4, 8)
+    patcher.run("a", {}, [x, cond, t], one)  # the next step sends it ahead again...
     ring.log.clear()
     patcher.settle()  # ...and a call that does not go through the patcher takes it off the ring first
-    assert [op for op, _ in ring.log] == ["receive", "receive"] and patcher.ahead["dropped"] == 2
+    assert [op for op, _ in ring.log] == ["receive", "receive"]
+    out = patcher.run("a", {}, [x, uncond, t], one)
+    assert torch.equal(out, x * 2) and patcher.ahead == {"used": 2, "dropped": 0}
 
 
 def test_guidance_branches_are_told_apart_by_their_conditioning():

@@ -115,14 +115,15 @@ def reassemble(answers: list, axis: int, rmap: ReturnMap):
 
 @dataclass
 class _Ahead:
-    """The patches of a call sent before the pipeline made it: its branch, what it was sent with, and the
-    ring's numbers of its patches' passes."""
+    """The patches of a call sent before the pipeline made it: its branch, what it was sent with, the ring's
+    numbers of its patches' passes, and their answers once taken off the ring before their call came."""
 
     branch: int
     step: int  # the step it was guessed for: calls of one step carry the same hidden states
     tree: dict
     digests: list  # the stream's is not among them; the step stands for it
     seqs: list
+    answers: list | None = None
 
 
 class Patcher:
@@ -158,8 +159,7 @@ class Patcher:
         self.used: dict[str, dict] = {}
 
     def _forget(self) -> None:
-        self.trackers.clear()
-        self._ahead.clear()  # the ring dropped every pass in flight with the old route
+        self.trackers.clear()  # passes sent ahead stay listed: asking the ring for them says whether they were lost
         self._rerecord.clear()
 
     def run(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap):
@@ -172,12 +172,12 @@ class Patcher:
         branch, step, first = tracker.identify(tensors, stream, digests)
         try:
             for other in [k for k in self._ahead if k != stack]:  # the ring answers in order: theirs first
-                self._drop(other, self._ahead.pop(other))
+                self._take(other)
             ahead = self._ahead.pop(stack, None)
             if ahead is not None:
                 if (ahead.branch, ahead.step, ahead.tree, ahead.digests) == (branch, step, tree, digests) and not first:
                     self.ahead["used"] += 1
-                    return self._cut(stack, tree, tensors, rmap, digests, tracker, branch, step, ahead.seqs)
+                    return self._cut(stack, tree, tensors, rmap, digests, tracker, branch, step, ahead)
                 self._drop(stack, ahead)
             ranges = patch_ranges(tokens, self.patches)
             if first or (stack, branch) in self._rerecord or len(ranges) < 2:
@@ -187,28 +187,41 @@ class Patcher:
                 patch = Patch(branch, step, axis, tokens, uncut=True)
                 return self.ring.receive(self.ring.send(stack, tree, tensors, rmap, patch, digests))
             return self._cut(stack, tree, tensors, rmap, digests, tracker, branch, step)
-        except Repaired:  # a node was replaced mid-step: the step again, whole, on the repaired route
+        except Repaired:  # a node was replaced mid-step (or a pass lost with the old route came up): every branch
+            self.trackers.clear()  # starts again whole, this call first, on the repaired route
             return self.run(stack, tree, tensors, rmap)
 
     def settle(self) -> None:
-        """Receive and drop whatever was sent ahead, before a call that does not go through here: the ring
-        answers in order, so a pass sent ahead that no call will claim must be taken off it first."""
-        try:
-            for stack in list(self._ahead):
-                self._drop(stack, self._ahead.pop(stack))
-        except Repaired:  # the ring dropped every pass in flight, and every branch starts whole again
-            pass
+        """Take whatever was sent ahead off the ring (kept for its call), before a call that does not go through
+        here: the ring answers in order, so those answers come before that call's."""
+        for stack in list(self._ahead):
+            try:
+                self._take(stack)
+            except Repaired:  # lost with the old route; every branch starts whole again
+                pass
+
+    def _take(self, stack: str) -> None:
+        """The answers of the passes sent ahead for ``stack``, received now and kept until its call comes (they
+        are that call's answers if it matches); a pass a repair dropped raises Repaired, and is forgotten."""
+        ahead = self._ahead[stack]
+        if ahead.answers is None:
+            try:
+                ahead.answers = [self.ring.receive(seq) for seq in ahead.seqs]
+            except Repaired:
+                del self._ahead[stack]
+                raise
 
     def _drop(self, stack: str, ahead: _Ahead) -> None:
-        for seq in ahead.seqs:  # due before any later answer of the ring: received, and not used
-            self.ring.receive(seq)
+        if ahead.answers is None:
+            for seq in ahead.seqs:  # due before any later answer of the ring: received, and not used
+                self.ring.receive(seq)
         self.ahead["dropped"] += 1
         self._rerecord.add((stack, ahead.branch))  # the nodes' buffers of that branch now hold the guess
 
     def _cut(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, digests: list, tracker: BranchTracker,
-             branch: int, step: int, seqs: list | None = None):
-        """A cut call: its patches sent (unless ``seqs`` says they were, ahead), then the next branch's call
-        sent ahead where one is expected, then this call's answers awaited and joined."""
+             branch: int, step: int, ahead: _Ahead | None = None):
+        """A cut call: its patches sent (unless they were, ``ahead``), then the next branch's call sent ahead
+        where one is expected, then this call's answers awaited (or taken as kept) and joined."""
         stream = rmap.streams[0]
         x = tensors[stream]
         axis = token_axis(x.shape)
@@ -216,14 +229,16 @@ class Patcher:
         ranges = patch_ranges(tokens, self.patches)
         self._note(stack, len(ranges), tokens, len(ranges))
         self.calls["cut"] += 1
-        if seqs is None:
-            seqs = self._send_cut(stack, tree, tensors, rmap, Patch(branch, step, axis, tokens), ranges, digests)
+        seqs = ahead.seqs if ahead is not None else \
+            self._send_cut(stack, tree, tensors, rmap, Patch(branch, step, axis, tokens), ranges, digests)
         nxt = tracker.expected_after(branch) if self.send_ahead else None
         if nxt is not None and (stack, nxt) not in self._rerecord:
             guess, guess_digests = tracker.guess(nxt, tensors, digests)
             sent = self._send_cut(stack, tree, guess, rmap, Patch(nxt, step, axis, tokens), ranges, guess_digests)
             self._ahead[stack] = _Ahead(nxt, step, tree, guess_digests, sent)
-        return reassemble([self.ring.receive(seq) for seq in seqs], axis, rmap)
+        answers = ahead.answers if ahead is not None and ahead.answers is not None else \
+            [self.ring.receive(seq) for seq in seqs]
+        return reassemble(answers, axis, rmap)
 
     def _send_cut(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, patch: Patch, ranges: list,
                   digests: list) -> list[int]:
