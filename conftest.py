@@ -201,6 +201,17 @@ def _in_process(main, argv: list[str], home: str | None) -> ClientRun:
     return ClientRun(code, said.getvalue(), printed.getvalue())
 
 
+def encdec_answer(model: str, clip: str, out: str, *args: str) -> dict:
+    """What plain transformers' ``generate`` answers for ``model`` on ``clip`` (tests/encdec_reference.py in a fresh
+    process, at the suite's thread count; ``args``: its further flags), read back from ``out``."""
+    cmd = [sys.executable, os.path.join(TESTS, "encdec_reference.py"), "--model", model, "--audio", clip, *args,
+           "--threads", str(THREADS), "--out", out]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out) as f:
+        return json.load(f)
+
+
 def run_split(model: str, kwargs: dict, tmp_path, nodes: int = 2, seed: int = 0, extra: list[str] = (),
               home: str | None = None) -> tuple[np.ndarray, dict]:
     """``python -m diffuse.run`` with local node processes, its client run in this process (``run.main``, the

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import TESTS, THREADS, run_client, subprocess_env
+from conftest import TESTS, THREADS, encdec_answer, run_client, subprocess_env
 
 
 @pytest.fixture(scope="session")
@@ -29,13 +29,8 @@ def whisper(tmp_path_factory) -> dict:
     model = encdec_models.build("whisper", str(root / "model"))
     clip = str(root / "clip.wav")
     encdec_reference.write_clip(clip)
-    out = root / "reference.json"
-    cmd = [sys.executable, os.path.join(TESTS, "encdec_reference.py"), "--model", model, "--audio", clip,
-           "--max-new-tokens", "12", "--threads", str(THREADS), "--out", str(out)]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(out) as f:
-        return {"model": model, "clip": clip, "reference": json.load(f)}
+    reference = encdec_answer(model, clip, str(root / "reference.json"), "--max-new-tokens", "12")
+    return {"model": model, "clip": clip, "reference": reference}
 
 
 @pytest.mark.parametrize("nodes", [2, 3])

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import TESTS, THREADS, run_client, subprocess_env
+from conftest import THREADS, encdec_answer, run_client
 
 QUESTION = "what is said?"
 NEW_TOKENS = 12
@@ -32,13 +30,9 @@ def voxtral(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("voxtral")
     model = encdec_models.build("voxtral", str(root / "model"))
     clip = encdec_reference.write_clip(str(root / "clip.wav"))
-    out = root / "reference.json"
-    cmd = [sys.executable, os.path.join(TESTS, "encdec_reference.py"), "--model", model, "--audio", clip, "--prompt",
-           QUESTION, "--max-new-tokens", str(NEW_TOKENS), "--threads", str(THREADS), "--out", str(out)]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(out) as f:
-        return {"model": model, "clip": clip, "reference": json.load(f)}
+    reference = encdec_answer(model, clip, str(root / "reference.json"), "--prompt", QUESTION,
+                              "--max-new-tokens", str(NEW_TOKENS))
+    return {"model": model, "clip": clip, "reference": reference}
 
 
 @pytest.mark.parametrize("nodes", [2, 3])
