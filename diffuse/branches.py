@@ -20,7 +20,7 @@ without the prompt. With ``--nodes "A,B;C,D"`` (or ``--local-nodes 4
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -28,7 +28,7 @@ from diffuse.callplan import digest, flatten
 from diffuse.channel import ChannelStats
 from diffuse.errors import DiffuseError
 from diffuse.firstblock import with_branch
-from diffuse.pipefusion.cutting import reassemble
+from diffuse.pipefusion.cutting import BranchTracker, reassemble
 from diffuse.ring import NodeStats, RingStats
 
 
@@ -55,52 +55,6 @@ class _Sent:
     extra: dict | None = None
 
 
-@dataclass
-class _Branches:
-    """One stack's branches as learned from its calls: which inputs differ between the calls of a step (the
-    conditioning), each branch's conditioning tensors, and the order the branches came in last step."""
-
-    stream: int
-    conditioning: set = field(default_factory=set)
-    known: list = field(default_factory=list)  # per branch: {index: tensor} of its conditioning, digests
-    step_digest: bytes = b""
-    this_step: list = field(default_factory=list)  # branches called so far in the current step
-    last_step: list = field(default_factory=list)
-    first_of_step: list = field(default_factory=list)  # (digests, tensors) of this step's first call
-
-    def identify(self, tensors: list, digests: list) -> int:
-        """Which branch this call is (a new one gets the next number)."""
-        d_stream = digests[self.stream]
-        if d_stream != self.step_digest:  # new hidden states: the scheduler stepped
-            self.step_digest = d_stream
-            self.last_step, self.this_step = self.this_step, []
-            self.first_of_step = [digests, tensors]
-        elif self.first_of_step:
-            first = self.first_of_step[0]
-            if len(first) == len(digests):
-                self.conditioning |= {i for i, (a, b) in enumerate(zip(first, digests))
-                                      if a != b and i != self.stream}
-        for b, (cond, cond_digests) in enumerate(self.known):
-            if b in self.this_step or len(cond_digests) != len(digests):
-                continue
-            if all(cond_digests[i] == digests[i] for i in self.conditioning):
-                self.known[b] = ({i: tensors[i] for i in self.conditioning}, list(digests))
-                self.this_step.append(b)
-                return b
-        self.known.append(({i: tensors[i] for i in self.conditioning}, list(digests)))
-        self.this_step.append(len(self.known) - 1)
-        return len(self.known) - 1
-
-    def expected_after(self, branch: int) -> int | None:
-        """The branch that followed ``branch`` in the previous step, if this step has not had it yet."""
-        order = self.last_step
-        if branch in order and order.index(branch) + 1 < len(order):
-            nxt = order[order.index(branch) + 1]
-            if nxt not in self.this_step and self.conditioning and set(self.known[nxt][0]) == self.conditioning:
-                return nxt
-        return None
-
-
 class _EveryRing:
     """``on_repair.append(hook)`` for several rings: the hook runs whichever ring is repaired."""
 
@@ -117,7 +71,7 @@ class BranchRings:
 
     def __init__(self, rings: list):
         self.rings = rings
-        self._branches: dict[str, _Branches] = {}
+        self._branches: dict[str, BranchTracker] = {}  # per stack: its branches, and which call comes next
         self._ahead: dict[str, _Sent] = {}
         self._n = 0
         self._sent: dict[int, list] = {}  # send number -> [(group, ring pass number)], and how to join
@@ -212,8 +166,8 @@ class BranchRings:
             return self._n
         if not digests[stream]:  # left out by a caller that does not send it by digest; steps are told by it
             digests[stream] = digest(tensors[stream])
-        branches = self._branches.setdefault(stack, _Branches(stream))
-        branch = branches.identify(tensors, digests)
+        branches = self._branches.setdefault(stack, BranchTracker())
+        branch, _, _ = branches.identify(tensors, stream, digests)
         extra = with_branch(extra, branch)
         ahead = self._ahead.pop(stack, None)
         if ahead is not None:
@@ -229,9 +183,7 @@ class BranchRings:
         self._sent[self._n] = [[(g, self.rings[g].send(stack, tree, tensors, rmap, None, digests, extra))], rmap]
         nxt = branches.expected_after(branch)
         if nxt is not None and nxt % len(self.rings) != g:
-            cond, _ = branches.known[nxt]
-            guess = [cond.get(i, t) for i, t in enumerate(tensors)]
-            guess_digests = [branches.known[nxt][1][i] if i in cond else d for i, d in enumerate(digests)]
+            guess, guess_digests = branches.guess(nxt, tensors, digests)
             h = nxt % len(self.rings)
             guess_extra = with_branch(extra, nxt)
             self._ahead[stack] = _Sent(h, self.rings[h].send(stack, tree, guess, rmap, None, guess_digests, guess_extra),
