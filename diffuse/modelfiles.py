@@ -60,26 +60,82 @@ def weight_map(component_dir: str) -> dict[str, str]:
 
 class WeightMap(dict):
     """Module parameter name -> safetensors file; ``sources`` gives the name a tensor has in the file
-    where the two differ (transformers renames some checkpoints' keys at load)."""
+    where the two differ (transformers renames some checkpoints' keys at load), and ``converted`` the
+    parameters that transformers makes from several checkpoint tensors as it loads (``Conversion``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.sources: dict[str, str] = {}
+        self.converted: dict[str, Conversion] = {}
 
     def source(self, name: str) -> str:
         return self.sources.get(name, name)
 
 
+class Conversion:
+    """The parameters one of transformers' weight converters makes from checkpoint tensors at load (e.g. a
+    Mixture-of-experts layer's per-expert ``experts.N.w1.weight`` and ``w3`` stacked and joined into
+    ``experts.gate_up_proj``): the converter, as ``get_model_conversion_mapping`` gives it, and the tensors it
+    takes, in the order ``from_pretrained`` collects them. ``realize`` runs the converter's own operations, as
+    ``from_pretrained`` does, on these tensors only."""
+
+    def __init__(self, converter, first: str, model):
+        self.converter, self.first, self.model = converter, first, model
+        self.sources: list[tuple[str, str, str]] = []  # (checkpoint key, the converter's pattern it matched, file)
+        # every parameter it makes: the first target pattern stands in the renamed key for each of the others
+        self.targets = [first.replace(converter.target_patterns[0], t, 1) for t in converter.target_patterns]
+
+    def __repr__(self) -> str:
+        return f"{type(self.converter).__name__} of {len(self.sources)} tensors into {', '.join(self.targets)}"
+
+    def realize(self, opened, dtypes: dict[str, "object"]) -> dict:
+        """The parameters made, by name: each source tensor read (``opened(file)`` gives the open safetensors
+        file) and cast to the dtype of the parameter it is for, as ``from_pretrained`` materializes it, then the
+        converter's operations. ``dtypes``: target name -> dtype (None: as stored)."""
+        import copy
+
+        from transformers.core_model_loading import spawn_materialize
+
+        mapping = copy.deepcopy(self.converter)
+        dtype = dtypes.get(self.first)
+        for key, pattern, file in self.sources:
+            mapping.add_tensor(self.first, key, pattern,
+                               spawn_materialize(None, opened(file).get_slice(key), "cpu", dtype))
+        model = self.model
+        out = mapping.convert(self.first, model=model, config=getattr(model, "config", None))
+        made = {name: (t[0] if isinstance(t, list) else t) for name, t in out.items()}
+        if set(made) != set(self.targets):
+            raise DiffuseError(f"transformers' conversion of {self.sources[0][0]} made {sorted(made)}, "
+                               f"not {self.targets}")
+        return made
+
+    def shapes(self, shape_of) -> dict[str, tuple]:
+        """What ``realize`` would make, by name -> shape, from the source tensors' shapes alone (``shape_of(key,
+        file)``): the same operations run on weightless (meta) tensors, so no tensor data is read."""
+        import copy
+
+        import torch
+
+        mapping = copy.deepcopy(self.converter)
+        for key, pattern, file in self.sources:
+            meta = torch.empty(shape_of(key, file), device="meta")
+            mapping.add_tensor(self.first, key, pattern, lambda meta=meta: meta)
+        out = mapping.convert(self.first, model=self.model, config=getattr(self.model, "config", None))
+        return {name: tuple((t[0] if isinstance(t, list) else t).shape) for name, t in out.items()}
+
+
 def renamed_for(wmap: dict[str, str], model) -> WeightMap:
-    """``wmap`` keyed by ``model``'s own parameter names, by the renaming rules its library applies when it
-    loads the checkpoint (transformers: e.g. a vision-language model saved as ``model.layers.*`` that holds
-    ``model.language_model.layers.*``). A checkpoint whose tensors need converting (fused, split) as well
-    as renaming is refused: only renames are applied here."""
+    """``wmap`` keyed by ``model``'s own parameter names, by the rules its library applies when it loads the
+    checkpoint: transformers' own renamings (e.g. a vision-language model saved as ``model.layers.*`` that
+    holds ``model.language_model.layers.*``) and its converters (e.g. a mixture-of-experts checkpoint's
+    per-expert tensors, fused into one parameter per layer), both as ``get_model_conversion_mapping`` gives
+    them for ``model``, never a table of Diffuse's own. A converted parameter is listed in ``converted``; it is
+    made, as ``from_pretrained`` makes it, by ``load_into``."""
     out = WeightMap(wmap)
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
     except ImportError:
         return out
     if not isinstance(model, PreTrainedModel):
@@ -87,13 +143,25 @@ def renamed_for(wmap: dict[str, str], model) -> WeightMap:
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
     meta = model.state_dict()
     out = WeightMap()
-    for key, file in wmap.items():
-        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
-        if converted is not None:
-            raise DiffuseError(f"the checkpoint's {key} must be converted ({converted}) as it loads, which Diffuse "
-                               "does not do on nodes")
+    for key in sorted(wmap, key=dot_natural_key):  # the order from_pretrained collects tensors in
+        file = wmap[key]
+        name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if name not in meta and key in meta:  # as from_pretrained: a key the model holds as it is stays so
+            name, pattern = rename_source_key(key, [], [], model.base_model_prefix, meta)
+        if pattern is not None:
+            if name not in meta:
+                continue  # made into nothing this model holds: from_pretrained drops it as unexpected
+            conv = out.converted.get(name)
+            if conv is None:
+                conv = Conversion(by_pattern[pattern], name, model)
+                for target in conv.targets:
+                    out.converted[target] = conv
+                    out[target] = file
+            conv.sources.append((key, pattern, file))
+            continue
         out[name] = file
         if name != key:
             out.sources[name] = key
@@ -198,19 +266,30 @@ def load_into(module, prefix: str, wmap: dict[str, str], dtype=None, skip=None, 
     from safetensors import safe_open
 
     files = {} if files is None else files
-    state = {}
-    for name, current in module.state_dict(keep_vars=True).items():
+
+    def opened(fn: str):
+        if fn not in files:
+            files[fn] = safe_open(fn, "pt")
+        return files[fn]
+
+    converted = wmap.converted if isinstance(wmap, WeightMap) else {}
+    state, made = {}, {}
+    params = module.state_dict(keep_vars=True)
+    for name, current in params.items():
         if skip is not None and skip(name):
             continue
         full = prefix + name
         if full not in wmap:
             raise DiffuseError(f"the weights lack {full}, which {type(module).__name__} declares; "
                                "is the model folder complete?")
-        fn = wmap[full]
-        if fn not in files:
-            files[fn] = safe_open(fn, "pt")
-        t = files[fn].get_tensor(wmap.source(full) if isinstance(wmap, WeightMap) else full)
-        target = dtype if dtype is not None else current.dtype
+        target = dtype if dtype is not None and current.is_floating_point() else current.dtype
+        if full in converted:  # made from several checkpoint tensors, by transformers' own converter
+            conv = converted[full]
+            if full not in made:
+                made.update(conv.realize(opened, {t: target for t in conv.targets}))
+            state[name] = made.pop(full)
+            continue
+        t = opened(wmap[full]).get_tensor(wmap.source(full) if isinstance(wmap, WeightMap) else full)
         if t.is_floating_point() and current.is_floating_point() and t.dtype != target:
             t = t.to(target)
         state[name] = t

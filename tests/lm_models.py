@@ -47,7 +47,7 @@ import json
 import os
 import sys
 
-NAMES = ["qwen2", "hybrid", "smolvlm", "qwen2_vl"]
+NAMES = ["qwen2", "hybrid", "smolvlm", "qwen2_vl", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
 
 # The text the byte-level BPEs are trained on: plain English plus the words the
 # chat templates and test prompts use, so those become few tokens.
@@ -497,11 +497,69 @@ def build_qwen2_vl(out_dir: str, seed: int = 0) -> str:
     )
 
 
+def _causal(out_dir: str, seed: int, config_class: str, extra: dict) -> str:
+    """A decoder-only model of ``config_class`` over the Qwen2 tokenizer: the shared text sizes
+    (``_text_kwargs``) with ``extra`` on top, untied head, sdpa, float32."""
+    import torch
+    import transformers
+
+    tok = _qwen2_tokenizer(QWEN2_SPECIALS, QWEN2_CHAT_TEMPLATE)
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    vocab_size = _vocab_size(tok)
+    kwargs = dict(_text_kwargs(vocab_size), tie_word_embeddings=False, bos_token_id=eot, eos_token_id=eot,
+                  pad_token_id=eot, dtype="float32")
+    kwargs.update(extra)
+    config = getattr(transformers, config_class)(**{k: v for k, v in kwargs.items() if v is not None})
+    config._attn_implementation = "sdpa"
+    _seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    _randomize(model, seed, [eot, *range(len(tok), vocab_size)])
+    return _save(model, tok, out_dir, dict(bos_token_id=eot, eos_token_id=[eot], pad_token_id=eot))
+
+
+def build_mixtral(out_dir: str, seed: int = 0) -> str:
+    """Mixtral (MixtralForCausalLM): 4 experts, 2 chosen per token, in every layer.
+
+    Traps: the checkpoint keeps one tensor per expert (``block_sparse_moe.experts.N.w1.weight``) and
+    ``from_pretrained`` renames and fuses them into ``mlp.experts.gate_up_proj`` / ``down_proj`` as it
+    loads: a node must apply the same conversion to the layers it holds."""
+    return _causal(out_dir, seed, "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2))
+
+
+def build_qwen2_moe(out_dir: str, seed: int = 0) -> str:
+    """Qwen2-MoE (Qwen2MoeForCausalLM): 4 experts of width 32, 2 chosen per token, plus a gated shared
+    expert, in every layer; per-expert tensors fused at load, as Mixtral's."""
+    return _causal(out_dir, seed, "Qwen2MoeConfig", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False))
+
+
+def build_qwen3_moe(out_dir: str, seed: int = 0) -> str:
+    """Qwen3-MoE (Qwen3MoeForCausalLM): 4 experts of width 32, 2 chosen per token, q/k norms, head_dim 8;
+    layer 0 dense (``mlp_only_layers``), so a stack mixes dense and expert layers."""
+    return _causal(out_dir, seed, "Qwen3MoeConfig", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+        mlp_only_layers=[0], use_sliding_window=False))
+
+
+def build_deepseek_v3(out_dir: str, seed: int = 0) -> str:
+    """DeepSeek-V3 (DeepseekV3ForCausalLM): multi-head latent attention, layer 0 dense
+    (``first_k_dense_replace``), then 4 routed experts (2 chosen, one group) and a shared expert."""
+    return _causal(out_dir, seed, "DeepseekV3Config", dict(
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
+        qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4))
+
+
 BUILDERS = {
     "qwen2": build_qwen2,
     "hybrid": build_hybrid,
     "smolvlm": build_smolvlm,
     "qwen2_vl": build_qwen2_vl,
+    "mixtral": build_mixtral,
+    "qwen2_moe": build_qwen2_moe,
+    "qwen3_moe": build_qwen3_moe,
+    "deepseek_v3": build_deepseek_v3,
 }
 
 
