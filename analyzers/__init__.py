@@ -1,6 +1,6 @@
 """Built-in shape analyzers, registered through the ``diffuse`` entry-point group like any plugin.
 
-Config phase (config.json files and a weightless build only, never weights),
+Config phase (config.json files, a weightless build and safetensors headers only, never tensor data),
 in the order their needs put them:
 
 - remote_code   refuses code shipped inside the checkpoint; imports installed component libraries
@@ -11,6 +11,8 @@ in the order their needs put them:
 - chain_check   refuses U-Nets, recurrent stacks and stackless denoisers
 - config_nudger the integer config setting that sizes each stack
 - two_stream    whether a stack's blocks carry two streams (forces whole steps)
+- weights_check every tensor of every stack's blocks loadable on a node as the library loads it
+                (renamed, converted), from the safetensors headers: refused before any node starts
 
 Nothing here knows a model family: every answer comes from module structure,
 parameter shapes, signatures and source.
@@ -25,10 +27,13 @@ from analyzers.output_kind import OutputKind
 from analyzers.remote_code import RemoteCode
 from analyzers.stack_finder import StackFinder
 from analyzers.two_stream import TwoStream
+from analyzers.weights_check import WeightsCheck
 
-__all__ = ["ChainCheck", "ConfigNudger", "ConfigReader", "OutputKind", "RemoteCode", "StackFinder", "TwoStream", "diffuse_analyzers"]
+__all__ = ["ChainCheck", "ConfigNudger", "ConfigReader", "OutputKind", "RemoteCode", "StackFinder", "TwoStream", "WeightsCheck",
+           "diffuse_analyzers"]
 
 
 @hookimpl
 def diffuse_analyzers():
-    return [RemoteCode(), ConfigReader(), StackFinder(), OutputKind(), ChainCheck(), ConfigNudger(), TwoStream()]
+    return [RemoteCode(), ConfigReader(), StackFinder(), OutputKind(), ChainCheck(), ConfigNudger(), TwoStream(),
+            WeightsCheck()]

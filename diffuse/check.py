@@ -1,4 +1,5 @@
-"""`diffuse check MODEL`: the verdict and its reasons, from config.json files alone (no weights read).
+"""`diffuse check MODEL`: the verdict and its reasons, from config.json files and the safetensors headers
+(names and shapes: no tensor data is read).
 
 Nearly all of a first check is Python importing torch and diffusers' model
 code (a few seconds); the analysis itself takes milliseconds. So ``diffuse
@@ -126,6 +127,7 @@ def _check(path: str, start: float) -> dict:
         "params_per_block": s.params_per_block, "width": draft.get("stack_widths", {}).get(s.path),
         "two_stream": bool(two.get(s.path)), "two_stream_evidence": why.get(s.path),
         "patch_policy": UNCUT_STEPS if two.get(s.path) else PATCHABLE,
+        "weights": draft.get("stack_weights", {}).get(s.path),
     } for s in draft["stacks"]]
     return {
         **result,
@@ -158,7 +160,8 @@ def print_check(path: str, console=None, cache: bool = False) -> int:
         _print_config(console, r)
         return EXIT_CODES[REFUSED]
     console.print("[bold green]splittable[/]", highlight=False)
-    console.print(f"model {path} ({r['denoiser']}), {when} from config.json alone", style="dim", highlight=False)
+    console.print(f"model {path} ({r['denoiser']}), {when} from config.json and the weights' headers",
+                  style="dim", highlight=False)
     _print_config(console, r)
     console.print("block stacks, in call order:", highlight=False)
     for s in r["stacks"]:
@@ -167,6 +170,9 @@ def print_check(path: str, console=None, cache: bool = False) -> int:
                       f"{s['params_per_block']:,} params per block, {'two streams' if s['two_stream'] else 'one stream'}",
                       highlight=False)
         console.print(f"    {s['two_stream_evidence']}", style="dim", highlight=False)
+        if s.get("weights"):
+            console.print(f"    weights: {s['weights']}, each found in the checkpoint with its shape", style="dim",
+                          highlight=False)
     rates = ", ".join(x for x in (r["frame_rate"] and f"{r['frame_rate']} fps",
                                   r["sample_rate"] and f"{r['sample_rate']} Hz") if x)
     console.print(f"output: {r['output_kind']}{f' ({rates})' if rates else ''}  [dim]({r['output_evidence']})[/]",

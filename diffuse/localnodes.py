@@ -97,8 +97,19 @@ def _read_ready(node: LocalNode) -> dict:
     t.start()
     t.join(READY_TIMEOUT_S)
     if not result:
-        state = "exited" if node.proc.poll() is not None else f"silent for {READY_TIMEOUT_S:.0f} s"
-        raise DiffuseError(f"a local node {state} before it was ready; its log:\n{node.log_tail()}")
+        if not t.is_alive():  # its output ended: the node is exiting, if not yet reaped
+            try:
+                node.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        code = node.proc.poll()
+        if code is None:
+            raise DiffuseError(f"a local node was silent for {READY_TIMEOUT_S:.0f} s and is not ready; its log:\n"
+                               f"{node.log_tail()}")
+        said = [ln for ln in node.log_tail(40).splitlines() if ln.startswith("error: ")]
+        if said:  # the node's own one-line error says why
+            raise DiffuseError(f"a local node exited (status {code}) before it was ready: {said[-1][7:]}")
+        raise DiffuseError(f"a local node exited (status {code}) before it was ready; its log:\n{node.log_tail()}")
     return result
 
 

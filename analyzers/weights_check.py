@@ -1,0 +1,98 @@
+"""Refuse, before any node starts, a checkpoint whose block tensors a node could not load.
+
+A node reads its blocks straight from the safetensors files, by the names and
+rules the model's library applies when it loads them (``diffuse.modelfiles``:
+transformers' own renamings and converters, or a stack found under other names
+by its blocks' shapes). This analyzer makes the same weight map from the files'
+headers (names and shapes; no tensor data is read) and checks every tensor of
+every block of every stack: it must be there, and have the shape the block
+declares; one made by a converter (a mixture-of-experts layer's experts, fused)
+is made on weightless tensors, by the converter's own operations, and its shape
+compared. Anything else is a refusal in one line, naming the first tensor that
+fails.
+"""
+
+from __future__ import annotations
+
+import os
+
+from diffuse.analysis import Analyzer
+from diffuse.errors import DiffuseError, RefusedModel
+
+from analyzers.stack_finder import denoiser_on_meta
+
+
+class WeightsCheck(Analyzer):
+    name = "weights_check"
+    phase = "config"
+    needs = ("stacks", "stack_widths")  # only stacks chain_check accepted
+    provides = ("stack_weights",)
+    description = ("Checks, from the safetensors headers, that a node can load every tensor of every stack's blocks "
+                   "as the model's library would (renamed, converted), with the shapes the blocks declare.")
+
+    def analyze(self, subject, draft):
+        stacks = draft["stacks"]
+        if not stacks:
+            return {"stack_weights": {}}
+        model = denoiser_on_meta(subject)
+        try:
+            return {"stack_weights": stack_weights(subject.component_dir, model, [s.path for s in stacks])}
+        except RefusedModel:
+            raise
+        except DiffuseError as exc:
+            raise RefusedModel(subject.path, str(exc)) from exc
+
+
+def stack_weights(component_dir: str, model, paths: list[str]) -> dict[str, str]:
+    """{stack path: what its blocks load (tensors, and how many a converter makes)}; a ``DiffuseError`` naming
+    the first tensor a node could not load as the library does."""
+    from safetensors import safe_open
+
+    from diffuse.modelfiles import located, renamed_for, weight_map
+
+    wmap = located(renamed_for(weight_map(component_dir), model), model, paths)
+    headers: dict[str, object] = {}
+
+    def shape_of(key: str, file: str) -> tuple:
+        if file not in headers:
+            headers[file] = safe_open(file, "pt")
+        return tuple(headers[file].get_slice(key).get_shape())
+
+    out, made = {}, {}
+    try:
+        for path in paths:
+            count = converted = 0
+            for i, block in enumerate(model.get_submodule(path)):
+                for name, t in block.state_dict().items():
+                    full = f"{path}.{i}.{name}"
+                    want = tuple(t.shape)
+                    if full not in wmap:
+                        raise DiffuseError(f"the checkpoint in {os.path.basename(component_dir) or 'the folder'} has no "
+                                           f"tensor for {full} under any name the model's library loads it by, so a "
+                                           "node could not load that block")
+                    conv = wmap.converted.get(full)
+                    if conv is not None:
+                        lacking = [p for p in conv.converter.source_patterns if p not in {q for _, q, _ in conv.sources}]
+                        if lacking:
+                            raise DiffuseError(f"the checkpoint has no tensor matching {', '.join(lacking)} of the "
+                                               f"tensors the model's library makes {full} from (it has "
+                                               f"{conv.sources[0][0]}), so a node could not load that block")
+                        if full not in made:
+                            try:
+                                made.update(conv.shapes(shape_of))
+                            except Exception as exc:
+                                raise DiffuseError(f"the checkpoint's {conv.sources[0][0]} cannot be converted into "
+                                                   f"{full} by the model's library's own rule ({type(exc).__name__}: "
+                                                   f"{str(exc)[:160]}), so a node could not load that block") from exc
+                        have, converted = made.get(full), converted + 1
+                        source = f"{conv.sources[0][0]} and {len(conv.sources) - 1} more, converted"
+                    else:
+                        have, source = shape_of(wmap.source(full), wmap[full]), wmap.source(full)
+                    if have != want:
+                        raise DiffuseError(f"the checkpoint's {source} has shape {list(have or ())} where {full} "
+                                           f"needs {list(want)}, so a node could not load that block")
+                    count += 1
+            out[path] = f"{count} tensors" + (f", {converted} made by the library's converters" if converted else "")
+    finally:
+        headers.clear()
+    return out
