@@ -53,13 +53,14 @@ class ConfigNudger(Analyzer):
 
 
 def _int_settings(config: dict, prefix: str = ""):
-    """(dotted path, value) of every integer setting, sub-configurations (nested sections) included."""
+    """(dotted path, value) of every integer setting, sub-configurations (nested sections, and each component's
+    config when a pipeline has several denoisers) included."""
     for k, v in config.items():
         if k.startswith("_"):
             continue
         if isinstance(v, int) and not isinstance(v, bool):
             yield prefix + k, v
-        elif isinstance(v, dict) and (k.endswith("_config") or "model_type" in v):
+        elif isinstance(v, dict) and (k.endswith("_config") or "model_type" in v or "_class_name" in v):
             yield from _int_settings(v, f"{prefix}{k}.")
 
 

@@ -14,9 +14,15 @@ attend causally and index a cache by layer (an attention module with
 ``is_causal`` and a ``layer_idx``): the decoder. A list of blocks that attend
 both ways (a vision or audio tower, a text encoder) runs once per request and
 stays on the client, where the media is.
+
+A pipeline with several denoiser components (Wan 2.2's two experts,
+``diffuse.analysis.Denoisers``) has the stacks of each, named from the
+component: ``transformer.blocks``, ``transformer_2.blocks``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from torch import nn
 
@@ -85,7 +91,17 @@ def find_decoder_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:
 
 
 def find_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:
-    """(stacks in registration order, which is the order a DiT calls them (FACTS, Table 3); {path: why not a stack})."""
+    """(stacks in registration order, which is the order a DiT calls them (FACTS, Table 3); {path: why not a stack}).
+    Several denoiser components (``diffuse.analysis.Denoisers``): each one's, its name before their paths."""
+    from diffuse.analysis import denoisers_class
+
+    if isinstance(model, denoisers_class()):
+        stacks, others = [], {}
+        for name, component in model.named_children():
+            found, other = find_stacks(component)
+            stacks += [dataclasses.replace(st, path=f"{name}.{st.path}") for st in found]
+            others.update({f"{name}.{p}": why for p, why in other.items()})
+        return stacks, others
     lists = top_lists(model)
     picked = picked_not_looped(type(model), [p for p, _ in lists])
     stacks, others = [], {}

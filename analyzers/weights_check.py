@@ -5,7 +5,8 @@ rules the model's library applies when it loads them (``diffuse.modelfiles``:
 transformers' own renamings and converters, or a stack found under other names
 by its blocks' shapes). This analyzer makes the same weight map from the files'
 headers (names and shapes; no tensor data is read) and checks every tensor of
-every block of every stack: it must be there, and have the shape the block
+every block of every stack (a folder of config files only, checked before its
+weights are downloaded, is not refused for it): it must be there, and have the shape the block
 declares; one made by a converter (a mixture-of-experts layer's experts, fused)
 is made on weightless tensors, by the converter's own operations, and its shape
 compared. Anything else is a refusal in one line, naming the first tensor that
@@ -35,22 +36,30 @@ class WeightsCheck(Analyzer):
         if not stacks:
             return {"stack_weights": {}}
         model = denoiser_on_meta(subject)
+        if not all(map(has_weights, subject.component_dirs().values())):  # config files only (checked before download)
+            return {"stack_weights": {s.path: "not checked (the folder holds no weights)" for s in stacks}}
         try:
-            return {"stack_weights": stack_weights(subject.component_dir, model, [s.path for s in stacks])}
+            return {"stack_weights": stack_weights(subject.weight_map(), model, [s.path for s in stacks])}
         except RefusedModel:
             raise
         except DiffuseError as exc:
             raise RefusedModel(subject.path, str(exc)) from exc
 
 
-def stack_weights(component_dir: str, model, paths: list[str]) -> dict[str, str]:
+def has_weights(component_dir: str) -> bool:
+    from diffuse.modelfiles import WEIGHTS_NAMES
+
+    return any(os.path.isfile(os.path.join(component_dir, n)) for pair in WEIGHTS_NAMES for n in pair)
+
+
+def stack_weights(files: dict[str, str], model, paths: list[str]) -> dict[str, str]:
     """{stack path: what its blocks load (tensors, and how many a converter makes)}; a ``DiffuseError`` naming
-    the first tensor a node could not load as the library does."""
+    the first tensor a node could not load as the library does. ``files``: tensor name -> safetensors file."""
     from safetensors import safe_open
 
-    from diffuse.modelfiles import located, renamed_for, weight_map
+    from diffuse.modelfiles import located, renamed_for
 
-    wmap = located(renamed_for(weight_map(component_dir), model), model, paths)
+    wmap = located(renamed_for(files, model), model, paths)
     headers: dict[str, object] = {}
 
     def shape_of(key: str, file: str) -> tuple:
@@ -67,7 +76,7 @@ def stack_weights(component_dir: str, model, paths: list[str]) -> dict[str, str]
                     full = f"{path}.{i}.{name}"
                     want = tuple(t.shape)
                     if full not in wmap:
-                        raise DiffuseError(f"the checkpoint in {os.path.basename(component_dir) or 'the folder'} has no "
+                        raise DiffuseError(f"the checkpoint has no "
                                            f"tensor for {full} under any name the model's library loads it by, so a "
                                            "node could not load that block")
                     conv = wmap.converted.get(full)

@@ -41,9 +41,12 @@ class ModelSubject:
     path: str
     model_index: dict
     denoiser: str  # the component that holds the stacks: "transformer", "unet", ...; "" for a transformers model
-    denoiser_config: dict
+    denoiser_config: dict  # its config.json; with several denoisers, {component: its config.json}
     library: str = "diffusers"  # diffusers | transformers
     _meta: Any = field(default=None, repr=False)
+    # every component holding block stacks, ``denoiser`` first (Wan 2.2: its two experts, transformer and
+    # transformer_2); with more than one, the stacks are addressed from ``Denoisers``: "transformer_2.blocks"
+    denoisers: tuple = ()
 
     @classmethod
     def from_path(cls, path: str) -> "ModelSubject":
@@ -69,10 +72,60 @@ class ModelSubject:
                 None,
             )
         cfg = {}
-        if denoiser is not None:
-            with open(os.path.join(path, denoiser, "config.json")) as f:
-                cfg = json.load(f)
-        return cls(path=path, model_index=model_index, denoiser=denoiser or "", denoiser_config=cfg)
+        if denoiser is None:
+            return cls(path=path, model_index=model_index, denoiser="", denoiser_config=cfg)
+        with open(os.path.join(path, denoiser, "config.json")) as f:
+            cfg = json.load(f)
+        names = [denoiser, *_fellow_denoisers(path, model_index, denoiser)]
+        if len(names) == 1:
+            return cls(path=path, model_index=model_index, denoiser=denoiser, denoiser_config=cfg, denoisers=(denoiser,))
+        configs = {}
+        for name in names:
+            with open(os.path.join(path, name, "config.json")) as f:
+                configs[name] = {**json.load(f), DENOISER_ENTRY: list(model_index[name])}
+        return cls(path=path, model_index=model_index, denoiser=denoiser, denoiser_config=configs, denoisers=tuple(names))
+
+    @property
+    def several(self) -> bool:
+        """More than one component holds block stacks (their stacks' paths start with the component's name)."""
+        return len(self.denoisers) > 1
+
+    @property
+    def denoiser_label(self) -> str:
+        """"transformer: WanTransformer3DModel", or every denoiser component, for messages and summaries."""
+        if self.several:
+            return ", ".join(f"{n}: {self.model_index[n][1]}" for n in self.denoisers)
+        return f"{self.denoiser}: {self.denoiser_class_name}" if self.denoiser else self.denoiser_class_name
+
+    def component_dirs(self) -> dict[str, str]:
+        """{name prefix of the stacks' paths ("" for one denoiser): the folder of its config.json and weights}."""
+        if self.several:
+            return {f"{n}.": os.path.join(self.path, n) for n in self.denoisers}
+        return {"": self.component_dir}
+
+    def weight_map(self):
+        """Tensor name (as the stacks' paths address it) -> safetensors file, over every denoiser component
+        (a ``diffuse.modelfiles.WeightMap``: with several, each name's ``source`` is its name in its own file)."""
+        from diffuse.modelfiles import WeightMap, weight_map
+
+        out = WeightMap()
+        for prefix, folder in self.component_dirs().items():
+            for k, v in weight_map(folder).items():
+                out[prefix + k] = v
+                if prefix:
+                    out.sources[prefix + k] = k
+        return out
+
+    def content_hash(self) -> str:
+        """``diffuse.modelfiles.content_hash`` of the denoiser component, or of every one of them together."""
+        from diffuse.modelfiles import content_hash
+
+        hashes = [content_hash(folder) for folder in self.component_dirs().values()]
+        if len(hashes) == 1:
+            return hashes[0]
+        import hashlib
+
+        return hashlib.blake2b("".join(hashes).encode(), digest_size=16).hexdigest()
 
     @property
     def autoregressive(self) -> bool:
@@ -88,12 +141,12 @@ class ModelSubject:
     def denoiser_class_name(self) -> str:
         if self.library == "transformers":
             return str(self.denoiser_config["architectures"][0])
+        if self.several:
+            return " + ".join(str(self.model_index[n][1]) for n in self.denoisers)
         entry = self.model_index.get(self.denoiser)
         return entry[1] if isinstance(entry, list) else str(self.denoiser_config.get("_class_name", ""))
 
     def denoiser_class(self):
-        import importlib
-
         name = self.denoiser_class_name
         if self.library == "transformers":
             import transformers
@@ -103,13 +156,10 @@ class ModelSubject:
                 raise DiffuseError(f"config.json names the class {name!r}, which transformers "
                                    f"{transformers.__version__} does not have")
             return found
-        import diffusers
-
+        if self.several:
+            return denoisers_class()
         entry = self.model_index.get(self.denoiser)
-        lib = entry[0] if isinstance(entry, list) else "diffusers"
-        if lib == "diffusers" or lib is None:
-            return getattr(diffusers, name)
-        return getattr(importlib.import_module(lib), name)
+        return _component_class(entry[0] if isinstance(entry, list) else "diffusers", name)
 
     def config_object(self):
         """The model's configuration as its library's object (a transformers model's caches need it)."""
@@ -122,6 +172,71 @@ class ModelSubject:
         if self._meta is None:
             self._meta = build_meta(self.denoiser_class(), self.denoiser_config)
         return self._meta
+
+
+DENOISER_ENTRY = "_diffuse_component"  # in each config of several denoisers: its model_index.json entry
+
+
+def _component_class(lib: str | None, name: str):
+    import importlib
+
+    import diffusers
+
+    if lib == "diffusers" or lib is None:
+        return getattr(diffusers, name)
+    return getattr(importlib.import_module(lib), name)
+
+
+def _fellow_denoisers(path: str, model_index: dict, denoiser: str) -> list[str]:
+    """The pipeline's other components that hold block stacks as ``denoiser`` does: those of its very class, or
+    named after it with a number (``transformer_2``), each with a config.json (Wan 2.2's low-noise expert)."""
+    mine = model_index.get(denoiser)
+    found = []
+    for name, entry in model_index.items():
+        if name == denoiser or name.startswith("_") or not isinstance(entry, list) or len(entry) != 2:
+            continue
+        if not entry[1] or not os.path.isfile(os.path.join(path, name, "config.json")):
+            continue  # a component the pipeline leaves out (null) or a folder without a model
+        numbered = name.startswith(denoiser + "_") and name[len(denoiser) + 1:].isdigit()
+        if numbered or (isinstance(mine, list) and list(entry) == list(mine)):
+            found.append(name)
+    return found
+
+
+def denoisers_class():
+    """``Denoisers``, defined on first use (importing torch only then: ``diffuse check`` answers from its cache
+    without it)."""
+    global _DENOISERS
+    if _DENOISERS is None:
+        import torch.nn
+
+        class Denoisers(torch.nn.Module):
+            """Several denoiser components of one pipeline as one module, each a child under its component name,
+            so that their stacks are addressed, split and served as one model's: ``transformer.blocks`` and
+            ``transformer_2.blocks``. It only holds them; the pipeline calls each component itself."""
+
+            def __init__(self, parts: dict):
+                super().__init__()
+                for name, module in parts.items():
+                    self.add_module(name, module)
+
+            @classmethod
+            def from_config(cls, config: dict):
+                """Each component built from its own config by its own class (``build_model``)."""
+                parts = {}
+                for name, cfg in config.items():
+                    lib, class_name = cfg[DENOISER_ENTRY]
+                    parts[name] = build_model(_component_class(lib, class_name), cfg)
+                return cls(parts)
+
+            def forward(self, *args, **kwargs):
+                raise TypeError("Denoisers holds several denoiser components; the pipeline calls each of them")
+
+        _DENOISERS = Denoisers
+    return _DENOISERS
+
+
+_DENOISERS = None
 
 
 def build_model(cls, config: dict):

@@ -187,8 +187,20 @@ class Split:
 
     @property
     def denoiser(self):
-        sub = self.info.subject.denoiser
-        return getattr(self.target, sub) if hasattr(self.target, "components") else self.target
+        """The module whose stacks are split: the pipeline's denoiser, or, where several components hold stacks
+        (Wan 2.2's two experts), one ``Denoisers`` holding the pipeline's own, made once per pipeline."""
+        subject = self.info.subject
+        if not hasattr(self.target, "components"):
+            return self.target
+        if not subject.several:
+            return getattr(self.target, subject.denoiser)
+        held = self.target.__dict__.get("_diffuse_denoisers")
+        if held is None or any(getattr(held, n) is not getattr(self.target, n) for n in subject.denoisers):
+            from diffuse.analysis import denoisers_class
+
+            held = denoisers_class()({n: getattr(self.target, n) for n in subject.denoisers})
+            self.target.__dict__["_diffuse_denoisers"] = held
+        return held
 
     @property
     def plan(self):

@@ -108,8 +108,8 @@ def _cache_dir() -> str:
 
 def _check(path: str, start: float) -> dict:
     subject = ModelSubject.from_path(path)
-    result = {"model": path, "denoiser": (f"{subject.denoiser}: {subject.denoiser_class_name}" if subject.denoiser
-                                          else subject.denoiser_class_name if subject.autoregressive else None)}
+    result = {"model": path, "denoiser": (subject.denoiser_label if subject.denoiser or subject.autoregressive
+                                          else None)}
     if subject.autoregressive:  # a transformers model: the five answers config.json gives, refused or not
         from analyzers.config_reader import read_config
 

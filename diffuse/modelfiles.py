@@ -132,6 +132,7 @@ def renamed_for(wmap: dict[str, str], model) -> WeightMap:
     them for ``model``, never a table of Diffuse's own. A converted parameter is listed in ``converted``; it is
     made, as ``from_pretrained`` makes it, by ``load_into``."""
     out = WeightMap(wmap)
+    out.sources.update(getattr(wmap, "sources", {}))
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping

@@ -13,7 +13,6 @@ import os
 
 from diffuse.analysis import ModelSubject, StackCall, run_analyzers
 from diffuse.errors import DiffuseError, RefusedModel
-from diffuse.modelfiles import content_hash
 from diffuse.plan import PATCHABLE, UNCUT_STEPS, CallPlan, ModelIdentity, ReturnMap, SlicingPlan, even_route
 
 CONFIG_FIELDS = {"stacks": list}  # what the core reads from the config phase (others are optional)
@@ -50,7 +49,7 @@ def make_plan(subject: ModelSubject, draft: dict, addresses: list[str] = (), key
     return SlicingPlan(
         model=ModelIdentity(
             path=subject.path, denoiser=subject.denoiser, denoiser_class=subject.denoiser_class_name,
-            content_hash=content_hash(os.path.join(subject.path, subject.denoiser)),
+            content_hash=subject.content_hash(),
         ),
         stacks=stacks,
         output_kind=draft.get("output_kind", "image"),
@@ -77,25 +76,29 @@ def load_pipeline(path: str, subject: ModelSubject | None = None, stacks: list |
         pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True)
     else:
         shell = load_denoiser_shell(path, subject, stacks)
-        with _denoiser_taken_as(subject.denoiser, shell):
-            pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True, **{subject.denoiser: shell})
-        if getattr(pipe, subject.denoiser) is not shell:
-            raise DiffuseError(f"diffusers loaded its own {subject.denoiser} instead of the one without blocks")
+        shells = {n: getattr(shell, n) for n in subject.denoisers} if subject.several else {subject.denoiser: shell}
+        with _denoiser_taken_as(shells):
+            pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True, **shells)
+        for name, part in shells.items():
+            if getattr(pipe, name) is not part:
+                raise DiffuseError(f"diffusers loaded its own {name} instead of the one without blocks")
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
 @contextlib.contextmanager
-def _denoiser_taken_as(name: str, shell):
-    """While a pipeline loads, its component ``name`` is ``shell``. A pipeline whose ``__init__`` declares the
-    denoiser optional (Wan: ``transformer=None``) loads that component from disk even when one is passed, and
-    would hold every block for a moment; the component loader is told to hand ``shell`` back instead."""
+def _denoiser_taken_as(shells: dict):
+    """While a pipeline loads, each component named in ``shells`` is its shell. A pipeline whose ``__init__``
+    declares a denoiser optional (Wan: ``transformer=None``, ``transformer_2=None``) loads that component from
+    disk even when one is passed, and would hold every block for a moment; the component loader is told to hand
+    the shell back instead."""
     from diffusers.pipelines import pipeline_utils
 
     load = pipeline_utils.load_sub_model
 
     def load_sub_model(*args, **kwargs):
-        return shell if kwargs.get("name") == name else load(*args, **kwargs)
+        name = kwargs.get("name")
+        return shells[name] if name in shells else load(*args, **kwargs)
 
     pipeline_utils.load_sub_model = load_sub_model
     try:
@@ -116,14 +119,15 @@ def load_model(path: str, subject: ModelSubject):
 
 
 def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list):
-    """The denoiser with every stack block but the first left on meta (weightless).
+    """The denoiser with every stack block but the first left on meta (weightless); with several denoiser
+    components, a ``Denoisers`` holding each.
 
     Tensors come from the safetensors files exactly as ``from_pretrained`` reads
     them (same placement, cast to the parameter's dtype as it does), which keeps
     the client's own computation bit-identical to a plain load.
     """
     from diffuse.analysis import build_meta
-    from diffuse.modelfiles import load_into, located, weight_map
+    from diffuse.modelfiles import load_into, located
 
     model = build_meta(subject.denoiser_class(), subject.denoiser_config)
 
@@ -134,7 +138,7 @@ def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list):
                 return True
         return False
 
-    wmap = located(weight_map(os.path.join(path, subject.denoiser)), model, [st.path for st in stacks])
+    wmap = located(subject.weight_map(), model, [st.path for st in stacks])
     load_into(model, "", wmap, skip=remote)
     model.eval()
     return model

@@ -39,7 +39,7 @@ from diffuse.kvcache import STATE
 from diffuse.errors import DiffuseError
 from diffuse.firstblock import NodeResiduals, Reuse
 from diffuse.kvcache import NodeCaches
-from diffuse.modelfiles import content_hash, load_into, located, renamed_for, weight_map
+from diffuse.modelfiles import load_into, located, renamed_for, weight_map
 from diffuse.pipefusion import StaleStack, why_uncut
 from diffuse.plan import PATCHABLE, Patch, ReturnMap, Slice, SlotRef, StackPlan, StagePlan
 
@@ -69,7 +69,7 @@ class BlockStore:
         self.subject = subject
         self.stacks = {s.path: s for s in stacks}
         self.component_dir = f"{model_path}/{subject.denoiser}"
-        self.model_hash = content_hash(self.component_dir)
+        self.model_hash = subject.content_hash()  # of every denoiser component, when a pipeline has several
         self.blocks: dict[tuple[str, int], torch.nn.Module] = {}
         self.fixed: list[Slice] | None = None  # set by --blocks: the node holds exactly these
         self.native: dict[tuple[str, int], torch.dtype] = {}  # what each block loads as, asked for no dtype
@@ -109,7 +109,7 @@ class BlockStore:
         self._forget_old_dtypes(dtype)
         t0 = time.perf_counter()
         skeleton = build_meta(self.subject.denoiser_class(), self.subject.denoiser_config)
-        wmap = located(renamed_for(weight_map(self.component_dir), skeleton), skeleton, {s for s, _ in wanted})
+        wmap = located(renamed_for(self.subject.weight_map(), skeleton), skeleton, {s for s, _ in wanted})
         files: dict[str, object] = {}
         try:
             for stack, i in wanted:

@@ -16,7 +16,7 @@ one. Each builder's docstring names the FACTS traps its model exercises.
 ``FAMILIES`` are the models Diffuse must split bit-exactly. ``EXTRAS`` are for
 refusal and genericity tests: ``sdxl`` (a U-Net), ``odd`` (a non-diffusers DiT,
 see tests/oddmodel), ``remote_code`` (needs trust_remote_code), ``no_stack``
-and ``recurrent`` (nothing to split).
+and ``recurrent`` (nothing to split), ``wan22`` (two denoiser components).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ FAMILIES = [
     "stable_audio",
     "qwenimage",
 ]
-EXTRAS = ["sdxl", "odd", "remote_code", "no_stack", "recurrent"]
+EXTRAS = ["sdxl", "odd", "remote_code", "no_stack", "recurrent", "wan22"]
 
 _PROMPT = "a painting of a squirrel eating a burger"
 _NEGATIVE = "bad quality , blurry"
@@ -125,6 +125,26 @@ def build_wan(out_dir: str, seed: int = 0) -> str:
     from diffuse.train.build import save_pipeline
 
     return save_pipeline(str(out_dir), "tiny", seed=seed)
+
+
+def build_wan22(out_dir: str, seed: int = 0) -> str:
+    """Wan 2.2 A14B layout: two denoiser components, ``transformer`` (high-noise expert) and ``transformer_2``
+    (low-noise expert), each the tiny Wan's 4-block transformer with weights of its own; the pipeline picks one
+    per step by timestep (``boundary_ratio`` 0.875: with 2 steps, step 1 runs the first, step 2 the second).
+
+    Traps: ``model_index.json`` names two components holding block stacks; both are optional in
+    ``WanPipeline.__init__`` (loaded from disk even when passed); the second expert is first called at step 2.
+    """
+    from diffusers import WanPipeline
+
+    from diffuse.train.build import build_pipeline, build_transformer
+
+    pipe = build_pipeline("tiny", seed)
+    second = build_transformer("tiny", pipe.vae.config.z_dim, pipe.text_encoder.config.d_model, seed + 3)
+    pipe = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae,
+                       transformer=pipe.transformer, transformer_2=second, scheduler=pipe.scheduler,
+                       boundary_ratio=0.875)
+    return _save(pipe, out_dir)
 
 
 def build_flux(out_dir: str, seed: int = 0) -> str:
@@ -943,6 +963,7 @@ def build_remote_code(out_dir: str, seed: int = 0) -> str:
 
 _BUILDERS = {
     "wan": build_wan,
+    "wan22": build_wan22,
     "flux": build_flux,
     "sd3": build_sd3,
     "pixart_sigma": build_pixart_sigma,
@@ -977,6 +998,7 @@ _ODD = dict(prompt=_PROMPT, negative_prompt=_NEGATIVE, num_inference_steps=2, gu
 
 _CALL_ARGS: dict[str, dict] = {
     "wan": dict(_VIDEO, guidance_scale=6.0, height=32, width=32, num_frames=9),
+    "wan22": dict(_VIDEO, guidance_scale=6.0, guidance_scale_2=4.0, height=32, width=32, num_frames=9),
     # guidance_scale does nothing (guidance_embeds=False); true_cfg_scale is real CFG.
     "flux": dict(
         prompt=_PROMPT,
@@ -1059,6 +1081,7 @@ _CALL_ARGS: dict[str, dict] = {
 
 _EXPECTED_SHAPES: dict[str, tuple] = {
     "wan": (1, 9, 32, 32, 3),
+    "wan22": (1, 9, 32, 32, 3),
     "flux": (1, 16, 16, 3),
     "sd3": (1, 16, 16, 3),
     "pixart_sigma": (1, 16, 16, 3),
