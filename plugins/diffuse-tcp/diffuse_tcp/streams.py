@@ -164,8 +164,8 @@ class Hub:
 
     def poll(self, timeout_s: float) -> None:
         for key, events in self.sel.select(max(0.0, timeout_s)):
-            if isinstance(key.data, Connection):
-                if events & selectors.EVENT_WRITE:
+            if isinstance(key.data, Connection):  # each step skips a connection an earlier one dropped
+                if events & selectors.EVENT_WRITE and key.data.open:
                     self._write(key.data)
                 if events & selectors.EVENT_READ and key.data.open:
                     self._read(key.data)
