@@ -12,9 +12,10 @@ message of one part (the CBOR request), reads one message back (the reply) and
 hangs up; a reply goes back on the connection that asked, so nobody else's junk
 can take it.
 
-Every wait is bounded, nothing blocks the node: its endpoint is read with a
-selector from the node's control thread, and what a next hop cannot take yet
-waits in the outbox (a few messages at most). Every receiving connection has
+Every wait is bounded: a node's endpoint is read with a selector from the
+node's control thread, what a next hop cannot take yet waits in the outbox (a
+few messages at most), and only an outbox's connect blocks, for
+``CONNECT_TIMEOUT_S`` at most. Every receiving connection has
 caps: a part claiming more than the cap, or a message claiming more parts than
 ``MAX_PARTS``, cuts that connection off before the bytes are kept.
 
@@ -38,7 +39,7 @@ SCHEME = "tcpstream"
 COUNT = struct.Struct(">I")
 LENGTH = struct.Struct(">Q")
 CONTROL_PARTS = 16  # a request is one part; a few more are read whole, so that their sender can be told so
-MAX_CONNECTIONS = 1024  # per listening port; one more is closed at once
+MAX_CONNECTIONS = 1024  # per endpoint or inbox (its ports together); one more is closed at once
 READ_BYTES = 1 << 20  # read from a connection at once
 CONNECT_TIMEOUT_S = 10.0  # an outbox's connection to a data address
 TRIES = 3  # connections an idempotent request may be sent on, one each third of its time
