@@ -86,10 +86,10 @@ def decode_reply(raw: bytes, address: str) -> dict:
     """A reply received from the node at ``address``, checked within ``diffuse.safecbor.REPLY``; NodeError
     naming the node otherwise.
 
-    >>> decode_reply(b"junk", "tcp://127.0.0.1:1")
+    >>> decode_reply(b"junk", "tcp://127.0.0.1:1")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    diffuse.errors.NodeError: node tcp://127.0.0.1:1: answered with something that is not a map (reply is a str, not a map)
+    diffuse.errors.NodeError: node tcp://127.0.0.1:1: answered with something that is not a map (reply is a str, ...)
     """
     try:
         return safecbor.loads(raw, safecbor.REPLY, "reply")
