@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 
 import dataclasses
-import os
 
 from diffuse.analysis import ModelSubject, StackCall, run_analyzers
 from diffuse.errors import DiffuseError, RefusedModel

@@ -376,8 +376,8 @@ class StageSession:
         the call handed on to the next node."""
         header, stack, rmap, values = p.header, p.stack, p.rmap, p.values
         if p.sl.stop == self.store.stacks[stack].length:
-            if header.get("tail") is not None:
-                out = self._tail(out, header["tail"])
+            if header.get("tail") is not None:  # on the stream, where the layer returns a tuple (Falcon)
+                out = self._tail(out if rmap.single else out[rmap.output_of(rmap.streams[0])], header["tail"])
             tree, out_tensors = encode_value(out)
             result = {"op": "result", "stack": stack, "seq": header.get("seq"), "out": tree}
             if p.reuse is not None:

@@ -77,8 +77,10 @@ class StandIn(nn.ModuleList):
             self._next = 1
             if self._cache is not None:
                 self._calls = [(args, kwargs)]
-                # handed on untouched until the last layer
-                self._answer = args[0] if args else kwargs.get("hidden_states")
+                # handed on untouched until the last layer, in the structure the layer returns (a tuple, for a
+                # model that reads ``outputs[0]`` before it calls the next layer)
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                self._answer = self._splitter[0].layer_answer(self.stack, hidden, args, kwargs, self._cache)
                 if self.stack.length == 1:
                     return self._finish()
                 return self._answer
@@ -139,6 +141,14 @@ class _Embedded:
     placeholder: torch.Tensor
     ids: torch.Tensor
     version: int  # its in-place version counter then: a write to it after shows
+
+
+def _shaped(rmap: ReturnMap, hidden):
+    """``hidden`` in the structure a layer with one stream returns: itself, or a tuple with it where the stream
+    is and None elsewhere (what such a layer returns there when asked for nothing more)."""
+    if rmap.single:
+        return hidden
+    return tuple(hidden if slot is not None else None for slot in rmap.outputs)
 
 
 def _find_cache(args: tuple, kwargs: dict):
@@ -474,30 +484,44 @@ class Splitter:
         placeholder = calls[0][0][0] if calls[0][0] else calls[0][1].get("hidden_states")
         self._heads_answer = None  # a new pass: the heads' last answer is for another hidden state
         ids = self._take_ids(placeholder)
-        if stack.path in self._first_blocks:
-            block = self._first_blocks.pop(stack.path)
-            args, kwargs = calls[0]
-            # the first layer runs once here to learn its return map, on a copy of the cache it would write (and
-            # on the real embeddings, not the placeholder, while the table is still here)
-            scratch = copy.deepcopy(cache)
-            real = None
-            if ids is not None:
-                real = self.embed[1](ids) if self.embed[1].weight.device.type != "meta" else \
-                    torch.randn(placeholder.shape, generator=torch.Generator().manual_seed(0)).to(placeholder.dtype)
-            swap = {id(cache): scratch, **({id(placeholder): real} if real is not None else {})}
-            args = tuple(swap.get(id(a), a) for a in args)
-            kwargs = {k: swap.get(id(v), v) for k, v in kwargs.items()}
-            call_plan, rmap = learn_call(stack, args, kwargs, block)
-            self.plan = self.plan.with_call(stack.path, call_plan, rmap)
-            block.to("meta")
+        self._learn_layers(stack, placeholder, *calls[0], cache, ids)
         rmap = self.plan.return_maps[stack.path]
         fresh = self.caches.fresh(stack.path, cache)
         if self.pending is not None:  # a pass held back that nothing read: send it first
             self._send_pending(None)
-        if self.head is not None and self.in_generate and rmap.single and isinstance(placeholder, torch.Tensor):
+        if self.head is not None and self.in_generate and len(rmap.streams) == 1 \
+                and isinstance(placeholder, torch.Tensor):
             self.pending = _Pending(stack, calls, cache, rmap, fresh, placeholder, ids)
-            return placeholder
+            return _shaped(rmap, placeholder)
         return self._send(stack, calls, cache, rmap, fresh, None, ids)
+
+    def layer_answer(self, stack: StackPlan, hidden, args: tuple, kwargs: dict, cache):
+        """What a language model's layers answer before the last one is called: ``hidden``, untouched, in the
+        structure the first layer returns (learned here on the stack's first pass, as ``run_layers`` would)."""
+        if self.ring is not None and stack.path in self._first_blocks:
+            e = self._embedded
+            self._learn_layers(stack, hidden, args, kwargs, cache,
+                               e.ids if e is not None and e.placeholder is hidden else None)
+        rmap = self.plan.return_maps.get(stack.path)
+        return hidden if rmap is None or len(rmap.streams) != 1 else _shaped(rmap, hidden)
+
+    def _learn_layers(self, stack: StackPlan, placeholder, args: tuple, kwargs: dict, cache, ids) -> None:
+        """On a language model's first pass: the first layer runs once here to learn its return map, on a copy of
+        the cache it would write (and on the real embeddings, not the placeholder, while the table is here)."""
+        if stack.path not in self._first_blocks:
+            return
+        block = self._first_blocks.pop(stack.path)
+        scratch = copy.deepcopy(cache)
+        real = None
+        if ids is not None:
+            real = self.embed[1](ids) if self.embed[1].weight.device.type != "meta" else \
+                torch.randn(placeholder.shape, generator=torch.Generator().manual_seed(0)).to(placeholder.dtype)
+        swap = {id(cache): scratch, **({id(placeholder): real} if real is not None else {})}
+        args = tuple(swap.get(id(a), a) for a in args)
+        kwargs = {k: swap.get(id(v), v) for k, v in kwargs.items()}
+        call_plan, rmap = learn_call(stack, args, kwargs, block)
+        self.plan = self.plan.with_call(stack.path, call_plan, rmap)
+        block.to("meta")
 
     def _send(self, stack: StackPlan, calls, cache, rmap: ReturnMap, fresh: bool, tail: dict | None,
               ids: torch.Tensor | None = None):

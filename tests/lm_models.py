@@ -497,9 +497,10 @@ def build_qwen2_vl(out_dir: str, seed: int = 0) -> str:
     )
 
 
-def _causal(out_dir: str, seed: int, config_class: str, extra: dict) -> str:
+def _causal(out_dir: str, seed: int, config_class: str, extra: dict, attention: str = "sdpa") -> str:
     """A decoder-only model of ``config_class`` over the Qwen2 tokenizer: the shared text sizes
-    (``_text_kwargs``) with ``extra`` on top, untied head, sdpa, float32."""
+    (``_text_kwargs``) with ``extra`` on top (a None there drops the setting), untied head, float32,
+    ``attention`` (sdpa unless the class has none)."""
     import torch
     import transformers
 
@@ -510,7 +511,7 @@ def _causal(out_dir: str, seed: int, config_class: str, extra: dict) -> str:
                   pad_token_id=eot, dtype="float32")
     kwargs.update(extra)
     config = getattr(transformers, config_class)(**{k: v for k, v in kwargs.items() if v is not None})
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention
     _seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     _randomize(model, seed, [eot, *range(len(tok), vocab_size)])
