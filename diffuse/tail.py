@@ -80,9 +80,10 @@ def stack_heads(heads: nn.ModuleList, h: torch.Tensor) -> torch.Tensor:
 
 
 def is_norm(module: nn.Module) -> bool:
-    """A leaf module whose parameters are all vectors (a LayerNorm or RMSNorm, whatever its class)."""
+    """A leaf module whose parameters are all vectors (a LayerNorm or RMSNorm, whatever its class), or that has
+    none at all (OLMo's norms carry no weights): run on the last node, it computes what it computes here."""
     params = list(module.parameters())
-    return next(module.children(), None) is None and bool(params) and all(p.dim() == 1 for p in params)
+    return next(module.children(), None) is None and all(p.dim() == 1 for p in params)
 
 
 def rows_of(x: torch.Tensor, full: torch.Tensor) -> tuple[int, int] | None:

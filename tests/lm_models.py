@@ -47,7 +47,8 @@ import json
 import os
 import sys
 
-NAMES = ["qwen2", "hybrid", "smolvlm", "qwen2_vl", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
+NAMES = ["qwen2", "hybrid", "smolvlm", "qwen2_vl", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "falcon",
+         "olmo"]
 
 # The text the byte-level BPEs are trained on: plain English plus the words the
 # chat templates and test prompts use, so those become few tokens.
@@ -552,6 +553,23 @@ def build_deepseek_v3(out_dir: str, seed: int = 0) -> str:
         qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4))
 
 
+def build_falcon(out_dir: str, seed: int = 0) -> str:
+    """Falcon (FalconForCausalLM), rotary, parallel attention and MLP.
+
+    Traps: each layer returns ``(hidden_states, attn_weights)`` and the model reads ``outputs[0]`` before it
+    calls the next layer, so what stands in for a layer must answer with that tuple."""
+    return _causal(out_dir, seed, "FalconConfig", dict(
+        new_decoder_architecture=False, multi_query=False, parallel_attn=True, bias=False, alibi=False,
+        ffn_hidden_size=64, num_key_value_heads=None, intermediate_size=None, hidden_act=None,
+        max_position_embeddings=None))
+
+
+def build_olmo(out_dir: str, seed: int = 0) -> str:
+    """OLMo (OlmoForCausalLM). Traps: its layer norms carry no weights, so a client whose layers, embedding
+    and head are all on nodes holds no parameter at all, and ``generate`` reads ``self.device`` from one."""
+    return _causal(out_dir, seed, "OlmoConfig", {})
+
+
 BUILDERS = {
     "qwen2": build_qwen2,
     "hybrid": build_hybrid,
@@ -561,6 +579,8 @@ BUILDERS = {
     "qwen2_moe": build_qwen2_moe,
     "qwen3_moe": build_qwen3_moe,
     "deepseek_v3": build_deepseek_v3,
+    "falcon": build_falcon,
+    "olmo": build_olmo,
 }
 
 

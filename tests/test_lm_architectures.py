@@ -5,7 +5,8 @@ expert parameters as it loads; a node loading only its layers must do the same, 
 conversion rules, so that the router's choices, made on the node holding the layer, are the ones made whole.
 Each tiny model (tests/lm_models.py) runs split through local node processes, and its tokens and the exact bits
 of every step's best raw logits are compared with tests/lm_reference.py run whole in a subprocess, at the
-same thread count (test_lm.py's machinery). A checkpoint a node could not load as transformers loads it is
+same thread count (test_lm.py's machinery). So are Falcon (layers that return a tuple, read between layers)
+and OLMo (a client left with no parameter at all). A checkpoint a node could not load as transformers loads it is
 refused before any node starts, in one line.
 """
 
@@ -22,7 +23,9 @@ from conftest import TESTS, THREADS, run_client, subprocess_env
 from test_lm import PROMPT, LMModels, split_run
 
 # (model, nodes): each architecture once, 2 and 3 nodes between them (a node start is the cost of a case)
-SPLITS = [("mixtral", 2), ("qwen2_moe", 3), ("qwen3_moe", 2), ("deepseek_v3", 3)]
+MOE = [("mixtral", 2), ("qwen2_moe", 3), ("qwen3_moe", 2), ("deepseek_v3", 3)]
+OTHERS = [("falcon", 3), ("olmo", 2)]
+SPLITS = MOE + OTHERS
 MAX_NEW = 6
 
 
@@ -61,7 +64,7 @@ def node_side_params(model_dir: str, embedding: bool) -> int:
     return sum(p.numel() for part in parts for p in part.parameters())
 
 
-@pytest.mark.parametrize("name,nodes", SPLITS)
+@pytest.mark.parametrize("name,nodes", MOE)
 def test_mixture_of_experts_split_equals_transformers(name, nodes, arch_models, arch_references, tmp_path,
                                                       diffuse_home):
     model = arch_models(name)
@@ -78,6 +81,21 @@ def test_mixture_of_experts_split_equals_transformers(name, nodes, arch_models, 
     # an expert layer sends what a dense one does: the hidden rows of the pass, the same bytes every decode step
     decode = [b for n in report["node_stats"][1:] for _, b in n["hop_bytes"][1:]]
     assert len(decode) == (nodes - 1) * (MAX_NEW - 1) and len(set(decode)) == 1
+
+
+@pytest.mark.parametrize("name,nodes", OTHERS)
+def test_layers_returning_tuples_and_a_client_left_without_parameters_equal_transformers(
+        name, nodes, arch_models, arch_references, tmp_path, diffuse_home):
+    """Falcon's layers return (hidden, attention weights) and the model reads ``outputs[0]`` between layers;
+    OLMo's client holds no parameter once its layers, embedding and head are on nodes."""
+    model = arch_models(name)
+    ref = arch_references[model]
+    tokens, report, _ = split_run(model, tmp_path, diffuse_home, nodes, max_new=MAX_NEW)
+    assert tokens["new_tokens"] == ref["new_tokens"] and report["top"] == ref["top"]
+    assert report["client_layer_params"] == 0 and report["client_head_params"] == 0
+    assert report["tail_passes"] == report["calls"]  # the last node ran the head on the tuple's hidden state
+    if name == "olmo":
+        assert report["embedding"] == "first node" and report["client_embedding_params"] == 0
 
 
 def test_checkpoint_whose_expert_names_no_rule_knows_is_refused_before_any_node_starts(arch_models, tmp_path,
