@@ -143,6 +143,46 @@ class _Embedded:
     version: int  # its in-place version counter then: a write to it after shows
 
 
+class ShortlistCheck:
+    """The first logits processor of a greedy ``generate`` whose head may answer from the best candidates only.
+
+    On the model's first such pass the whole last row came home: comparing it with what ``generate`` is about to
+    pick from tells whether the model changes its logits after the head (a soft cap, a scale). If it does not,
+    the best ``top`` candidates decide every later pass; if it does, whole rows keep coming, since a cap that
+    saturates makes the last candidate tie with the best and an id that never travelled would win the argmax.
+    A pass answered from the best candidates is checked all the same: such a tie is refused in one line rather
+    than answered wrong."""
+
+    def __init__(self, splitter: "Splitter", top: int):
+        self.splitter, self.top = splitter, top
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        sp = self.splitter
+        row, whole = sp.shortlist, sp.whole_row
+        sp.shortlist = sp.whole_row = None
+        if whole is not None:
+            if sp.logits_changed is None and whole.shape == scores.shape:
+                sp.logits_changed = not torch.equal(scores.detach().cpu().to(whole.dtype), whole)
+                if not sp.logits_changed:
+                    sp.top = self.top  # the best few decide from the next pass on
+            return scores
+        if row is None or row.shape != scores.shape:
+            return scores
+        seen = scores.detach().cpu().to(row.dtype)
+        if torch.equal(seen, row):
+            return scores  # nothing changed after the head: the best candidates decide
+        for r in range(row.shape[0]):
+            listed = torch.isfinite(row[r]).nonzero().flatten()
+            if not len(listed):
+                continue
+            last = listed[torch.argmin(row[r, listed])]  # the lowest raw value that travelled
+            if seen[r, last] >= seen[r, listed].max():
+                raise DiffuseError("the model changes its logits after the output head (a soft cap or a scale) and "
+                                   f"its best {len(listed)} candidates tie after it, so tokens that stayed on the last "
+                                   "node could win greedy decoding; Diffuse refuses rather than guess")
+        return scores
+
+
 def _shaped(rmap: ReturnMap, hidden):
     """``hidden`` in the structure a layer with one stream returns: itself, or a tuple with it where the stream
     is and None elsewhere (what such a layer returns there when asked for nothing more)."""
@@ -187,6 +227,10 @@ class Splitter:
         self._forwards = 0  # the model's own forward calls under way (the placeholder is answered only inside one)
         self._plain_pass = True  # whether the forward under way got token ids only (no media to merge)
         self.top: int | None = None  # candidates per row the head's answer needs (None: the whole row)
+        self.shortlist: torch.Tensor | None = None  # the last row the head answered from the best candidates only
+        self.whole_row: torch.Tensor | None = None  # ... or whole
+        self.greedy_top: int | None = None  # candidates greedy decoding reads, during a generate call that may
+        self.logits_changed: bool | None = None  # whether the model changes its logits after the head (None: unknown)
         self.pending: _Pending | None = None
         self.in_generate = False  # passes are held back for the head only inside generate, which always calls it
         self.tail_passes = 0  # passes whose norm and head ran on the last node
@@ -396,6 +440,11 @@ class Splitter:
         @functools.wraps(bound)
         def generate(*args, **kwargs):
             self.top = candidates_needed(model, kwargs)
+            # greedy from the best few: until this model is known not to change its logits after the head, its
+            # first pass brings the whole last row (ShortlistCheck learns it there)
+            self.greedy_top = self.top if not self.head_list else None
+            if self.greedy_top is not None and self.logits_changed is not False:
+                self.top = None
             self.in_generate = True
             self.draw = None
             restore = self._capture_draws(model)
@@ -403,7 +452,8 @@ class Splitter:
                 return bound(*args, **kwargs)
             finally:
                 restore()
-                self.top, self.in_generate = None, False
+                self.top, self.greedy_top, self.in_generate = None, None, False
+                self.shortlist = self.whole_row = None
                 self.last_draw, self.draw = self.draw, None
                 if self.pending is not None:  # a pass nothing read (cannot happen in generate): not left behind
                     self.pending = None
@@ -428,8 +478,10 @@ class Splitter:
             if getattr(config, "output_scores", False) or (getattr(config, "num_beams", 1) or 1) > 1:
                 return built  # output_scores asks for whole rows
             if not getattr(config, "do_sample", False):
+                if self.greedy_top is not None:  # greedy reads the best few: checked first
+                    return LogitsProcessorList([ShortlistCheck(self, self.greedy_top), *built])
                 if not self.head_list or self.top is not None:
-                    return built  # greedy reads the best few (or the whole row)
+                    return built  # greedy reads the whole row
                 # a list of heads under processors (guidance): the last node applies them and takes the argmax
                 try:
                     self.draw = Draw(built, sample=False)
@@ -581,8 +633,10 @@ class Splitter:
         self._free_remote_weights()
         if "logits" in answer:
             logits = answer["logits"]
+            self.shortlist, self.whole_row = None, logits[:, -1]
         else:
             logits = logits_from(answer["ids"], answer["values"], vocab)
+            self.shortlist = logits[:, -1]
         if self.draw is not None:  # the row generate will read, as it reads it
             self.draw.took(answer, self.node_tail(), logits[:, -1].to(dtype=torch.float32, copy=True))
         return logits

@@ -48,7 +48,7 @@ import os
 import sys
 
 NAMES = ["qwen2", "hybrid", "smolvlm", "qwen2_vl", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "falcon",
-         "olmo"]
+         "olmo", "gemma2_capped"]
 
 # The text the byte-level BPEs are trained on: plain English plus the words the
 # chat templates and test prompts use, so those become few tokens.
@@ -570,6 +570,17 @@ def build_olmo(out_dir: str, seed: int = 0) -> str:
     return _causal(out_dir, seed, "OlmoConfig", {})
 
 
+def build_gemma2_capped(out_dir: str, seed: int = 0) -> str:
+    """Gemma 2 (Gemma2ForCausalLM) with a tiny final logit soft cap (0.1), eager attention (its class has no sdpa).
+
+    Traps: ``tanh(logits / cap) * cap`` after the head saturates in float32, so many ids tie at exactly +cap
+    and greedy decoding's argmax picks the lowest id of the whole row, which is not among the best raw
+    candidates: the head's answer must not be a shortlist of raw logits."""
+    return _causal(out_dir, seed, "Gemma2Config", dict(
+        head_dim=8, final_logit_softcapping=0.1, attn_logit_softcapping=50.0, query_pre_attn_scalar=8,
+        hidden_activation="gelu_pytorch_tanh", hidden_act=None, sliding_window=4096), attention="eager")
+
+
 BUILDERS = {
     "qwen2": build_qwen2,
     "hybrid": build_hybrid,
@@ -581,6 +592,7 @@ BUILDERS = {
     "deepseek_v3": build_deepseek_v3,
     "falcon": build_falcon,
     "olmo": build_olmo,
+    "gemma2_capped": build_gemma2_capped,
 }
 
 

@@ -6,7 +6,7 @@
         [--arg KEY=JSON]... [--no-template] --out OUT.json
 
 Loads the model with ``AutoModelForImageTextToText`` when its config has a
-``vision_config``, else ``AutoModelForCausalLM`` (float32, sdpa), sets the torch
+``vision_config``, else ``AutoModelForCausalLM`` (float32, sdpa where the class has it), sets the torch
 thread count when ``--threads`` > 0, builds the inputs (``build_inputs``) and
 calls ``generate(**inputs, max_new_tokens=N, do_sample=..., output_logits=True,
 return_dict_in_generate=True)``; with ``--do-sample``, ``torch.manual_seed(S)``
@@ -77,10 +77,16 @@ def takes_images(config) -> bool:
 
 
 def load_model(model_dir: str):
-    """The model, float32 and sdpa, in eval mode, with the Auto class its config calls for."""
+    """The model, float32 and sdpa (eager for a class that has no sdpa path, as ``from_pretrained`` itself
+    falls back), in eval mode, with the Auto class its config calls for."""
     config = AutoConfig.from_pretrained(model_dir)
     auto = AutoModelForImageTextToText if takes_images(config) else AutoModelForCausalLM
-    model = auto.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    try:
+        model = auto.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    except ValueError as exc:
+        if "scaled_dot_product_attention" not in str(exc):
+            raise
+        model = auto.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 

@@ -6,7 +6,8 @@ conversion rules, so that the router's choices, made on the node holding the lay
 Each tiny model (tests/lm_models.py) runs split through local node processes, and its tokens and the exact bits
 of every step's best raw logits are compared with tests/lm_reference.py run whole in a subprocess, at the
 same thread count (test_lm.py's machinery). So are Falcon (layers that return a tuple, read between layers)
-and OLMo (a client left with no parameter at all). A checkpoint a node could not load as transformers loads it is
+OLMo (a client left with no parameter at all) and Gemma 2 with a soft cap that saturates (greedy decoding
+from whole rows of logits, not a shortlist). A checkpoint a node could not load as transformers loads it is
 refused before any node starts, in one line.
 """
 
@@ -24,7 +25,7 @@ from test_lm import PROMPT, LMModels, split_run
 
 # (model, nodes): each architecture once, 2 and 3 nodes between them (a node start is the cost of a case)
 MOE = [("mixtral", 2), ("qwen2_moe", 3), ("qwen3_moe", 2), ("deepseek_v3", 3)]
-OTHERS = [("falcon", 3), ("olmo", 2)]
+OTHERS = [("falcon", 3), ("olmo", 2), ("gemma2_capped", 2)]
 SPLITS = MOE + OTHERS
 MAX_NEW = 6
 
@@ -84,10 +85,11 @@ def test_mixture_of_experts_split_equals_transformers(name, nodes, arch_models, 
 
 
 @pytest.mark.parametrize("name,nodes", OTHERS)
-def test_layers_returning_tuples_and_a_client_left_without_parameters_equal_transformers(
+def test_tuples_a_client_without_parameters_and_a_soft_cap_equal_transformers(
         name, nodes, arch_models, arch_references, tmp_path, diffuse_home):
     """Falcon's layers return (hidden, attention weights) and the model reads ``outputs[0]`` between layers;
-    OLMo's client holds no parameter once its layers, embedding and head are on nodes."""
+    OLMo's client holds no parameter once its layers, embedding and head are on nodes; Gemma 2 with a tiny soft
+    cap makes ties far wider than the best candidates, so its greedy tokens need whole rows of logits."""
     model = arch_models(name)
     ref = arch_references[model]
     tokens, report, _ = split_run(model, tmp_path, diffuse_home, nodes, max_new=MAX_NEW)
@@ -96,6 +98,11 @@ def test_layers_returning_tuples_and_a_client_left_without_parameters_equal_tran
     assert report["tail_passes"] == report["calls"]  # the last node ran the head on the tuple's hidden state
     if name == "olmo":
         assert report["embedding"] == "first node" and report["client_embedding_params"] == 0
+    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    if name == "gemma2_capped":  # the cap changes the logits after the head: every answer is the whole last row
+        assert report["last_hop_bytes_per_token"] > 4 * vocab
+    else:  # the first pass brings the whole last row once (to learn that nothing changes after the head), then 8
+        assert report["last_hop_bytes_per_token"] < 4 * vocab
 
 
 def test_checkpoint_whose_expert_names_no_rule_knows_is_refused_before_any_node_starts(arch_models, tmp_path,
