@@ -13,6 +13,7 @@ import torch
 from diffuse.analysis import Analyzer
 from diffuse.callplan import flatten, slot_names
 from diffuse.errors import DiffuseError
+from diffuse.kvcache import is_cache
 from diffuse.hookspecs import hookimpl
 from diffuse.measure import relative_error
 from diffuse.plan import CallPlan, ReturnMap, TensorSpec
@@ -40,6 +41,9 @@ class ReturnMapper(Analyzer):
 
     def analyze(self, call, draft):
         _, inputs = flatten(call.args, call.kwargs)
+        # a layer called with a key/value cache: a returned tensor that replaces no input, after the hidden state,
+        # is a side output the model may ignore (the stand-in checks that it is never handed to the next layer)
+        layered = any(is_cache(v) for v in (*call.args, *call.kwargs.values()))
         with torch.no_grad():
             out = call.block(*call.args, **call.kwargs)
         single = isinstance(out, torch.Tensor)
@@ -55,6 +59,8 @@ class ReturnMapper(Analyzer):
                 raise DiffuseError(f"block {call.stack.path}[0] returned a {type(o).__name__} at position {j}; "
                                    "only tensors (and None) can be threaded through a stack")
             cands = [i for i, t in enumerate(inputs) if t.shape == o.shape and t.dtype == o.dtype]
+            if not cands and layered and j:
+                continue  # a language model layer's side output (BLOOM's attention weights): threaded nowhere
             if not cands:
                 raise DiffuseError(
                     f"block {call.stack.path}[0] returns a tensor of shape {tuple(o.shape)} at position {j} "
@@ -66,10 +72,12 @@ class ReturnMapper(Analyzer):
                 mapping[j] = i
                 taken.add(i)
         for j, o in enumerate(outs):
-            if o is not None and mapping[j] is None:
+            if o is not None and mapping[j] is None and not (layered and j and not any(
+                    t.shape == o.shape and t.dtype == o.dtype for t in inputs)):
                 raise DiffuseError(f"block {call.stack.path}[0]: returned tensor {j} could not be matched to a distinct input")
         return {"return_map": ReturnMap(single=single, outputs=mapping,
-                                        names=[names[i] if i is not None else None for i in mapping])}
+                                        names=[names[i] if i is not None else None if o is None else "side output"
+                                               for i, o in zip(mapping, outs)])}
 
 
 @hookimpl

@@ -13,7 +13,10 @@ ModuleList of blocks is looked at, and the stacks are those whose blocks
 attend causally and index a cache by layer (an attention module with
 ``is_causal`` and a ``layer_idx``): the decoder. A list of blocks that attend
 both ways (a vision or audio tower, a text encoder) runs once per request and
-stays on the client, where the media is.
+stays on the client, where the media is. A decoder-only model whose attention
+carries no ``is_causal`` (BLOOM: causal through the mask its model builds) has
+its decoder found as the one list of cache-indexing blocks, as many as
+config.json's decoder depth.
 
 A pipeline with several denoiser components (Wan 2.2's two experts,
 ``diffuse.analysis.Denoisers``) has the stacks of each, named from the
@@ -46,7 +49,10 @@ class StackFinder(Analyzer):
 
     def analyze(self, subject, draft):
         model = denoiser_on_meta(subject)
-        stacks, others = find_decoder_stacks(model) if subject.autoregressive else find_stacks(model)
+        if not subject.autoregressive:
+            stacks, others = find_stacks(model)
+        else:
+            stacks, others = find_decoder_stacks(model, draft.get("config_verdict") or {})
         return {"stacks": stacks, "other_lists": others}
 
 
@@ -68,8 +74,34 @@ def _causal_with_cache(block) -> bool:
                for m in block.modules())
 
 
-def find_decoder_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:
-    """(the decoder stacks, in registration order; {path: why not a stack}) of a token-by-token model."""
+def _indexes_cache(block) -> bool:
+    return any(getattr(m, "layer_idx", None) is not None for m in block.modules())
+
+
+def find_decoder_stacks(model, verdict: dict | None = None) -> tuple[list[StackPlan], dict[str, str]]:
+    """(the decoder stacks, in registration order; {path: why not a stack}) of a token-by-token model.
+
+    ``verdict``: what config.json says (``diffuse.config_verdict.read_config``). A decoder-only model (it
+    generates, reads no media and no encoder) whose attention says nothing of causality (BLOOM's, causal through
+    the mask its model builds, with ALiBi) has one list of blocks that index a cache by layer, as many as the
+    config's decoder depth, none saying it attends both ways: that list is its decoder."""
+    stacks, others = _decoder_lists(model)
+    verdict = verdict or {}
+    if not stacks and verdict.get("generates") and not verdict.get("media") and not verdict.get("encoder"):
+        fits = [p for p in others if "attend both ways" in others[p] and len(model.get_submodule(p)) ==
+                verdict.get("depth") and _indexes_cache(model.get_submodule(p)[0])
+                and not any(getattr(m, "is_causal", None) is False for m in model.get_submodule(p)[0].modules())]
+        if len(fits) == 1:
+            entries = list(model.get_submodule(fits[0]))
+            del others[fits[0]]
+            stacks.append(StackPlan(
+                path=fits[0], length=len(entries), block_class=class_path(type(entries[0])),
+                params_per_block=round(sum(block_params(b) for b in entries) / len(entries)),
+            ))
+    return stacks, others
+
+
+def _decoder_lists(model) -> tuple[list[StackPlan], dict[str, str]]:
     stacks, others = [], {}
     for path, blocks in model.named_modules():
         if not isinstance(blocks, nn.ModuleList) or not len(blocks) or not all(map(is_block, blocks)):

@@ -110,9 +110,13 @@ class StandIn(nn.ModuleList):
         answers for all blocks at once, so work the denoiser does between blocks would be lost."""
         _, given = flatten(args, kwargs)
         given_ids = {id(t) for t in given}
+        if any(isinstance(t, _SideOutput) for t in given):
+            raise DiffuseError(f"the model hands what {self.stack.path}[{index - 1}] returned besides its hidden state "
+                               f"to {self.stack.path}[{index}]; Diffuse threads only the hidden state through a "
+                               "language model's layers, so it cannot split this stack")
         answer = self._answer if isinstance(self._answer, (tuple, list)) else (self._answer,)
         for out in answer:
-            if isinstance(out, torch.Tensor) and id(out) not in given_ids:
+            if isinstance(out, torch.Tensor) and id(out) not in given_ids and not isinstance(out, _SideOutput):
                 raise DiffuseError(
                     f"the denoiser changes what {self.stack.path}[{index - 1}] returned before it calls "
                     f"{self.stack.path}[{index}] (e.g. adds a residual between blocks): this stack is not a plain "
@@ -183,12 +187,18 @@ class ShortlistCheck:
         return scores
 
 
+class _SideOutput(torch.Tensor):
+    """What stands in, before the last layer, for a tensor a layer returns besides its hidden state and that
+    replaces none of its inputs (BLOOM's attention weights): empty, and refused if handed to the next layer."""
+
+
 def _shaped(rmap: ReturnMap, hidden):
     """``hidden`` in the structure a layer with one stream returns: itself, or a tuple with it where the stream
-    is and None elsewhere (what such a layer returns there when asked for nothing more)."""
+    is, None where the layer returned None and an empty ``_SideOutput`` where it returned a side output."""
     if rmap.single:
         return hidden
-    return tuple(hidden if slot is not None else None for slot in rmap.outputs)
+    return tuple(hidden if slot is not None else None if name is None else torch.empty(0).as_subclass(_SideOutput)
+                 for slot, name in zip(rmap.outputs, rmap.names))
 
 
 def _find_cache(args: tuple, kwargs: dict):

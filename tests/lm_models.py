@@ -48,7 +48,7 @@ import os
 import sys
 
 NAMES = ["qwen2", "hybrid", "smolvlm", "qwen2_vl", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "falcon",
-         "olmo", "gemma2_capped"]
+         "olmo", "gemma2_capped", "bloom"]
 
 # The text the byte-level BPEs are trained on: plain English plus the words the
 # chat templates and test prompts use, so those become few tokens.
@@ -581,6 +581,16 @@ def build_gemma2_capped(out_dir: str, seed: int = 0) -> str:
         hidden_activation="gelu_pytorch_tanh", hidden_act=None, sliding_window=4096), attention="eager")
 
 
+def build_bloom(out_dir: str, seed: int = 0) -> str:
+    """BLOOM (BloomForCausalLM): ALiBi, eager attention (its class has no sdpa).
+
+    Traps: its attention has a ``layer_idx`` but no ``is_causal`` (causal through the mask its model builds);
+    each block returns its attention weights beside the hidden state, which the model ignores."""
+    return _causal(out_dir, seed, "BloomConfig", dict(
+        n_layer=4, n_head=4, num_hidden_layers=None, num_attention_heads=None, num_key_value_heads=None,
+        intermediate_size=None, hidden_act=None, max_position_embeddings=None), attention="eager")
+
+
 BUILDERS = {
     "qwen2": build_qwen2,
     "hybrid": build_hybrid,
@@ -593,6 +603,7 @@ BUILDERS = {
     "falcon": build_falcon,
     "olmo": build_olmo,
     "gemma2_capped": build_gemma2_capped,
+    "bloom": build_bloom,
 }
 
 

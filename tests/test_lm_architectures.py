@@ -5,8 +5,8 @@ expert parameters as it loads; a node loading only its layers must do the same, 
 conversion rules, so that the router's choices, made on the node holding the layer, are the ones made whole.
 Each tiny model (tests/lm_models.py) runs split through local node processes, and its tokens and the exact bits
 of every step's best raw logits are compared with tests/lm_reference.py run whole in a subprocess, at the
-same thread count (test_lm.py's machinery). So are Falcon (layers that return a tuple, read between layers)
-OLMo (a client left with no parameter at all) and Gemma 2 with a soft cap that saturates (greedy decoding
+same thread count (test_lm.py's machinery). So are Falcon (layers that return a tuple, read between layers),
+BLOOM (ALiBi, no ``is_causal``, attention weights returned beside the hidden state), OLMo (a client left with no parameter at all) and Gemma 2 with a soft cap that saturates (greedy decoding
 from whole rows of logits, not a shortlist). A checkpoint a node could not load as transformers loads it is
 refused before any node starts, in one line.
 """
@@ -25,7 +25,7 @@ from test_lm import PROMPT, LMModels, split_run
 
 # (model, nodes): each architecture once, 2 and 3 nodes between them (a node start is the cost of a case)
 MOE = [("mixtral", 2), ("qwen2_moe", 3), ("qwen3_moe", 2), ("deepseek_v3", 3)]
-OTHERS = [("falcon", 3), ("olmo", 2), ("gemma2_capped", 2)]
+OTHERS = [("falcon", 3), ("olmo", 2), ("gemma2_capped", 2), ("bloom", 3)]
 SPLITS = MOE + OTHERS
 MAX_NEW = 6
 
@@ -85,9 +85,10 @@ def test_mixture_of_experts_split_equals_transformers(name, nodes, arch_models, 
 
 
 @pytest.mark.parametrize("name,nodes", OTHERS)
-def test_tuples_a_client_without_parameters_and_a_soft_cap_equal_transformers(
+def test_tuples_alibi_a_client_without_parameters_and_a_soft_cap_equal_transformers(
         name, nodes, arch_models, arch_references, tmp_path, diffuse_home):
     """Falcon's layers return (hidden, attention weights) and the model reads ``outputs[0]`` between layers;
+    BLOOM's do too (its weights a tensor, never threaded), and its attention says nothing of causality;
     OLMo's client holds no parameter once its layers, embedding and head are on nodes; Gemma 2 with a tiny soft
     cap makes ties far wider than the best candidates, so its greedy tokens need whole rows of logits."""
     model = arch_models(name)
