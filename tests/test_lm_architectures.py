@@ -5,10 +5,11 @@ expert parameters as it loads; a node loading only its layers must do the same, 
 conversion rules, so that the router's choices, made on the node holding the layer, are the ones made whole.
 Each tiny model (tests/lm_models.py) runs split through local node processes, and its tokens and the exact bits
 of every step's best raw logits are compared with tests/lm_reference.py run whole in a subprocess, at the
-same thread count (test_lm.py's machinery). So are Falcon (layers that return a tuple, read between layers),
-BLOOM (ALiBi, no ``is_causal``, attention weights returned beside the hidden state), OLMo (a client left with no parameter at all) and Gemma 2 with a soft cap that saturates (greedy decoding
-from whole rows of logits, not a shortlist). A checkpoint a node could not load as transformers loads it is
-refused before any node starts, in one line.
+same thread count (test_lm.py's machinery). So are Falcon (layers that return a tuple, read between
+layers), BLOOM (ALiBi, no ``is_causal``, attention weights returned beside the hidden state), OLMo (a client
+left with no parameter at all) and Gemma 2 with a soft cap that saturates (greedy decoding from whole rows
+of logits, not a shortlist). A checkpoint a node could not load as transformers loads it is refused before
+any node starts, in one line.
 """
 
 from __future__ import annotations
