@@ -272,14 +272,7 @@ class Splitter:
             self._first_blocks[st.path] = original[0]
             for block in list(original)[1:]:
                 block.to("meta")
-            stand_in = StandIn(st, self)
-            # an empty parameter of the blocks' dtype and device: a model whose every weight is elsewhere (OLMo's
-            # norms have none) still answers ``generate``'s ``self.device`` and ``self.dtype``
-            first = next(original[0].parameters(), None)
-            if first is not None:
-                stand_in.held_here = nn.Parameter(torch.empty(0, dtype=first.dtype, device=first.device),
-                                                  requires_grad=False)
-            setattr(parent, name, stand_in)
+            setattr(parent, name, StandIn(st, self))
         self._install_head()
         if embed_path is not None:
             self._install_embedding(embed_path)

@@ -149,6 +149,11 @@ class HeldElsewhere(nn.Module):
         super().__init__()
         self._splitter = (splitter,)
         self._original = (original,)  # tuples: not registered, so their weights are not this module's
+        # an empty parameter of the original's dtype and device: a model whose every weight is elsewhere (OLMo's
+        # norms have none) still answers ``generate``'s ``self.device`` and ``self.dtype``
+        first = next(original.parameters(), None)
+        if first is not None:
+            self.held_here = nn.Parameter(torch.empty(0, dtype=first.dtype, device=first.device), requires_grad=False)
 
     @property
     def weight(self):
