@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -126,23 +127,42 @@ class Service:
         engines: dict = {}
         started = int(time.time())
         options = dict(timeout=timeout, client_key=client_key)
-        try:
-            if not nodes:
-                from diffuse.localnodes import warm_launcher
+        node_sets: list = [None] * len(infos)
+        failed: list = []
 
-                warm_launcher()
-            for k, (name, info) in enumerate(zip(names, infos)):
-                node_set = cls._nodes(info, nodes[k] if nodes else None, local_nodes, threads, local_transport, say)
+        def start_nodes():  # nodes come up (and load their blocks) while the client ends load here
+            try:
+                for k, info in enumerate(infos):
+                    node_sets[k] = cls._nodes(info, nodes[k] if nodes else None, local_nodes, threads,
+                                              local_transport, say)
+            except BaseException as exc:
+                failed.append(exc)
+
+        if not nodes:
+            from diffuse.localnodes import warm_launcher
+
+            warm_launcher()
+        starter = threading.Thread(target=start_nodes, name="start-nodes", daemon=True)
+        starter.start()
+        try:
+            for name, info in zip(names, infos):
                 if info.subject.autoregressive:
-                    e = LanguageEngine(name, info, node_set, options, started, parallel, max_waiting, max_tokens)
+                    e = LanguageEngine(name, info, None, options, started, parallel, max_waiting, max_tokens)
                 else:
-                    e = PipelineEngine(name, info, node_set, options, started, 1, max_waiting)
+                    e = PipelineEngine(name, info, None, options, started, 1, max_waiting)
                 engines[name] = e
                 say(f"loading {name}'s client ends ({e.kind})")
                 e.pool.prewarm()  # one warm copy, so the first request pays no loading
+            starter.join()
+            if failed:
+                raise failed[0]
+            for e, node_set in zip(engines.values(), node_sets):
+                e.nodes = node_set
         except BaseException:
-            for e in engines.values():
-                e.nodes.stop()
+            starter.join()
+            for node_set in node_sets:
+                if node_set is not None:
+                    node_set.stop()
             raise
         from diffuse import __version__
 

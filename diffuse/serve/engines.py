@@ -515,7 +515,11 @@ class PipelineEngine(Engine):
                 cancel.check()
                 with self.split(pipe, patches=patches):
                     with torch.no_grad():
-                        result = pipe(**kwargs)
+                        try:
+                            result = pipe(**kwargs)
+                        except ValueError as exc:  # the pipeline's own refusal of what was asked
+                            raise BadRequest(f"{type(pipe).__name__} refuses this request: "
+                                             f"{' '.join(str(exc).split())}") from None
             finally:
                 del sched.step
         finally:
