@@ -253,8 +253,15 @@ def make_app(service) -> FastAPI:
         return error_response(exc.status_code, str(exc.detail), "invalid_request_error",
                               "not_found" if exc.status_code == 404 else None)
 
+    @app.exception_handler(DiffuseError)
+    async def _refused(request, exc: DiffuseError):  # a bad request, a busy model, a ring that failed
+        err = _as_api_error(exc)
+        if err.status >= 500:
+            log.error("%s %s: %s", request.method, request.url.path, err.message)
+        return error_response(err.status, err.message, err.type, err.code, err.param, err.headers)
+
     @app.exception_handler(Exception)
-    async def _any(request, exc: Exception):
+    async def _any(request, exc: Exception):  # a fault of this service: the log keeps its traceback
         err = _as_api_error(exc)
         log.error("%s %s: %s", request.method, request.url.path, err.message)
         return error_response(err.status, err.message, err.type, err.code, err.param, err.headers)
@@ -597,13 +604,14 @@ def make_app(service) -> FastAPI:
         fmt = form.get("response_format") or "json"
         if fmt not in ("json", "text", "verbose_json"):
             raise BadRequest("response_format: json, text or verbose_json", "response_format")
+        max_tokens = _int(dict(form), "max_tokens", None, lo=1)  # an extension: the answer's length at most
         suffix = os.path.splitext(upload.filename or "")[1] or ".wav"
         cancel = Cancel()
         with tempfile.TemporaryDirectory(prefix="diffuse-serve-") as tmp:
             path = os.path.join(tmp, "audio" + suffix)
             with open(path, "wb") as f:
                 f.write(await upload.read())
-            r = await run_in_thread(request, lambda: e.transcribe(path, cancel), cancel)
+            r = await run_in_thread(request, lambda: e.transcribe(path, cancel, max_tokens), cancel)
         if fmt == "text":
             return Response(r.text, media_type="text/plain")
         out = {"text": r.text, "usage": {"type": "tokens", "input_tokens": r.prompt_tokens,

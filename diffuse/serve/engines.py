@@ -387,15 +387,16 @@ class LanguageEngine(Engine):
             reason = "length" if limit and len(new) >= limit else "stop"
         return TextResult(stream.final_text(), new, prompt_len, reason)
 
-    def transcribe(self, audio_path: str, cancel: Cancel) -> TextResult:
-        """The text ``diffuse query --audio FILE`` prints for the same clip (greedy; the model's own
-        generation config sets the length)."""
+    def transcribe(self, audio_path: str, cancel: Cancel, max_tokens: int | None = None) -> TextResult:
+        """The text ``diffuse query --audio FILE [--max-new-tokens N]`` prints for the same clip (greedy; without
+        ``max_tokens`` the model's own generation config sets the length)."""
         from diffuse.audio_inputs import build_audio_inputs
 
         if not self.listens:
             raise BadRequest(f"{self.name} does not transcribe audio", "model")
         inputs, _note = build_audio_inputs(self.info.path, audio_path)
-        return self.generate_text(inputs, {"do_sample": False}, None, [], cancel)
+        gen = {"do_sample": False, **({"max_new_tokens": max_tokens} if max_tokens else {})}
+        return self.generate_text(inputs, gen, None, [], cancel)
 
     def speak(self, text: str, gen: dict, seed: int | None, cancel: Cancel) -> bytes:
         """A model that answers with sound (MusicGen): ``text`` describes it; the .wav bytes that ``diffuse
