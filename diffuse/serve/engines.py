@@ -17,6 +17,7 @@ import queue
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from diffuse.errors import DiffuseError
@@ -59,6 +60,11 @@ class Cancel:
             raise Cancelled()
 
 
+# Loading a copy builds models under patches that are global to the process (weightless construction), and a
+# split's first call analyses a block: both take turns, whatever model they are for.
+LOADING = threading.RLock()
+
+
 @dataclass
 class Pool:
     """Copies of a model's client ends, made on first need, at most ``size``, lent one per request."""
@@ -85,7 +91,8 @@ class Pool:
                 self._waiting += 1
         if make_one:
             try:
-                copy = self.make()
+                with LOADING:
+                    copy = self.make()
             except BaseException:
                 with self._lock:
                     self._made -= 1
@@ -116,7 +123,8 @@ class Pool:
             if self._made:
                 return
             self._made = 1
-        self._free.put(self.make())
+        with LOADING:
+            self._free.put(self.make())
 
     def give(self, copy) -> None:
         with self._lock:
@@ -169,10 +177,20 @@ class Engine:
         self.created = created
         self.pool: Pool | None = None
 
+    @contextmanager
     def split(self, target, **extra):
+        """One request's sessions on the nodes, open for the ``with`` block."""
         from diffuse.api import Split
 
-        return Split(target, nodes=list(self.nodes.specs), **self.split_options, **extra)
+        split = Split(target, nodes=list(self.nodes.specs), **self.split_options, **extra)
+        with LOADING:
+            split.__enter__()
+        try:
+            yield split
+        except BaseException as exc:
+            split.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        split.__exit__(None, None, None)
 
     def describe(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "diffuse",
