@@ -281,11 +281,24 @@ def make_app(service) -> FastAPI:
             response = await call_next(request)
         except Cancelled:
             response = Response(status_code=499)
-        _log_line(request, response.status_code, t0)
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            inner = response.body_iterator
+
+            async def logged():  # a stream's line says how long the whole answer took
+                try:
+                    async for part in inner:
+                        yield part
+                finally:
+                    _log_line(request, response.status_code, t0, " (stream)")
+
+            response.body_iterator = logged()
+        else:
+            _log_line(request, response.status_code, t0)
         return response
 
-    def _log_line(request, status, t0):
-        log.info("%s %s %s %.0f ms", request.method, request.url.path, status, 1000 * (time.perf_counter() - t0))
+    def _log_line(request, status, t0, note=""):
+        log.info("%s %s %s %.0f ms%s", request.method, request.url.path, status, 1000 * (time.perf_counter() - t0),
+                 note)
 
     def engine(name, kinds: tuple[str, ...], what: str):
         if not name:
