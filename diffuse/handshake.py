@@ -42,8 +42,7 @@ def route_from_slices(plan: SlicingPlan, held: list[list[Slice] | None]) -> Slic
         order = "; ".join(f"{st.address}: {', '.join(map(str, m.values())) or 'nothing'}"
                           for st, m in zip(plan.route, mine))
         return DiffuseError(f"the nodes' slices do not chain into whole stacks in route order: {why} "
-                            f"(route order: {order}); list the nodes in the order of their blocks, or change "
-                            "their --blocks")
+                            f"(route order: {order}); change their --blocks")
 
     routes: list[list[Slice]] = [[] for _ in plan.route]
     for st in plan.stacks:
