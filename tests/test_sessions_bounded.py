@@ -335,3 +335,65 @@ def test_malformed_authenticated_calls_are_answered_in_one_line(ring_env):
         h.close()
     assert "Traceback" not in env.log(0)
     assert np.array_equal(env.generate(env.ring), env.expected)
+
+
+# --------------------------------------------------------------------------- 7. nobody freezes the control thread
+
+
+def test_a_stranger_cannot_freeze_a_nodes_control_thread(ring_env):
+    """While node 0 runs a long pass of a real client, strangers' sessions flood its data port (junk sealed
+    under no key; calls sealed under their own hop key, more than the compute thread's queue holds) and
+    close. Junk never takes a place in that queue; the closes and the node's hellos are answered at once."""
+    import queue
+    import threading
+
+    import cbor2
+
+    from diffuse.node import MAX_QUEUED
+    from test_hardening import WAN_ARGS
+
+    env = ring_env
+    ring, split = env.ring, env._split_of(env.ring)
+    sent: queue.Queue = queue.Queue()
+    ring.send = lambda *a, **k: (type(ring).send(ring, *a, **k), sent.put(time.monotonic()))[0]
+    # one step, one call (no guidance) of ~21,000 tokens: node 0 computes for seconds
+    big = dict(WAN_ARGS, height=512, width=512, num_frames=81, guidance_scale=1.0, num_inference_steps=1)
+    done: dict = {}
+
+    def client():
+        split.splitter.attach(ring)
+        try:
+            with torch.no_grad():
+                done["out"] = env.pipe(**big, generator=torch.Generator("cpu").manual_seed(0), output_type="latent")[0]
+        except BaseException as exc:
+            done["error"] = exc
+
+    junk, squat = Hostile(env, 0), Hostile(env, 0)
+    log_before = len(env.log(0))
+    worker = threading.Thread(target=client)
+    worker.start()
+    try:
+        sent.get(timeout=120)  # the pass went to node 0
+        for c in range(1, MAX_QUEUED + 145):  # the stranger's own session id, frames sealed under no key
+            junk.outbox.send_multipart([cbor2.dumps({"v": 1, "s": junk.sid, "c": c, "n": 3}), b"x" * 64, b"y" * 64])
+        for _ in range(MAX_QUEUED + 16):  # authentic, and more than the queue holds
+            squat.call(tree={"args": [{"$t": 0}], "kwargs": {}}, slots=[["f", 0]], _tensors=[torch.zeros(4)])
+        time.sleep(0.3)  # the floods reach the node
+        closing = threading.Thread(target=lambda: (junk.close(), squat.close()))
+        closing.start()
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        junk.t.request(junk.address, {"op": "hello", "wire": [1]}, 10.0)
+        hello_s = time.monotonic() - t0
+        closing.join(10.0)
+        closed = not closing.is_alive()
+    finally:
+        worker.join(120)
+        del ring.send
+    log = env.log(0)[log_before:]
+    print(f"hello answered in {hello_s:.3f} s while node 0 computed with its queue full")
+    assert hello_s < 1.0 and closed
+    assert log.count("failed authentication") >= MAX_QUEUED + 144, log[-2000:]
+    assert log.count("already wait for the compute thread") <= 16, log[-2000:]  # junk took no place in the queue
+    assert "error" not in done and torch.isfinite(done["out"]).all()
+    assert np.array_equal(env.generate(env.ring), env.expected)
