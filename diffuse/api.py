@@ -198,9 +198,12 @@ class Split:
         return self.ring.plan if self.ring is not None else None
 
     def start_local_nodes(self):
+        """This run's own nodes, which serve this run's client identity only."""
         from diffuse.localnodes import start_local_nodes
+        from diffuse.sealing import load_identity
 
         return start_local_nodes(self.info.path, self.local.count, self.local.threads, scheme=self.local_transport,
+                                 client=load_identity(self.client_key),
                                  groups=self.branch_groups)
 
     def __enter__(self) -> "Split":
@@ -220,7 +223,8 @@ class Split:
             for group in self.groups or [self.nodes]:
                 plan = make_plan(self.info.subject, self.info.draft, [a for a, _ in group], [k for _, k in group],
                                  denoiser_dtype(denoiser))
-                rings.append(Ring(plan, self.timeout, self.attention, self.client_key, repair=self.repair))
+                rings.append(Ring(plan, self.timeout, self.attention, self.client_key, repair=self.repair,
+                                  identity=getattr(self.local_nodes, "client", None)))
                 rings[-1].open()
             if len(rings) > 1:
                 from diffuse.branches import BranchRings

@@ -58,16 +58,20 @@ class Ring:
     are listed nodes, the error goes to the caller."""
 
     def __init__(self, plan: SlicingPlan, timeout_s: float = 300.0, attention: str = "auto",
-                 client_key: str | None = None, say=None, repair: RepairPolicy | None = None):
+                 client_key: str | None = None, say=None, repair: RepairPolicy | None = None, identity=None):
         """``client_key``: a file holding this client's long-term identity (created 0600 if missing),
         for nodes that serve only some clients (``--allow-client``); None: a fresh identity per session.
         ``say``: where the one-line account of each repair goes (default: standard error). ``repair``:
-        how a failed node is replaced (default: ``RepairPolicy()``)."""
+        how a failed node is replaced (default: ``RepairPolicy()``). ``identity``: the client identity to open
+        sessions with (``diffuse.sealing.Identity``; local nodes serve only the run's own), in place of
+        ``client_key``'s."""
         self.plan = plan
         self.candidates = plan.route  # every listed node; the route uses one holder per range
         self.timeout_s = timeout_s
         self.attention, self.client_key = attention, client_key
         self.handshake = Handshake(plan, client_key, attention)
+        if identity is not None:
+            self.handshake.identity = identity
         self.identity = self.handshake.identity
         self.channel: Channel | None = None
         self.channel_stats = ChannelStats()  # over every session of this ring, kept after close

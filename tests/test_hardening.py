@@ -458,6 +458,27 @@ def test_client_key_lets_an_allowed_client_in_and_keeps_others_out(models, tmp_p
         assert f.read()[:32].hex() == ready["key"]
 
 
+def test_a_runs_own_local_nodes_serve_only_its_client_key(wan):
+    """Nodes a run starts on this machine serve that run's client identity; another user of the machine
+    (any other key) is refused, while the run goes on byte for byte."""
+    import diffuse
+    from diffuse.errors import NodeError
+
+    with diffuse.split(wan.pipe, local_nodes=2, timeout=30) as split:
+        split.splitter.attach(split.ring)
+        with torch.no_grad():
+            first = wan.pipe(**WAN_ARGS, generator=torch.Generator("cpu").manual_seed(0), output_type="np")[0]
+        pinned = [f"{n.address}#{n.key}" for n in split.local_nodes]
+        with pytest.raises(NodeError, match="this node does not serve your client key"):
+            with diffuse.split(wan.pipe, nodes=pinned, timeout=30):
+                pass
+        split.splitter.attach(split.ring)
+        with torch.no_grad():
+            second = wan.pipe(**WAN_ARGS, generator=torch.Generator("cpu").manual_seed(0), output_type="np")[0]
+    assert np.array_equal(first, second)
+    assert np.array_equal(first, wan.generate(wan.open()))  # what two nodes open to any client make
+
+
 # --------------------------------------------------------------------------- 8. mistakes get clear errors
 
 
