@@ -133,7 +133,7 @@ class Split:
                  threads: int | None = None, timeout: float = 300.0, client_key: str | None = None,
                  attention: str = "auto", local_transport: str = "tcp", model: str | None = None,
                  started=None, branch_groups: int = 1, cache_threshold: float = 0.0, ahead: bool = True,
-                 repair=None):
+                 repair=None, embedding_on_node: bool = False):
         from diffuse.branches import parse_groups
         from diffuse.repair import RepairPolicy
         from diffuse.known_nodes import parse_nodes
@@ -179,6 +179,7 @@ class Split:
         self.patches, self.timeout, self.client_key = patches, timeout, client_key
         self.ahead = ahead  # with patches, the next guidance branch's call sent while this one finishes
         self.repair = repair if repair is not None else RepairPolicy()  # one for all of this split's rings
+        self.embedding_on_node = embedding_on_node
         self.attention, self.local_transport = attention, local_transport
         self.started = started  # local nodes already started by the caller (a diffuse.localnodes.LocalNodes)
         self.local_nodes = None
@@ -232,7 +233,7 @@ class Split:
                 self.ring = BranchRings(rings)
             else:
                 self.ring = rings[0]
-            self.splitter = Splitter.on(denoiser, self.ring.plan)
+            self.splitter = Splitter.on(denoiser, self.ring.plan, self.embedding_on_node)
             self.splitter.attach(self.ring, self.patches, self.cache_threshold, self.ahead)
         except BaseException:
             self._close(hurry=True)
@@ -323,5 +324,7 @@ def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: in
     ``client_key``, ``attention``, ``local_transport``, ``model`` (the pipeline folder, when it cannot be
     told), ``ahead`` (with patches, send the next guidance branch's call while this one finishes; default
     True), ``repair`` (a ``diffuse.repair.RepairPolicy``: how a failed node is replaced; default: the
-    first usable holder of its range, the failed node avoided 30 s, doubling, then used again)."""
+    first usable holder of its range, the failed node avoided 30 s, doubling, then used again),
+    ``embedding_on_node`` (a language model's embedding table on the first node, so passes carry token ids
+    instead of hidden states; default False: the client embeds)."""
     return Split(pipe_or_model, nodes=nodes, local_nodes=local_nodes, patches=patches, **options)
