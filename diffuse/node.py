@@ -43,9 +43,18 @@ log = logging.getLogger("diffuse.node")
 
 MAX_QUEUED = 256  # data messages waiting for the compute thread; more are dropped (and logged)
 MAX_SESSIONS = 256  # open sessions in all (each holds a socket toward its next hop)
+MAX_PASS_LOG = 4096  # per-pass records a session keeps (bytes in, busy time): the latest, with running totals
 MAX_SESSIONS_PER_CLIENT = 16  # open sessions of one client key: one key's flood leaves room for the others
 FDS_PER_SESSION = 3  # a ZeroMQ socket's own descriptor, its connection, one being reconnected
 FDS_KEPT = 128  # descriptors left for everything else (model files, libraries, the node's own sockets)
+
+
+def _keep(records: list, record: list) -> None:
+    """Append a per-pass record, keeping the latest ``MAX_PASS_LOG`` (totals are counted apart): a long
+    session's records, and the close reply that carries them, stay bounded."""
+    records.append(record)
+    if len(records) > MAX_PASS_LOG:
+        del records[:len(records) - MAX_PASS_LOG]
 
 
 class StateTally:
@@ -189,7 +198,7 @@ class Node:
         sess.bytes_in += nbytes
         sess.messages += 1
         if header.get("op") == "call":
-            sess.hop_log.append([header.get("seq"), nbytes])
+            _keep(sess.hop_log, [header.get("seq"), nbytes])
         return Incoming(sess, header, tensors, malformed)
 
     def _failed(self, m: "Incoming", exc: Exception) -> None:
@@ -270,7 +279,7 @@ class Node:
                 self.state_bytes.drop(sess.sid)
         out_header, out_tensors = m.reply
         if m.header.get("op") == "call" and type(m.header.get("seq")) is int:
-            sess.busy_log.append([m.header["seq"], m.busy])
+            _keep(sess.busy_log, [m.header["seq"], m.busy])
         out = frames.seal_message(sess.out_hop, out_header, out_tensors)
         sess.bytes_out += sum(len(f) for f in out)
         outbox = self.sessions.outbox(sess.sid)

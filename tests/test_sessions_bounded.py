@@ -397,3 +397,33 @@ def test_a_stranger_cannot_freeze_a_nodes_control_thread(ring_env):
     assert log.count("already wait for the compute thread") <= 16, log[-2000:]  # junk took no place in the queue
     assert "error" not in done and torch.isfinite(done["out"]).all()
     assert np.array_equal(env.generate(env.ring), env.expected)
+
+
+# --------------------------------------------------------------------------- 8. per-pass records bounded
+
+
+def test_a_long_sessions_per_pass_records_stay_bounded(ring_env):
+    """A session of more calls than a node keeps records of: its close reply lists the latest only (bytes in
+    and busy time per pass), while its totals count every message."""
+    from diffuse.node import MAX_PASS_LOG
+    from diffuse.sealing import open_control, seal_control
+
+    env = ring_env
+    h = Hostile(env, 0)
+    calls = MAX_PASS_LOG + 300
+    try:
+        for start in range(0, calls, 8):  # no more in flight than the node's sending end keeps for a session
+            n = min(8, calls - start)
+            for _ in range(n):  # refused by the blocks (a made-up call), each answered with an error
+                h.call(tree={"args": [{"$t": 0}], "kwargs": {}}, slots=[["f", 0]], _tensors=[torch.zeros(4)])
+            for _ in range(n):
+                assert h.answer()["op"] == "error"
+        reply = h.t.request(h.address, dict(seal_control({"op": "close", "session": h.sid}, h.node_key, h.me),
+                                            op="close"), 10.0)
+        said, _ = open_control(reply, h.me)
+    finally:
+        h.close(tell=False)
+    assert said["ok"] and said["messages"] == calls
+    for records in (said["hop_bytes"], said["busy_log"]):
+        assert len(records) == MAX_PASS_LOG
+        assert [seq for seq, _ in records] == list(range(calls - MAX_PASS_LOG + 1, calls + 1))
