@@ -427,3 +427,30 @@ def test_a_long_sessions_per_pass_records_stay_bounded(ring_env):
     for records in (said["hop_bytes"], said["busy_log"]):
         assert len(records) == MAX_PASS_LOG
         assert [seq for seq, _ in records] == list(range(calls - MAX_PASS_LOG + 1, calls + 1))
+
+
+# --------------------------------------------------------------------------- 9. only the session's client renews it
+
+
+def test_only_pings_that_prove_the_sessions_key_renew_it(ring_env):
+    """Pings by session id alone are answered but renew nothing: such a session is reaped at its lease. Pings
+    carrying the MAC of the id under the session's hop key (what its client sends) keep it."""
+    from diffuse.sessions import ping_proof
+
+    env = ring_env
+    bare, proven = Hostile(env, 0), Hostile(env, 0)
+    proof = ping_proof(proven.send_hop.key, proven.sid)
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < LEASE_S + 2.5:
+            said = bare.ping()
+            assert said.get("renewed") is not True, said
+            kept = proven.t.request(proven.address, {"op": "ping", "session": proven.sid, "proof": proof}, 5.0)
+            assert kept["session_known"] is True and kept["renewed"] is True, kept
+            time.sleep(0.5)
+        assert bare.ping()["session_known"] is False  # reaped at its lease, pinged all along
+        forged = proven.t.request(proven.address, {"op": "ping", "session": proven.sid, "proof": bytes(16)}, 5.0)
+        assert forged["session_known"] is True and forged["renewed"] is False
+    finally:
+        bare.close(tell=False)
+        proven.close()
