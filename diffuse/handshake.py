@@ -266,7 +266,7 @@ class Handshake:
                 self._misses[k] += 1
                 if self._misses[k] >= 2 or stalled is not None:
                     raise NodeError(stage.address, f"stopped answering (no answer to two pings of "
-                                    f"{PROBE_TIMEOUT_S:.0f} s): the node is dead or frozen") from None
+                                    f"{PROBE_TIMEOUT_S:g} s): the node is dead or frozen") from None
                 continue
             if keepalive:
                 continue
