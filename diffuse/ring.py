@@ -53,8 +53,8 @@ class Ring:
     history since its cache was last started anew: when a node dies, freezes or answers with an error,
     the ring closes the session, opens a new one on a route without that node (another holder of its
     range), replays the history to rebuild the caches, resends what was in flight, and says so in one
-    line. How is its ``RepairPolicy`` (``diffuse.repair``): the failed node is avoided for its backoff,
-    then used again. Without a usable holder, or once one pass has been repaired as many times as there
+    line. Its ``RepairPolicy`` (``diffuse.repair``) says how: by default the failed node is avoided for
+    its backoff, then used again. Without a usable holder, or once one pass has been repaired as many times as there
     are listed nodes, the error goes to the caller."""
 
     def __init__(self, plan: SlicingPlan, timeout_s: float = 300.0, attention: str = "auto",
