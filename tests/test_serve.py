@@ -23,6 +23,7 @@ import pytest
 
 from conftest import THREADS, run_client, subprocess_env
 
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the shape /v1/videos answers in
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 

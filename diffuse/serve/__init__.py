@@ -126,6 +126,15 @@ class Service:
             raise DiffuseError(f"two models share a name ({', '.join(names)}): give folders with different names")
         engines: dict = {}
         started = int(time.time())
+        keys = None
+        if client_key is None:  # one identity for every request; local nodes serve it alone
+            import tempfile
+
+            keys = tempfile.TemporaryDirectory(prefix="diffuse-serve-key-")
+            client_key = os.path.join(keys.name, "client.key")
+        from diffuse.sealing import load_identity
+
+        identity = load_identity(client_key)
         options = dict(timeout=timeout, client_key=client_key)
         node_sets: list = [None] * len(infos)
         failed: list = []
@@ -134,7 +143,7 @@ class Service:
             try:
                 for k, info in enumerate(infos):
                     node_sets[k] = cls._nodes(info, nodes[k] if nodes else None, local_nodes, threads,
-                                              local_transport, say)
+                                              local_transport, identity, say)
             except BaseException as exc:
                 failed.append(exc)
 
@@ -166,10 +175,12 @@ class Service:
             raise
         from diffuse import __version__
 
-        return cls(engines, api_key, __version__)
+        service = cls(engines, api_key, __version__)
+        service._keys = keys
+        return service
 
     @staticmethod
-    def _nodes(info, spec, local_nodes, threads, scheme, say):
+    def _nodes(info, spec, local_nodes, threads, scheme, identity, say):
         from diffuse.serve.engines import NodeSet
 
         if spec is not None:
@@ -182,13 +193,17 @@ class Service:
             say(note)
         name = os.path.basename(os.path.normpath(info.path))
         say(f"starting {plan.count} local node{'s' if plan.count > 1 else ''} for {name}")
-        local = start_local_nodes(info.path, plan.count, plan.threads, scheme=scheme)
+        local = start_local_nodes(info.path, plan.count, plan.threads, scheme=scheme, client=identity)
         return NodeSet([f"{n.address}#{n.key}" for n in local], local)
+
+    _keys = None  # the folder of a key made for this service alone
 
     def stop(self) -> None:
         self.jobs.stop()
         for e in self.engines.values():
             e.nodes.stop()
+        if self._keys is not None:
+            self._keys.cleanup()
 
 
 def parse_listen(text: str) -> tuple[str, int]:
