@@ -239,7 +239,7 @@ class Splitter:
         self.top: int | None = None  # candidates per row the head's answer needs (None: the whole row)
         self.shortlist: torch.Tensor | None = None  # the last row the head answered from the best candidates only
         self.whole_row: torch.Tensor | None = None  # ... or whole
-        self.greedy_top: int | None = None  # candidates greedy decoding reads, during a generate call that may
+        self.greedy_top: int | None = None  # in a greedy generate call, the candidates a shortlist holds
         self.logits_changed: bool | None = None  # whether the model changes its logits after the head (None: unknown)
         self.pending: _Pending | None = None
         self.in_generate = False  # passes are held back for the head only inside generate, which always calls it
