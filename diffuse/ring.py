@@ -90,8 +90,18 @@ class Ring:
         return self.handshake.transports[0].scheme
 
     def open(self) -> None:
+        self._unanswered: list[NodeError] = []
         self._survey()
-        self._open(choose_route(self.plan, self.candidates, self._held, self._usable))
+        try:
+            self._open(choose_route(self.plan, self.candidates, self._held, self._usable))
+        except NodeError:
+            raise
+        except DiffuseError as exc:
+            if not self._unanswered:
+                raise
+            first = self._unanswered[0]  # the root cause: the nodes left could not make a route without it
+            raise NodeError(first.address, f"{str(first).removeprefix(f'node {first.address}: ')}; the nodes that "
+                            f"answered do not hold every block without it") from exc
 
     def _survey(self) -> None:
         """Ask every listed node what it holds; one that does not answer is left out if the others can
@@ -120,6 +130,7 @@ class Ring:
                 choose_route(self.plan, self.candidates, self._held, self._usable)
             except DiffuseError:
                 raise errors[0] from None
+            self._unanswered = errors
             for exc in errors:
                 self.say(f"{exc}: routing around it")
 
