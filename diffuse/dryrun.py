@@ -4,9 +4,9 @@
 is rebuilt from its config on the meta device: its tensors have shapes and no
 data, so its forward costs milliseconds, reads no weight and starts no node.
 The rest of the call is the pipeline's own (the prompt is encoded once, and
-kept for the further probes), and it stops at the scheduler's first step, once
-every denoiser call of that step has gone through the denoiser's own forward at
-the call's shapes. A size the model cannot take fails
+kept for the further probes and for the real call), and it stops once the first
+denoiser call has gone through the denoiser's own forward at the call's shapes
+(or at the scheduler's first step, whichever comes first). A size the model cannot take fails
 there exactly as it would after loading and starting nodes, and is refused in
 one line that names the largest sizes it does take. A failure the dry call
 cannot stand for (an operation with no meta kernel, a pipeline that reads a
@@ -20,8 +20,12 @@ a size other than the one a model folder declares it was made for
 
 from __future__ import annotations
 
+import inspect
+import time
+
 from diffuse.errors import DiffuseError
 
+SEARCH_S = 6.0  # at most this long looking for the largest size taken, per size
 SIZE_ARGS = ("height", "width", "num_frames")
 SIZE_WORDS = {"height": "px high", "width": "px wide", "num_frames": "frames"}
 
@@ -83,9 +87,10 @@ class DryPipeline:
         def checked_forward(*args, **kw):
             to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v  # noqa: E731
             try:
-                return forward(meta, *map(to_meta, args), **{k: to_meta(v) for k, v in kw.items()})
+                forward(meta, *map(to_meta, args), **{k: to_meta(v) for k, v in kw.items()})
             except Exception as exc:
                 raise _Refused(exc) from None
+            raise _FirstStep()  # the first call went through at these shapes
 
         meta.forward = checked_forward
         object.__setattr__(dry, self.denoiser, meta)
@@ -188,7 +193,10 @@ def largest_taken(dry: DryPipeline, pipe, kwargs: dict, name: str, asked: int) -
     take, the other arguments as given (a binary search: a size that fits means every smaller one does)."""
     candidates = [v for v in range(1, asked) if _input_check_takes(pipe, dict(kwargs, **{name: v}))]
     lo, hi, best = 0, len(candidates) - 1, None
+    deadline = time.monotonic() + SEARCH_S
     while lo <= hi:
+        if time.monotonic() > deadline:
+            return None  # a slow forward: the refusal stands without the bound
         mid = (lo + hi) // 2
         try:
             dry.run(dict(kwargs, **{name: candidates[mid]}))
@@ -201,13 +209,37 @@ def largest_taken(dry: DryPipeline, pipe, kwargs: dict, name: str, asked: int) -
 
 
 def _input_check_takes(pipe, kwargs: dict) -> bool:
-    from diffuse.run import check_inputs
-
     try:
         check_inputs(pipe, kwargs)
         return True
     except DiffuseError:
         return False
+
+
+def check_inputs(pipe, kwargs: dict) -> None:
+    """The pipeline's own input check, run before any node starts: what it refuses is refused now,
+    in one line. An argument the check takes that the call does not give gets the pipeline call's
+    own default (PixArt checks ``callback_steps``, which its call defaults to 1), else None; a check
+    that cannot be called that way is skipped, not guessed at."""
+    fn = getattr(pipe, "check_inputs", None)
+    if fn is None:
+        return
+    call_defaults = {n: p.default for n, p in inspect.signature(pipe.__call__).parameters.items()
+                     if p.default is not inspect.Parameter.empty}
+    given = {}
+    for name, p in inspect.signature(fn).parameters.items():
+        if name in kwargs:
+            given[name] = kwargs[name]
+        elif name in call_defaults:
+            given[name] = call_defaults[name]
+        elif p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            given[name] = None
+    try:
+        fn(**given)
+    except ValueError as exc:
+        raise DiffuseError(f"{type(pipe).__name__} refuses these arguments: {' '.join(str(exc).split())}") from None
+    except (TypeError, AttributeError):
+        pass
 
 
 def notes(pipe, kwargs: dict, info) -> list[str]:

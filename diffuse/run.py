@@ -64,36 +64,10 @@ def call_kwargs(a: argparse.Namespace, pipe, info) -> dict:
             kwargs.setdefault(k, v)
     kwargs["generator"] = torch.Generator("cpu").manual_seed(a.seed)
     kwargs["output_type"] = "np"
+    from diffuse.dryrun import check_inputs
+
     check_inputs(pipe, kwargs)
     return kwargs
-
-
-def check_inputs(pipe, kwargs: dict) -> None:
-    """The pipeline's own input check, run before any node starts: what it refuses is refused now,
-    in one line. An argument the check takes that the call does not give gets the pipeline call's
-    own default (PixArt checks ``callback_steps``, which its call defaults to 1), else None; a check
-    that cannot be called that way is skipped, not guessed at."""
-    import inspect as _inspect
-
-    fn = getattr(pipe, "check_inputs", None)
-    if fn is None:
-        return
-    call_defaults = {n: p.default for n, p in _inspect.signature(pipe.__call__).parameters.items()
-                     if p.default is not _inspect.Parameter.empty}
-    given = {}
-    for name, p in _inspect.signature(fn).parameters.items():
-        if name in kwargs:
-            given[name] = kwargs[name]
-        elif name in call_defaults:
-            given[name] = call_defaults[name]
-        elif p.default is _inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-            given[name] = None
-    try:
-        fn(**given)
-    except ValueError as exc:
-        raise DiffuseError(f"{type(pipe).__name__} refuses these arguments: {' '.join(str(exc).split())}") from None
-    except (TypeError, AttributeError):
-        pass
 
 
 @contextmanager
