@@ -412,6 +412,33 @@ def status(out, text: str) -> None:
     out.print(text, highlight=False, soft_wrap=True, markup=False)
 
 
+class phase:
+    """A phase of a command: its line at the start, and while it lasts a line every ``every`` seconds
+    saying it still goes on (imports and loading under a busy machine take long), so the command is
+    never long silent."""
+
+    def __init__(self, out, text: str, every: float = 5.0):
+        self.out, self.text, self.every = out, text, every
+
+    def __enter__(self):
+        import threading
+
+        status(self.out, self.text)
+        self.started, self.done = time.perf_counter(), threading.Event()
+        self.ticker = threading.Thread(target=self._tick, name="phase", daemon=True)
+        self.ticker.start()
+        return self
+
+    def _tick(self) -> None:
+        what = self.text.rstrip(".").split(": ")[-1].split(";")[-1].strip()
+        while not self.done.wait(self.every):
+            status(self.out, f"  still {what} ({time.perf_counter() - self.started:.0f} s)")
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.ticker.join()
+
+
 def report_error(out, exc: BaseException) -> int:
     """An expected failure: one clear line, no traceback, exit status 2. The line is the root cause: a
     failure raised while handling another names the first one too when they differ."""

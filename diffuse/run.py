@@ -16,7 +16,8 @@ import json
 import os
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+import contextlib
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -123,16 +124,16 @@ def generate(a: argparse.Namespace, console) -> dict:
     else:
         path, name = resolve_model(a.model), a.model
     where = "" if os.path.basename(path.rstrip("/")) == name else f" from {path}"
-    cli.status(console, f"diffuse query: {name}{where}; reading its config (importing torch and its library)")
-    import torch
+    with cli.phase(console, f"diffuse query: {name}{where}; reading its config (importing torch and its library)"):
+        import torch
 
-    import diffuse
-    from diffuse.api import ModelInfo, Split
-    from diffuse.planner import load_pipeline
+        import diffuse
+        from diffuse.api import ModelInfo, Split
+        from diffuse.planner import load_pipeline
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    info = ModelInfo.of(path)  # refusals happen here, before any node is contacted
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        info = ModelInfo.of(path)  # refusals happen here, before any node is contacted
     cli.check_flags_for(a, info.subject.autoregressive)
     if a.nodes is None and not a.whole:
         from diffuse.localnodes import warm_launcher
@@ -145,17 +146,17 @@ def generate(a: argparse.Namespace, console) -> dict:
     check_output_path(a.out, info.draft)
     stacks = ", ".join(f"{s.path} ({s.length})" for s in info.draft["stacks"])
     pipeline = info.subject.model_index.get("_class_name", "the pipeline")
-    cli.status(console, f"{pipeline}, block stacks {stacks}: loading it"
-               f"{' whole' if a.whole else ' without the blocks the nodes will hold'}")
-    if a.whole:
-        pipe = load_pipeline(info.path)
-        pipe._diffuse = info
-    else:
-        pipe = diffuse.from_pretrained(info.path)
-    kwargs = call_kwargs(a, pipe, info)
-    from diffuse.dryrun import check_sizes, notes
+    with cli.phase(console, f"{pipeline}, block stacks {stacks}: loading it"
+                   f"{' whole' if a.whole else ' without the blocks the nodes will hold'}"):
+        if a.whole:
+            pipe = load_pipeline(info.path)
+            pipe._diffuse = info
+        else:
+            pipe = diffuse.from_pretrained(info.path)
+        kwargs = call_kwargs(a, pipe, info)
+        from diffuse.dryrun import check_sizes, notes
 
-    check_sizes(pipe, kwargs, info, name)
+        check_sizes(pipe, kwargs, info, name)
     for note in notes(pipe, kwargs, info):
         console.print(note, highlight=False, soft_wrap=True, markup=False)
     report: dict = {"model": info.path, "mode": "whole" if a.whole else "split"}
@@ -172,11 +173,15 @@ def generate(a: argparse.Namespace, console) -> dict:
         if split.local is not None:
             for note in split.local.notes:
                 console.print(note, soft_wrap=True)
-            console.print(f"starting {split.local.count} local nodes ({split.local.threads} "
-                          f"thread{'s' if split.local.threads > 1 else ''} each)")
+            starting = (f"starting {split.local.count} local nodes ({split.local.threads} "
+                        f"thread{'s' if split.local.threads > 1 else ''} each)")
+        else:
+            starting = f"opening sessions on {len(split.nodes)} nodes"
     t1 = time.perf_counter()
-    with split or nullcontext():
+    with contextlib.ExitStack() as held:
         if split is not None:
+            with cli.phase(console, starting):
+                held.enter_context(split)
             for k, ring in enumerate(split.rings):
                 for stage in ring.plan.route:
                     group = f" (group {k + 1})" if len(split.rings) > 1 else ""
