@@ -24,7 +24,6 @@ machine's core count and load. ``--quick`` runs a small model for a smoke test.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil

@@ -18,7 +18,6 @@ prompt run alone, whole.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics

@@ -10,6 +10,13 @@ output is piped or logged).
 
 This module imports no other part of Diffuse at load time, and a subcommand's module
 only when that subcommand runs, so ``diffuse --help`` and a flag mistake answer at once.
+
+A new subcommand is one entry in ``COMMANDS``, for example
+``"serve": Command("diffuse.serve:main", "what it does", "--model DIR")``: a function
+that takes the rest of the command line and returns the exit status, and builds its
+flags with ``Parser`` (``ring_flags`` for the ring's), reports with ``console``,
+``status`` and ``phase``, and runs its body under ``run_guarded`` for the shared error
+handling.
 """
 
 from __future__ import annotations
@@ -85,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     (torch's threads, imported modules) would only keep the prompt waiting."""
     as_command = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    if as_command:
+        quiet_libraries()
     code = dispatch(argv)
     if as_command:
         exit_now(code)
@@ -105,7 +114,6 @@ def dispatch(argv: list[str]) -> int:
         hint = f"; did you mean {near[0]!r}?" if near else ""
         print(f"diffuse: unknown command {argv[0]!r}{hint}\n\n{usage()}", file=sys.stderr)
         return 2
-    quiet_libraries()
     return command.load()(rest)
 
 
@@ -269,7 +277,8 @@ def query_parser(prog: str = "diffuse query") -> Parser:
                     help="any other argument of the pipeline's call (or of generate); VALUE is JSON where it parses, "
                     "else a string")
     ap.add_argument("--report", metavar="FILE.json", help="write run statistics as JSON")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
+    ap.add_argument("--quiet", action="store_true", help="no status lines, notes, progress bar or progress lines: "
+                    "what the run started and wrote, and errors")
     g = ap.add_argument_group("language models (a transformers model folder)")
     g.add_argument("--max-new-tokens", type=positive, help="tokens to generate (default: the model's generation "
                    "config)")
@@ -407,9 +416,11 @@ def console(stderr: bool = True):
     return Console(stderr=stderr, soft_wrap=True, highlight=False)
 
 
-def status(out, text: str) -> None:
-    """One status line: what happens now (the first within a second of start, one per phase after)."""
-    out.print(text, highlight=False, soft_wrap=True, markup=False)
+def status(out, text: str, quiet: bool = False) -> None:
+    """One status line: what happens now (the first within a second of start, one per phase after);
+    none with ``--quiet``."""
+    if not quiet:
+        out.print(text, highlight=False, soft_wrap=True, markup=False)
 
 
 class phase:
@@ -417,13 +428,13 @@ class phase:
     saying it still goes on (imports and loading under a busy machine take long), so the command is
     never long silent."""
 
-    def __init__(self, out, text: str, every: float = 5.0):
-        self.out, self.text, self.every = out, text, every
+    def __init__(self, out, text: str, quiet: bool = False, every: float = 5.0):
+        self.out, self.text, self.quiet, self.every = out, text, quiet, every
 
     def __enter__(self):
         import threading
 
-        status(self.out, self.text)
+        status(self.out, self.text, self.quiet)
         self.started, self.done = time.perf_counter(), threading.Event()
         self.ticker = threading.Thread(target=self._tick, name="phase", daemon=True)
         self.ticker.start()
@@ -431,7 +442,7 @@ class phase:
 
     def _tick(self) -> None:
         what = self.text.rstrip(".").split(": ")[-1].split(";")[-1].strip()
-        while not self.done.wait(self.every):
+        while not self.done.wait(self.every) and not self.quiet:
             status(self.out, f"  still {what} ({time.perf_counter() - self.started:.0f} s)")
 
     def __exit__(self, *exc) -> None:
@@ -519,4 +530,4 @@ class StepLines:
 
 
 if __name__ == "__main__":
-    main()
+    main()  # ends the process itself

@@ -10,13 +10,12 @@ instead: see ``diffuse.lm``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import inspect
 import json
 import os
-import sys
 import time
-import contextlib
 from contextlib import contextmanager
 
 import numpy as np
@@ -124,7 +123,8 @@ def generate(a: argparse.Namespace, console) -> dict:
     else:
         path, name = resolve_model(a.model), a.model
     where = "" if os.path.basename(path.rstrip("/")) == name else f" from {path}"
-    with cli.phase(console, f"diffuse query: {name}{where}; reading its config (importing torch and its library)"):
+    with cli.phase(console, f"diffuse query: {name}{where}; reading its config (importing torch and its library)",
+                   a.quiet):
         import torch
 
         import diffuse
@@ -147,7 +147,7 @@ def generate(a: argparse.Namespace, console) -> dict:
     stacks = ", ".join(f"{s.path} ({s.length})" for s in info.draft["stacks"])
     pipeline = info.subject.model_index.get("_class_name", "the pipeline")
     with cli.phase(console, f"{pipeline}, block stacks {stacks}: loading it"
-                   f"{' whole' if a.whole else ' without the blocks the nodes will hold'}"):
+                   f"{' whole' if a.whole else ' without the blocks the nodes will hold'}", a.quiet):
         if a.whole:
             pipe = load_pipeline(info.path)
             pipe._diffuse = info
@@ -158,7 +158,7 @@ def generate(a: argparse.Namespace, console) -> dict:
 
         check_sizes(pipe, kwargs, info, name)
     for note in notes(pipe, kwargs, info):
-        console.print(note, highlight=False, soft_wrap=True, markup=False)
+        cli.status(console, note, a.quiet)
     report: dict = {"model": info.path, "mode": "whole" if a.whole else "split"}
     times = {"load": time.perf_counter() - t0}
     split = None
@@ -180,7 +180,9 @@ def generate(a: argparse.Namespace, console) -> dict:
     t1 = time.perf_counter()
     with contextlib.ExitStack() as held:
         if split is not None:
-            with cli.phase(console, starting):
+            if a.quiet and split.local is not None:
+                console.print(starting)  # said even with --quiet: processes are started
+            with cli.phase(console, starting, a.quiet):
                 held.enter_context(split)
             for k, ring in enumerate(split.rings):
                 for stage in ring.plan.route:
@@ -325,4 +327,5 @@ report_error = cli.report_error  # the reporter every command shares
 
 
 if __name__ == "__main__":
+    cli.quiet_libraries()
     cli.exit_now(main())

@@ -67,9 +67,8 @@ def test_bad_values_are_one_line_exit_2_and_nothing_starts(args, why, tmp_path, 
         monkeypatch.chdir(tmp_path)
         run = run_client(["--quiet", *args, "--out", str(tmp_path / "o.mp4")], diffuse_home)
     assert run.returncode == 2, run.stderr
-    lines = run.stderr.strip().splitlines()
-    assert why in " ".join(lines[-1].split()), run.stderr  # the cause is the last line, and one line
-    assert sum("error" in line for line in lines) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert why in " ".join(run.stderr.split())
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert "starting" not in run.stderr and not (tmp_path / "o.mp4").exists()
 
 
