@@ -11,6 +11,7 @@ printed as it streams, token by token.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -372,8 +373,14 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
     lines = lines if lines is not None else sys.stdin
     turns: list[dict] = []
     messages: list[dict] = []
-    with Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
-               client_key=a.client_key, local_transport=a.local_transport) as split:
+    split = Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
+                  client_key=a.client_key, local_transport=a.local_transport)
+    with contextlib.ExitStack() as held:
+        with cli.phase(console, f"starting {split.local.count} local nodes" if split.local is not None
+                       else f"opening sessions on {len(split.nodes)} nodes"):
+            held.enter_context(split)
+        cli.status(console, "ready: type a message (an empty line at end of input, or Ctrl-C, ends the chat)"
+                   if interactive else "ready: reading turns from standard input")
         cache = DynamicCache(config=model.config)
         images = list(a.image)
         while True:
