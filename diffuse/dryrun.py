@@ -6,9 +6,9 @@ data, so its forward costs milliseconds, reads no weight and starts no node.
 The rest of the call is the pipeline's own (the prompt is encoded once, and
 kept for the further probes and for the real call), and it stops once the first
 denoiser call has gone through the denoiser's own forward at the call's shapes
-(or at the scheduler's first step, whichever comes first). A size the model cannot take fails
-there exactly as it would after loading and starting nodes, and is refused in
-one line that names the largest sizes it does take. A failure the dry call
+(or at the scheduler's first step, whichever comes first). A size the model
+cannot take fails there exactly as it would after loading and starting nodes,
+and is refused in one line that names the largest sizes it does take. A failure the dry call
 cannot stand for (an operation with no meta kernel, a pipeline that reads a
 tensor's values before its first step) skips the check: it never refuses a
 call the model would run.
@@ -31,7 +31,7 @@ SIZE_WORDS = {"height": "px high", "width": "px wide", "num_frames": "frames"}
 
 
 class _FirstStep(Exception):
-    """The scheduler's first step was reached: every denoiser call of the step went through."""
+    """The first denoiser call went through (or the scheduler's first step came first): the call's shapes fit."""
 
 
 class _Refused(Exception):
@@ -136,7 +136,8 @@ class _Skip(Exception):
 def check_sizes(pipe, kwargs: dict, info, label: str) -> None:
     """Refuse, in one line and before any node starts, a call whose shapes the denoiser's own forward
     refuses; the line names the largest height, width or frame count it takes where that alone is refused
-    (the others at the size the model folder declares, else as asked). ``label``: how the model is named to the user."""
+    (the others at the size the model folder declares, else as asked). ``label``: the model as the user
+    named it."""
     if info.subject.autoregressive or not info.subject.denoiser:
         return
     try:
