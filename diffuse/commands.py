@@ -84,15 +84,17 @@ def verify_main(argv: list[str]) -> int:
             torch.set_num_threads(a.threads)
         info = ModelInfo.of(a.model)
         cli.check_flags_for(a, info.subject.autoregressive)
-        cli.status(out, f"running {os.path.basename(info.path)} whole, then split")
-        whole = load_pipeline(info.path)
-        with torch.no_grad():
-            reference = output_array(whole(**call_kwargs(a, whole, info)))
-        del whole
-        pipe = diffuse.from_pretrained(info.path)
-        with diffuse.split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches, threads=a.threads,
-                           timeout=a.timeout, local_transport=a.local_transport), torch.no_grad():
-            split = output_array(pipe(**call_kwargs(a, pipe, info)))
+        with cli.phase(out, f"{os.path.basename(info.path)}: running it whole, in this process"):
+            whole = load_pipeline(info.path)
+            with torch.no_grad():
+                reference = output_array(whole(**call_kwargs(a, whole, info)))
+            del whole
+        with cli.phase(out, f"{os.path.basename(info.path)}: running it split"):
+            pipe = diffuse.from_pretrained(info.path)
+            with diffuse.split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches,
+                               threads=a.threads, timeout=a.timeout, local_transport=a.local_transport), \
+                    torch.no_grad():
+                split = output_array(pipe(**call_kwargs(a, pipe, info)))
         result["diff"] = float(np.abs(reference.astype(np.float64) - split).max())
         result["same"] = reference.tobytes() == split.tobytes()
 
