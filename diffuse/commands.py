@@ -84,12 +84,12 @@ def verify_main(argv: list[str]) -> int:
             torch.set_num_threads(a.threads)
         info = ModelInfo.of(a.model)
         cli.check_flags_for(a, info.subject.autoregressive)
-        with cli.phase(out, f"{os.path.basename(info.path)}: running it whole, in this process"):
+        with cli.phase(out, f"{os.path.basename(info.path)}: running it whole, in this process", a.quiet):
             whole = load_pipeline(info.path)
             with torch.no_grad():
                 reference = output_array(whole(**call_kwargs(a, whole, info)))
             del whole
-        with cli.phase(out, f"{os.path.basename(info.path)}: running it split"):
+        with cli.phase(out, f"{os.path.basename(info.path)}: running it split", a.quiet):
             pipe = diffuse.from_pretrained(info.path)
             with diffuse.split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches,
                                threads=a.threads, timeout=a.timeout, local_transport=a.local_transport), \
