@@ -56,6 +56,7 @@ COMMANDS: dict[str, Command] = {
     "chat": Command("diffuse.lm:chat_main", "talk with a language model split over a ring, turn by turn",
                     "--model DIR"),
     "node": Command("diffuse.node:main", "serve a slice of a model's blocks (python -m diffuse.node)"),
+    "serve": Command("diffuse.serve:main", "an OpenAI-compatible HTTP service and a page, models kept warm on a ring"),
     "key": Command("diffuse.commands:key_main", "print this machine's node key (creating it if missing)",
                    "[--key-file FILE]"),
     "check": Command("diffuse.commands:check_main", "the verdict from config.json files alone: stacks, output, "
@@ -297,6 +298,9 @@ def query_parser(prog: str = "diffuse query") -> Parser:
                    help="send the prompt as is (default: the processor's chat template, else the tokenizer's)")
     g.add_argument("--save-tokens", metavar="FILE.json",
                    help='write {"input_ids": [[...]], "new_tokens": [[...]]} as generate returns them')
+    g.add_argument("--embedding-on-node", action="store_true",
+                   help="the first node holds the embedding table and passes carry token ids (default: the client "
+                   "embeds, and passes carry hidden states)")
     return ap
 
 
@@ -309,6 +313,9 @@ def chat_parser() -> Parser:
     ap.add_argument("--image", action="append", default=[], metavar="FILE", help="an image for the first turn")
     ring_flags(ap)
     ap.add_argument("--report", metavar="FILE.json", help="write per-turn statistics as JSON at the end")
+    ap.add_argument("--embedding-on-node", action="store_true",
+                    help="the first node holds the embedding table and passes carry token ids (default: the client "
+                    "embeds)")
     return ap
 
 
@@ -316,7 +323,7 @@ def chat_parser() -> Parser:
 
 DIFFUSION_ONLY = ("steps", "height", "width", "frames", "negative_prompt", "save_array")
 LANGUAGE_ONLY = ("max_new_tokens", "temperature", "top_p", "top_k", "save_tokens", "audio")
-LANGUAGE_MEDIA = ("image", "video", "media", "no_template")
+LANGUAGE_MEDIA = ("image", "video", "media", "no_template", "embedding_on_node")
 
 
 def flag(name: str) -> str:
@@ -379,7 +386,8 @@ def check_flags_for(a: argparse.Namespace, autoregressive: bool) -> None:
         if getattr(a, name, None) is not None:
             raise DiffuseError(f"{flag(name)} applies to language models, not to a diffusion pipeline")
     if any(getattr(a, name, None) for name in LANGUAGE_MEDIA):
-        raise DiffuseError("--image, --video, --media and --no-template apply to language models")
+        raise DiffuseError("--image, --video, --media, --no-template and --embedding-on-node apply to language "
+                           "models")
 
 
 def check_port_free(listen: str) -> None:

@@ -166,7 +166,8 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
     split = None
     if not a.whole:
         split = Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
-                      client_key=a.client_key, local_transport=a.local_transport)
+                      client_key=a.client_key, local_transport=a.local_transport,
+                      embedding_on_node=getattr(a, "embedding_on_node", False))
         if split.local is not None:
             for n in split.local.notes:
                 console.print(n, soft_wrap=True)
@@ -374,7 +375,8 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
     turns: list[dict] = []
     messages: list[dict] = []
     split = Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
-                  client_key=a.client_key, local_transport=a.local_transport)
+                  client_key=a.client_key, local_transport=a.local_transport,
+                  embedding_on_node=a.embedding_on_node)
     with contextlib.ExitStack() as held:
         with cli.phase(console, f"starting {split.local.count} local nodes" if split.local is not None
                        else f"opening sessions on {len(split.nodes)} nodes"):
