@@ -188,9 +188,12 @@ class NodeSampler:
     def nbytes(self) -> int:
         return self.history.numel() * self.history.element_size()
 
-    def draw(self, spec: DrawState, logits: torch.Tensor) -> dict:
+    def draw(self, spec: DrawState | dict, logits: torch.Tensor) -> dict:
         """Apply the processors to ``logits`` (batch x vocab, the last row of the head's answer), then draw
-        (``spec.sample``) or take the argmax; the token per row, and the generator's digest after the draw."""
+        (``spec.sample``) or take the argmax; the token per row, and the generator's digest after the draw.
+        ``spec`` as a pass carries it, or as it travels (checked here then)."""
+        if not isinstance(spec, DrawState):
+            spec = DrawState.from_wire(spec)
         if spec.processors is not None:
             self.processors = rebuild(spec.processors)
         if self.processors is None:
