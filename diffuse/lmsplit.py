@@ -89,9 +89,12 @@ class LanguageEnds:
         """The input embedding, (path, the original), when the first node holds the table."""
         return self.embedding.table
 
+    def decide(self) -> None:
+        """What is decided on the model as loaded, before any stand-in is in place (once)."""
+        self.embedding.decide()
+
     def install(self, changes) -> None:
         """The head's and the embedding's stand-ins, and the hooks that watch the model around them."""
-        self.embedding.decide()
         self._install_head(changes)
         self.embedding.install(changes)
 

@@ -170,6 +170,7 @@ class Splitter:
         for h in self._guards:
             h.remove()
         self._guards = []
+        self.lm.decide()  # on the model's own forward, its blocks still in place
         for st in self.plan.stacks:
             original = self.changes.replace(self.denoiser, st.path, lambda _: StandIn(st, self))
             self.originals[st.path] = original
