@@ -159,6 +159,9 @@ class Splitter:
     # what the language model's ends hold, as earlier readers of the splitter find it
     head = property(lambda self: self.lm.head, doc="the output head, (path, the original), or None")
     head_tied = property(lambda self: self.lm.head_tied, doc="the head shares its weights with the embedding")
+    head_list = property(lambda self: self.lm.head_list, doc="the head is a list of heads side by side")
+    head_freed = property(lambda self: self.lm.head_freed, doc="the last node holds the head's weights")
+    tail_bytes_max = property(lambda self: self.lm.tail_bytes_max, doc="the most one tail's answer held")
     embed = property(lambda self: self.lm.embedding.table, doc="the input embedding, when the first node holds it")
     embed_kept = property(lambda self: self.lm.embedding.kept, doc="else why the client keeps it")
     embed_passes = property(lambda self: self.lm.embedding.passes, doc="passes that carried token ids")
