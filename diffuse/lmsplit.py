@@ -306,7 +306,8 @@ class EmbeddingEnd:
 
     def decide(self) -> None:
         """Where the embedding table goes, decided once on the model's own forward, before any stand-in is in
-        place: to the first node where the forward allows (``diffuse.embedding``), else ``kept`` says why."""
+        place: to the first node when asked (``embedding_on_node``) and the forward allows (``diffuse.embedding``),
+        else ``kept`` says why."""
         if self._decided:
             return
         self._decided = True
@@ -317,6 +318,9 @@ class EmbeddingEnd:
         stack = plan.stacks[0].path
         if path is not None and (path == stack or path.startswith(stack + ".")):
             path = None
+        if not self.ends.splitter.embedding_on_node:
+            self.kept = "the default: passes carry hidden states, not token ids (--embedding-on-node)"
+            return
         self.kept = embedding_stays(self.ends.model, path, self.ends.model.get_submodule(stack)[0])
         self._path = path if self.kept is None else None
 

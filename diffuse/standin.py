@@ -145,15 +145,24 @@ class Splitter:
         self.uncut: dict[str, str] = {}  # stack -> why its steps run uncut although patches > 1
         self.lm = LanguageEnds(self)
 
+    embedding_on_node = False  # a language model's embedding table may go to the first node (opt-in)
+
     @classmethod
-    def on(cls, denoiser: nn.Module, plan: SlicingPlan) -> "Splitter":
-        """The denoiser's splitter (one per denoiser, kept on it, so what it learned outlives a ring)."""
+    def on(cls, denoiser: nn.Module, plan: SlicingPlan, embedding_on_node: bool = False) -> "Splitter":
+        """The denoiser's splitter (one per denoiser, kept on it, so what it learned outlives a ring).
+        ``embedding_on_node``: a language model's embedding table goes to the first node where its forward
+        allows (else it stays here, and passes carry hidden states, never token ids)."""
         splitter = getattr(denoiser, "_diffuse_splitter", None)
         if splitter is None:
             splitter = cls(denoiser, plan)
+            splitter.embedding_on_node = embedding_on_node
             denoiser._diffuse_splitter = splitter
         elif splitter.plan.model.content_hash != plan.model.content_hash:
             raise DiffuseError("this denoiser was split for another model")
+        elif splitter.embedding_on_node != embedding_on_node and splitter.head is not None:
+            where = "the first node" if splitter.embedding_on_node else "the client"
+            raise DiffuseError(f"this model was split before with its embedding table on {where}; load it again "
+                               "to change that")
         return splitter
 
     # what the language model's ends hold, as earlier readers of the splitter find it
@@ -188,7 +197,7 @@ class Splitter:
         """Everything ``install`` and ``attach`` changed, put back; modules whose weights a node holds refuse to
         run, saying so, until their weights are loaded again."""
         self.changes.undo()
-        why = "this pipeline's blocks are held by nodes: call it inside `with diffuse.split(...)`, or load their " \
+        why = "this model's blocks are held by nodes: call it inside `with diffuse.split(...)`, or load their " \
               "weights again"
         freed = [(b, why) for ml in self.originals.values() for b in ml
                  if any(p.device.type == "meta" for p in b.parameters())]

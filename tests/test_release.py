@@ -63,7 +63,7 @@ def test_a_split_language_model_is_its_own_model_again_after_release(tmp_path, d
             before = model(**inputs).logits
         saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
         layout, hooks = model_layout(model), hooks_of(model)
-        with diffuse.split(model, local_nodes=2):
+        with diffuse.split(model, local_nodes=2, embedding_on_node=True):  # the embedding's stand-in too
             during, hooked = model_layout(model), hooks_of(model)
             split = model.generate(**inputs, max_new_tokens=3, do_sample=False)
         # while split, the layers, the head and the embedding were stand-ins and every module was watched
