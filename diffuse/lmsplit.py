@@ -8,9 +8,9 @@ the pass is held back until the head is called, so that the last node runs the
 final norm and the head too and sends back only the candidates decoding reads
 (``diffuse.tail``); ``GenerateCapture`` captures generate's own logits
 processors and token history so that, when it samples, the last node applies
-them and draws (``diffuse.sampling``). Where the model's forward allows, the
-input embedding is a stand-in too and the pass carries token ids for the first
-node to embed (``diffuse.embedding``). Every module replaced and every hook
+them and draws (``diffuse.sampling``). When asked (``embedding_on_node``) and
+where the model's forward allows, the input embedding is a stand-in too and the
+pass carries token ids for the first node to embed (``diffuse.embedding``). Every module replaced and every hook
 registered here is recorded in the splitter's ``Changes``, and undone on release.
 """
 
