@@ -126,6 +126,40 @@ def plan_local_nodes(asked: int, stacks, patches: int, threads: int | None) -> L
     return LocalNodesPlan(count, threads, notes)
 
 
+def check_options(patches: int, nodes_given: bool, local_nodes: int | None, branch_groups: int,
+                  cache_threshold: float, autoregressive: bool | None = None) -> float:
+    """The rules a split's options follow, for ``split()`` and for the command line's flags alike (the
+    command checks them through ``diffuse.cli.check_flags`` before anything loads). ``autoregressive``:
+    whether the model is a language model, None while that is not known yet. Returns the cache threshold
+    as a float."""
+    if isinstance(patches, bool) or not isinstance(patches, int) or patches < 1:
+        raise DiffuseError(f"--patches {patches!r}: must be a whole number, at least 1")
+    if nodes_given and local_nodes is not None:
+        raise DiffuseError("--nodes and --local-nodes: give one (nodes elsewhere, or nodes started here)")
+    if local_nodes is not None and local_nodes < 1:
+        raise DiffuseError("--local-nodes must be at least 1")
+    if branch_groups < 1:
+        raise DiffuseError("--branch-groups must be at least 1")
+    asked = local_nodes if local_nodes is not None else 2 * branch_groups
+    if not nodes_given and asked % branch_groups:
+        raise DiffuseError(f"--local-nodes {asked} cannot be shared evenly by --branch-groups {branch_groups}")
+    threshold = 0.0
+    if cache_threshold:  # torch is imported only where the first-block cache is asked for
+        from diffuse.firstblock import NOT_FOR_LANGUAGE_MODELS, checked_threshold, not_with_patches
+
+        threshold = checked_threshold(cache_threshold)
+    if threshold and patches > 1:
+        raise DiffuseError(not_with_patches(patches))
+    if autoregressive and threshold:
+        raise DiffuseError(NOT_FOR_LANGUAGE_MODELS)
+    if autoregressive and branch_groups > 1:
+        raise DiffuseError("--branch-groups: branch groups run a diffusion model's guidance passes side by side; "
+                           "a language model's passes go through one ring")
+    if autoregressive and patches > 1:
+        raise DiffuseError("--patches applies to diffusion pipelines; a language model runs one pass per token")
+    return threshold
+
+
 class Split:
     """A pipeline (or denoiser) split over a ring for the duration of a ``with`` block."""
 
@@ -138,21 +172,9 @@ class Split:
         from diffuse.repair import RepairPolicy
         from diffuse.known_nodes import parse_nodes
 
-        if patches < 1:
-            raise DiffuseError("--patches must be at least 1")
-        if nodes is not None and local_nodes is not None:
-            raise DiffuseError("give nodes or local_nodes, not both")
-        if branch_groups < 1:
-            raise DiffuseError("--branch-groups must be at least 1")
-        from diffuse.firstblock import NOT_FOR_LANGUAGE_MODELS, checked_threshold, not_with_patches
-
-        self.cache_threshold = checked_threshold(cache_threshold)
-        if self.cache_threshold and patches > 1:
-            raise DiffuseError(not_with_patches(patches))
+        check_options(patches, nodes is not None, local_nodes, branch_groups, cache_threshold)  # before any reading
         self.target = pipe_or_model
         self.info = model_info(pipe_or_model, model)
-        if self.cache_threshold and self.info.subject.autoregressive:
-            raise DiffuseError(NOT_FOR_LANGUAGE_MODELS)
         self.groups = None  # node lists, one per group of branches, when there are several
         if nodes is not None:
             groups = [parse_nodes(g) for g in parse_groups(nodes)] if isinstance(nodes, str) and ";" in nodes \
@@ -166,12 +188,9 @@ class Split:
         else:
             self.nodes = None
         asked = local_nodes if local_nodes is not None else 2 * branch_groups
-        if nodes is None and asked % branch_groups:
-            raise DiffuseError(f"--local-nodes {asked} cannot be shared evenly by --branch-groups {branch_groups}")
         self.branch_groups = len(self.groups) if self.groups else branch_groups
-        if self.branch_groups > 1 and self.info.subject.autoregressive:
-            raise DiffuseError("branch groups run a diffusion model's guidance passes side by side; a language "
-                               "model's passes go through one ring")
+        self.cache_threshold = check_options(patches, nodes is not None, local_nodes, self.branch_groups,
+                                             cache_threshold, self.info.subject.autoregressive)
         self.local = None if nodes is not None else plan_local_nodes(
             asked // branch_groups, self.info.draft["stacks"], patches, threads)
         if self.local is not None and branch_groups > 1:

@@ -24,7 +24,6 @@ machine's core count and load. ``--quick`` runs a small model for a smoke test.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -210,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         return lm_main(argv[1:])
     from diffuse.text import plain
 
-    ap = argparse.ArgumentParser(prog="python -m diffuse.bench", description=plain(__doc__.split("\n")[0]),
+    from diffuse.cli import Parser
+
+    ap = Parser(prog="diffuse bench", description=plain(__doc__.split("\n")[0]),
                                  epilog="python -m diffuse.bench quality [--help]: what patches cost in pixels and in "
                                         "the prompt's colour and motion, on the shipped trained model. "
                                         "python -m diffuse.bench cache [--help]: the same for --cache-threshold, "

@@ -504,8 +504,11 @@ def _wire(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m diffuse.node", description=plain(__doc__.split("\n")[0]))
-    ap.add_argument("--model", required=True, help="diffusers pipeline folder (the same one the client uses)")
+    from diffuse import cli
+
+    ap = cli.Parser(prog="diffuse node", description=plain(__doc__.split("\n")[0]))
+    ap.add_argument("--model", required=True, help="the model folder (the same one the client uses), a shipped "
+                    "model's name, or a Hub id in the local cache")
     ap.add_argument("--listen", default="tcp://127.0.0.1:0", help="control address to bind (port 0: pick one)")
     ap.add_argument("--blocks", help='the slice to hold: "2/3" (2nd of 3 even slices of every stack), "all", or '
                     '"blocks[0:20]"; default: load what each session asks for')
@@ -532,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
                     "that wait together run through the layers as one batch)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone (local nodes)")
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s node %(levelname)s %(message)s")
@@ -542,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     from diffuse.modelfiles import resolve_model
 
     try:
+        cli.check_port_free(a.listen)  # before anything loads
+        log.info("loading %s%s", a.model, f" (blocks {a.blocks})" if a.blocks else "")
         key_file = None if a.ephemeral_key else (a.key_file or os.path.join(config_home(), "node.key"))
         node = Node(resolve_model(a.model), a.listen, a.blocks, key_file,
                     set(a.allow_client) if a.allow_client else None, a.advertise_data,
@@ -556,14 +561,24 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving %s at %s, key %s, wire versions %s", a.model, node.endpoint.control_address,
              node.identity.public_hex, ",".join(map(str, a.wire)))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGINT, _stopping)
     try:
         node.serve(parent=a.exit_with)
     except KeyboardInterrupt:
         pass
     finally:
         node.endpoint.close()
+    log.info("stopped")
     return 0
 
 
+def _stopping(*_) -> None:
+    """Ctrl-C: say so at once (the compute thread may take a moment to finish its pass), then stop."""
+    log.info("stopping (interrupted)")
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from diffuse.cli import exit_now
+
+    exit_now(main())

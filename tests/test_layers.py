@@ -12,10 +12,7 @@ PACKAGES = ("diffuse", "analyzers", "transport")  # the distribution's packages 
 # what a transport, built in or third-party, may import of Diffuse: the contract and nothing behind it
 TRANSPORT_API = ("diffuse.transport_api",)
 # circles that exist today and have an open issue; any other circle fails. Remove an entry when its circle goes.
-KNOWN_CIRCLES = {
-    # run.py and lm.py import each other's command-line pieces: issue 20, item 3 (one command-line module)
-    frozenset({"diffuse.run", "diffuse.lm"}),
-}
+KNOWN_CIRCLES: set[frozenset] = set()
 
 
 def module_name(path: Path, base: Path) -> str:
