@@ -132,12 +132,18 @@ class Split:
     def __init__(self, pipe_or_model, nodes=None, local_nodes: int | None = None, patches: int = 1,
                  threads: int | None = None, timeout: float = 300.0, client_key: str | None = None,
                  attention: str = "auto", local_transport: str = "tcp", model: str | None = None,
-                 started=None, branch_groups: int = 1, cache_threshold: float = 0.0, ahead: bool = True):
+                 started=None, branch_groups: int = 1, cache_threshold: float = 0.0, ahead: bool = True,
+                 placement: str = "planned"):
         from diffuse.branches import parse_groups
         from diffuse.known_nodes import parse_nodes
 
+        from diffuse.placement import PLACEMENTS
+
         if patches < 1:
             raise DiffuseError("--patches must be at least 1")
+        if placement not in PLACEMENTS:
+            raise DiffuseError(f"--placement {placement}: choose {' or '.join(PLACEMENTS)}")
+        self.placement = placement
         if nodes is not None and local_nodes is not None:
             raise DiffuseError("give nodes or local_nodes, not both")
         if branch_groups < 1:
@@ -217,7 +223,7 @@ class Split:
             for group in self.groups or [self.nodes]:
                 plan = make_plan(self.info.subject, self.info.draft, [a for a, _ in group], [k for _, k in group],
                                  denoiser_dtype(denoiser))
-                rings.append(Ring(plan, self.timeout, self.attention, self.client_key))
+                rings.append(Ring(plan, self.timeout, self.attention, self.client_key, placement=self.placement))
                 rings[-1].open()
             if len(rings) > 1:
                 from diffuse.branches import BranchRings
@@ -315,5 +321,6 @@ def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: in
     ``threads`` (local nodes' torch threads; default: the client's at one patch, which keeps the bits of a whole run), ``timeout`` (seconds for one pass),
     ``client_key``, ``attention``, ``local_transport``, ``model`` (the pipeline folder, when it cannot be
     told), ``ahead`` (with patches, send the next guidance branch's call while this one finishes; default
-    True)."""
+    True), ``placement`` ("planned": nodes that hold nothing fixed get slices planned from their memory and
+    speed, ``diffuse.placement``; "even": even slices, still checked against their memory)."""
     return Split(pipe_or_model, nodes=nodes, local_nodes=local_nodes, patches=patches, **options)

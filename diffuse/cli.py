@@ -14,7 +14,7 @@ commands:
   query ...            generate (the same as python -m diffuse.run ...)
   chat --model DIR     talk with a language model split over a ring, turn by turn
   node ...             serve a slice of a model (python -m diffuse.node ...)
-  plan MODEL --nodes N print the slicing plan as JSON
+  plan MODEL --nodes N print the slicing plan as JSON (--nodes ADDR,... or --memory GiB,...: the placement)
   check MODEL          verdict from config.json files alone: stacks, output kind, patching
   verify MODEL ...     run whole and split, print the maximum absolute difference
   plugins              list installed plugins
@@ -22,25 +22,9 @@ commands:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from rich.console import Console
+    from diffuse.placement import plan_command
 
-    from diffuse.errors import DiffuseError
-    from diffuse.modelfiles import resolve_model
-    from diffuse.planner import analyze, make_plan
-
-    ap = argparse.ArgumentParser(prog="diffuse plan")
-    ap.add_argument("model")
-    ap.add_argument("--nodes", type=int, default=2, help="how many nodes to split over")
-    a = ap.parse_args(argv)
-    try:
-        subject, draft = analyze(resolve_model(a.model))
-        plan = make_plan(subject, draft, [f"node{i + 1}" for i in range(a.nodes)])
-    except DiffuseError as exc:
-        from diffuse.run import report_error
-
-        return report_error(Console(stderr=True), exc)
-    print(plan.to_json())
-    return 0
+    return plan_command(argv)
 
 
 def cmd_check(argv: list[str]) -> int:

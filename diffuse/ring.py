@@ -56,11 +56,13 @@ class Ring:
     and says so in one line. Without a usable holder the error goes to the caller."""
 
     def __init__(self, plan: SlicingPlan, timeout_s: float = 300.0, attention: str = "auto",
-                 client_key: str | None = None, say=None, max_repairs: int = 8):
+                 client_key: str | None = None, say=None, max_repairs: int = 8, placement: str = "planned"):
         """``client_key``: a file holding this client's long-term identity (created 0600 if missing),
         for nodes that serve only some clients (``--allow-client``); None: a fresh identity per session.
+        ``placement``: how nodes that hold nothing fixed share the stacks (``diffuse.placement``).
         ``say``: where the one-line account of each repair goes (default: standard error)."""
         self.plan = plan
+        self.placement = placement
         self.candidates = plan.route  # every listed node; the route uses one holder per range
         self.timeout_s = timeout_s
         self.attention, self.client_key = attention, client_key
@@ -91,7 +93,7 @@ class Ring:
 
     def open(self) -> None:
         self._survey()
-        self._open(choose_route(self.plan, self.candidates, self._held, self._usable))
+        self._open(choose_route(self.plan, self.candidates, self._held, self._usable, self.placement))
 
     def _survey(self) -> None:
         """Ask every listed node what it holds; one that does not answer is left out if the others can
@@ -112,12 +114,12 @@ class Ring:
         # a node that failed a moment ago is left out while the others can do without it
         self._usable = [ok and not avoided(c.address) for ok, c in zip(answered, self.candidates)]
         try:
-            choose_route(self.plan, self.candidates, self._held, self._usable)
+            choose_route(self.plan, self.candidates, self._held, self._usable, self.placement)
         except DiffuseError:
             self._usable = answered
         if errors:
             try:
-                choose_route(self.plan, self.candidates, self._held, self._usable)
+                choose_route(self.plan, self.candidates, self._held, self._usable, self.placement)
             except DiffuseError:
                 raise errors[0] from None
             for exc in errors:
@@ -200,7 +202,7 @@ class Ring:
         failed = self.plan.route[k].address
         self._drop(failed)
         try:
-            route = choose_route(self.plan, self.candidates, self._held, self._usable)
+            route = choose_route(self.plan, self.candidates, self._held, self._usable, self.placement)
         except DiffuseError:
             raise exc from None  # no other holder: the failure is the answer
         wait = note_failure(failed)
@@ -218,7 +220,7 @@ class Ring:
                     raise
                 note_failure(again.address)
                 try:
-                    route = choose_route(self.plan, self.candidates, self._held, self._usable)
+                    route = choose_route(self.plan, self.candidates, self._held, self._usable, self.placement)
                 except DiffuseError:
                     raise exc from None
         cut = any(s[4] is not None and not s[4].uncut for _, s in self._pending.values())
