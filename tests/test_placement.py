@@ -1,0 +1,257 @@
+"""Placement: the planner against an exhaustive search, the nodes' reports, and planned slices through real nodes.
+
+The planner (``diffuse.placement.place``) is a pure function, checked here against every placement there is
+on small cases. Through real node processes: a node that says it has no room for a block (``--max-memory``)
+is left out of the route, an even split that would not fit is refused before anything is loaded, naming
+the node and the shortfall, and the tokens generated over the planned slices are the tokens plain
+transformers generates whole (tests/lm_reference.py, run in a subprocess).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TESTS, THREADS, node_process, run_cli, run_client, subprocess_env
+from diffuse.placement import (GIB, MARGIN_MIN_BYTES, BlockCost, Capacity, DoesNotFit, NodeReport, even_placement,
+                               place, rooms)
+from diffuse.plan import split_evenly
+
+MIB = 1 << 20
+
+
+def _runs(p) -> list[tuple[int, int]]:
+    """Each node's run of the blocks (one stack)."""
+    return [(row[0].start, row[0].stop) for row in p.rows]
+
+
+def _brute(blocks, nodes):
+    """Every contiguous placement in node order (a node may take none): the least slowest share among those
+    that fit and use as many nodes as any placement that fits can, and the runs that reach it."""
+    L, n = len(blocks), len(nodes)
+    room = rooms(nodes)
+    speeds = [c.speed for c in nodes]
+    best = {}
+    for cuts in itertools.combinations_with_replacement(range(L + 1), n - 1):
+        bounds = (0, *cuts, L)
+        runs = list(zip(bounds, bounds[1:]))
+        ok, shares = True, []
+        for i, (a, b) in enumerate(runs):
+            need = sum((0 if (blk.stack, blk.index) in nodes[i].holds else blk.weight_bytes) + blk.state_bytes
+                       for blk in blocks[a:b])
+            if room[i] is not None and need > room[i]:
+                ok = False
+                break
+            shares.append(speeds[i] * sum(blk.weight_bytes for blk in blocks[a:b]) / GIB)
+        if ok:
+            used = sum(b > a for a, b in runs)
+            best[used] = min(best.get(used, float("inf")), max(shares))
+    return (max(best), best[max(best)]) if best else None
+
+
+def test_planner_finds_the_least_slowest_share_an_exhaustive_search_finds():
+    rng = random.Random(7)
+    for case in range(150):
+        L, n = rng.randint(1, 9), rng.randint(1, 4)
+        blocks = [BlockCost("blocks", i, rng.choice([8, 16, 24]) * MIB, rng.choice([0, 2 * MIB]))
+                  for i in range(L)]
+        nodes = [Capacity(f"n{k}", rng.choice([None, MARGIN_MIN_BYTES + rng.randint(0, 80) * MIB]),
+                          rng.choice([1.0, 2.0, 3.0]),
+                          frozenset(("blocks", i) for i in range(L) if rng.random() < 0.2))
+                 for k in range(n)]
+        want = _brute(blocks, nodes)
+        if want is None:
+            with pytest.raises(DoesNotFit, match="GiB"):
+                place(blocks, nodes)
+            continue
+        p = place(blocks, nodes)
+        runs = _runs(p)
+        assert runs[0][0] == 0 and runs[-1][1] == L and all(a[1] == b[0] for a, b in zip(runs, runs[1:])), runs
+        assert len(p.used) == want[0], (case, runs)
+        assert p.slowest_s == pytest.approx(want[1], rel=1e-9), (case, runs)
+        for i in range(n):  # every node's run fits its room
+            assert p.room[i] is None or p.need[i] <= p.room[i]
+
+
+def test_equal_nodes_get_even_slices_and_faster_ones_more():
+    blocks = [BlockCost("blocks", i, 16 * MIB) for i in range(10)]
+    for n in (1, 2, 3, 4):
+        p = place(blocks, [Capacity(f"n{k}", None) for k in range(n)])
+        assert _runs(p) == split_evenly(10, n)  # as the even route cuts them: earlier nodes take the remainder
+    # one node three times as fast as two others: it takes three times their share, to the block
+    p = place(blocks, [Capacity("fast", None, 1.0), Capacity("slow1", None, 3.0), Capacity("slow2", None, 3.0)])
+    assert [b - a for a, b in _runs(p)] == [6, 2, 2]
+    # a node not measured counts at the median of those measured (here 3.0: the slow ones' speed)
+    p = place(blocks, [Capacity("fast", None, 1.0), Capacity("new", None), Capacity("slow1", None, 3.0),
+                       Capacity("slow2", None, 3.0)])
+    assert p.measured == [True, False, True, True] and p.speeds[1] == 3.0
+    assert [b - a for a, b in _runs(p)] == [6, 2, 1, 1]
+
+
+def test_memory_bounds_each_run_and_a_node_without_room_is_left_out():
+    blocks = [BlockCost("blocks", i, 16 * MIB, 1 * MIB) for i in range(6)]
+    small = MARGIN_MIN_BYTES + 40 * MIB  # room for two blocks with their state, not three
+    p = place(blocks, [Capacity("a", None), Capacity("b", small), Capacity("c", None)])
+    assert _runs(p)[1][1] - _runs(p)[1][0] <= 2 and p.need[1] <= p.room[1]
+    none = MARGIN_MIN_BYTES + 4 * MIB  # room for no block
+    p = place(blocks, [Capacity("a", None), Capacity("b", none), Capacity("c", None)])
+    assert _runs(p) == [(0, 3), (3, 3), (3, 6)] and p.used == [0, 2]
+    assert any("b holds nothing" in note and "no block" in note for note in p.notes)
+    # a block a node already holds costs it no memory: it fits one more
+    held = place(blocks, [Capacity("a", None), Capacity("b", small, holds=frozenset({("blocks", 2)})),
+                          Capacity("c", None)])
+    assert held.need[1] <= held.room[1]
+
+
+def test_a_model_that_fits_nowhere_is_refused_with_its_shortfall_in_gib():
+    blocks = [BlockCost("blocks", i, 256 * MIB) for i in range(8)]  # 2 GiB
+    nodes = [Capacity("a", GIB), Capacity("b", GIB // 2)]
+    with pytest.raises(DoesNotFit) as refused:
+        place(blocks, nodes)
+    have = sum(rooms(nodes)) / GIB
+    assert f"{have:.2f} GiB between them" in str(refused.value)
+    assert f"{2 - have:.2f} GiB short" in str(refused.value)
+    # even slices that would overfill a node are refused too, naming it and by how much
+    nodes = [Capacity("a", 4 * GIB), Capacity("b", GIB)]
+    with pytest.raises(DoesNotFit, match=r"b would take 1\.00 GiB and has room for 0\.90 \(0\.10 GiB short\)"):
+        even_placement(blocks, nodes)
+    assert _runs(place(blocks, nodes)) == [(0, 5), (5, 8)]
+
+
+def test_nodes_sharing_one_machine_share_its_memory():
+    one = [Capacity("a", 8 * GIB, pool="m1"), Capacity("b", 8 * GIB, pool="m1"), Capacity("c", 8 * GIB, pool="m2")]
+    r = rooms(one)
+    assert r[0] == r[1] < r[2] and r[0] == 4 * GIB - int(4 * GIB * 0.1)
+
+
+def test_a_hello_report_is_read_whatever_it_holds():
+    good = {"report": {"memory": {"available": 3 * GIB, "limit": 4 * GIB, "source": "cgroup v1", "pool": "ab"},
+                       "holds": [["blocks", 0, 3, "float32"]], "threads": 2, "cpus": 0.5, "device": "cpu",
+                       "dtype": "float32",
+                       "speed": {"model": "h", "by_dtype": {"float32": {"s_per_block_token": 0.1,
+                                                                        "s_per_gib_token": 2.0, "passes": 4}}}}}
+    r = NodeReport.from_hello("tcp://x:1", good, 0.002)
+    assert r.available == 3 * GIB and r.cpus == 0.5 and len(r.holds) == 3 and r.s_per_gib_token("float32", "h") == 2.0
+    assert r.s_per_gib_token("float32", "another model") is None
+    rng = random.Random(1)
+    junk = [None, 1, "x", [], {}, -5, float("nan"), True, [["blocks", 0, 1 << 40, "f"]], {"by_dtype": [1]}]
+    for _ in range(300):
+        bad = json.loads(json.dumps(good))
+        section = rng.choice(["memory", "holds", "threads", "cpus", "speed", "device"])
+        bad["report"][section] = rng.choice(junk)
+        r = NodeReport.from_hello("tcp://x:1", bad)  # never raises; what is malformed is not said
+        assert r is not None and (r.available is None or r.available >= 0) and len(r.holds) <= 3
+    assert NodeReport.from_hello("tcp://x:1", {"ok": True}) is None
+
+
+def test_block_costs_are_the_bytes_the_headers_give(models):
+    """Per block, its tensors' bytes as the safetensors headers lay them out (float32 files, float32 compute)."""
+    from diffuse.analysis import ModelSubject
+    from diffuse.placement import _header, block_costs
+    from diffuse.planner import analyze
+
+    path = models("flux")  # two stacks
+    subject, draft = analyze(path)
+    costs = block_costs(ModelSubject.from_path(path), draft["stacks"], "float32")
+    assert [(c.stack, c.index) for c in costs] == [(s.path, i) for s in draft["stacks"] for i in range(s.length)]
+    folder = os.path.join(path, "transformer")
+    spans = {}
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            for key, h in _header(os.path.join(folder, name)).items():
+                if key != "__metadata__":
+                    spans[key] = h["data_offsets"][1] - h["data_offsets"][0]
+    for c in costs:
+        assert c.weight_bytes == sum(v for k, v in spans.items() if k.startswith(f"{c.stack}.{c.index}.")) > 0
+    halves = block_costs(ModelSubject.from_path(path), draft["stacks"], "bfloat16")
+    assert [h.weight_bytes * 2 for h in halves] == [c.weight_bytes for c in costs]
+
+
+# ------------------------------------------------------------------------------------ through real nodes
+
+PROMPT = "Tell me a story about the moon."
+
+
+@pytest.fixture(scope="module")
+def lm_model(tmp_path_factory) -> str:
+    import lm_models
+
+    return lm_models.build("qwen2", str(tmp_path_factory.mktemp("placement") / "qwen2"))
+
+
+def _start(model: str, extra=()) -> tuple:
+    proc = node_process(["--model", model, "--ephemeral-key", "--threads", str(THREADS), "--log-level", "WARNING",
+                         *extra])
+    ready = json.loads(proc.stdout.readline())
+    return proc, f"{ready['address']}#{ready['key']}"
+
+
+def test_planned_slices_leave_out_a_node_without_room_and_generate_the_tokens_of_transformers(
+        lm_model, tmp_path, diffuse_home):
+    # the middle node offers less room than the margin alone: it can take no layer
+    nodes = [_start(lm_model), _start(lm_model, ["--max-memory", f"{MARGIN_MIN_BYTES / GIB / 2:.4f}"]),
+             _start(lm_model)]
+    addresses = ",".join(a for _, a in nodes)
+    try:
+        shown = run_cli(["plan", lm_model, "--nodes", addresses], diffuse_home)
+        assert shown.returncode == 0, shown.stderr
+        rows = {}
+        for line in shown.stdout.splitlines():  # the table's rows come before the notes
+            if line.startswith("tcp://"):
+                rows.setdefault(line.split()[0], line)
+        names = [a.split("#")[0] for _, a in nodes]
+        assert "model.layers[0:2]" in rows[names[0]][:70] and "none" in rows[names[1]][:70]
+        assert "model.layers[2:4]" in rows[names[2]][:70]
+        assert f"{names[1]} holds nothing: it has room for no block" in shown.stdout
+
+        import diffuse
+        from diffuse.placement import report_of
+
+        model = diffuse.from_pretrained(lm_model)
+        with pytest.raises(DoesNotFit, match=rf"even slices do not fit these nodes: {names[1]} would take"):
+            with diffuse.split(model, nodes=addresses, placement="even"):
+                pass
+        assert not report_of(names[1]).holds  # refused before any node loaded a layer
+
+        tokens, report = tmp_path / "tokens.json", tmp_path / "report.json"
+        argv = ["--model", lm_model, "--prompt", PROMPT, "--max-new-tokens", "6", "--threads", str(THREADS),
+                "--nodes", addresses, "--save-tokens", str(tokens), "--report", str(report), "--quiet",
+                "--timeout", "120"]
+        for _ in range(2):  # the second session is planned from the speeds the first one measured
+            run = run_client(argv, diffuse_home)
+            assert run.returncode == 0, run.stderr[-3000:]
+            with open(tokens) as f, open(report) as g:
+                got, rep = json.load(f), json.load(g)
+            assert [n["address"] for n in rep["node_stats"]] == [names[0], names[2]]
+            with open(os.path.join(lm_model, "config.json")) as f:
+                layers = json.load(f)["num_hidden_layers"]
+            assert sum(n["cache_bytes"] > 0 for n in rep["node_stats"]) == 2 and layers == 4
+            seen = [report_of(n) for n in names]
+            assert seen[1].available < MARGIN_MIN_BYTES and not seen[1].holds and not seen[1].speed
+            assert seen[0].device == "cpu" and seen[0].dtype == "float32" and seen[0].threads == THREADS
+        # both nodes that ran layers measured their speed, kept for this model
+        assert all(seen[k].speed["float32"]["passes"] > 0 for k in (0, 2))
+    finally:
+        for proc, _ in nodes:
+            proc.terminate()
+        for proc, _ in nodes:
+            proc.wait(10)
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    with open(ref_dir / "jobs.json", "w") as f:
+        json.dump([dict(model=lm_model, prompt=PROMPT, max_new_tokens=6, images=[], do_sample=False,
+                        generate_args={})], f)
+    cmd = [sys.executable, os.path.join(TESTS, "lm_reference.py"), "--jobs", str(ref_dir / "jobs.json"),
+           "--threads", str(THREADS), "--out", str(ref_dir / "results.json")]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(ref_dir / "results.json") as f:
+        ref = json.load(f)[0]
+    assert got["input_ids"] == ref["input_ids"] and got["new_tokens"] == ref["new_tokens"]
+    assert rep["top"] == ref["top"]
