@@ -450,6 +450,7 @@ class Placement:
     rows: list[tuple[Slice, ...]]  # per node: its slice of every stack (empty where it holds none of it)
     room: list[int | None]  # per node: bytes it may take after the margin
     need: list[int]  # per node: bytes its run costs it (weights it does not hold yet, plus state)
+    size: list[int]  # per node: bytes of its run (weights and state, held or not)
     speeds: list[float]  # per node: the speed planned with (seconds per GiB per token)
     measured: list[bool]
     shares: list[float]  # per node: seconds its run takes per token
@@ -471,14 +472,15 @@ class Placement:
         return sum(self.shares) + self.hop_s * (len(self.used) + 1)
 
     def lines(self) -> list[str]:
-        """The placement as a table: per node its blocks, GiB, room, speed and share of the time."""
+        """The placement as a table: per node its blocks, their GiB (weights and cache), the GiB it has room for
+        besides what it holds, its speed, and its share of the time."""
         total = sum(self.shares) or 1.0
         rows = [f"{'node':<28} {'blocks':<34} {'GiB':>6} {'room':>7} {'speed':>14} {'share':>6}"]
         for i, (c, sl) in enumerate(zip(self.nodes, self.rows)):
             names = ", ".join(str(s) for s in sl if not s.empty) or "none"
             room = "-" if self.room[i] is None else f"{self.room[i] / GIB:.2f}"
             speed = f"{self.speeds[i]:.3g} s/GiB/t" + ("" if self.measured[i] else "*")
-            rows.append(f"{c.name[:28]:<28} {names[:34]:<34} {self.need[i] / GIB:>6.2f} {room:>7} {speed:>14} "
+            rows.append(f"{c.name[:28]:<28} {names[:34]:<34} {self.size[i] / GIB:>6.2f} {room:>7} {speed:>14} "
                         f"{self.shares[i] / total:>6.0%}")
         return rows + [f"* not measured yet: counted at the median speed"] * (not all(self.measured)) + self.notes
 
@@ -630,8 +632,9 @@ def place(blocks: list[BlockCost], nodes: list[Capacity], tokens: int = 1) -> Pl
             notes.append(f"{c.name} holds nothing: it {why}")
         elif room[i] is not None and b < L and not fits(i, a, b + 1) and shares[i] < max(shares) * (1 - 1e-9):
             notes.append(f"{c.name} holds {b - a} block(s), as many as its memory allows")
-    return Placement(list(nodes), list(blocks), _rows(blocks, ranges), room, need, speeds, measured, shares, hop,
-                     notes, tokens)
+    size = [W[b] - W[a] + S[b] - S[a] for a, b in ranges]
+    return Placement(list(nodes), list(blocks), _rows(blocks, ranges), room, need, size, speeds, measured, shares,
+                     hop, notes, tokens)
 
 
 def _stacks_of(blocks: list[BlockCost]) -> list[tuple[str, int]]:
@@ -676,10 +679,11 @@ def even_placement(blocks: list[BlockCost], nodes: list[Capacity], tokens: int =
     speeds, measured, _ = _speeds(nodes)
     rows = [tuple(Slice(stack, *split_evenly(length, len(nodes))[i]) for stack, length in _stacks_of(blocks))
             for i in range(len(nodes))]
-    need, shares, short = [], [], []
+    need, size, shares, short = [], [], [], []
     for i, c in enumerate(nodes):
         mine = [b for b in blocks for s in rows[i] if s.stack == b.stack and s.start <= b.index < s.stop]
         need.append(sum((0 if (b.stack, b.index) in c.holds else b.weight_bytes) + b.state_bytes for b in mine))
+        size.append(sum(b.weight_bytes + b.state_bytes for b in mine))
         shares.append(speeds[i] * sum(b.weight_bytes for b in mine) / GIB * tokens)
         if room[i] is not None and need[-1] > room[i]:
             short.append(f"{c.name} would take {need[-1] / GIB:.2f} GiB and has room for {room[i] / GIB:.2f} "
@@ -687,7 +691,7 @@ def even_placement(blocks: list[BlockCost], nodes: list[Capacity], tokens: int =
     if short:
         raise DoesNotFit("even slices do not fit these nodes: " + "; ".join(short) +
                          " (the default placement plans the slices by memory)")
-    return Placement(list(nodes), list(blocks), rows, room, need, speeds, measured, shares, 0.0, [], tokens)
+    return Placement(list(nodes), list(blocks), rows, room, need, size, speeds, measured, shares, 0.0, [], tokens)
 
 
 # --------------------------------------------------------------------------- from reports to a route

@@ -255,3 +255,160 @@ def test_planned_slices_leave_out_a_node_without_room_and_generate_the_tokens_of
         ref = json.load(f)[0]
     assert got["input_ids"] == ref["input_ids"] and got["new_tokens"] == ref["new_tokens"]
     assert rep["top"] == ref["top"]
+
+
+# ------------------------------------------------------------------------------------ unequal machines, for real
+
+PERIOD_US = 100_000
+HEADROOM = 80 << 20  # what the memory-limited node may still take: the margin and one block, not two
+
+
+def _own_v1_group(controller: str) -> str | None:
+    from diffuse.placement import _cgroup_dirs
+
+    found = [d for d, version in _cgroup_dirs(controller) if version == "v1"]
+    return found[0] if found else None
+
+
+class Cgroups:
+    """cgroup v1 groups made for this test (cpu and memory), removed at the end."""
+
+    def __init__(self, tag: str):
+        self.tag, self.made = tag, []
+        self.cpu, self.memory = _own_v1_group("cpu"), _own_v1_group("memory")
+        why = None
+        if os.geteuid() != 0:
+            why = "not root"
+        elif not self.cpu or not self.memory:
+            why = "no cgroup v1 cpu and memory controllers"
+        elif not (os.access(self.cpu, os.W_OK) and os.access(self.memory, os.W_OK)):
+            why = f"{self.cpu} or {self.memory} is not writable"
+        self.why = why
+
+    def make(self, name: str, cpus: float, memory: int | None = None) -> list[str]:
+        folders = [os.path.join(self.cpu, f"{self.tag}-{name}"), os.path.join(self.memory, f"{self.tag}-{name}")]
+        for f in folders:
+            os.mkdir(f)
+            self.made.append(f)
+        with open(os.path.join(folders[0], "cpu.cfs_period_us"), "w") as f:
+            f.write(str(PERIOD_US))
+        with open(os.path.join(folders[0], "cpu.cfs_quota_us"), "w") as f:
+            f.write(str(int(PERIOD_US * cpus)))
+        return folders
+
+    def close(self) -> None:
+        import time
+
+        for f in reversed(self.made):
+            for _ in range(50):  # its processes take a moment to leave it
+                try:
+                    os.rmdir(f)
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+
+def _usage(folder: str) -> int:
+    from diffuse.placement import _stat_value
+
+    with open(os.path.join(folder, "memory.usage_in_bytes")) as f:
+        return int(f.read()) - _stat_value(folder, "total_inactive_file")
+
+
+def _wan_model(out_dir: str) -> str:
+    """A Wan pipeline whose 6 blocks weigh about 10 MiB each (float32)."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+    import torch
+
+    from diffuse.train.build import CALL_DEFAULTS, build_scheduler, build_text_encoder, build_tokenizer, build_vae
+
+    tok = build_tokenizer()
+    te = build_text_encoder("tiny", len(tok), 0)
+    vae = build_vae("tiny", 1)
+    torch.manual_seed(2)
+    tr = WanTransformer3DModel(patch_size=(1, 2, 2), in_channels=vae.config.z_dim, out_channels=vae.config.z_dim,
+                               text_dim=te.config.d_model, freq_dim=128, cross_attn_norm=True,
+                               qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=32, num_attention_heads=4,
+                               attention_head_dim=64, ffn_dim=4096, num_layers=6)
+    WanPipeline(tokenizer=tok, text_encoder=te, vae=vae, transformer=tr, scheduler=build_scheduler()).save_pretrained(
+        out_dir, safe_serialization=True)
+    with open(os.path.join(out_dir, "diffuse_defaults.json"), "w") as f:
+        json.dump(CALL_DEFAULTS, f)
+    return out_dir
+
+
+def test_unequal_nodes_under_cgroup_limits_get_slices_that_fit_and_the_bytes_of_a_whole_run(tmp_path, diffuse_home):
+    """Three nodes: one at a full core, two at a third of one, and one of those two with a memory limit below an
+    even share of the blocks. Even slices are refused before anything loads; planned slices fit (no node is
+    killed) and the video is the one plain diffusers makes whole, bit for bit, at one patch."""
+    import numpy as np
+
+    import families
+    from conftest import run_reference
+    from diffuse.placement import report_of
+
+    groups = Cgroups(f"diffuse-test-{os.getpid()}")
+    if groups.why:
+        pytest.skip(f"cgroup limits cannot be set here: {groups.why}")
+    model = _wan_model(str(tmp_path / "wan6"))
+    kwargs = dict(families.call_args("wan"), num_inference_steps=2)
+    procs, ready = [], []
+    try:
+        specs = [("fast", 1.0), ("slow", 1 / 3), ("small", 1 / 3)]
+        for name, cpus in specs:  # forked from the launcher, then moved into their groups with what they hold
+            procs.append(node_process(["--model", model, "--ephemeral-key", "--threads", str(THREADS),
+                                       "--log-level", "WARNING"], stderr=open(tmp_path / f"{name}.log", "w")))
+            line = procs[-1].stdout.readline()
+            assert line, (tmp_path / f"{name}.log").read_text()[-3000:]
+            ready.append(json.loads(line))
+            cpu, memory = groups.make(name, cpus)
+            try:  # what it holds comes along where the kernel still moves charges (newer ones do not: then the
+                with open(os.path.join(memory, "memory.move_charge_at_immigrate"), "w") as f:  # group counts
+                    f.write("3")  # only what the node takes from now on, which is what the limit is about)
+            except OSError:
+                pass
+            for folder in (cpu, memory):
+                with open(os.path.join(folder, "cgroup.procs"), "w") as f:
+                    f.write(str(procs[-1].pid))
+        small_memory = groups.made[-1]
+        limit = _usage(small_memory) + HEADROOM
+        with open(os.path.join(small_memory, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(limit))
+        addresses = ",".join(f"{r['address']}#{r['key']}" for r in ready)
+        names = [r["address"] for r in ready]
+
+        import diffuse
+
+        pipe = diffuse.from_pretrained(model)
+        with pytest.raises(DoesNotFit, match=rf"even slices do not fit these nodes: {names[2]} would take"):
+            with diffuse.split(pipe, nodes=addresses, placement="even"):
+                pass
+        reports = [report_of(n) for n in names]
+        assert [r.cpus for r in reports] == [1.0, 0.333, 0.333]
+        assert reports[2].limit == limit and reports[2].source == "cgroup v1"
+
+        save = tmp_path / "split.npy"
+        argv = ["--model", model, "--seed", "0", "--threads", str(THREADS), "--nodes", addresses,
+                "--save-array", str(save), "--quiet", "--timeout", "300"]
+        for k, v in kwargs.items():
+            argv += ["--arg", f"{k}={json.dumps(v)}"]
+        run = run_client(argv, diffuse_home)
+        assert run.returncode == 0, run.stderr[-3000:]
+        shown = run_cli(["plan", model, "--nodes", addresses], diffuse_home)  # fresh hellos: what each holds now
+        assert shown.returncode == 0, shown.stderr
+        reports = [report_of(n) for n in names]
+        assert [len(r.holds) for r in reports][2] == 1  # the small node: one block, less than an even share
+        assert sum(len(r.holds) for r in reports) == 6 and all(r.speed for r in reports)  # each measured itself
+        assert all(p.poll() is None for p in procs)  # nobody was killed
+        with open(os.path.join(small_memory, "memory.oom_control")) as f:
+            assert "oom_kill 0" in f.read()
+        split = np.load(save)
+        whole = run_reference(model, kwargs, str(tmp_path / "whole.npy"))
+        assert split.dtype == whole.dtype and split.shape == whole.shape
+        assert split.tobytes() == whole.tobytes()
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+        groups.close()
