@@ -24,13 +24,13 @@ import torch
 
 from diffuse import frames
 from diffuse.batching import MAX_BATCH, batch_key, run_batch
-from diffuse.launcher import alive
 from diffuse.text import plain
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.home import config_home
 from diffuse.node_control import NodeControl, refusal
 from diffuse.placement import SpeedBook
 from diffuse.plan import WIRE_VERSIONS, StackPlan, parse_slices
+from diffuse.processes import alive
 from diffuse.sessions import SessionTable
 from diffuse.stage import NODE_BUFFER_BYTES, Pass
 from diffuse.transport_api import DEFAULT_MAX_MESSAGE_BYTES
