@@ -22,7 +22,7 @@ commands:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from diffuse.placement import plan_command
+    from diffuse.plan_command import plan_command
 
     return plan_command(argv)
 
