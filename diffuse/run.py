@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "';' separates groups, each a whole ring, that run guidance branches side by side")
     ap.add_argument("--local-nodes", type=positive, default=None, help="start N nodes on this machine (default 2; "
                     "never more than the longest stack has blocks)")
+    ap.add_argument("--placement", choices=("planned", "even"), default="planned",
+                    help="for nodes started without --blocks: slices planned from each node's memory and speed "
+                    "(default), or even slices; either is refused, with the shortfall, where it does not fit")
     ap.add_argument("--branch-groups", type=positive, default=1, metavar="G",
                     help="with --local-nodes: share the local nodes out into G groups, one per guidance branch, "
                     "which then run side by side (default 1)")
@@ -263,7 +266,7 @@ def generate(a: argparse.Namespace, console) -> dict:
     if not a.whole:
         split = Split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches, threads=a.threads,
                       timeout=a.timeout, client_key=a.client_key, local_transport=a.local_transport,
-                      branch_groups=a.branch_groups, cache_threshold=a.cache_threshold)
+                      branch_groups=a.branch_groups, cache_threshold=a.cache_threshold, placement=a.placement)
         if a.client_key:
             from diffuse.sealing import load_identity
 

@@ -210,19 +210,17 @@ def test_planned_slices_leave_out_a_node_without_room_and_generate_the_tokens_of
         assert "model.layers[2:4]" in rows[names[2]][:70]
         assert f"{names[1]} holds nothing: it has room for no block" in shown.stdout
 
-        import diffuse
         from diffuse.placement import report_of
-
-        model = diffuse.from_pretrained(lm_model)
-        with pytest.raises(DoesNotFit, match=rf"even slices do not fit these nodes: {names[1]} would take"):
-            with diffuse.split(model, nodes=addresses, placement="even"):
-                pass
-        assert not report_of(names[1]).holds  # refused before any node loaded a layer
 
         tokens, report = tmp_path / "tokens.json", tmp_path / "report.json"
         argv = ["--model", lm_model, "--prompt", PROMPT, "--max-new-tokens", "6", "--threads", str(THREADS),
                 "--nodes", addresses, "--save-tokens", str(tokens), "--report", str(report), "--quiet",
                 "--timeout", "120"]
+        refused = run_client(argv + ["--placement", "even"], diffuse_home)
+        assert refused.returncode != 0
+        assert f"even slices do not fit these nodes: {names[1]} would take" in " ".join(refused.stderr.split())
+        assert run_cli(["plan", lm_model, "--nodes", addresses], diffuse_home).returncode == 0
+        assert not any(report_of(n).holds for n in names)  # refused before any node loaded a layer
         for _ in range(2):  # the second session is planned from the speeds the first one measured
             run = run_client(argv, diffuse_home)
             assert run.returncode == 0, run.stderr[-3000:]
