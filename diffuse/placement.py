@@ -16,7 +16,7 @@ small as it can be; among placements as good as that, the one with the least tot
 most even. A node not measured counts at the median speed of those measured (all alike when
 none is). A model that fits no placement is refused (``DoesNotFit``) before any node loads a block,
 naming the shortfall in GiB. ``route`` is the one place a route is planned from (``diffuse.repair``);
-``even`` keeps the even slices, checked against the same memory.
+``even_placement`` keeps the even slices, checked against the same memory.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ DEFAULT_CONTEXT = 4096  # tokens of key/value cache planned per language-model s
 PLACEMENTS = ("planned", "even")
 UNLIMITED = 1 << 62  # a cgroup limit at or above this is no limit (v1 writes 9223372036854771712)
 MAX_REPORTS = 1024  # node reports the client remembers (the most recent)
-REPORT_FRESH_S = 120.0  # an older report is not planned from (the node is asked again)
+REPORT_FRESH_S = 3600.0  # an older report is not planned from (each ring's opening asks every listed node afresh;
+# a repair later in a session plans from what they said then)
 DEVICE, NODE_DTYPE = "cpu", "float32"  # what a node computes on today, and in
 
 
@@ -479,10 +480,13 @@ class Placement:
         for i, (c, sl) in enumerate(zip(self.nodes, self.rows)):
             names = ", ".join(str(s) for s in sl if not s.empty) or "none"
             room = "-" if self.room[i] is None else f"{self.room[i] / GIB:.2f}"
-            speed = f"{self.speeds[i]:.3g} s/GiB/t" + ("" if self.measured[i] else "*")
+            speed = (f"{self.speeds[i]:.3g} s/GiB/t" if any(self.measured) else "alike") + \
+                ("" if self.measured[i] else "*")
             rows.append(f"{c.name[:28]:<28} {names[:34]:<34} {self.size[i] / GIB:>6.2f} {room:>7} {speed:>14} "
                         f"{self.shares[i] / total:>6.0%}")
-        return rows + [f"* not measured yet: counted at the median speed"] * (not all(self.measured)) + self.notes
+        unmeasured = ("* not measured yet: counted at the median speed of those measured" if any(self.measured)
+                      else "* no node measured yet: all counted alike")
+        return rows + [unmeasured] * (not all(self.measured)) + self.notes
 
 
 def _margin(free: int) -> int:

@@ -112,8 +112,8 @@ def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int 
     lines = [head, f"on {len(p.nodes)} node(s), {len(p.used)} used; margin {MARGIN_FRACTION:.0%} of each node's "
              f"memory (at least {MARGIN_MIN_BYTES >> 20} MiB):", ""]
     lines += p.lines()
-    unit = "s" if any(p.measured) else "units (no node measured yet)"
-    lines += ["", f"per token: slowest node {p.slowest_s:.3g} {unit}; one pass through every used node in turn "
-              f"{p.pass_s:.3g} {unit}" + (f" (with {len(p.used) + 1} hops of {p.hop_s * 1000:.2f} ms)" if p.hop_s
-                                          else "")]
+    if any(p.measured):
+        lines += ["", f"per token: slowest node {p.slowest_s:.3g} s; one pass through every used node in turn "
+                  f"{p.pass_s:.3g} s" + (f" (with {len(p.used) + 1} hops of {p.hop_s * 1000:.2f} ms)" if p.hop_s
+                                         else "")]
     return lines
