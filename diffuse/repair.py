@@ -4,8 +4,9 @@ Every listed node is asked what it holds (hello). Nodes started with the same ``
 replicas of one range: the route takes one holder per range, the first listed that is not being
 avoided, and keeps the others as spares. Nodes that hold nothing fixed load what each session asks
 for: the route gives them slices planned from their memory and speed (``diffuse.placement``; even
-slices with ``placement="even"``), and a failed one is repaired by planning over the rest. A node that failed is avoided for a while (``AVOID_FIRST_S``, doubling with each
-failure in a row up to ``AVOID_MAX_S``), not forever: once that time is over it is tried again.
+slices with ``placement="even"``), and a failed one is repaired by planning over the rest. A node
+that failed is avoided for a while (``AVOID_FIRST_S``, doubling with each failure in a row up to
+``AVOID_MAX_S``), not forever: once that time is over it is tried again.
 """
 
 from __future__ import annotations
