@@ -29,6 +29,7 @@ import statistics
 import threading
 import time
 import weakref
+import dataclasses
 from dataclasses import dataclass, field
 
 from diffuse.errors import DiffuseError
@@ -239,8 +240,8 @@ def node_report(node) -> dict:
     if most is not None:  # --max-memory: what its blocks may take in all, whatever the machine has
         held = sum(_module_bytes(b) for b in list(node.store.blocks.values()))
         room = max(0, most - held)
-        memory = dict(memory, available=room if memory["available"] is None else min(memory["available"], room),
-                      source=f"--max-memory {most / GIB:.3g} GiB")
+        if memory["available"] is None or room < memory["available"]:  # its own bound: shared with no one
+            memory = dict(memory, available=room, source=f"--max-memory {most / GIB:.3g} GiB", pool="")
     return {"memory": memory, "holds": _held_runs(node.store)[:256],
             "threads": torch.get_num_threads(), "cpus": cpu_count(), "device": DEVICE, "dtype": NODE_DTYPE,
             "speed": speeds.report() if speeds is not None else None}
@@ -335,6 +336,14 @@ class BlockCost:
     index: int
     weight_bytes: int  # its tensors in the compute dtype (integer tensors in their own)
     state_bytes: int = 0  # per-session state it keeps on its node (a language model's key/value cache)
+    end_bytes: int = 0  # what the node holding it holds besides: a language model's embedding table (first
+    # block) and output head (last block)
+    end_compute: int = 0  # ... and computes, in weight bytes (the head, once a token)
+
+    @property
+    def held_bytes(self) -> int:
+        """Memory its node gives it beyond its weights."""
+        return self.state_bytes + self.end_bytes
 
 
 _SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
@@ -405,6 +414,7 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None) -> list
     headers: dict[str, dict] = {}
     per_token = cache_bytes_per_token(subject, size)
     state = per_token * context_tokens(subject, context)
+    first, head = _end_bytes(subject, skeleton, size)
     out = []
     for st in stacks:
         blocks = skeleton.get_submodule(st.path)
@@ -425,8 +435,28 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None) -> list
                 floating = str(h.get("dtype", "")).startswith(("F", "BF")) and t.is_floating_point()
                 total += numel * (size if floating else own)
             out.append(BlockCost(st.path, i, total, state))
+    if out and (first or head):
+        out[0] = dataclasses.replace(out[0], end_bytes=out[0].end_bytes + first)
+        out[-1] = dataclasses.replace(out[-1], end_bytes=out[-1].end_bytes + head, end_compute=head)
     _costs_cache[key] = out
     return out
+
+
+def _end_bytes(subject, skeleton, size: int) -> tuple[int, int]:
+    """A language model's input embedding and output head, in bytes (the first node may hold the table, the last
+    one holds the head); (0, 0) for other models. Counted on the weightless skeleton: each its own copy."""
+    if not subject.autoregressive:
+        return 0, 0
+
+    def nbytes(module) -> int:
+        if module is None:
+            return 0
+        return sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in module.parameters())
+
+    try:
+        return nbytes(skeleton.get_input_embeddings()), nbytes(skeleton.get_output_embeddings())
+    except (AttributeError, NotImplementedError):
+        return 0, 0
 
 
 # --------------------------------------------------------------------------- the planner (a pure function)
@@ -517,12 +547,13 @@ def _speeds(nodes: list[Capacity]) -> tuple[list[float], list[bool], bool]:
 
 
 def _shortfall(blocks: list[BlockCost], nodes: list[Capacity], room: list[int | None]) -> DoesNotFit:
-    need = sum(b.weight_bytes + b.state_bytes for b in blocks)
+    need = sum(b.weight_bytes + b.held_bytes for b in blocks)
     have = sum(r for r in room if r is not None)
-    biggest = max(b.weight_bytes + b.state_bytes for b in blocks)
+    biggest = max(b.weight_bytes + b.held_bytes for b in blocks)
     each = ", ".join(f"{c.name} {r / GIB:.2f}" for c, r in zip(nodes, room) if r is not None)
-    state = sum(b.state_bytes for b in blocks)
-    what = f"{len(blocks)} blocks, {need / GIB:.2f} GiB" + (f" with {state / GIB:.2f} GiB of cache" if state else "")
+    state, ends = sum(b.state_bytes for b in blocks), sum(b.end_bytes for b in blocks)
+    what = (f"{len(blocks)} blocks, {need / GIB:.2f} GiB" + (f" with {state / GIB:.2f} GiB of cache" if state else "")
+            + (f" and {ends / GIB:.2f} GiB of embedding and head" if ends else ""))
     if need > have:
         why = f"{(need - have) / GIB:.2f} GiB short"
     else:
@@ -548,12 +579,12 @@ def place(blocks: list[BlockCost], nodes: list[Capacity], tokens: int = 1) -> Pl
     room = rooms(nodes)
     speeds, measured, any_measured = _speeds(nodes)
     hop = statistics.mean(c.hop_s for c in nodes) if any_measured else 0.0
-    W = [0]
+    W = [0]  # compute, in weight bytes
     for b in blocks:
-        W.append(W[-1] + b.weight_bytes)
-    S = [0]
+        W.append(W[-1] + b.weight_bytes + b.end_compute)
+    S = [0]  # memory besides the blocks' weights
     for b in blocks:
-        S.append(S[-1] + b.state_bytes)
+        S.append(S[-1] + b.held_bytes)
     fresh = []  # per node: prefix sums of the weight bytes it does not hold yet
     for c in nodes:
         p = [0]
@@ -630,13 +661,13 @@ def place(blocks: list[BlockCost], nodes: list[Capacity], tokens: int = 1) -> Pl
     for i, c in enumerate(nodes):
         a, b = ranges[i]
         if b == a:
-            one = min(blk.weight_bytes + blk.state_bytes for blk in blocks)
+            one = min(blk.weight_bytes + blk.held_bytes for blk in blocks)
             why = ("has room for no block" if room[i] is not None and room[i] < one
                    else "is one node too many for the blocks there are, or has no room where its turn comes")
             notes.append(f"{c.name} holds nothing: it {why}")
         elif room[i] is not None and b < L and not fits(i, a, b + 1) and shares[i] < max(shares) * (1 - 1e-9):
             notes.append(f"{c.name} holds {b - a} block(s), as many as its memory allows")
-    size = [W[b] - W[a] + S[b] - S[a] for a, b in ranges]
+    size = [sum(blk.weight_bytes + blk.held_bytes for blk in blocks[a:b]) for a, b in ranges]
     return Placement(list(nodes), list(blocks), _rows(blocks, ranges), room, need, size, speeds, measured, shares,
                      hop, notes, tokens)
 
@@ -686,9 +717,9 @@ def even_placement(blocks: list[BlockCost], nodes: list[Capacity], tokens: int =
     need, size, shares, short = [], [], [], []
     for i, c in enumerate(nodes):
         mine = [b for b in blocks for s in rows[i] if s.stack == b.stack and s.start <= b.index < s.stop]
-        need.append(sum((0 if (b.stack, b.index) in c.holds else b.weight_bytes) + b.state_bytes for b in mine))
-        size.append(sum(b.weight_bytes + b.state_bytes for b in mine))
-        shares.append(speeds[i] * sum(b.weight_bytes for b in mine) / GIB * tokens)
+        need.append(sum((0 if (b.stack, b.index) in c.holds else b.weight_bytes) + b.held_bytes for b in mine))
+        size.append(sum(b.weight_bytes + b.held_bytes for b in mine))
+        shares.append(speeds[i] * sum(b.weight_bytes + b.end_compute for b in mine) / GIB * tokens)
         if room[i] is not None and need[-1] > room[i]:
             short.append(f"{c.name} would take {need[-1] / GIB:.2f} GiB and has room for {room[i] / GIB:.2f} "
                          f"({(need[-1] - room[i]) / GIB:.2f} GiB short)")
