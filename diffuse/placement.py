@@ -758,7 +758,10 @@ def plan_for(plan: SlicingPlan, stages, placement: str = "planned", context: int
         subject = ModelSubject.from_path(plan.model.path)
     except (DiffuseError, OSError):
         return None
-    blocks = block_costs(subject, plan.stacks, plan.compute_dtype, context)
+    try:
+        blocks = block_costs(subject, plan.stacks, plan.compute_dtype, context)
+    except (DiffuseError, OSError, ValueError):  # headers this client cannot read: the nodes read their own
+        return None
     return even_placement(blocks, caps) if placement == "even" else place(blocks, caps)
 
 
