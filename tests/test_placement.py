@@ -179,6 +179,23 @@ def test_block_costs_are_the_bytes_the_headers_give(models):
     assert [h.weight_bytes * 2 for h in halves] == [c.weight_bytes for c in costs]
 
 
+def test_diffuse_plan_places_a_model_on_nodes_described_by_hand(models, tmp_path):
+    """Two stacks, one node with a tenth of the others' speed: it gets the fewest blocks; too little memory
+    is refused in one line with the shortfall; the JSON route is the placement's."""
+    from diffuse.plan import SlicingPlan
+
+    model = models("flux")  # 3 double blocks, then 3 single ones
+    shown = run_cli(["plan", model, "--memory", "1,1,1", "--speed", "1,1,10"], str(tmp_path))
+    assert shown.returncode == 0, shown.stderr
+    rows = [line for line in shown.stdout.splitlines() if line.startswith("node")][1:]
+    assert len(rows) == 3 and "single_transformer_blocks[2:3]" in rows[2] and "transformer_blocks[0:" in rows[0]
+    as_json = run_cli(["plan", model, "--memory", "1,1,1", "--speed", "1,1,10", "--json"], str(tmp_path))
+    plan = SlicingPlan.from_json(as_json.stdout)
+    assert [str(s) for s in plan.route[2].slices] == ["transformer_blocks[3:3]", "single_transformer_blocks[2:3]"]
+    refused = run_cli(["plan", model, "--memory", "0.05,0.05"], str(tmp_path))
+    assert refused.returncode != 0 and "GiB short" in " ".join(refused.stderr.split())
+
+
 # ------------------------------------------------------------------------------------ through real nodes
 
 PROMPT = "Tell me a story about the moon."
