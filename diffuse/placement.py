@@ -89,7 +89,7 @@ def _cgroup_dirs(controller: str) -> list[tuple[str, str]]:
     for root, point, kind, opts in mounts:
         if kind == "cgroup" and controller and controller in opts and controller in groups:
             version, path = "v1", groups[controller]
-        elif kind == "cgroup2" and "" in groups:
+        elif kind == "cgroup2" and not controller and "" in groups:
             version, path = "v2", groups[""]
         else:
             continue
@@ -280,10 +280,10 @@ class NodeReport:
             return None
         mem = r.get("memory") if isinstance(r.get("memory"), dict) else {}
         holds = set()
-        for run in r.get("holds") if isinstance(r.get("holds"), list) else ():
+        for run in r.get("holds")[:256] if isinstance(r.get("holds"), list) else ():  # as many runs as a node sends
             if (isinstance(run, list) and len(run) == 4 and isinstance(run[0], str) and isinstance(run[3], str)
                     and _num(run[1], int) is not None and _num(run[2], int) is not None and run[2] - run[1] <= 4096):
-                holds.update((run[0], i, run[3]) for i in range(run[1], run[2]))
+                holds.update((run[0][:256], i, run[3][:32]) for i in range(run[1], run[2]))
         speed, model = {}, ""
         sp = r.get("speed")
         if isinstance(sp, dict) and isinstance(sp.get("by_dtype"), dict):
