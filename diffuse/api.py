@@ -133,8 +133,9 @@ class Split:
                  threads: int | None = None, timeout: float = 300.0, client_key: str | None = None,
                  attention: str = "auto", local_transport: str = "tcp", model: str | None = None,
                  started=None, branch_groups: int = 1, cache_threshold: float = 0.0, ahead: bool = True,
-                 placement: str = "planned"):
+                 repair=None, embedding_on_node: bool = False, placement: str = "planned"):
         from diffuse.branches import parse_groups
+        from diffuse.repair import RepairPolicy
         from diffuse.known_nodes import parse_nodes
 
         from diffuse.placement import PLACEMENTS
@@ -182,6 +183,9 @@ class Split:
             self.local = LocalNodesPlan(self.local.count * branch_groups, self.local.threads, self.local.notes)
         self.patches, self.timeout, self.client_key = patches, timeout, client_key
         self.ahead = ahead  # with patches, the next guidance branch's call sent while this one finishes
+        self.repair = repair if repair is not None else RepairPolicy()  # one for all of this split's rings
+        self.repair.placement = placement  # where nodes that hold nothing fixed get their slices
+        self.embedding_on_node = embedding_on_node
         self.attention, self.local_transport = attention, local_transport
         self.started = started  # local nodes already started by the caller (a diffuse.localnodes.LocalNodes)
         self.local_nodes = None
@@ -201,9 +205,12 @@ class Split:
         return self.ring.plan if self.ring is not None else None
 
     def start_local_nodes(self):
+        """This run's own nodes, which serve this run's client identity only."""
         from diffuse.localnodes import start_local_nodes
+        from diffuse.sealing import load_identity
 
         return start_local_nodes(self.info.path, self.local.count, self.local.threads, scheme=self.local_transport,
+                                 client=load_identity(self.client_key),
                                  groups=self.branch_groups)
 
     def __enter__(self) -> "Split":
@@ -223,7 +230,8 @@ class Split:
             for group in self.groups or [self.nodes]:
                 plan = make_plan(self.info.subject, self.info.draft, [a for a, _ in group], [k for _, k in group],
                                  denoiser_dtype(denoiser))
-                rings.append(Ring(plan, self.timeout, self.attention, self.client_key, placement=self.placement))
+                rings.append(Ring(plan, self.timeout, self.attention, self.client_key, repair=self.repair,
+                                  identity=getattr(self.local_nodes, "client", None)))
                 rings[-1].open()
             if len(rings) > 1:
                 from diffuse.branches import BranchRings
@@ -231,7 +239,7 @@ class Split:
                 self.ring = BranchRings(rings)
             else:
                 self.ring = rings[0]
-            self.splitter = Splitter.on(denoiser, self.ring.plan)
+            self.splitter = Splitter.on(denoiser, self.ring.plan, self.embedding_on_node)
             self.splitter.attach(self.ring, self.patches, self.cache_threshold, self.ahead)
         except BaseException:
             self._close(hurry=True)
@@ -321,6 +329,10 @@ def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: in
     ``threads`` (local nodes' torch threads; default: the client's at one patch, which keeps the bits of a whole run), ``timeout`` (seconds for one pass),
     ``client_key``, ``attention``, ``local_transport``, ``model`` (the pipeline folder, when it cannot be
     told), ``ahead`` (with patches, send the next guidance branch's call while this one finishes; default
-    True), ``placement`` ("planned": nodes that hold nothing fixed get slices planned from their memory and
-    speed, ``diffuse.placement``; "even": even slices, still checked against their memory)."""
+    True), ``repair`` (a ``diffuse.repair.RepairPolicy``: how a failed node is replaced; default: the
+    first usable holder of its range, the failed node avoided 30 s, doubling, then used again),
+    ``embedding_on_node`` (a language model's embedding table on the first node, so passes carry token ids
+    instead of hidden states; default False: the client embeds), ``placement`` ("planned": nodes that hold
+    nothing fixed get slices planned from their memory and speed, ``diffuse.placement``; "even": even slices,
+    still checked against their memory; set on the repair policy, which also repairs by it)."""
     return Split(pipe_or_model, nodes=nodes, local_nodes=local_nodes, patches=patches, **options)

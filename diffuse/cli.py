@@ -1,4 +1,4 @@
-"""The ``diffuse`` command: query (run), chat, node, plan, check, verify, plugins."""
+"""The ``diffuse`` command: query (run), chat, node, serve, plan, check, verify, plugins."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ commands:
   query ...            generate (the same as python -m diffuse.run ...)
   chat --model DIR     talk with a language model split over a ring, turn by turn
   node ...             serve a slice of a model (python -m diffuse.node ...)
+  serve ...            an OpenAI-compatible HTTP service and a page, models kept warm on a ring
   plan MODEL --nodes N print the slicing plan as JSON (--nodes ADDR,... or --memory GiB,...: the placement)
   check MODEL          verdict from config.json files alone: stacks, output kind, patching
   verify MODEL ...     run whole and split, print the maximum absolute difference
@@ -114,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         from diffuse.node import main as node_main
 
         return node_main(rest)
+    if cmd == "serve":
+        from diffuse.serve import main as serve_main
+
+        return serve_main(rest)
     commands = {"plan": cmd_plan, "check": cmd_check, "verify": cmd_verify, "plugins": cmd_plugins}
     if cmd not in commands:
         print(f"diffuse: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)

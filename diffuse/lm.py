@@ -38,6 +38,9 @@ def add_flags(ap: argparse.ArgumentParser, positive) -> None:
                    help="send the prompt as is (default: the processor's chat template, else the tokenizer's)")
     g.add_argument("--save-tokens", metavar="FILE.json",
                    help='write {"input_ids": [[...]], "new_tokens": [[...]]} as generate returns them')
+    g.add_argument("--embedding-on-node", action="store_true",
+                   help="the first node holds the embedding table and passes carry token ids (default: the client "
+                   "embeds, and passes carry hidden states)")
 
 
 def check_flags(a: argparse.Namespace) -> None:
@@ -208,7 +211,9 @@ def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
     split = None
     if not a.whole:
         split = Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
-                      client_key=a.client_key, local_transport=a.local_transport, placement=a.placement)
+                      client_key=a.client_key, local_transport=a.local_transport,
+                      embedding_on_node=getattr(a, "embedding_on_node", False),
+                      placement=a.placement)
         if split.local is not None:
             for n in split.local.notes:
                 console.print(n, soft_wrap=True)
@@ -400,6 +405,9 @@ def chat_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one pass may take")
     ap.add_argument("--client-key", metavar="FILE", help="this client's long-term identity")
     ap.add_argument("--report", metavar="FILE.json", help="write per-turn statistics as JSON at the end")
+    ap.add_argument("--embedding-on-node", action="store_true",
+                    help="the first node holds the embedding table and passes carry token ids (default: the client "
+                    "embeds)")
     return ap
 
 
@@ -425,7 +433,8 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
     turns: list[dict] = []
     messages: list[dict] = []
     with Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
-               client_key=a.client_key, local_transport=a.local_transport) as split:
+               client_key=a.client_key, local_transport=a.local_transport,
+               embedding_on_node=getattr(a, "embedding_on_node", False)) as split:
         cache = DynamicCache(config=model.config)
         images = list(a.image)
         while True:

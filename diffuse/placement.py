@@ -336,8 +336,7 @@ class BlockCost:
     index: int
     weight_bytes: int  # its tensors in the compute dtype (integer tensors in their own)
     state_bytes: int = 0  # per-session state it keeps on its node (a language model's key/value cache)
-    end_bytes: int = 0  # what the node holding it holds besides: a language model's embedding table (first
-    # block) and output head (last block)
+    end_bytes: int = 0  # what the node holding it holds besides: a language model's output head (last block)
     end_compute: int = 0  # ... and computes, in weight bytes (the head, once a token)
 
     @property
@@ -414,7 +413,7 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None) -> list
     headers: dict[str, dict] = {}
     per_token = cache_bytes_per_token(subject, size)
     state = per_token * context_tokens(subject, context)
-    first, head = _end_bytes(subject, skeleton, size)
+    head = _head_bytes(subject, skeleton, size)
     out = []
     for st in stacks:
         blocks = skeleton.get_submodule(st.path)
@@ -435,28 +434,25 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None) -> list
                 floating = str(h.get("dtype", "")).startswith(("F", "BF")) and t.is_floating_point()
                 total += numel * (size if floating else own)
             out.append(BlockCost(st.path, i, total, state))
-    if out and (first or head):
-        out[0] = dataclasses.replace(out[0], end_bytes=out[0].end_bytes + first)
+    if out and head:
         out[-1] = dataclasses.replace(out[-1], end_bytes=out[-1].end_bytes + head, end_compute=head)
     _costs_cache[key] = out
     return out
 
 
-def _end_bytes(subject, skeleton, size: int) -> tuple[int, int]:
-    """A language model's input embedding and output head, in bytes (the first node may hold the table, the last
-    one holds the head); (0, 0) for other models. Counted on the weightless skeleton: each its own copy."""
+def _head_bytes(subject, skeleton, size: int) -> int:
+    """A language model's output head in bytes (the last node holds it); 0 for other models. Counted on the
+    weightless skeleton. (The embedding table stays on the client unless a run puts it on the first node,
+    which is not counted.)"""
     if not subject.autoregressive:
-        return 0, 0
-
-    def nbytes(module) -> int:
-        if module is None:
-            return 0
-        return sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in module.parameters())
-
+        return 0
     try:
-        return nbytes(skeleton.get_input_embeddings()), nbytes(skeleton.get_output_embeddings())
+        head = skeleton.get_output_embeddings()
     except (AttributeError, NotImplementedError):
-        return 0, 0
+        return 0
+    if head is None:
+        return 0
+    return sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in head.parameters())
 
 
 # --------------------------------------------------------------------------- the planner (a pure function)

@@ -110,9 +110,8 @@ def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int 
     if state:
         head += f", {state / GIB:.2f} GiB of cache per session at {context_tokens(subject, context)} tokens"
     lines = [head]
-    if p.blocks[0].end_bytes or p.blocks[-1].end_bytes:
-        lines.append(f"the first node may hold the embedding table ({p.blocks[0].end_bytes / GIB:.2f} GiB), the last "
-                     f"one holds the output head ({p.blocks[-1].end_bytes / GIB:.2f} GiB)")
+    if p.blocks[-1].end_bytes:
+        lines.append(f"the last node also holds the output head ({p.blocks[-1].end_bytes / GIB:.2f} GiB)")
     lines += [f"on {len(p.nodes)} node(s), {len(p.used)} used; margin {MARGIN_FRACTION:.0%} of each node's "
               f"memory (at least {MARGIN_MIN_BYTES >> 20} MiB):", ""]
     lines += p.lines()

@@ -245,8 +245,8 @@ def generate(a: argparse.Namespace, console) -> dict:
     for flag in ("max_new_tokens", "temperature", "top_p", "top_k", "save_tokens"):
         if getattr(a, flag) is not None:
             raise DiffuseError(f"--{flag.replace('_', '-')} applies to language models, not to a diffusion pipeline")
-    if a.image or a.video or a.media or a.no_template:
-        raise DiffuseError("--image, --video, --media and --no-template apply to language models")
+    if a.image or a.video or a.media or a.no_template or getattr(a, "embedding_on_node", False):
+        raise DiffuseError("--image, --video, --media, --no-template and --embedding-on-node apply to language models")
     if a.cache_threshold and a.patches > 1:
         from diffuse.firstblock import not_with_patches
 
