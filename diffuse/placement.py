@@ -549,7 +549,7 @@ def _shortfall(blocks: list[BlockCost], nodes: list[Capacity], room: list[int | 
     each = ", ".join(f"{c.name} {r / GIB:.2f}" for c, r in zip(nodes, room) if r is not None)
     state, ends = sum(b.state_bytes for b in blocks), sum(b.end_bytes for b in blocks)
     what = (f"{len(blocks)} blocks, {need / GIB:.2f} GiB" + (f" with {state / GIB:.2f} GiB of cache" if state else "")
-            + (f" and {ends / GIB:.2f} GiB of embedding and head" if ends else ""))
+            + (f" and a {ends / GIB:.2f} GiB output head" if ends else ""))
     if need > have:
         why = f"{(need - have) / GIB:.2f} GiB short"
     else:
