@@ -12,7 +12,7 @@ USAGE = """usage: diffuse COMMAND ...
 
 commands:
   query ...            generate (the same as python -m diffuse.run ...)
-  chat --model DIR     talk with a language model split over a ring, turn by turn
+  chat [--model DIR]   talk with a language model split over a ring, turn by turn (default: tiny-qwen-chat)
   node ...             serve a slice of a model (python -m diffuse.node ...)
   plan MODEL --nodes N print the slicing plan as JSON
   check MODEL          verdict from config.json files alone: stacks, output kind, patching

@@ -390,7 +390,8 @@ def chat_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="diffuse chat", description="An interactive chat with a language model split over a ring: the "
                 "history is rendered with the chat template, and each node keeps its layers' cache between turns, "
                 "so a turn sends only its own new tokens. Ctrl-C or an empty input at end of file ends it.")
-    ap.add_argument("--model", required=True, help="a transformers model folder (or a shipped name / cached Hub id)")
+    ap.add_argument("--model", help="a transformers model folder (or a shipped name / cached Hub id); default: the "
+                    "embedded chat model, tiny-qwen-chat")
     ap.add_argument("--max-new-tokens", type=positive, default=128, help="tokens per answer at most (default 128)")
     ap.add_argument("--image", action="append", default=[], metavar="FILE", help="an image for the first turn")
     ap.add_argument("--nodes", help="comma-separated node addresses, each optionally #HEXKEY")
@@ -415,6 +416,10 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
 
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.model is None:
+        from diffuse.default_model import default_chat_model_dir
+
+        a.model = default_chat_model_dir()
     info = ModelInfo.of(a.model)
     if not info.subject.autoregressive:
         raise DiffuseError(f"{info.path} is a diffusion pipeline; diffuse chat talks to language models")
