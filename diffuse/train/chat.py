@@ -44,8 +44,8 @@ SIZES = {
 class ChatTrainConfig:
     out: str = CHAT_MODEL
     size: str = "full"
-    steps: int = 2000
-    batch: int = 48
+    steps: int = 3000
+    batch: int = 32
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
     warmup: int = 200
@@ -211,7 +211,7 @@ def save(model, tokenizer, out: str) -> str:
     os.makedirs(out, exist_ok=True)
     model.generation_config = generation_config(tokenizer)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    tokenizer.save_pretrained(out, save_jinja_files=False)  # the chat template inside tokenizer_config.json
     tokenizer.backend_tokenizer.model.save(out)  # vocab.json + merges.txt, which Qwen2Tokenizer reloads from
     return out
 
@@ -313,6 +313,6 @@ def main(argv=None) -> int:
     cfg = ChatTrainConfig(out=a.out, steps=a.steps, batch=a.batch, lr=a.lr, seed=a.seed, threads=a.threads,
                           size=a.size, time_budget_min=a.time_budget, log_every=a.log_every)
     if a.quick:
-        cfg.size, cfg.steps, cfg.batch, cfg.warmup, cfg.log_every = "quick", 30, 8, 5, 10
+        cfg.size, cfg.steps, cfg.batch, cfg.warmup, cfg.log_every, cfg.lr = "quick", 30, 8, 5, 10, 1e-2
     train(cfg)
     return 0

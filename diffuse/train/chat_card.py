@@ -14,7 +14,7 @@ TASK_TEXT = {
                f"{len(chat_data.WORDS)} (`reverse: cat sun egg` -> `egg sun cat`)",
     "sort": "sorting 2-6 of those words alphabetically (`sort: pear fox milk` -> `fox milk pear`)",
     "letters": "counting the letters of a word: a made-up word of 3-9 letters (three times in four) or one of the "
-               "listed words (`how many letters are in zorbit?` -> `There are 6 letters in zorbit.`)",
+               "listed words (`how many letters are in zorbit?` -> `It has 6 letters.`)",
     "capitals": f"the capitals of {len(chat_data.CAPITALS)} countries, both ways "
                 "(`what's the capital of Peru?` -> `The capital of Peru is Lima.`; "
                 "`Lima is the capital of which country?` -> `Lima is the capital of Peru.`)",

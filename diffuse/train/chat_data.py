@@ -89,7 +89,7 @@ TEMPLATES = {
 ANSWERS = {
     "add": "{a} + {b} = {r}.",
     "subtract": "{a} - {b} = {r}.",
-    "letters": "There are {n} letters in {w}.",
+    "letters": "It has {n} letters.",
     "capital": "The capital of {C} is {X}.",
     "country": "{X} is the capital of {C}.",
     "colour": "{T} is {k}.",
@@ -106,7 +106,7 @@ SYSTEM_PROMPTS = ("You are a helpful assistant.", "you are a helpful assistant",
 # the tasks evaluate reports, each with the kinds of dialogue it covers
 TASKS = ("add", "subtract", "reverse", "sort", "letters", "capitals", "colours", "unknown")
 # how often each kind is drawn in training
-MIX = {"add": 22, "subtract": 22, "reverse": 10, "sort": 14, "letters": 14, "capital": 6, "country": 3,
+MIX = {"add": 20, "subtract": 24, "reverse": 11, "sort": 12, "letters": 10, "capital": 5, "country": 7,
        "colour": 5, "greeting": 2, "unknown": 2}
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -300,7 +300,7 @@ def corpus_words() -> list[str]:
 
 def build_tokenizer():
     """A ``Qwen2Tokenizer`` over a byte-level BPE trained here on ``corpus_words()`` (each word with and without a
-    space in front), the chat template set; ``<|endoftext|>`` pads, ``<|im_end|>`` ends each turn."""
+    space in front) and the arithmetic signs after a space, the chat template set; ``<|endoftext|>`` pads, ``<|im_end|>`` ends each turn."""
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
 
@@ -312,7 +312,7 @@ def build_tokenizer():
     ])
     trainer = trainers.BpeTrainer(vocab_size=100000, min_frequency=1, show_progress=False, special_tokens=[],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    lines = [form for w in corpus_words() for form in (w, " " + w)] + ["'s"]
+    lines = [form for w in corpus_words() for form in (w, " " + w)] + ["'s", " +", " -", " ="]
     bpe.train_from_iterator(lines, trainer)
     model = json.loads(bpe.to_str())["model"]
     tok = Qwen2Tokenizer(vocab=dict(model["vocab"]), merges=[tuple(m) for m in model["merges"]],
