@@ -44,8 +44,8 @@ SIZES = {
 class ChatTrainConfig:
     out: str = CHAT_MODEL
     size: str = "full"
-    steps: int = 3000
-    batch: int = 32
+    steps: int = 2000
+    batch: int = 48
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
     warmup: int = 200

@@ -37,6 +37,29 @@ def _examples(ev: dict, per_task: int = 1) -> list[str]:
     return lines
 
 
+def _error_notes(ev: dict) -> list[str]:
+    """Where the trained model goes wrong, measured on eval.json's rows."""
+    import re
+
+    rows = ev["trained"]
+    notes = []
+    for task in ("reverse", "sort"):
+        by_len: dict[int, list[bool]] = {}
+        for r in rows[task]["rows"]:
+            by_len.setdefault(len(r["expected"].split()), []).append(r["correct"])
+        notes.append(f"{task}: " + ", ".join(f"{n} words {sum(v)}/{len(v)}" for n, v in sorted(by_len.items())))
+    for task in ("add", "subtract"):
+        offs = []
+        for r in rows[task]["rows"]:
+            got, want = re.findall(r"= (\d+)", r["answer"]), re.findall(r"= (\d+)", r["expected"])
+            if not r["correct"] and got and want:
+                offs.append(abs(int(got[0]) - int(want[0])))
+        wrong = sum(not r["correct"] for r in rows[task]["rows"])
+        notes.append(f"{task}: {wrong} wrong, {sum(o == 1 for o in offs)} of them off by 1 and "
+                     f"{sum(o == 10 for o in offs)} by 10")
+    return notes
+
+
 def write_card(model_dir: str) -> str:
     st = json.load(open(os.path.join(model_dir, "train_stats.json")))
     ev_path = os.path.join(model_dir, "eval.json")
@@ -145,6 +168,10 @@ def write_card(model_dir: str) -> str:
         "chat with and serve.",
         "",
     ]
+    if ev:
+        lines += ["Trained for the budget of about half an hour on one loaded CPU thread, it has not learned its tasks "
+                  "to the end; its mistakes on the held-out dialogues:", "",
+                  *(f"- {n}" for n in _error_notes(ev)), ""]
     path = os.path.join(model_dir, "README.md")
     with open(path, "w") as f:
         f.write("\n".join(lines))

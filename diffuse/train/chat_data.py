@@ -106,8 +106,8 @@ SYSTEM_PROMPTS = ("You are a helpful assistant.", "you are a helpful assistant",
 # the tasks evaluate reports, each with the kinds of dialogue it covers
 TASKS = ("add", "subtract", "reverse", "sort", "letters", "capitals", "colours", "unknown")
 # how often each kind is drawn in training
-MIX = {"add": 20, "subtract": 24, "reverse": 11, "sort": 12, "letters": 10, "capital": 5, "country": 7,
-       "colour": 5, "greeting": 2, "unknown": 2}
+MIX = {"add": 22, "subtract": 26, "reverse": 12, "sort": 11, "letters": 8, "capital": 4, "country": 8,
+       "colour": 4, "greeting": 2, "unknown": 2}
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
