@@ -14,7 +14,7 @@ from diffuse.analysis import Analyzer
 from diffuse.callplan import flatten, slot_names
 from diffuse.errors import DiffuseError
 from diffuse.hookspecs import hookimpl
-from diffuse.pipefusion.attention import relative_error
+from diffuse.measure import relative_error
 from diffuse.plan import CallPlan, ReturnMap, TensorSpec
 
 

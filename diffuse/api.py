@@ -126,31 +126,55 @@ def plan_local_nodes(asked: int, stacks, patches: int, threads: int | None) -> L
     return LocalNodesPlan(count, threads, notes)
 
 
+def check_options(patches: int, nodes_given: bool, local_nodes: int | None, branch_groups: int,
+                  cache_threshold: float, autoregressive: bool | None = None) -> float:
+    """The rules a split's options follow, for ``split()`` and for the command line's flags alike (the
+    command checks them through ``diffuse.cli.check_flags`` before anything loads). ``autoregressive``:
+    whether the model is a language model, None while that is not known yet. Returns the cache threshold
+    as a float."""
+    if isinstance(patches, bool) or not isinstance(patches, int) or patches < 1:
+        raise DiffuseError(f"--patches {patches!r}: must be a whole number, at least 1")
+    if nodes_given and local_nodes is not None:
+        raise DiffuseError("--nodes and --local-nodes: give one (nodes elsewhere, or nodes started here)")
+    if local_nodes is not None and local_nodes < 1:
+        raise DiffuseError("--local-nodes must be at least 1")
+    if branch_groups < 1:
+        raise DiffuseError("--branch-groups must be at least 1")
+    asked = local_nodes if local_nodes is not None else 2 * branch_groups
+    if not nodes_given and asked % branch_groups:
+        raise DiffuseError(f"--local-nodes {asked} cannot be shared evenly by --branch-groups {branch_groups}")
+    threshold = 0.0
+    if cache_threshold:  # torch is imported only where the first-block cache is asked for
+        from diffuse.firstblock import NOT_FOR_LANGUAGE_MODELS, checked_threshold, not_with_patches
+
+        threshold = checked_threshold(cache_threshold)
+    if threshold and patches > 1:
+        raise DiffuseError(not_with_patches(patches))
+    if autoregressive and threshold:
+        raise DiffuseError(NOT_FOR_LANGUAGE_MODELS)
+    if autoregressive and branch_groups > 1:
+        raise DiffuseError("--branch-groups: branch groups run a diffusion model's guidance passes side by side; "
+                           "a language model's passes go through one ring")
+    if autoregressive and patches > 1:
+        raise DiffuseError("--patches applies to diffusion pipelines; a language model runs one pass per token")
+    return threshold
+
+
 class Split:
     """A pipeline (or denoiser) split over a ring for the duration of a ``with`` block."""
 
     def __init__(self, pipe_or_model, nodes=None, local_nodes: int | None = None, patches: int = 1,
                  threads: int | None = None, timeout: float = 300.0, client_key: str | None = None,
                  attention: str = "auto", local_transport: str = "tcp", model: str | None = None,
-                 started=None, branch_groups: int = 1, cache_threshold: float = 0.0, ahead: bool = True):
+                 started=None, branch_groups: int = 1, cache_threshold: float = 0.0, ahead: bool = True,
+                 repair=None, embedding_on_node: bool = False):
         from diffuse.branches import parse_groups
+        from diffuse.repair import RepairPolicy
         from diffuse.known_nodes import parse_nodes
 
-        if patches < 1:
-            raise DiffuseError("--patches must be at least 1")
-        if nodes is not None and local_nodes is not None:
-            raise DiffuseError("give nodes or local_nodes, not both")
-        if branch_groups < 1:
-            raise DiffuseError("--branch-groups must be at least 1")
-        from diffuse.firstblock import NOT_FOR_LANGUAGE_MODELS, checked_threshold, not_with_patches
-
-        self.cache_threshold = checked_threshold(cache_threshold)
-        if self.cache_threshold and patches > 1:
-            raise DiffuseError(not_with_patches(patches))
+        check_options(patches, nodes is not None, local_nodes, branch_groups, cache_threshold)  # before any reading
         self.target = pipe_or_model
         self.info = model_info(pipe_or_model, model)
-        if self.cache_threshold and self.info.subject.autoregressive:
-            raise DiffuseError(NOT_FOR_LANGUAGE_MODELS)
         self.groups = None  # node lists, one per group of branches, when there are several
         if nodes is not None:
             groups = [parse_nodes(g) for g in parse_groups(nodes)] if isinstance(nodes, str) and ";" in nodes \
@@ -164,18 +188,17 @@ class Split:
         else:
             self.nodes = None
         asked = local_nodes if local_nodes is not None else 2 * branch_groups
-        if nodes is None and asked % branch_groups:
-            raise DiffuseError(f"--local-nodes {asked} cannot be shared evenly by --branch-groups {branch_groups}")
         self.branch_groups = len(self.groups) if self.groups else branch_groups
-        if self.branch_groups > 1 and self.info.subject.autoregressive:
-            raise DiffuseError("branch groups run a diffusion model's guidance passes side by side; a language "
-                               "model's passes go through one ring")
+        self.cache_threshold = check_options(patches, nodes is not None, local_nodes, self.branch_groups,
+                                             cache_threshold, self.info.subject.autoregressive)
         self.local = None if nodes is not None else plan_local_nodes(
             asked // branch_groups, self.info.draft["stacks"], patches, threads)
         if self.local is not None and branch_groups > 1:
             self.local = LocalNodesPlan(self.local.count * branch_groups, self.local.threads, self.local.notes)
         self.patches, self.timeout, self.client_key = patches, timeout, client_key
         self.ahead = ahead  # with patches, the next guidance branch's call sent while this one finishes
+        self.repair = repair if repair is not None else RepairPolicy()  # one for all of this split's rings
+        self.embedding_on_node = embedding_on_node
         self.attention, self.local_transport = attention, local_transport
         self.started = started  # local nodes already started by the caller (a diffuse.localnodes.LocalNodes)
         self.local_nodes = None
@@ -195,9 +218,12 @@ class Split:
         return self.ring.plan if self.ring is not None else None
 
     def start_local_nodes(self):
+        """This run's own nodes, which serve this run's client identity only."""
         from diffuse.localnodes import start_local_nodes
+        from diffuse.sealing import load_identity
 
         return start_local_nodes(self.info.path, self.local.count, self.local.threads, scheme=self.local_transport,
+                                 client=load_identity(self.client_key),
                                  groups=self.branch_groups)
 
     def __enter__(self) -> "Split":
@@ -217,7 +243,8 @@ class Split:
             for group in self.groups or [self.nodes]:
                 plan = make_plan(self.info.subject, self.info.draft, [a for a, _ in group], [k for _, k in group],
                                  denoiser_dtype(denoiser))
-                rings.append(Ring(plan, self.timeout, self.attention, self.client_key))
+                rings.append(Ring(plan, self.timeout, self.attention, self.client_key, repair=self.repair,
+                                  identity=getattr(self.local_nodes, "client", None)))
                 rings[-1].open()
             if len(rings) > 1:
                 from diffuse.branches import BranchRings
@@ -225,7 +252,7 @@ class Split:
                 self.ring = BranchRings(rings)
             else:
                 self.ring = rings[0]
-            self.splitter = Splitter.on(denoiser, self.ring.plan)
+            self.splitter = Splitter.on(denoiser, self.ring.plan, self.embedding_on_node)
             self.splitter.attach(self.ring, self.patches, self.cache_threshold, self.ahead)
         except BaseException:
             self._close(hurry=True)
@@ -315,5 +342,8 @@ def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: in
     ``threads`` (local nodes' torch threads; default: the client's at one patch, which keeps the bits of a whole run), ``timeout`` (seconds for one pass),
     ``client_key``, ``attention``, ``local_transport``, ``model`` (the pipeline folder, when it cannot be
     told), ``ahead`` (with patches, send the next guidance branch's call while this one finishes; default
-    True)."""
+    True), ``repair`` (a ``diffuse.repair.RepairPolicy``: how a failed node is replaced; default: the
+    first usable holder of its range, the failed node avoided 30 s, doubling, then used again),
+    ``embedding_on_node`` (a language model's embedding table on the first node, so passes carry token ids
+    instead of hidden states; default False: the client embeds)."""
     return Split(pipe_or_model, nodes=nodes, local_nodes=local_nodes, patches=patches, **options)

@@ -24,7 +24,6 @@ machine's core count and load. ``--quick`` runs a small model for a smoke test.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -200,19 +199,27 @@ def main(argv: list[str] | None = None) -> int:
         from diffuse.quality import cache_main
 
         return cache_main(argv[1:])
+    if argv[:1] == ["serve"]:  # the service: warm against cold, concurrent streams against one
+        from diffuse.serve.bench import main as serve_main
+
+        return serve_main(argv[1:])
     if argv and argv[0] == "lm":
         from diffuse.bench_lm import main as lm_main
 
         return lm_main(argv[1:])
     from diffuse.text import plain
 
-    ap = argparse.ArgumentParser(prog="python -m diffuse.bench", description=plain(__doc__.split("\n")[0]),
+    from diffuse.cli import Parser
+
+    ap = Parser(prog="diffuse bench", description=plain(__doc__.split("\n")[0]),
                                  epilog="python -m diffuse.bench quality [--help]: what patches cost in pixels and in "
                                         "the prompt's colour and motion, on the shipped trained model. "
                                         "python -m diffuse.bench cache [--help]: the same for --cache-threshold, "
                                         "with speed. "
                                         "python -m diffuse.bench lm [--help]: a language model whole and split "
-                                        "(tokens/s, first token, bytes per hop)")
+                                        "(tokens/s, first token, bytes per hop). "
+                                        "python -m diffuse.bench serve [--help]: the service warm against a cold "
+                                        "query, and 8 concurrent streams against one")
     ap.add_argument("--quick", action="store_true", help="a small model, for a smoke test (well under a minute)")
     ap.add_argument("--steps", type=int, help="denoising steps per configuration (the first is not timed)")
     ap.add_argument("--keep", metavar="DIR", help="build (or reuse) the model in DIR instead of a temp folder")

@@ -18,7 +18,6 @@ prompt run alone, whole.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -86,7 +85,10 @@ def generate(model, ids, new: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m diffuse.bench lm", description=__doc__.split("\n")[0].strip("`"))
+    from diffuse.cli import Parser
+    from diffuse.text import plain
+
+    ap = Parser(prog="diffuse bench lm", description=plain(__doc__.split("\n")[0]))
     ap.add_argument("--quick", action="store_true", help="a tiny model, for a smoke test")
     ap.add_argument("--new-tokens", type=int, help="tokens to generate per run")
     ap.add_argument("--sessions", type=int, metavar="N",

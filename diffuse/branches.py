@@ -56,14 +56,14 @@ class _Sent:
 
 
 class _EveryRing:
-    """``on_repair.append(hook)`` for several rings: the hook runs whichever ring is repaired."""
+    """``repair.listen(hook)`` for several rings: the hook runs (once) whichever ring is repaired."""
 
     def __init__(self, rings: list):
         self.rings = rings
 
-    def append(self, hook) -> None:
+    def listen(self, hook) -> None:
         for r in self.rings:
-            r.on_repair.append(hook)
+            r.repair.listen(hook)
 
 
 class BranchRings:
@@ -98,7 +98,7 @@ class BranchRings:
         return [line for r in self.rings for line in r.repairs]
 
     @property
-    def on_repair(self) -> "_EveryRing":
+    def repair(self) -> "_EveryRing":
         return _EveryRing(self.rings)
 
     @property

@@ -110,7 +110,7 @@ def _check(path: str, start: float) -> dict:
     result = {"model": path, "denoiser": (f"{subject.denoiser}: {subject.denoiser_class_name}" if subject.denoiser
                                           else subject.denoiser_class_name if subject.autoregressive else None)}
     if subject.autoregressive:  # a transformers model: the five answers config.json gives, refused or not
-        from analyzers.config_reader import read_config
+        from diffuse.config_verdict import read_config
 
         result["config"] = read_config(subject.denoiser_config)
     try:
@@ -191,7 +191,7 @@ def _print_config(console, r: dict) -> None:
     """A transformers model's answers from config.json, each with the fields it rests on."""
     if not r.get("config"):
         return
-    from analyzers.config_reader import describe
+    from diffuse.config_verdict import describe
 
     console.print("from config.json:", highlight=False)
     for line in describe(r["config"]):

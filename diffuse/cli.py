@@ -1,141 +1,542 @@
-"""The ``diffuse`` command: query (run), chat, node, plan, check, verify, plugins."""
+"""The ``diffuse`` command, and the command-line pieces every subcommand shares.
+
+One place for: the table of subcommands (``COMMANDS``: a new one is one entry), the
+argument parser (a mistake is one line, with "did you mean" where a flag, command or
+shipped model is near), value parsing (``positive``, ``--arg KEY=VALUE``), every flag
+check (``check_flags`` before anything loads, ``check_flags_for`` once the model's
+config is read), the error reporter (the root cause on the last line, exit status 2),
+the first status line and the progress lines (a bar on a terminal, plain lines when
+output is piped or logged).
+
+This module imports no other part of Diffuse at load time, and a subcommand's module
+only when that subcommand runs, so ``diffuse --help`` and a flag mistake answer at once.
+
+A new subcommand is one entry in ``COMMANDS``, for example
+``"serve": Command("diffuse.serve:main", "what it does", "--model DIR")``: a function
+that takes the rest of the command line and returns the exit status, and builds its
+flags with ``Parser`` (``ring_flags`` for the ring's), reports with ``console``,
+``status`` and ``phase``, and runs its body under ``run_guarded`` for the shared error
+handling.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
+import json
+import math
 import os
 import sys
+import time
+import warnings
+from dataclasses import dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-USAGE = """usage: diffuse COMMAND ...
 
-commands:
-  query ...            generate (the same as python -m diffuse.run ...)
-  chat [--model DIR]   talk with a language model split over a ring, turn by turn (default: tiny-qwen-chat)
-  node ...             serve a slice of a model (python -m diffuse.node ...)
-  plan MODEL --nodes N print the slicing plan as JSON
-  check MODEL          verdict from config.json files alone: stacks, output kind, patching
-  verify MODEL ...     run whole and split, print the maximum absolute difference
-  plugins              list installed plugins
-"""
+# ---------------------------------------------------------------- subcommands
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: ``target`` is "module:function", called with the rest of the command line and
+    returning the exit status; imported only when the subcommand runs."""
+
+    target: str
+    summary: str
+    usage: str = "..."
+
+    def load(self):
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)
 
 
-def cmd_plan(argv: list[str]) -> int:
-    from rich.console import Console
+COMMANDS: dict[str, Command] = {
+    "query": Command("diffuse.run:main", "generate with a model split over a ring (also: generate, run)"),
+    "chat": Command("diffuse.lm:chat_main", "talk with a language model split over a ring, turn by turn "
+                    "(default: the embedded tiny-qwen-chat)", "[--model DIR]"),
+    "node": Command("diffuse.node:main", "serve a slice of a model's blocks (python -m diffuse.node)"),
+    "serve": Command("diffuse.serve:main", "an OpenAI-compatible HTTP service and a page, models kept warm on a ring"),
+    "key": Command("diffuse.commands:key_main", "print this machine's node key (creating it if missing)",
+                   "[--key-file FILE]"),
+    "check": Command("diffuse.commands:check_main", "the verdict from config.json files alone: stacks, output, "
+                     "patching", "MODEL"),
+    "plan": Command("diffuse.commands:plan_main", "print the slicing plan as JSON", "MODEL --nodes N"),
+    "verify": Command("diffuse.commands:verify_main", "run whole and split, print the largest difference",
+                      "MODEL ..."),
+    "bench": Command("diffuse.bench:main", "speed and wire use, whole and split (python -m diffuse.bench)",
+                     "[quality|cache|lm] ..."),
+    "plugins": Command("diffuse.commands:plugins_main", "list installed plugins", ""),
+}
+ALIASES = {"generate": "query", "run": "query"}
 
-    from diffuse.errors import DiffuseError
-    from diffuse.modelfiles import resolve_model
-    from diffuse.planner import analyze, make_plan
 
-    ap = argparse.ArgumentParser(prog="diffuse plan")
-    ap.add_argument("model")
-    ap.add_argument("--nodes", type=int, default=2, help="how many nodes to split over")
-    a = ap.parse_args(argv)
+def version() -> str:
     try:
-        subject, draft = analyze(resolve_model(a.model))
-        plan = make_plan(subject, draft, [f"node{i + 1}" for i in range(a.nodes)])
-    except DiffuseError as exc:
-        from diffuse.run import report_error
+        from importlib.metadata import version as installed
 
-        return report_error(Console(stderr=True), exc)
-    print(plan.to_json())
-    return 0
+        return installed("diffuse")
+    except Exception:  # run from a checkout that was never installed
+        return "0.1.0"
 
 
-def cmd_check(argv: list[str]) -> int:
-    from rich.console import Console
-
-    from diffuse.check import print_check
-    from diffuse.errors import DiffuseError
-    from diffuse.modelfiles import resolve_model
-
-    ap = argparse.ArgumentParser(prog="diffuse check")
-    ap.add_argument("model")
-    a = ap.parse_args(argv)
-    console = Console()
-    try:
-        return print_check(resolve_model(a.model), console, cache=True)
-    except DiffuseError as exc:
-        from diffuse.run import report_error
-
-        return report_error(console, exc)
-
-
-def cmd_verify(argv: list[str]) -> int:
-    import numpy as np
-    import torch
-    from rich.console import Console
-
-    import diffuse
-    from diffuse.api import ModelInfo
-    from diffuse.errors import DiffuseError
-    from diffuse.planner import load_pipeline
-    from diffuse.run import build_parser, call_kwargs, output_array, report_error
-
-    ap = build_parser()
-    ap.prog = "diffuse verify"
-    ap.description = "Run the model whole and split with the same arguments; print the largest difference."
-    ap.add_argument("model_pos", nargs="?", metavar="MODEL")
-    a = ap.parse_args(argv)
-    a.model = a.model or a.model_pos
-    console = Console(stderr=True)
-    try:
-        if a.threads:
-            torch.set_num_threads(a.threads)
-        info = ModelInfo.of(a.model)
-        whole = load_pipeline(info.path)
-        with torch.no_grad():
-            reference = output_array(whole(**call_kwargs(a, whole, info)))
-        del whole
-        pipe = diffuse.from_pretrained(info.path)
-        with diffuse.split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches, threads=a.threads,
-                           timeout=a.timeout, local_transport=a.local_transport), torch.no_grad():
-            split = output_array(pipe(**call_kwargs(a, pipe, info)))
-    except DiffuseError as exc:
-        return report_error(console, exc)
-    diff = float(np.abs(reference.astype(np.float64) - split).max())
-    same = reference.tobytes() == split.tobytes()
-    print(f"max abs difference, whole vs split ({a.patches} patch{'es' if a.patches > 1 else ''}): {diff:.3g}"
-          f"{'  (byte-identical)' if same else ''}")
-    return 0 if (same or a.patches > 1) else 1
-
-
-def cmd_plugins(argv: list[str]) -> int:
-    from diffuse.plugins import plugin_manager
-
-    pm = plugin_manager()
-    for plugin in pm.get_plugins():
-        name = pm.get_name(plugin)
-        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
-        print(f"{name:12s} {getattr(plugin, '__name__', plugin)}  {', '.join(hooks)}")
-    return 0
+def usage() -> str:
+    width = max(len(f"{n} {c.usage}") for n, c in COMMANDS.items())
+    lines = [f"  {f'{n} {c.usage}'.strip():{width}s}  {c.summary}" for n, c in COMMANDS.items()]
+    return ("usage: diffuse COMMAND ...   (diffuse COMMAND --help for its flags; diffuse --version)\n\ncommands:\n"
+            + "\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``diffuse COMMAND ...``. Run as the installed command (no ``argv``), the process ends as soon as
+    the command returns: everything it started is stopped by then, and the interpreter's own teardown
+    (torch's threads, imported modules) would only keep the prompt waiting."""
+    as_command = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+    if as_command:
+        quiet_libraries()
+    code = dispatch(argv)
+    if as_command:
+        exit_now(code)
+    return code
+
+
+def dispatch(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
         return 0 if argv else 2
-    cmd, rest = argv[0], argv[1:]
-    if cmd in ("query", "run"):
-        from diffuse.run import main as run_main
-
-        return run_main(rest)
-    if cmd == "chat":
-        from diffuse.lm import chat_main
-
-        return chat_main(rest)
-    if cmd == "node":
-        from diffuse.node import main as node_main
-
-        return node_main(rest)
-    commands = {"plan": cmd_plan, "check": cmd_check, "verify": cmd_verify, "plugins": cmd_plugins}
-    if cmd not in commands:
-        print(f"diffuse: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    if argv[0] in ("-V", "--version", "version"):
+        print(f"diffuse {version()}")
+        return 0
+    name, rest = ALIASES.get(argv[0], argv[0]), argv[1:]
+    command = COMMANDS.get(name)
+    if command is None:
+        near = difflib.get_close_matches(argv[0], [*COMMANDS, *ALIASES], n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        print(f"diffuse: unknown command {argv[0]!r}{hint}\n\n{usage()}", file=sys.stderr)
         return 2
-    return commands[cmd](rest)
+    return command.load()(rest)
+
+
+def exit_now(code: int) -> None:
+    """End the process at once with ``code``, output flushed."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def quiet_libraries() -> None:
+    """Libraries' deprecation and future warnings are for their callers' authors, not for a user of the
+    command: off in normal output (``PYTHONWARNINGS`` or ``-W`` given explicitly still rule)."""
+    if sys.warnoptions:
+        return
+    for category in (DeprecationWarning, FutureWarning, PendingDeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+
+
+# ---------------------------------------------------------------- the parser and value parsing
+
+class Parser(argparse.ArgumentParser):
+    """A flag mistake is one line and exit status 2, before anything is loaded or started; an unknown
+    flag near a known one says which was meant."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {self.suggest(message)} (see --help)\n")
+
+    def suggest(self, message: str) -> str:
+        if not message.startswith("unrecognized arguments:"):
+            return message
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        hints = []
+        for word in message.split(":", 1)[1].split():
+            if word.startswith("-"):
+                near = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
+                if near:
+                    hints.append(near[0])
+        return f"{message}; did you mean {' and '.join(hints)}?" if hints else message
+
+
+def positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is less than 1")
+    return n
+
+
+def seconds(text: str) -> float:
+    try:
+        s = float(text)
+    except ValueError:
+        s = float("nan")
+    if not math.isfinite(s) or s <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return s
+
+
+def threshold(text: str) -> float:
+    """``--cache-threshold``: a finite number of 0 or more (0: off)."""
+    try:
+        t = float(text)
+    except ValueError:
+        t = float("nan")
+    if not math.isfinite(t) or t < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of 0 or more (0: off; 0.1 skips steps whose "
+                                         "first block changes less than 10%)")
+    return t
+
+
+def hex_key(text: str) -> bytes:
+    """A public key: 64 hex digits."""
+    try:
+        key = bytes.fromhex(text.strip())
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a public key (64 hex digits, as `diffuse query --client-key FILE` or `diffuse key` "
+            "prints)")
+    return key
+
+
+def parse_value(text: str):
+    """``--arg KEY=VALUE``'s VALUE: JSON where it parses, else the string itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def key_values(items: list[str]) -> dict:
+    """Every ``--arg KEY=VALUE`` as a dict, in order (a repeated key: the last wins)."""
+    from diffuse.errors import DiffuseError
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise DiffuseError(f"--arg {item!r}: expected KEY=VALUE")
+        out[key] = parse_value(value)
+    return out
+
+
+# ---------------------------------------------------------------- the parsers of query and chat
+
+def ring_flags(ap: argparse.ArgumentParser) -> None:
+    """Where the nodes are and how the client speaks to them (query, chat, verify)."""
+    ap.add_argument("--nodes", help="comma-separated node addresses, each optionally #HEXKEY to pin its key; "
+                    "';' separates groups, each a whole ring, that run guidance branches side by side")
+    ap.add_argument("--local-nodes", type=positive, default=None, help="start N nodes on this machine (default 2; "
+                    "never more than the longest stack has blocks)")
+    ap.add_argument("--local-transport", default="tcp", metavar="SCHEME",
+                    help="URL scheme local nodes listen on (tcp; ipc with the diffuse-ipc plugin)")
+    ap.add_argument("--threads", type=positive, help="torch threads here and on local nodes; equal bits need equal "
+                    "counts here, on every node and in the run compared with (default: torch's here, and at "
+                    "--patches 1 the same on local nodes, so a default run equals a default whole run)")
+    ap.add_argument("--timeout", type=seconds, default=300.0, help="seconds one pass through the ring may take while "
+                    "every node still answers pings (a dead or frozen node is named within seconds regardless)")
+    ap.add_argument("--client-key", metavar="FILE", help="this client's long-term identity (created 0600 if "
+                    "missing; its public key is printed), for nodes run with --allow-client; default: a fresh one "
+                    "per run")
+
+
+def query_parser(prog: str = "diffuse query") -> Parser:
+    ap = Parser(prog=prog, description="Generate with a model split over a ring of nodes: a diffusers pipeline "
+                "makes an image, a video or audio; a transformers model folder answers in text. Flags not given "
+                "are not passed, so the model's own defaults hold.")
+    ap.add_argument("--model", help="a diffusers pipeline folder or a transformers model folder, a shipped model's "
+                    "name, or a Hub id in the local cache (default: the shipped tiny-wan-shapes)")
+    ap.add_argument("--prompt", help="what to make (a language model: the text to answer)")
+    ap.add_argument("--negative-prompt", help="what to steer away from (the pipeline's negative_prompt)")
+    ap.add_argument("--steps", type=positive, help="denoising steps (default: the pipeline's)")
+    ap.add_argument("--patches", type=positive, default=1, help="patches per step (1: exact; >1: PipeFusion)")
+    ap.add_argument("--cache-threshold", type=threshold, default=0.0, metavar="T",
+                    help="first-block cache: skip the rest of a step's blocks where the first block's residual "
+                    "changed less than T (relative) since the last step computed in full, reusing what each node's "
+                    "blocks added then (default 0: off, exact)")
+    ap.add_argument("--seed", type=int, default=0, help='generator=torch.Generator("cpu").manual_seed(SEED)')
+    ap.add_argument("--height", type=positive, help="output height in pixels (default: the model's)")
+    ap.add_argument("--width", type=positive, help="output width in pixels (default: the model's)")
+    ap.add_argument("--frames", type=positive, help="video frames (num_frames; default: the model's)")
+    ring_flags(ap)
+    ap.add_argument("--branch-groups", type=positive, default=1, metavar="G",
+                    help="with --local-nodes: share the local nodes out into G groups, one per guidance branch, "
+                    "which then run side by side (default 1)")
+    ap.add_argument("--out", help="output file: .png for images; .mp4 or .gif (a preview any viewer plays) for "
+                    "video; .wav for audio; a text file for a language model's answer")
+    ap.add_argument("--save-array", metavar="FILE.npy", help="save the float32 array the pipeline returns")
+    ap.add_argument("--whole", action="store_true", help="run unsplit in this process (the reference)")
+    ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="any other argument of the pipeline's call (or of generate); VALUE is JSON where it parses, "
+                    "else a string")
+    ap.add_argument("--report", metavar="FILE.json", help="write run statistics as JSON")
+    ap.add_argument("--quiet", action="store_true", help="no status lines, notes, progress bar or progress lines: "
+                    "what the run started and wrote, and errors")
+    g = ap.add_argument_group("language models (a transformers model folder)")
+    g.add_argument("--max-new-tokens", type=positive, help="tokens to generate (default: the model's generation "
+                   "config)")
+    g.add_argument("--image", action="append", default=[], metavar="FILE", help="an image before the prompt "
+                   "(repeatable)")
+    g.add_argument("--video", action="append", default=[], metavar="FILE", help="a video before the prompt "
+                   "(repeatable)")
+    g.add_argument("--media", action="append", default=[], metavar="FILE",
+                   help="an image or video, its kind told by its content (repeatable)")
+    g.add_argument("--audio", metavar="FILE", help="a clip for a model that listens (a speech recogniser transcribes "
+                   "it; a chat model that hears audio answers --prompt about it), at the model's sampling rate")
+    g.add_argument("--temperature", type=float, help="sample at this temperature (sampling on)")
+    g.add_argument("--top-p", type=float, help="sample from the smallest set of this probability (sampling on)")
+    g.add_argument("--top-k", type=positive, help="sample from the K likeliest tokens (sampling on)")
+    g.add_argument("--no-template", action="store_true",
+                   help="send the prompt as is (default: the processor's chat template, else the tokenizer's)")
+    g.add_argument("--save-tokens", metavar="FILE.json",
+                   help='write {"input_ids": [[...]], "new_tokens": [[...]]} as generate returns them')
+    g.add_argument("--embedding-on-node", action="store_true",
+                   help="the first node holds the embedding table and passes carry token ids (default: the client "
+                   "embeds, and passes carry hidden states)")
+    return ap
+
+
+def chat_parser() -> Parser:
+    ap = Parser(prog="diffuse chat", description="An interactive chat with a language model split over a ring: the "
+                "history is rendered with the chat template, and each node keeps its layers' cache between turns, "
+                "so a turn sends only its own new tokens. Ctrl-C or an empty input at end of file ends it.")
+    ap.add_argument("--model", help="a transformers model folder (or a shipped name / cached Hub id); default: the "
+                    "embedded chat model, tiny-qwen-chat")
+    ap.add_argument("--max-new-tokens", type=positive, default=128, help="tokens per answer at most (default 128)")
+    ap.add_argument("--image", action="append", default=[], metavar="FILE", help="an image for the first turn")
+    ring_flags(ap)
+    ap.add_argument("--report", metavar="FILE.json", help="write per-turn statistics as JSON at the end")
+    ap.add_argument("--embedding-on-node", action="store_true",
+                    help="the first node holds the embedding table and passes carry token ids (default: the client "
+                    "embeds)")
+    return ap
+
+
+# ---------------------------------------------------------------- every flag check
+
+DIFFUSION_ONLY = ("steps", "height", "width", "frames", "negative_prompt", "save_array")
+LANGUAGE_ONLY = ("max_new_tokens", "temperature", "top_p", "top_k", "save_tokens", "audio")
+LANGUAGE_MEDIA = ("image", "video", "media", "no_template", "embedding_on_node")
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def split_options(a: argparse.Namespace, autoregressive: bool | None = None) -> float:
+    """The split's own rules (``diffuse.api.check_options``, which ``split()`` follows too) on the flags."""
+    from diffuse.api import check_options
+
+    return check_options(getattr(a, "patches", 1), getattr(a, "nodes", None) is not None,
+                         getattr(a, "local_nodes", None), getattr(a, "branch_groups", 1),
+                         getattr(a, "cache_threshold", 0.0), autoregressive)
+
+
+def check_flags(a: argparse.Namespace) -> None:
+    """What the flags alone can tell, checked before anything is read or loaded (query, chat, verify)."""
+    from diffuse.errors import DiffuseError
+
+    split_options(a)
+    if getattr(a, "nodes", None) is not None:
+        check_node_list(a.nodes)
+    whole = getattr(a, "whole", False)
+    if whole and getattr(a, "cache_threshold", 0.0):
+        raise DiffuseError("--cache-threshold applies to split runs; --whole runs the model as it is")
+    if whole and (a.nodes is not None or a.local_nodes is not None):
+        raise DiffuseError("--whole runs the model unsplit in this process: leave out --nodes and --local-nodes")
+    if getattr(a, "temperature", None) is not None and not a.temperature > 0:
+        raise DiffuseError(f"--temperature {a.temperature}: must be above 0 (leave it out for greedy decoding)")
+    if getattr(a, "top_p", None) is not None and not 0 < a.top_p <= 1:
+        raise DiffuseError(f"--top-p {a.top_p}: must be in (0, 1]")
+    if hasattr(a, "arg"):
+        key_values(a.arg)  # KEY=VALUE form
+
+
+def check_node_list(nodes: str) -> None:
+    """``--nodes``: groups separated by ';', addresses by ',', each checked (scheme, port, key)."""
+    from diffuse.errors import DiffuseError
+    from diffuse.known_nodes import parse_nodes
+
+    groups = nodes.split(";")
+    if any(not g.strip() for g in groups):
+        raise DiffuseError("--nodes: an empty group between ';' separators")
+    for group in groups:
+        parse_nodes(group)
+
+
+def check_flags_for(a: argparse.Namespace, autoregressive: bool) -> None:
+    """The flags against what the model's config says it is: a language model (``autoregressive``) or a
+    diffusion pipeline. Checked after config.json is read, before the model loads."""
+    from diffuse.errors import DiffuseError
+
+    split_options(a, autoregressive)
+    if autoregressive:
+        for name in DIFFUSION_ONLY:
+            if getattr(a, name, None) not in (None, False):
+                raise DiffuseError(f"{flag(name)} applies to diffusion pipelines, not to a language model")
+        return
+    for name in LANGUAGE_ONLY:
+        if getattr(a, name, None) is not None:
+            raise DiffuseError(f"{flag(name)} applies to language models, not to a diffusion pipeline")
+    if any(getattr(a, name, None) for name in LANGUAGE_MEDIA):
+        raise DiffuseError("--image, --video, --media, --no-template and --embedding-on-node apply to language "
+                           "models")
+
+
+def check_port_free(listen: str) -> None:
+    """A node's ``--listen tcp://HOST:PORT``: refused in one line when PORT is taken, before anything loads
+    (port 0 and other schemes pass)."""
+    import socket
+
+    from diffuse.errors import DiffuseError
+
+    if not listen.startswith("tcp://"):
+        return
+    host, _, port = listen[6:].rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: a closed port's wait passes
+        try:
+            probe.bind(("" if host in ("*", "0.0.0.0", "::") else host, int(port)))
+        except OSError as exc:
+            if exc.errno == 98 or "in use" in str(exc):
+                raise DiffuseError(f"--listen {listen}: port {port} is already in use (another node, or another "
+                                   "program): give another port, or stop what holds it") from None
+            raise DiffuseError(f"--listen {listen}: cannot listen there ({exc.strerror or exc})") from None
+
+
+# ---------------------------------------------------------------- what the user sees
+
+def console(stderr: bool = True):
+    """A console that never wraps a line mid-phrase when output is piped or logged."""
+    from rich.console import Console
+
+    return Console(stderr=stderr, soft_wrap=True, highlight=False)
+
+
+def status(out, text: str, quiet: bool = False) -> None:
+    """One status line: what happens now (the first within a second of start, one per phase after);
+    none with ``--quiet``."""
+    if not quiet:
+        out.print(text, highlight=False, soft_wrap=True, markup=False)
+
+
+class phase:
+    """A phase of a command: its line at the start, and while it lasts a line every ``every`` seconds
+    saying it still goes on (imports and loading under a busy machine take long), so the command is
+    never long silent."""
+
+    def __init__(self, out, text: str, quiet: bool = False, every: float = 5.0):
+        self.out, self.text, self.quiet, self.every = out, text, quiet, every
+
+    def __enter__(self):
+        import threading
+
+        status(self.out, self.text, self.quiet)
+        self.started, self.done = time.perf_counter(), threading.Event()
+        self.ticker = threading.Thread(target=self._tick, name="phase", daemon=True)
+        self.ticker.start()
+        return self
+
+    def _tick(self) -> None:
+        what = self.text.rstrip(".").split(": ")[-1].split(";")[-1].strip()
+        while not self.done.wait(self.every) and not self.quiet:
+            status(self.out, f"  still {what} ({time.perf_counter() - self.started:.0f} s)")
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.ticker.join()
+
+
+def report_error(out, exc: BaseException) -> int:
+    """An expected failure: one clear line, no traceback, exit status 2. The line is the root cause: a
+    failure raised while handling another names the first one too when they differ."""
+    out.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    return 2
+
+
+def run_guarded(body, out, interrupted: str = "interrupted") -> int:
+    """``body()`` with the command's error handling: a ``DiffuseError`` is one line and status 2; Ctrl-C
+    is status 130 (sessions are closed and local nodes stopped on the way out)."""
+    from diffuse.errors import DiffuseError
+
+    try:
+        body()
+    except DiffuseError as exc:
+        return report_error(out, exc)
+    except KeyboardInterrupt:
+        out.print(interrupted, highlight=False)
+        return 130
+    return 0
+
+
+class StepLines:
+    """Progress over the steps of a run: a bar on a terminal; as plain lines when output is piped or
+    logged (step i/N, rate, time left), one each ``every`` seconds and at each tenth of the run, so a log
+    shows the run moving while it runs. ``quiet``: nothing."""
+
+    def __init__(self, out, label: str = "denoising", quiet: bool = False, every: float = 2.0):
+        self.out, self.label, self.quiet, self.every = out, label, quiet, every
+        self.total: int | None = None
+        self.done = 0
+        self.bar = None
+        self.started = self.last = time.perf_counter()
+        self.last_tenth = 0
+
+    def __enter__(self):
+        if not self.quiet and self.out.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn(self.label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                transient=False, console=self.out)
+            self.task = self.bar.add_task("steps", total=None)
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def set_total(self, total: int) -> None:
+        if self.total is None:
+            self.total = total
+            if self.bar is not None:
+                self.bar.update(self.task, total=total)
+
+    def advance(self) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if self.bar is not None:
+            self.bar.advance(self.task)
+            return
+        if self.quiet:
+            return
+        tenth = self.done * 10 // self.total if self.total else 0
+        if now - self.last >= self.every or tenth > self.last_tenth or self.done == self.total:
+            self.last, self.last_tenth = now, tenth
+            self.out.print(self.line(now), highlight=False, soft_wrap=True, markup=False)
+
+    def line(self, now: float) -> str:
+        spent = now - self.started
+        rate = self.done / spent if spent > 0 else 0.0
+        of = f"/{self.total}" if self.total else ""
+        pace = f"{rate:.2f} steps/s" if rate >= 1 or rate == 0 else f"{1 / rate:.1f} s/step"
+        left = ""
+        if self.total and rate > 0 and self.done < self.total:
+            left = f", about {(self.total - self.done) / rate:.0f} s left"
+        return f"{self.label}: step {self.done}{of}, {pace}{left}"
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()  # ends the process itself

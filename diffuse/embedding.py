@@ -1,16 +1,18 @@
 """The start of a language model's pass on the first node: token ids in, the first hidden states out.
 
 A language model's forward turns token ids into hidden states with its input
-embedding table and hands them to the first decoder layer. Where the model's
-forward does nothing else with them, the table lives on the node holding the
-first layer: the client's embedding becomes ``EmbedStandIn``, which answers
+embedding table and hands them to the first decoder layer. By default the
+client keeps the table and passes carry hidden states. With
+``--embedding-on-node`` (``diffuse.split(..., embedding_on_node=True)``), where
+the model's forward does nothing else with them, the table lives on the node
+holding the first layer: the client's embedding becomes ``EmbedStandIn``, which answers
 with a placeholder of the right shape and dtype (NaN, so that a value read by
 mistake shows); the pass carries the token ids in the hidden-state slot, and
 the first node looks them up in its own exact copy of the table (bit-identical)
 before running its layers. With the head tied to the table, the client then
 holds neither.
 
-Whether a model allows it is decided once, when it is split (``embedding_stays``),
+Whether a model allows it is decided once, when it is split with that option (``embedding_stays``),
 by shape alone: a decoder-only model whose forward takes token ids and nothing
 that could be merged into the embeddings (images, audio: any other input), and
 whose first decoder layer, run on the model's own forward with two different

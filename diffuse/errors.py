@@ -18,7 +18,7 @@ class NodeError(DiffuseError):
     """A node answered with an error, or did not answer in time."""
 
     def __init__(self, address: str, message: str):
-        self.address = address
+        self.address, self.message = address, message
         super().__init__(f"node {address}: {message}")
 
 

@@ -67,8 +67,8 @@ class CacheTagger:
         self.threshold = threshold
         self.trackers: dict = {}
         self._since_repair: set | None = None  # (stack, branch) tagged fresh since the last repair
-        if ring is not None and hasattr(ring, "on_repair"):
-            ring.on_repair.append(self.repaired)
+        if ring is not None and hasattr(ring, "repair"):
+            ring.repair.listen(self.repaired)
 
     def repaired(self) -> None:
         self._since_repair = set()

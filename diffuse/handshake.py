@@ -42,8 +42,7 @@ def route_from_slices(plan: SlicingPlan, held: list[list[Slice] | None]) -> Slic
         order = "; ".join(f"{st.address}: {', '.join(map(str, m.values())) or 'nothing'}"
                           for st, m in zip(plan.route, mine))
         return DiffuseError(f"the nodes' slices do not chain into whole stacks in route order: {why} "
-                            f"(route order: {order}); list the nodes in the order of their blocks, or change "
-                            "their --blocks")
+                            f"(route order: {order}); change their --blocks")
 
     routes: list[list[Slice]] = [[] for _ in plan.route]
     for st in plan.stacks:
@@ -105,6 +104,7 @@ class Handshake:
         self.attention = attention
         self.sid = os.urandom(SESSION_ID_BYTES)
         self.keys: list[bytes] = []
+        self.hop_keys: list[bytes] = []  # the key of the hop into each node, then of the hop home
         self.opened: list[int] = []  # route positions whose node has this session open
         self.uncut: set[str] = set()  # stacks a node says must run uncut steps (two streams)
         self._misses = [0] * len(plan.route)
@@ -169,7 +169,7 @@ class Handshake:
         self.plan = plan
         hops = hop_versions([s.address for s in plan.route], [h["speaks"] for h in hellos],
                             [h["wire"] for h in hellos])
-        hop_keys = [sealing.new_key() for _ in range(len(plan.route) + 1)]
+        hop_keys = self.hop_keys = [sealing.new_key() for _ in range(len(plan.route) + 1)]
         nexts = data[1:] + [transport_inbox]
         try:
             for k, stage in enumerate(plan.route):
@@ -241,6 +241,15 @@ class Handshake:
             raise NodeError(address, str(inner.get("error", f"refused {op}"))[:500])
         return inner
 
+    def _ping(self, k: int) -> dict:
+        """A ping to node ``k``, with the proof that renews the session there (``sessions.ping_proof``)."""
+        from diffuse.sessions import ping_proof
+
+        ping = {"op": "ping", "session": self.sid}
+        if k < len(self.hop_keys):
+            ping["proof"] = ping_proof(self.hop_keys[k], self.sid)
+        return ping
+
     def probe(self, keepalive: bool = False, stalled: int | None = None) -> None:
         """Ask every node of the route whether it is alive and still has the session (each ping also
         renews the session's lease there); NodeError naming the first that is dead, frozen (two pings
@@ -250,14 +259,14 @@ class Handshake:
         seen = []
         for k, stage in enumerate(self.plan.route):
             try:
-                st = self._request(k, {"op": "ping", "session": self.sid}, PROBE_TIMEOUT_S)
+                st = self._request(k, self._ping(k), PROBE_TIMEOUT_S)
             except NodeError:
                 if keepalive:
                     continue
                 self._misses[k] += 1
                 if self._misses[k] >= 2 or stalled is not None:
                     raise NodeError(stage.address, f"stopped answering (no answer to two pings of "
-                                    f"{PROBE_TIMEOUT_S:.0f} s): the node is dead or frozen") from None
+                                    f"{PROBE_TIMEOUT_S:g} s): the node is dead or frozen") from None
                 continue
             if keepalive:
                 continue

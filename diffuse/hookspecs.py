@@ -38,7 +38,9 @@ def diffuse_transport(scheme):
 
     ``scheme`` is the part of a node address before ``://`` (``tcp``, ``ipc``,
     ...). Return None for a scheme you do not serve; the first non-None answer
-    wins.
+    wins. ``diffuse.transport_api`` holds everything a transport needs of
+    Diffuse (the protocols, limits, control-map encoding, errors, ``hookimpl``);
+    ``plugins/diffuse-tcp`` is a complete example built on it alone.
     """
 
 

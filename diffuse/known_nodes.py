@@ -42,6 +42,10 @@ def pin_key(address: str, key: bytes, pinned: str | None) -> None:
         raise NodeError(address, f"key changed since first use (known: {known[address][:16]}..., now: "
                         f"{key.hex()[:16]}...); if the node was re-keyed on purpose, remove it from {path}")
     if address not in known:
+        import sys
+
+        print(f"node {address}: key {key.hex()[:16]}... trusted on first use and remembered in {path} (pin it "
+              f"with {address}#{key.hex()} to check it from the start)", file=sys.stderr, flush=True)
         known[address] = key.hex()
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"

@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+from diffuse.processes import alive
+
 READY_TIMEOUT_S = 120.0  # a launcher's imports (torch, diffusers, transformers) on a loaded machine
 REPLY_TIMEOUT_S = 30.0  # a fork answered with its pid
 MAX_LAUNCHERS = 3  # launchers kept at once (one per environment seen); the oldest is closed first
@@ -443,17 +445,6 @@ def _fork(sock: socket.socket, request: dict, fds: list[int], own: tuple[int, ..
         os.close(fd)
     if pid is not None:
         _send(sock, {"pid": pid})
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` still exists (one owned by another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # --------------------------------------------------------------------------- a forked process

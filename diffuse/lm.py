@@ -11,56 +11,19 @@ printed as it streams, token by token.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 from contextlib import nullcontext
 
+from diffuse import cli
 from diffuse.errors import DiffuseError
 
 TOP_SAVED = 8  # candidates per step written to --report: ids and exact values
 
 
-def add_flags(ap: argparse.ArgumentParser, positive) -> None:
-    """The flags of a language model's run (the rest are shared with pipelines)."""
-    g = ap.add_argument_group("language models (a transformers model folder)")
-    g.add_argument("--max-new-tokens", type=positive, help="tokens to generate (default: the model's generation config)")
-    g.add_argument("--image", action="append", default=[], metavar="FILE", help="an image before the prompt (repeatable)")
-    g.add_argument("--video", action="append", default=[], metavar="FILE", help="a video before the prompt (repeatable)")
-    g.add_argument("--media", action="append", default=[], metavar="FILE",
-                   help="an image or video, its kind told by its content (repeatable)")
-    g.add_argument("--audio", metavar="FILE", help="a clip for a model that listens (a speech recogniser transcribes "
-                   "it; a chat model that hears audio answers --prompt about it), at the model's sampling rate")
-    g.add_argument("--temperature", type=float, help="sample at this temperature (sampling on)")
-    g.add_argument("--top-p", type=float, help="sample from the smallest set of this probability (sampling on)")
-    g.add_argument("--top-k", type=int, help="sample from the K likeliest tokens (sampling on)")
-    g.add_argument("--no-template", action="store_true",
-                   help="send the prompt as is (default: the processor's chat template, else the tokenizer's)")
-    g.add_argument("--save-tokens", metavar="FILE.json",
-                   help='write {"input_ids": [[...]], "new_tokens": [[...]]} as generate returns them')
-
-
-def check_flags(a: argparse.Namespace) -> None:
-    """Flags that make no sense for a language model, refused before anything loads."""
-    for flag in ("steps", "height", "width", "frames", "negative_prompt", "save_array"):
-        if getattr(a, flag, None) not in (None, False):
-            raise DiffuseError(f"--{flag.replace('_', '-')} applies to diffusion pipelines, not to a language model")
-    if a.patches != 1:
-        raise DiffuseError("--patches applies to diffusion pipelines; a language model runs one pass per token")
-    if getattr(a, "cache_threshold", 0):
-        from diffuse.firstblock import NOT_FOR_LANGUAGE_MODELS
-
-        raise DiffuseError(NOT_FOR_LANGUAGE_MODELS)
-
-    if a.temperature is not None and a.temperature <= 0:
-        raise DiffuseError(f"--temperature {a.temperature}: must be above 0 (leave it out for greedy decoding)")
-    if a.top_p is not None and not 0 < a.top_p <= 1:
-        raise DiffuseError(f"--top-p {a.top_p}: must be in (0, 1]")
-    if a.top_k is not None and a.top_k < 1:
-        raise DiffuseError(f"--top-k {a.top_k}: must be at least 1")
-
-
-def generation_kwargs(a: argparse.Namespace, parse_value) -> dict:
+def generation_kwargs(a: argparse.Namespace) -> dict:
     """``generate``'s arguments from the flags; sampling is on when a sampling flag is given (or
     ``--arg do_sample=true``), and what is not given is left to the model's generation config."""
     kwargs: dict = {}
@@ -70,11 +33,7 @@ def generation_kwargs(a: argparse.Namespace, parse_value) -> dict:
         if getattr(a, key) is not None:
             kwargs[key] = getattr(a, key)
             kwargs["do_sample"] = True
-    for item in a.arg:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise DiffuseError(f"--arg {item!r}: expected KEY=VALUE")
-        kwargs[key] = parse_value(value)
+    kwargs.update(cli.key_values(a.arg))
     kwargs.setdefault("do_sample", False)
     for key in ("num_beams", "num_beam_groups", "assistant_model", "prompt_lookup_num_tokens"):
         if kwargs.get(key) not in (None, 1, False):
@@ -157,7 +116,7 @@ def embedding_report(splitter) -> dict:
                                            if p.device.type != "meta")}
 
 
-def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
+def generate_text(a: argparse.Namespace, console, info) -> dict:
     import torch
 
     import diffuse
@@ -167,8 +126,7 @@ def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
     from diffuse.planner import load_model
 
     t0 = time.perf_counter()
-    check_flags(a)
-    gen = generation_kwargs(a, parse_value)
+    gen = generation_kwargs(a)  # the flags were checked against the model in diffuse.cli
     cls = info.subject.denoiser_class()
     if getattr(cls, "main_input_name", "input_ids") == "input_features":  # it listens: audio in, text out
         from diffuse.audio_inputs import build_audio_inputs
@@ -208,7 +166,8 @@ def generate_text(a: argparse.Namespace, console, info, parse_value) -> dict:
     split = None
     if not a.whole:
         split = Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
-                      client_key=a.client_key, local_transport=a.local_transport)
+                      client_key=a.client_key, local_transport=a.local_transport,
+                      embedding_on_node=getattr(a, "embedding_on_node", False))
         if split.local is not None:
             for n in split.local.notes:
                 console.print(n, soft_wrap=True)
@@ -385,28 +344,21 @@ def summarize(r: dict, console) -> None:
 
 
 def chat_parser() -> argparse.ArgumentParser:
-    from diffuse.run import Parser, positive
-
-    ap = Parser(prog="diffuse chat", description="An interactive chat with a language model split over a ring: the "
-                "history is rendered with the chat template, and each node keeps its layers' cache between turns, "
-                "so a turn sends only its own new tokens. Ctrl-C or an empty input at end of file ends it.")
-    ap.add_argument("--model", help="a transformers model folder (or a shipped name / cached Hub id); default: the "
-                    "embedded chat model, tiny-qwen-chat")
-    ap.add_argument("--max-new-tokens", type=positive, default=128, help="tokens per answer at most (default 128)")
-    ap.add_argument("--image", action="append", default=[], metavar="FILE", help="an image for the first turn")
-    ap.add_argument("--nodes", help="comma-separated node addresses, each optionally #HEXKEY")
-    ap.add_argument("--local-nodes", type=positive, default=None, help="start N nodes on this machine (default 2)")
-    ap.add_argument("--local-transport", default="tcp", metavar="SCHEME")
-    ap.add_argument("--threads", type=positive, help="torch threads here and on local nodes")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds one pass may take")
-    ap.add_argument("--client-key", metavar="FILE", help="this client's long-term identity")
-    ap.add_argument("--report", metavar="FILE.json", help="write per-turn statistics as JSON at the end")
-    return ap
+    return cli.chat_parser()
 
 
 def chat(a: argparse.Namespace, console, lines=None) -> dict:
     """Turns read from ``lines`` (default: stdin, with a prompt when it is a terminal); the answers stream
     to stdout. One session per node for the whole chat: the cache object is kept across turns."""
+    from diffuse.modelfiles import resolve_model
+
+    cli.check_flags(a)
+    if a.model is None:
+        from diffuse.default_model import default_chat_model_dir
+
+        a.model = default_chat_model_dir()
+    a.model = resolve_model(a.model)
+    cli.status(console, f"diffuse chat: {a.model}; reading its config (importing torch and transformers)")
     import torch
     from transformers import DynamicCache
 
@@ -416,21 +368,25 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    if a.model is None:
-        from diffuse.default_model import default_chat_model_dir
-
-        a.model = default_chat_model_dir()
     info = ModelInfo.of(a.model)
     if not info.subject.autoregressive:
         raise DiffuseError(f"{info.path} is a diffusion pipeline; diffuse chat talks to language models")
+    cli.status(console, f"{info.subject.denoiser_class_name}: loading it without the layers the nodes will hold")
     model = diffuse.from_pretrained(info.path)
     tokenizer = load_tokenizer(info.path)
     interactive = lines is None and sys.stdin.isatty()
     lines = lines if lines is not None else sys.stdin
     turns: list[dict] = []
     messages: list[dict] = []
-    with Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
-               client_key=a.client_key, local_transport=a.local_transport) as split:
+    split = Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
+                  client_key=a.client_key, local_transport=a.local_transport,
+                  embedding_on_node=a.embedding_on_node)
+    with contextlib.ExitStack() as held:
+        with cli.phase(console, f"starting {split.local.count} local nodes" if split.local is not None
+                       else f"opening sessions on {len(split.nodes)} nodes"):
+            held.enter_context(split)
+        cli.status(console, "ready: type a message (an empty line at end of input, or Ctrl-C, ends the chat)"
+                   if interactive else "ready: reading turns from standard input")
         cache = DynamicCache(config=model.config)
         images = list(a.image)
         while True:
@@ -474,17 +430,8 @@ def _stream_rows(split) -> int:
 
 
 def chat_main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
+    """``diffuse chat``: 0 at the end of input, 2 for an expected failure (one line), 130 after Ctrl-C."""
+    console = cli.console()
+    a = cli.chat_parser().parse_args(argv)
 
-    from diffuse.run import report_error
-
-    console = Console(stderr=True)
-    a = chat_parser().parse_args(argv)
-    try:
-        chat(a, console)
-    except DiffuseError as exc:
-        return report_error(console, exc)
-    except KeyboardInterrupt:
-        console.print("chat ended", highlight=False)
-        return 130
-    return 0
+    return cli.run_guarded(lambda: chat(a, console), console, interrupted="chat ended")

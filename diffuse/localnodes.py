@@ -32,7 +32,10 @@ class LocalNode:
 
 
 class LocalNodes(list):
-    """The nodes started here, in route order; ``stop()`` ends them all."""
+    """The nodes started here, in route order; ``stop()`` ends them all. ``client``: the one client identity
+    they serve (``diffuse.sealing.Identity``), or None if they serve any."""
+
+    client = None
 
     def stop(self, hurry: bool = False) -> None:
         stop_local_nodes(self, 0.5 if hurry else 1.5)
@@ -49,13 +52,18 @@ def warm_launcher() -> None:
 
 
 def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: str = "tcp",
-                      extra: list[str] = (), groups: int = 1) -> LocalNodes:
+                      extra: list[str] = (), groups: int = 1, client=None) -> LocalNodes:
     """Start ``n`` nodes holding even slices of every stack; wait until each prints its address. With
-    ``groups`` G, each run of n/G nodes holds the whole stacks (one ring per group of branches)."""
+    ``groups`` G, each run of n/G nodes holds the whole stacks (one ring per group of branches).
+    ``client``: the identity (``diffuse.sealing.Identity``) of the one client they serve (``--allow-client``),
+    as a run's own nodes do, so that no other user of this machine can open sessions on them; None: any."""
     from diffuse.plugins import transport_for
 
     transport = transport_for(f"{scheme}://")
     nodes = LocalNodes()
+    nodes.client = client
+    if client is not None:
+        extra = [*extra, "--allow-client", client.public_hex]
     env = node_env()
     try:
         per = n // groups

@@ -32,10 +32,18 @@ def resolve_model(model: str) -> str:
     try:
         return snapshot_download(model, local_files_only=True)
     except Exception as exc:  # not cached, or not a hub id at all
+        import difflib
+
+        near = difflib.get_close_matches(model, list(shipped), n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        get = (f"hf download {model} --local-dir DIR" if model.count("/") == 1 and not model.startswith(("/", "."))
+               else "hf download ORG/NAME --local-dir DIR")
         raise DiffuseError(
             f"model {model!r} not found: no folder {os.path.abspath(model)}, no shipped model of that name (shipped: "
             f"{', '.join(shipped) or 'none'}), and not in the Hugging Face cache {constants.HF_HUB_CACHE} "
-            f"({type(exc).__name__}); download it first (hf download {model}) or give a diffusers pipeline folder"
+            f"({type(exc).__name__}); {hint}give a diffusers pipeline folder (model_index.json and a folder per "
+            f"component) or a transformers model folder (config.json naming its architectures, *.safetensors), "
+            f"fetched with `{get}` on a machine that reaches the Hub"
         ) from exc
 
 

@@ -4,13 +4,18 @@ The node prints one JSON line when it is ready (its control address, data
 address and public key), then serves until stopped. Control requests
 (``diffuse.node_control``) are answered on this thread at once; data messages
 are computed on a second thread, so a node answers pings while its blocks run.
-A bad frame is logged with its reason and dropped; the node goes on serving,
-whatever a message holds.
+The control thread never waits for the compute thread: a data message waits
+for it only once its envelope names an open session and its header opens under
+that session's hop key (anything else is dropped at the door), and never more
+than ``MAX_QUEUED`` of them; an ended session's sending end is handed over
+without waiting. A bad frame is logged with its reason and dropped; the node
+goes on serving, whatever a message holds.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -22,14 +27,14 @@ import time
 
 import torch
 
-from diffuse import frames
+from diffuse import frames, sealing
 from diffuse.batching import MAX_BATCH, batch_key, run_batch
-from diffuse.launcher import alive
 from diffuse.text import plain
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.home import config_home
 from diffuse.node_control import NodeControl, refusal
 from diffuse.plan import WIRE_VERSIONS, StackPlan, parse_slices
+from diffuse.processes import alive
 from diffuse.sessions import SessionTable
 from diffuse.stage import NODE_BUFFER_BYTES, Pass
 from diffuse.transport_api import DEFAULT_MAX_MESSAGE_BYTES
@@ -38,9 +43,18 @@ log = logging.getLogger("diffuse.node")
 
 MAX_QUEUED = 256  # data messages waiting for the compute thread; more are dropped (and logged)
 MAX_SESSIONS = 256  # open sessions in all (each holds a socket toward its next hop)
+MAX_PASS_LOG = 4096  # per-pass records a session keeps (bytes in, busy time): the latest, with running totals
 MAX_SESSIONS_PER_CLIENT = 16  # open sessions of one client key: one key's flood leaves room for the others
 FDS_PER_SESSION = 3  # a ZeroMQ socket's own descriptor, its connection, one being reconnected
 FDS_KEPT = 128  # descriptors left for everything else (model files, libraries, the node's own sockets)
+
+
+def _keep(records: list, record: list) -> None:
+    """Append a per-pass record, keeping the latest ``MAX_PASS_LOG`` (totals are counted apart): a long
+    session's records, and the close reply that carries them, stay bounded."""
+    records.append(record)
+    if len(records) > MAX_PASS_LOG:
+        del records[:len(records) - MAX_PASS_LOG]
 
 
 class StateTally:
@@ -125,6 +139,7 @@ class Node:
         self.sessions = SessionTable()
         self.control = NodeControl(self)
         self.work: queue.Queue = queue.Queue(MAX_QUEUED)  # frames to compute, or ("close", outbox)
+        self.closing: collections.deque = collections.deque()  # outboxes to close that found the queue full
         # decoding passes of several sessions batched through the layers (language models only; --no-batch)
         self.batching = batch and bool(getattr(subject, "autoregressive", False))
         self.batches = self.batched_rows = self.batch_fallbacks = 0  # counted by the compute thread
@@ -136,6 +151,30 @@ class Node:
         if m is not None:
             self._prepare(m)
             self._solo(m)
+
+    def admit(self, raw: list[bytes]) -> bool:
+        """On the control thread: whether a data message may wait for the compute thread. Its envelope must
+        name an open session, carry that hop's wire version, a counter not yet accepted and the frame count
+        it has, and its header frame must open under the session's hop key: a stranger's message is dropped
+        here, at the cost of opening one small frame, and never takes a place in the compute thread's queue."""
+        try:
+            env = frames.envelope_of(raw)
+        except WireError as exc:
+            log.warning("rejected a message: %s", exc)
+            return False
+        sess = self.sessions.get(env["s"])
+        if sess is None:
+            log.warning("rejected a message: unknown session %s", env["s"].hex()[:8])
+            return False
+        hop = sess.in_hop
+        try:
+            if env["v"] != hop.wire or env["c"] <= hop.seen or len(raw) != env["n"]:
+                raise WireError("its wire version, counter or frame count does not fit the session's hop")
+            sealing.open_frame(hop.key, env["c"], 1, bytes(raw[0]), bytes(raw[1]))
+        except WireError as exc:
+            log.warning("rejected a message for session %s: %s", sess.sid.hex()[:8], exc)
+            return False
+        return True
 
     def _open(self, raw: list[bytes]) -> "Incoming | None":
         try:
@@ -159,7 +198,7 @@ class Node:
         sess.bytes_in += nbytes
         sess.messages += 1
         if header.get("op") == "call":
-            sess.hop_log.append([header.get("seq"), nbytes])
+            _keep(sess.hop_log, [header.get("seq"), nbytes])
         return Incoming(sess, header, tensors, malformed)
 
     def _failed(self, m: "Incoming", exc: Exception) -> None:
@@ -240,7 +279,7 @@ class Node:
                 self.state_bytes.drop(sess.sid)
         out_header, out_tensors = m.reply
         if m.header.get("op") == "call" and type(m.header.get("seq")) is int:
-            sess.busy_log.append([m.header["seq"], m.busy])
+            _keep(sess.busy_log, [m.header["seq"], m.busy])
         out = frames.seal_message(sess.out_hop, out_header, out_tensors)
         sess.bytes_out += sum(len(f) for f in out)
         outbox = self.sessions.outbox(sess.sid)
@@ -360,13 +399,28 @@ class Node:
                 except Exception as exc:  # DiffuseError: given up; anything else: the socket is gone
                     if self.sessions.outbox(sid) is outbox:
                         self._give_up(sid, outbox, exc)
+            self._close_handed_over()
             if stop:
                 return
+
+    def _close_handed_over(self) -> None:
+        """Close the outboxes of sessions that ended while the queue was full (compute thread)."""
+        while self.closing:
+            try:
+                self.closing.popleft().close()
+            except Exception:
+                log.debug("closing an outbox failed", exc_info=True)
+
     def end(self, sid: bytes) -> None:
+        """End a session (control thread, never waiting): its outbox is closed by the compute thread, after the
+        messages queued before this, or as soon as it is free when the queue is full."""
         outbox = self.sessions.end(sid)
         self.state_bytes.drop(sid)
         if outbox is not None:
-            self.work.put(("close", outbox))
+            try:
+                self.work.put_nowait(("close", outbox))
+            except queue.Full:
+                self.closing.append(outbox)
 
     # -- the serving loop (control thread) ----------------------------------------
     def serve(self, until: float | None = None, parent: int | None = None) -> None:
@@ -384,6 +438,8 @@ class Node:
                             self._serve_control()
                         else:
                             raw = self.endpoint.recv_data()
+                            if not self.admit(raw):
+                                continue
                             try:
                                 self.work.put_nowait(raw)
                             except queue.Full:
@@ -395,7 +451,10 @@ class Node:
                     log.info("session %s idle: closed", sid.hex()[:8])
                     self.end(sid)
         finally:
-            self.work.put(None)
+            try:
+                self.work.put(None, timeout=5.0)
+            except queue.Full:
+                log.warning("the compute thread did not take the stop in 5 s; stopping without it")
             worker.join(5.0)
 
     def _serve_control(self) -> None:
@@ -445,8 +504,11 @@ def _wire(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m diffuse.node", description=plain(__doc__.split("\n")[0]))
-    ap.add_argument("--model", required=True, help="diffusers pipeline folder (the same one the client uses)")
+    from diffuse import cli
+
+    ap = cli.Parser(prog="diffuse node", description=plain(__doc__.split("\n")[0]))
+    ap.add_argument("--model", required=True, help="the model folder (the same one the client uses), a shipped "
+                    "model's name, or a Hub id in the local cache")
     ap.add_argument("--listen", default="tcp://127.0.0.1:0", help="control address to bind (port 0: pick one)")
     ap.add_argument("--blocks", help='the slice to hold: "2/3" (2nd of 3 even slices of every stack), "all", or '
                     '"blocks[0:20]"; default: load what each session asks for')
@@ -473,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
                     "that wait together run through the layers as one batch)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone (local nodes)")
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s node %(levelname)s %(message)s")
@@ -483,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     from diffuse.modelfiles import resolve_model
 
     try:
+        cli.check_port_free(a.listen)  # before anything loads
+        log.info("loading %s%s", a.model, f" (blocks {a.blocks})" if a.blocks else "")
         key_file = None if a.ephemeral_key else (a.key_file or os.path.join(config_home(), "node.key"))
         node = Node(resolve_model(a.model), a.listen, a.blocks, key_file,
                     set(a.allow_client) if a.allow_client else None, a.advertise_data,
@@ -497,14 +561,24 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving %s at %s, key %s, wire versions %s", a.model, node.endpoint.control_address,
              node.identity.public_hex, ",".join(map(str, a.wire)))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGINT, _stopping)
     try:
         node.serve(parent=a.exit_with)
     except KeyboardInterrupt:
         pass
     finally:
         node.endpoint.close()
+    log.info("stopped")
     return 0
 
 
+def _stopping(*_) -> None:
+    """Ctrl-C: say so at once (the compute thread may take a moment to finish its pass), then stop."""
+    log.info("stopping (interrupted)")
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from diffuse.cli import exit_now
+
+    exit_now(main())

@@ -132,7 +132,7 @@ class NodeControl:
         if op == "hello":
             return self.hello(msg)
         if op == "ping":  # renews the session's lease; says how far its passes got, or why it failed here
-            return {"ok": True, **self.node.sessions.ping(msg.get("session"))}
+            return {"ok": True, **self.node.sessions.ping(msg.get("session"), msg.get("proof"))}
         if op == "status":
             return self.status()
         if op in ("open", "close"):

@@ -50,11 +50,13 @@ def _holds(prompt: str, frames: np.ndarray) -> bool:
 
 
 def _parser(name: str, doc: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=f"python -m diffuse.bench {name}", description=doc)
+    from diffuse.cli import Parser, positive
+
+    ap = Parser(prog=f"diffuse bench {name}", description=doc)
     ap.add_argument("--model", default=None, help="default: the embedded trained model")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--prompts", type=int, default=None, help="use only the first N held-out prompts")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=positive, default=20, help="denoising steps (default 20)")
+    ap.add_argument("--prompts", type=positive, default=None, help="use only the first N held-out prompts")
+    ap.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0)")
     return ap
 
 
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     import diffuse
 
     ap = _parser("quality", plain(__doc__.split("\n")[0]))
-    ap.add_argument("--patches", default="1,2,4")
+    ap.add_argument("--patches", default="1,2,4", help="comma-separated patch counts; 1 is exact (the baseline)")
     a = ap.parse_args(argv)
     console = Console()
     patch_counts = [int(p) for p in a.patches.split(",")]

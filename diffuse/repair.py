@@ -1,16 +1,24 @@
 """Replicas and route repair: which listed node carries each range, and who takes over when one fails.
 
 Every listed node is asked what it holds (hello). Nodes started with the same ``--blocks`` are
-replicas of one range: the route takes one holder per range, the first listed that is not being
-avoided, and keeps the others as spares. Nodes that hold nothing fixed load what each session asks
-for: the route splits the stacks evenly over those in use, and a failed one is repaired by splitting
-over the rest. A node that failed is avoided for a while (``AVOID_FIRST_S``, doubling with each
-failure in a row up to ``AVOID_MAX_S``), not forever: once that time is over it is tried again.
+replicas of one range. The route runs through the ranges in the order of the blocks they hold (where
+each range starts, whatever order the nodes were listed in), one holder per range: the first listed
+that is usable; the others are spares. Nodes that hold nothing fixed load what each session asks for:
+the route splits the stacks evenly over those in use, and a failed one is repaired by splitting over
+the rest.
+
+What a ring does when a node fails is a ``RepairPolicy`` handed to it (``diffuse.split(..., repair=)``):
+which holder a range takes (``choose``), how long a failed node is avoided (``avoid_s``: 30 s after
+its first failure, doubling with each failure in a row up to 600 s, then it is tried again), whether
+the session moves to a repaired route at all and replays what it must (``replay``), and who is told
+of a repair (``listen``). One pass is repaired at most once per listed node; a run is repaired as
+often as its nodes fail, each failed node waiting out its time before it is used again.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from diffuse.errors import DiffuseError
 from diffuse.plan import Slice, SlicingPlan, Stage, even_route
@@ -18,37 +26,129 @@ from diffuse.plan import Slice, SlicingPlan, Stage, even_route
 AVOID_FIRST_S = 30.0
 AVOID_MAX_S = 600.0
 
-_failures: dict[str, tuple[float, int]] = {}  # node address -> (avoided until, failures in a row)
+
+class Avoidance:
+    """Nodes that failed, and until when each is avoided. One table is shared by every ring of a process
+    by default (``AVOIDED``), so a node that failed a moment ago is left out of the next session too."""
+
+    def __init__(self):
+        self.failures: dict[str, tuple[float, int]] = {}  # node address -> (avoided until, failures in a row)
+
+    def failed(self, address: str, wait_for, now: float | None = None) -> float:
+        """Avoid ``address`` for ``wait_for(failures in a row before this one)`` seconds; returns them."""
+        now = time.monotonic() if now is None else now
+        _, count = self.failures.get(address, (0.0, 0))
+        wait = float(wait_for(count))
+        self.failures[address] = (now + wait, count + 1)
+        return wait
+
+    def served(self, address: str) -> None:
+        self.failures.pop(address, None)
+
+    def avoided(self, address: str, now: float | None = None) -> bool:
+        until, _ = self.failures.get(address, (0.0, 0))
+        return (time.monotonic() if now is None else now) < until
+
+    def clear(self) -> None:
+        self.failures.clear()
 
 
-def note_failure(address: str, now: float | None = None) -> float:
-    """Avoid ``address`` for a while; returns for how many seconds."""
-    now = time.monotonic() if now is None else now
-    _, count = _failures.get(address, (0.0, 0))
-    wait = min(AVOID_FIRST_S * 2 ** count, AVOID_MAX_S)
-    _failures[address] = (now + wait, count + 1)
-    return wait
+AVOIDED = Avoidance()
 
 
-def note_success(address: str) -> None:
-    _failures.pop(address, None)
+@dataclass
+class RepairPolicy:
+    """How a ring repairs its route when a node fails; the defaults are Diffuse's own behaviour.
 
+    ``avoid_first_s``, ``avoid_max_s``: a failed node is avoided this long after its first failure,
+    twice as long after each further failure in a row, at most ``avoid_max_s``; once a session opens
+    on it again its count starts over. ``replay``: True moves the session to a route without the
+    failed node, resends the passes in flight and replays a language model's passes since its cache
+    was last started anew; False leaves the failure to the caller. ``avoidance``: the table of failed
+    nodes (default: the one the whole process shares). Listeners (``listen``) run after each repair,
+    before anything is replayed: a cache of per-step state on the client (PipeFusion's branches, the
+    first-block cache) starts again there. One policy may serve several rings (branch groups): its
+    listeners then hear of a repair of any of them."""
 
-def avoided(address: str, now: float | None = None) -> bool:
-    until, _ = _failures.get(address, (0.0, 0))
-    return (time.monotonic() if now is None else now) < until
+    avoid_first_s: float = AVOID_FIRST_S
+    avoid_max_s: float = AVOID_MAX_S
+    replay: bool = True
+    avoidance: Avoidance = field(default_factory=lambda: AVOIDED)
+    listeners: list = field(default_factory=list)
+
+    def avoid_s(self, failures_before: int) -> float:
+        """How long a node is avoided after a failure, given its failures in a row before this one."""
+        return min(self.avoid_first_s * 2 ** failures_before, self.avoid_max_s)
+
+    def failed(self, address: str, now: float | None = None) -> float:
+        """``address`` failed: avoid it for a while; returns for how many seconds."""
+        return self.avoidance.failed(address, self.avoid_s, now)
+
+    def served(self, address: str) -> None:
+        """A session opened on ``address``: its next failure starts from the first wait again."""
+        self.avoidance.served(address)
+
+    def avoided(self, address: str, now: float | None = None) -> bool:
+        return self.avoidance.avoided(address, now)
+
+    def choose(self, plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, usable: list[bool]) -> SlicingPlan:
+        """The route to use (``choose_route``); a policy that prefers other holders overrides this."""
+        return choose_route(plan, candidates, held, usable)
+
+    def listen(self, hook) -> None:
+        """Run ``hook()`` after every repair of a ring using this policy (once, however often it is given)."""
+        if hook not in self.listeners:
+            self.listeners.append(hook)
+
+    def repaired(self) -> None:
+        for hook in list(self.listeners):
+            hook()
 
 
 def _key(held: list[Slice]) -> tuple:
     return tuple(sorted((s.stack, s.start, s.stop) for s in held if not s.empty))
 
 
+def _in_block_order(plan: SlicingPlan, ranges: list[tuple]) -> list[tuple]:
+    """``ranges`` (each a tuple of (stack, start, stop)) ordered so that in every stack a range that starts
+    earlier comes first; ranges no stack orders keep their given order (a circle: the given order)."""
+    after: dict[tuple, set] = {r: set() for r in ranges}
+    for st in plan.stacks:
+        holding = sorted((s[1], n, r) for n, r in enumerate(ranges) for s in r if s[0] == st.path)
+        for (a_start, _, a), (b_start, _, b) in zip(holding, holding[1:]):
+            if a_start < b_start:
+                after[b].add(a)
+    order, left = [], list(ranges)
+    while left:
+        ready = next((r for r in left if after[r] <= set(order)), None)
+        if ready is None:
+            return order + left
+        order.append(ready)
+        left.remove(ready)
+    return order
+
+
+def _gap(plan: SlicingPlan, ranges: list[tuple]) -> str | None:
+    """The first part of a stack that none of ``ranges`` (in route order) holds, or None."""
+    for st in plan.stacks:
+        pos = 0
+        for r in ranges:
+            for stack, start, stop in r:
+                if stack == st.path:
+                    if start > pos:
+                        return str(Slice(st.path, pos, start))
+                    pos = max(pos, stop)
+        if pos < st.length:
+            return str(Slice(st.path, pos, st.length))
+    return None
+
+
 def choose_route(plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, usable: list[bool]) -> SlicingPlan:
-    """The plan routed through one usable holder per range.
+    """The plan routed through one usable holder per range, the ranges in block order.
 
     ``held[i]``: the slices candidate ``i`` said it holds (None: whatever it is asked for);
-    ``usable[i]``: it answered and is not being avoided. Raises DiffuseError when no complete route
-    is left (the caller says which nodes were lost)."""
+    ``usable[i]``: it answered and is not being avoided. Raises DiffuseError naming a range no usable
+    node holds when no complete route is left (the caller says which nodes were lost)."""
     live = [i for i in range(len(candidates)) if usable[i]]
     if not live:
         raise DiffuseError("no listed node is left to route through")
@@ -57,7 +157,7 @@ def choose_route(plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, u
         stages = [candidates[i] for i in live]
         return plan.with_route(even_route(plan.stacks, [s.address for s in stages], [s.key for s in stages]))
     picked: dict[tuple, int] = {}
-    for i in range(len(candidates)):  # a range's place in the route: where its first holder is listed
+    for i in range(len(candidates)):  # every range any node said it holds, first listed first
         if held[i] is not None:  # (a node that never answered said nothing of what it holds)
             picked.setdefault(_key(held[i]), -1)
     for i in live:
@@ -67,4 +167,10 @@ def choose_route(plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, u
     if lost:
         names = ", ".join(str(Slice(*s)) for s in lost[0])
         raise DiffuseError(f"no usable node holds {names}")
-    return plan.with_route(candidates[i] for i in picked.values())
+    ranges = _in_block_order(plan, list(picked))
+    gap = _gap(plan, ranges)
+    if gap is not None and any(held[i] is None for i in range(len(candidates))):
+        # a node that never answered may hold it (when every node answered, the handshake says how their
+        # slices fail to chain)
+        raise DiffuseError(f"no usable node holds {gap}")
+    return plan.with_route(candidates[picked[r]] for r in ranges)

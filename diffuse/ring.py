@@ -16,7 +16,7 @@ from diffuse.channel import Channel, ChannelStats
 from diffuse.handshake import Handshake
 from diffuse.errors import DiffuseError, NodeError, Repaired
 from diffuse.plan import Patch, ReturnMap, SlicingPlan
-from diffuse.repair import avoided, choose_route, note_failure, note_success
+from diffuse.repair import RepairPolicy
 
 
 @dataclass
@@ -52,29 +52,36 @@ class Ring:
     which do both). Every pass sent and not yet answered is kept, and so is a language model's
     history since its cache was last started anew: when a node dies, freezes or answers with an error,
     the ring closes the session, opens a new one on a route without that node (another holder of its
-    range, ``diffuse.repair``), replays the history to rebuild the caches, resends what was in flight,
-    and says so in one line. Without a usable holder the error goes to the caller."""
+    range), replays the history to rebuild the caches, resends what was in flight, and says so in one
+    line. Its ``RepairPolicy`` (``diffuse.repair``) says how: by default the failed node is avoided for
+    its backoff, then used again. Without a usable holder, or once one pass has been repaired as many times as there
+    are listed nodes, the error goes to the caller."""
 
     def __init__(self, plan: SlicingPlan, timeout_s: float = 300.0, attention: str = "auto",
-                 client_key: str | None = None, say=None, max_repairs: int = 8):
+                 client_key: str | None = None, say=None, repair: RepairPolicy | None = None, identity=None):
         """``client_key``: a file holding this client's long-term identity (created 0600 if missing),
         for nodes that serve only some clients (``--allow-client``); None: a fresh identity per session.
-        ``say``: where the one-line account of each repair goes (default: standard error)."""
+        ``say``: where the one-line account of each repair goes (default: standard error). ``repair``:
+        how a failed node is replaced (default: ``RepairPolicy()``). ``identity``: the client identity to open
+        sessions with (``diffuse.sealing.Identity``; local nodes serve only the run's own), in place of
+        ``client_key``'s."""
         self.plan = plan
         self.candidates = plan.route  # every listed node; the route uses one holder per range
         self.timeout_s = timeout_s
         self.attention, self.client_key = attention, client_key
         self.handshake = Handshake(plan, client_key, attention)
+        if identity is not None:
+            self.handshake.identity = identity
         self.identity = self.handshake.identity
         self.channel: Channel | None = None
         self.channel_stats = ChannelStats()  # over every session of this ring, kept after close
         self.node_reports: list[dict] = []
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.repairs: list[str] = []  # one line per repair
-        self.max_repairs = max_repairs
-        self.on_repair: list = []  # callables run after a repair, before anything is replayed
+        self.repair = repair if repair is not None else RepairPolicy()
         self._held: list = []  # per candidate: the slices its hello named (None: loads what it is asked)
-        self._usable: list[bool] = []
+        self._answered: list[bool] = []  # per candidate: it answered the survey's hello
+        self._streak = 0  # repairs since a pass was last answered
         self._n = 0  # this ring's own pass numbers (a repaired route starts a new channel)
         self._pending: dict[int, tuple] = {}  # pass number -> (channel seq, what was sent), until answered
         self._lost: set[int] = set()  # passes a repair dropped (patches): asking for one raises Repaired
@@ -91,35 +98,42 @@ class Ring:
 
     def open(self) -> None:
         self._survey()
-        self._open(choose_route(self.plan, self.candidates, self._held, self._usable))
+        self._open(self._route(fallback=True))
+
+    def _route(self, fallback: bool = False) -> SlicingPlan:
+        """A route through nodes that answered the survey and are not being avoided now; with ``fallback``,
+        through any that answered if the others alone make none (a node that failed a moment ago is left
+        out only while the others can do without it)."""
+        usable = [ok and not self.repair.avoided(c.address) for ok, c in zip(self._answered, self.candidates)]
+        try:
+            return self.repair.choose(self.plan, self.candidates, self._held, usable)
+        except DiffuseError:
+            if not fallback or usable == self._answered:
+                raise
+        return self.repair.choose(self.plan, self.candidates, self._held, self._answered)
 
     def _survey(self) -> None:
         """Ask every listed node what it holds; one that does not answer is left out if the others can
         still make a route, and otherwise named."""
         if len(self.candidates) == 1:
-            self._held, self._usable = [None], [True]
+            self._held, self._answered = [None], [True]
             return
         everyone = Handshake(self.plan.with_route(self.candidates), self.client_key, self.attention)
-        self._held, answered, errors = [], [], []
+        self._held, self._answered, errors = [], [], []
         for k in range(len(self.candidates)):
             try:
                 self._held.append(everyone.hello(k).get("slices"))
-                answered.append(True)
+                self._answered.append(True)
             except NodeError as exc:
                 self._held.append(None)
-                answered.append(False)
+                self._answered.append(False)
                 errors.append(exc)
-        # a node that failed a moment ago is left out while the others can do without it
-        self._usable = [ok and not avoided(c.address) for ok, c in zip(answered, self.candidates)]
-        try:
-            choose_route(self.plan, self.candidates, self._held, self._usable)
-        except DiffuseError:
-            self._usable = answered
         if errors:
             try:
-                choose_route(self.plan, self.candidates, self._held, self._usable)
-            except DiffuseError:
-                raise errors[0] from None
+                self._route(fallback=True)
+            except DiffuseError as why:  # the one that did not answer is named, and what is missing without it
+                raise NodeError(errors[0].address, f"{errors[0].message}, so {why} (a node "
+                                "that does not answer hello is dead, frozen or unreachable)") from None
             for exc in errors:
                 self.say(f"{exc}: routing around it")
 
@@ -137,7 +151,7 @@ class Ring:
         self.channel = Channel(outbox, inbox, send_hop, recv_hop, self.timeout_s, self.handshake.probe)
         self.channel.stats = self.channel_stats
         for stage in self.plan.route:  # serving again: a later failure starts its wait afresh
-            note_success(stage.address)
+            self.repair.served(stage.address)
 
     def call(self, stack: str, args: tuple, kwargs: dict, rmap: ReturnMap):
         """One pass of ``stack`` through the ring; returns what its last block returns."""
@@ -181,6 +195,7 @@ class Ring:
                 self._repair(exc)  # raises when it cannot; else everything in flight was sent again
                 continue
             del self._pending[n]
+            self._streak = 0
             if sent[6] is not None and "state" in sent[6]:
                 self._history.append(sent)
             return out
@@ -195,15 +210,15 @@ class Ring:
     def _repair(self, exc: NodeError) -> None:
         """Move the session off the node ``exc`` names, or raise ``exc`` when no other route is left."""
         k = self._position(exc)
-        if k is None or len(self.repairs) >= self.max_repairs:
-            raise exc
+        if k is None or not self.repair.replay or self._streak >= len(self.candidates):
+            raise exc  # not a node of the route, no repairs wanted, or this pass failed on every node in turn
+        self._streak += 1
         failed = self.plan.route[k].address
-        self._drop(failed)
+        wait = self.repair.failed(failed)
         try:
-            route = choose_route(self.plan, self.candidates, self._held, self._usable)
+            route = self._route()
         except DiffuseError:
             raise exc from None  # no other holder: the failure is the answer
-        wait = note_failure(failed)
         old, self.channel = self.channel, None
         try:
             self.handshake.close(0.3)  # the survivors free the old session now; the failed one cannot answer
@@ -214,19 +229,18 @@ class Ring:
                 self._open(route)
                 break
             except NodeError as again:  # the spare is down too: the next one, while there is one
-                if not self._drop(again.address):
+                if again.address not in {c.address for c in self.candidates}:
                     raise
-                note_failure(again.address)
+                self.repair.failed(again.address)
                 try:
-                    route = choose_route(self.plan, self.candidates, self._held, self._usable)
+                    route = self._route()
                 except DiffuseError:
                     raise exc from None
         cut = any(s[4] is not None and not s[4].uncut for _, s in self._pending.values())
         line = self._describe(exc, wait)
         self.repairs.append(line)
         self.say(line)
-        for hook in self.on_repair:
-            hook()
+        self.repair.repaired()
         if cut:  # patches of a step cannot be replayed on nodes without that step's stale buffers
             self._lost |= set(self._pending)
             self._pending.clear()
@@ -237,14 +251,6 @@ class Ring:
             self._pending = {n: (self.channel.send(*sent), sent) for n, (_, sent) in sorted(self._pending.items())}
         except NodeError as again:  # another node failed while this one was replaced
             self._repair(again)
-
-    def _drop(self, address: str) -> bool:
-        """Mark the listed node at ``address`` unusable; False if it is not a listed node."""
-        for i, c in enumerate(self.candidates):
-            if c.address == address:
-                self._usable[i] = False
-                return True
-        return False
 
     def _describe(self, exc: NodeError, wait: float) -> str:
         now = ", ".join(f"{s.address} ({', '.join(map(str, s.slices))})" for s in self.plan.route)

@@ -10,19 +10,19 @@ instead: see ``diffuse.lm``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import inspect
 import json
 import os
-import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from diffuse.text import plain
+from diffuse import cli
 from diffuse.errors import DiffuseError  # noqa: E402
 
 FLAG_TO_ARG = {  # flag -> pipeline __call__ argument
@@ -31,82 +31,11 @@ FLAG_TO_ARG = {  # flag -> pipeline __call__ argument
 }
 
 
-def positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} is less than 1")
-    return n
+def build_parser():
+    """The flags of ``diffuse query`` (``diffuse.cli.query_parser``)."""
+    from diffuse.cli import query_parser
 
-
-def threshold(text: str) -> float:
-    from diffuse.firstblock import checked_threshold
-
-    try:
-        return checked_threshold(float(text))
-    except (ValueError, DiffuseError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of 0 or more") from None
-
-
-class Parser(argparse.ArgumentParser):
-    """A flag mistake is one line and exit status 2, before anything is loaded or started."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = Parser(prog="python -m diffuse.run", description=plain(__doc__.split("\n")[0]))
-    ap.add_argument("--model", help="a diffusers pipeline folder or a transformers model folder, a shipped model's "
-                    "name, or a Hub id in the local cache (default: the embedded tiny model)")
-    ap.add_argument("--prompt")
-    ap.add_argument("--negative-prompt")
-    ap.add_argument("--steps", type=positive, help="denoising steps (default: the pipeline's)")
-    ap.add_argument("--patches", type=positive, default=1, help="patches per step (1: exact; >1: PipeFusion)")
-    ap.add_argument("--cache-threshold", type=threshold, default=0.0, metavar="T",
-                    help="first-block cache: skip the rest of a step's blocks where the first block's residual "
-                    "changed less than T (relative) since the last step computed in full, reusing what each node's "
-                    "blocks added then (default 0: off, exact)")
-    ap.add_argument("--seed", type=int, default=0, help='generator=torch.Generator("cpu").manual_seed(SEED)')
-    ap.add_argument("--height", type=positive)
-    ap.add_argument("--width", type=positive)
-    ap.add_argument("--frames", type=positive, help="video frames (num_frames)")
-    ap.add_argument("--nodes", help="comma-separated node addresses, each optionally #HEXKEY to pin its key; "
-                    "';' separates groups, each a whole ring, that run guidance branches side by side")
-    ap.add_argument("--local-nodes", type=positive, default=None, help="start N nodes on this machine (default 2; "
-                    "never more than the longest stack has blocks)")
-    ap.add_argument("--branch-groups", type=positive, default=1, metavar="G",
-                    help="with --local-nodes: share the local nodes out into G groups, one per guidance branch, "
-                    "which then run side by side (default 1)")
-    ap.add_argument("--local-transport", default="tcp", metavar="SCHEME",
-                    help="URL scheme local nodes listen on (tcp; ipc with the diffuse-ipc plugin)")
-    ap.add_argument("--out", help="output file (.png / .mp4 / .wav by what the model makes)")
-    ap.add_argument("--save-array", metavar="FILE.npy", help="save the float32 array the pipeline returns")
-    ap.add_argument("--whole", action="store_true", help="run unsplit in this process (the reference)")
-    ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="any other pipeline argument; VALUE is JSON where it parses, else a string")
-    ap.add_argument("--threads", type=positive, help="torch threads here and on local nodes; equal bits need equal "
-                    "counts here, on every node and in the run compared with (default: torch's here, and at "
-                    "--patches 1 the same on local nodes, so a default run equals a default whole run)")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds one pass through the ring may take while "
-                    "every node still answers pings (a dead or frozen node is named within seconds regardless)")
-    ap.add_argument("--client-key", metavar="FILE", help="this client's long-term identity (created 0600 if "
-                    "missing; its public key is printed), for nodes run with --allow-client; default: a fresh one per run")
-    ap.add_argument("--report", metavar="FILE.json", help="write run statistics as JSON")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    from diffuse import lm
-
-    lm.add_flags(ap, positive)
-    return ap
-
-
-def parse_value(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+    return query_parser()
 
 
 def call_kwargs(a: argparse.Namespace, pipe, info) -> dict:
@@ -121,84 +50,50 @@ def call_kwargs(a: argparse.Namespace, pipe, info) -> dict:
         if name not in params:
             raise DiffuseError(f"--{flag.replace('_', '-')} does not apply: {type(pipe).__name__} takes no {name!r}")
         kwargs[name] = value
-    for item in a.arg:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise DiffuseError(f"--arg {item!r}: expected KEY=VALUE")
+    for key, value in cli.key_values(a.arg).items():
         if key not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             raise DiffuseError(f"--arg {key}: {type(pipe).__name__}.__call__ has no such argument")
-        kwargs[key] = parse_value(value)
+        kwargs[key] = value
         default = params[key].default if key in params else None
         if isinstance(default, (int, float)) and not isinstance(default, bool) and (
-                not isinstance(kwargs[key], (int, float)) or isinstance(kwargs[key], bool)):
-            raise DiffuseError(f"--arg {key}={value}: {type(pipe).__name__} takes a number there "
-                               f"(default {default!r})")
+                not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise DiffuseError(f"--arg {key}={json.dumps(value) if not isinstance(value, str) else value}: "
+                               f"{type(pipe).__name__} takes a number there (default {default!r})")
     for k, v in info.call_defaults().items():  # what the folder declares for its size (the embedded model does)
         if k in params:
             kwargs.setdefault(k, v)
     kwargs["generator"] = torch.Generator("cpu").manual_seed(a.seed)
     kwargs["output_type"] = "np"
+    from diffuse.dryrun import check_inputs
+
     check_inputs(pipe, kwargs)
     return kwargs
 
 
-def check_inputs(pipe, kwargs: dict) -> None:
-    """The pipeline's own input check, run before any node starts: what it refuses is refused now,
-    in one line. An argument the check takes that the call does not give gets the pipeline call's
-    own default (PixArt checks ``callback_steps``, which its call defaults to 1), else None; a check
-    that cannot be called that way is skipped, not guessed at."""
-    import inspect as _inspect
-
-    fn = getattr(pipe, "check_inputs", None)
-    if fn is None:
-        return
-    call_defaults = {n: p.default for n, p in _inspect.signature(pipe.__call__).parameters.items()
-                     if p.default is not _inspect.Parameter.empty}
-    given = {}
-    for name, p in _inspect.signature(fn).parameters.items():
-        if name in kwargs:
-            given[name] = kwargs[name]
-        elif name in call_defaults:
-            given[name] = call_defaults[name]
-        elif p.default is _inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-            given[name] = None
-    try:
-        fn(**given)
-    except ValueError as exc:
-        raise DiffuseError(f"{type(pipe).__name__} refuses these arguments: {' '.join(str(exc).split())}") from None
-    except (TypeError, AttributeError):
-        pass
-
-
 @contextmanager
-def step_progress(pipe, quiet: bool):
-    """One bar over the scheduler's steps; the scheduler's ``step`` is wrapped for the call only."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+def step_progress(pipe, quiet: bool, console=None):
+    """Progress over the scheduler's steps (``diffuse.cli.StepLines``: a bar on a terminal, plain lines
+    when output is piped); the scheduler's ``step`` is wrapped for the call only."""
     sched = pipe.scheduler
     original = sched.step
-    from rich.console import Console
-
-    progress = Progress(TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        disable=quiet, transient=False, console=Console(stderr=True))
-    task = progress.add_task("steps", total=None)
     counter = {"steps": 0, "denoising": 0.0}
     started = time.perf_counter()
+    lines = cli.StepLines(console or cli.console(), "denoising", quiet)
 
     # wraps() keeps step's signature visible: pipelines pass generator/eta only if step declares them
     @functools.wraps(original)
     def step(*args, **kwargs):
-        if progress.tasks[task].total is None and getattr(sched, "timesteps", None) is not None:
-            progress.update(task, total=len(sched.timesteps))
+        if getattr(sched, "timesteps", None) is not None:
+            lines.set_total(len(sched.timesteps))
         out = original(*args, **kwargs)
         counter["steps"] += 1
         counter["denoising"] = time.perf_counter() - started  # from the call to the last step: text encoding and steps
-        progress.advance(task)
+        lines.advance()
         return out
 
     sched.step = step
     try:
-        with progress:
+        with lines:
             yield counter
     finally:
         del sched.step  # the bound method from the class shows through again
@@ -213,24 +108,33 @@ def output_array(result) -> np.ndarray:
 
 def generate(a: argparse.Namespace, console) -> dict:
     """One run of the pipeline, whole (``--whole``) or split; writes the output; returns the report.
-    Everything that can be checked is checked before a node starts (the pipeline's own input check
-    needs the loaded pipeline, so local nodes start after it has loaded)."""
-    import torch
-
-    import diffuse
-    from diffuse.api import ModelInfo, Split
-    from diffuse.known_nodes import parse_nodes
-    from diffuse.planner import load_pipeline
+    Everything that can be checked is checked before a node starts: the flags, then the model's config,
+    then (once the pipeline without its blocks has loaded) its own input check and its denoiser's forward
+    at the call's shapes, run weightless (``diffuse.dryrun``). A status line says what happens at each
+    phase, the first within a second of start."""
+    from diffuse.modelfiles import resolve_model
 
     t0 = time.perf_counter()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    if a.nodes is not None:
-        from diffuse.branches import parse_groups
+    cli.check_flags(a)
+    if a.model is None:
+        from diffuse.default_model import SHIPPED_MODEL_NAME, default_model_dir
 
-        for group in parse_groups(a.nodes):
-            parse_nodes(group)  # address and key mistakes, before anything is loaded
-    info = ModelInfo.of(a.model)  # refusals happen here, before any node is contacted
+        path, name = default_model_dir(), SHIPPED_MODEL_NAME
+    else:
+        path, name = resolve_model(a.model), a.model
+    where = "" if os.path.basename(path.rstrip("/")) == name else f" from {path}"
+    with cli.phase(console, f"diffuse query: {name}{where}; reading its config (importing torch and its library)",
+                   a.quiet):
+        import torch
+
+        import diffuse
+        from diffuse.api import ModelInfo, Split
+        from diffuse.planner import load_pipeline
+
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        info = ModelInfo.of(path)  # refusals happen here, before any node is contacted
+    cli.check_flags_for(a, info.subject.autoregressive)
     if a.nodes is None and not a.whole:
         from diffuse.localnodes import warm_launcher
 
@@ -238,25 +142,23 @@ def generate(a: argparse.Namespace, console) -> dict:
     if info.subject.autoregressive:
         from diffuse.lm import generate_text
 
-        return generate_text(a, console, info, parse_value)
-    for flag in ("max_new_tokens", "temperature", "top_p", "top_k", "save_tokens"):
-        if getattr(a, flag) is not None:
-            raise DiffuseError(f"--{flag.replace('_', '-')} applies to language models, not to a diffusion pipeline")
-    if a.image or a.video or a.media or a.no_template:
-        raise DiffuseError("--image, --video, --media and --no-template apply to language models")
-    if a.cache_threshold and a.patches > 1:
-        from diffuse.firstblock import not_with_patches
-
-        raise DiffuseError(not_with_patches(a.patches))
-    if a.cache_threshold and a.whole:
-        raise DiffuseError("--cache-threshold applies to split runs; --whole runs the model as it is")
+        return generate_text(a, console, info)
     check_output_path(a.out, info.draft)
-    if a.whole:
-        pipe = load_pipeline(info.path)
-        pipe._diffuse = info
-    else:
-        pipe = diffuse.from_pretrained(info.path)
-    kwargs = call_kwargs(a, pipe, info)
+    stacks = ", ".join(f"{s.path} ({s.length})" for s in info.draft["stacks"])
+    pipeline = info.subject.model_index.get("_class_name", "the pipeline")
+    with cli.phase(console, f"{pipeline}, block stacks {stacks}: loading it"
+                   f"{' whole' if a.whole else ' without the blocks the nodes will hold'}", a.quiet):
+        if a.whole:
+            pipe = load_pipeline(info.path)
+            pipe._diffuse = info
+        else:
+            pipe = diffuse.from_pretrained(info.path)
+        kwargs = call_kwargs(a, pipe, info)
+        from diffuse.dryrun import check_sizes, notes
+
+        check_sizes(pipe, kwargs, info, name)
+    for note in notes(pipe, kwargs, info):
+        cli.status(console, note, a.quiet)
     report: dict = {"model": info.path, "mode": "whole" if a.whole else "split"}
     times = {"load": time.perf_counter() - t0}
     split = None
@@ -271,11 +173,17 @@ def generate(a: argparse.Namespace, console) -> dict:
         if split.local is not None:
             for note in split.local.notes:
                 console.print(note, soft_wrap=True)
-            console.print(f"starting {split.local.count} local nodes ({split.local.threads} "
-                          f"thread{'s' if split.local.threads > 1 else ''} each)")
+            starting = (f"starting {split.local.count} local nodes ({split.local.threads} "
+                        f"thread{'s' if split.local.threads > 1 else ''} each)")
+        else:
+            starting = f"opening sessions on {len(split.nodes)} nodes"
     t1 = time.perf_counter()
-    with split or nullcontext():
+    with contextlib.ExitStack() as held:
         if split is not None:
+            if a.quiet and split.local is not None:
+                console.print(starting)  # said even with --quiet: processes are started
+            with cli.phase(console, starting, a.quiet):
+                held.enter_context(split)
             for k, ring in enumerate(split.rings):
                 for stage in ring.plan.route:
                     group = f" (group {k + 1})" if len(split.rings) > 1 else ""
@@ -285,7 +193,7 @@ def generate(a: argparse.Namespace, console) -> dict:
                               f"by side), so steps run uncut there; --patches {a.patches} not applied", soft_wrap=True)
         times["nodes"] = time.perf_counter() - t1
         t2 = time.perf_counter()
-        with torch.no_grad(), step_progress(pipe, a.quiet) as steps:
+        with torch.no_grad(), step_progress(pipe, a.quiet, console) as steps:
             result = pipe(**kwargs)
         times["pipeline"] = time.perf_counter() - t2
         times["denoising"] = steps["denoising"]
@@ -408,28 +316,16 @@ def summarize(r: dict, console) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    a = build_parser().parse_args(argv)
-    try:
-        generate(a, console)
-    except DiffuseError as exc:
-        return report_error(console, exc)
-    except KeyboardInterrupt:  # sessions are closed and local nodes stopped on the way out
-        console.print("interrupted", highlight=False)
-        if __name__ == "__main__":  # nothing is left to tear down: skip the interpreter's slow exit
-            sys.stderr.flush()
-            os._exit(130)
-        return 130
-    return 0
+    """``diffuse query`` (``python -m diffuse.run``): exit status 0, 2 for an expected failure (one line,
+    the root cause, last), 130 when interrupted."""
+    console = cli.console()
+    a = cli.query_parser().parse_args(argv)
+    return cli.run_guarded(lambda: generate(a, console), console)
 
 
-def report_error(console, exc: Exception) -> int:
-    """An expected failure: one clear line, no traceback, exit status 2."""
-    console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-    return 2
+report_error = cli.report_error  # the reporter every command shares
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.quiet_libraries()
+    cli.exit_now(main())

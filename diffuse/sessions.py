@@ -4,9 +4,12 @@ Shared between the control thread (open, close, ping) and the compute thread
 (the data path), so every access holds the table's lock. An outbox is only
 ever used and closed by the compute thread: ``end`` hands it back for that.
 
-A session lives on a lease: every data message and every ping carrying its id
-renews it (a client pings its nodes while it waits, and in the background while
-its session is open). A session that heard neither for ``lease_s()`` seconds
+A session lives on a lease: every data message renews it, and so does a ping
+that proves it comes from the session's client (``ping_proof``: a MAC of the
+session id under the key of the hop into this node, which only the client and
+this node hold). A client pings its nodes while it waits, and in the background
+while its session is open; a ping without the proof is answered but renews
+nothing, so nobody else keeps a session alive. A session that heard neither for ``lease_s()`` seconds
 belongs to a client that vanished, or to a node that was frozen: it is closed
 and its buffers freed. A session that failed here (its next hop stopped taking
 messages) is ended with its reason, which the next ping with its id is told.
@@ -14,6 +17,8 @@ messages) is ended with its reason, which the next ping with its id is told.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import threading
 import time
@@ -22,6 +27,11 @@ from collections import OrderedDict
 SESSION_IDLE_S = 900.0  # a session that carried no data for this long is closed, pinged or not
 SESSION_LEASE_S = 30.0  # a session with neither data nor pings for this long is closed
 MAX_CLOSED = 4096  # closed session ids remembered, so none is opened twice
+
+
+def ping_proof(hop_key: bytes, sid: bytes) -> bytes:
+    """What a ping carries to renew session ``sid``: a MAC of its id under the hop key into the node."""
+    return hmac.new(hop_key, b"diffuse ping " + sid, hashlib.sha256).digest()[:16]
 
 
 def lease_s() -> float:
@@ -73,9 +83,10 @@ class SessionTable:
         with self.lock:
             return [(sid, o) for sid, o in self.outboxes.items() if getattr(o, "waiting", None)]
 
-    def ping(self, sid) -> dict:
-        """A ping's answer about session ``sid``, renewing its lease: whether the node has it, the last
-        sequence number a message of it carried here (``seen``), and why it ended if it failed here."""
+    def ping(self, sid, proof=None) -> dict:
+        """A ping's answer about session ``sid``: whether the node has it, the last sequence number a message
+        of it carried here (``seen``), and why it ended if it failed here. With the session's ``ping_proof`` it
+        also renews the session's lease (``renewed``: True)."""
         if not isinstance(sid, bytes):
             return {"session_known": None}
         with self.lock:
@@ -83,8 +94,11 @@ class SessionTable:
             if s is None:
                 why = self.closed.get(sid)
                 return {"session_known": False, **({"failed": why} if why else {})}
-            s.renewed = time.monotonic()
-            return {"session_known": True, "seen": getattr(s, "last_seq", 0)}
+            hop = getattr(s, "in_hop", None)
+            renew = isinstance(proof, bytes) and hop is not None and hmac.compare_digest(proof, ping_proof(hop.key, sid))
+            if renew:
+                s.renewed = time.monotonic()
+            return {"session_known": True, "seen": getattr(s, "last_seq", 0), "renewed": renew}
 
     def end(self, sid: bytes, failed: str | None = None):
         """Forget the session (its id stays spent; ``failed``: why, told to the next ping);

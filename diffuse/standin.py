@@ -185,16 +185,25 @@ class Splitter:
         self.last_draw = None  # the last generate call's (None when it drew nothing on the node), for its report
         self._node_tail = None  # what the open ring's last node holds for draws (diffuse.sampling.NodeTail)
 
+    embedding_on_node = False  # a language model's embedding table may go to the first node (opt-in)
+
     @classmethod
-    def on(cls, denoiser: nn.Module, plan: SlicingPlan) -> "Splitter":
-        """The denoiser's splitter, installed on first use; the blocks it hands out are freed."""
+    def on(cls, denoiser: nn.Module, plan: SlicingPlan, embedding_on_node: bool = False) -> "Splitter":
+        """The denoiser's splitter, installed on first use; the blocks it hands out are freed. ``embedding_on_node``:
+        a language model's embedding table goes to the first node where its forward allows (else it stays here,
+        and passes carry hidden states, never token ids)."""
         splitter = getattr(denoiser, "_diffuse_splitter", None)
         if splitter is None:
             splitter = cls(denoiser, plan)
+            splitter.embedding_on_node = embedding_on_node
             splitter.install()
             denoiser._diffuse_splitter = splitter
         elif splitter.plan.model.content_hash != plan.model.content_hash:
             raise DiffuseError("this denoiser was split for another model")
+        elif splitter.embedding_on_node != embedding_on_node and splitter.head is not None:
+            where = "the first node" if splitter.embedding_on_node else "the client"
+            raise DiffuseError(f"this model was split before with its embedding table on {where}; load it again "
+                               "to change that")
         return splitter
 
     def install(self) -> None:
@@ -223,6 +232,9 @@ class Splitter:
         stack = self.plan.stacks[0].path
         if path is not None and (path == stack or path.startswith(stack + ".")):
             path = None
+        if not self.embedding_on_node:
+            self.embed_kept = "the default: passes carry hidden states, not token ids (--embedding-on-node)"
+            return None
         first = self.denoiser.get_submodule(stack)[0]
         self.embed_kept = embedding_stays(self.denoiser, path, first)
         return path if self.embed_kept is None else None

@@ -458,6 +458,27 @@ def test_client_key_lets_an_allowed_client_in_and_keeps_others_out(models, tmp_p
         assert f.read()[:32].hex() == ready["key"]
 
 
+def test_a_runs_own_local_nodes_serve_only_its_client_key(wan):
+    """Nodes a run starts on this machine serve that run's client identity; another user of the machine
+    (any other key) is refused, while the run goes on byte for byte."""
+    import diffuse
+    from diffuse.errors import NodeError
+
+    with diffuse.split(wan.pipe, local_nodes=2, timeout=30) as split:
+        split.splitter.attach(split.ring)
+        with torch.no_grad():
+            first = wan.pipe(**WAN_ARGS, generator=torch.Generator("cpu").manual_seed(0), output_type="np")[0]
+        pinned = [f"{n.address}#{n.key}" for n in split.local_nodes]
+        with pytest.raises(NodeError, match="this node does not serve your client key"):
+            with diffuse.split(wan.pipe, nodes=pinned, timeout=30):
+                pass
+        split.splitter.attach(split.ring)
+        with torch.no_grad():
+            second = wan.pipe(**WAN_ARGS, generator=torch.Generator("cpu").manual_seed(0), output_type="np")[0]
+    assert np.array_equal(first, second)
+    assert np.array_equal(first, wan.generate(wan.open()))  # what two nodes open to any client make
+
+
 # --------------------------------------------------------------------------- 8. mistakes get clear errors
 
 
@@ -648,3 +669,54 @@ def test_uneven_blocks_run_byte_identical_to_the_whole_model(models, tmp_path, d
     said = _said(run)
     assert f"node {ready1['address']}: blocks[0:1]" in said and f"node {ready3['address']}: blocks[1:4]" in said
     assert np.load(tmp_path / "uneven.npy").tobytes() == reference.tobytes()
+
+
+# --------------------------------------------------------------------------- 10. what the first node learns
+
+
+def test_the_first_node_of_a_default_language_model_run_receives_no_token_ids(tmp_path_factory, diffuse_home,
+                                                                              monkeypatch):
+    """Every message sealed to the first node of a Qwen2 run, as that node opens it: by default hidden states
+    only (floating point, no token ids in any header); with ``embedding_on_node`` the same answer, and the
+    passes carry the token ids (so the look can tell)."""
+    import lm_models
+
+    import diffuse
+    from diffuse import frames
+    from diffuse.localnodes import start_local_nodes
+    from diffuse.media_inputs import build_inputs
+
+    model_dir = lm_models.build("qwen2", str(tmp_path_factory.mktemp("first-node") / "qwen2"))
+    inputs, _ = build_inputs(model_dir, "Tell me a story about the moon.")
+    prompt = inputs["input_ids"][0].tolist()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    seal, received, answers = frames.seal_message, {}, {}
+    nodes = start_local_nodes(model_dir, 2, THREADS)
+    try:
+        for on_node in (False, True):
+            model = diffuse.from_pretrained(model_dir)
+            got = received[on_node] = []
+            with diffuse.split(model, nodes=[f"{n.address}#{n.key}" for n in nodes], timeout=60,
+                               embedding_on_node=on_node) as split:
+                first = split.ring.channel.send_hop  # the client's hop into the first node
+                monkeypatch.setattr(frames, "seal_message", lambda hop, header, tensors: (
+                    got.append((dict(header), [t.detach().clone() for t in tensors])) if hop is first else None,
+                    seal(hop, header, tensors))[1])
+                out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+                monkeypatch.setattr(frames, "seal_message", seal)
+            answers[on_node] = out[0, len(prompt):].tolist()
+    finally:
+        nodes.stop()
+        torch.set_num_threads(threads)
+
+    def carries_ids(header: dict, tensors: list) -> bool:
+        ints = [t for t in tensors if not t.is_floating_point()]
+        return "embed" in header or any(t.flatten().tolist()[:len(prompt)] == prompt for t in ints)
+
+    assert answers[False] == answers[True] and len(answers[False]) == 4
+    default, opted = received[False], received[True]
+    assert len(default) == 4 and len(opted) == 4  # the prompt's pass, then one per new token but the last
+    assert not any(carries_ids(h, ts) for h, ts in default)
+    assert all(any(t.is_floating_point() for t in ts) for _, ts in default)  # the hidden states instead
+    assert carries_ids(*opted[0]) and all("embed" in h for h, _ in opted)

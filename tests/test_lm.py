@@ -94,7 +94,9 @@ def test_split_greedy_tokens_and_logits_equal_transformers(name, nodes, lm_model
                                                            diffuse_home):
     model = lm_models(name)
     ref = reference(lm_references, model)
-    tokens, report, proc = split_run(model, tmp_path, diffuse_home, nodes)
+    on_node = nodes == 3  # the embedding table on the first node (opt-in) at three nodes, on the client at two
+    tokens, report, proc = split_run(model, tmp_path, diffuse_home, nodes,
+                                     extra=["--embedding-on-node"] if on_node else [])
     assert tokens["input_ids"] == ref["input_ids"]
     assert tokens["new_tokens"] == ref["new_tokens"]
     assert report["top"] == ref["top"]  # ids and the exact float32 bits of each step's best 8 logits
@@ -105,12 +107,14 @@ def test_split_greedy_tokens_and_logits_equal_transformers(name, nodes, lm_model
     assert [len(n["hop_bytes"]) for n in report["node_stats"]] == [report["calls"]] * nodes
     # the last node ran the final norm and the head on every pass and sent home only the best candidates
     assert report["tail_passes"] == report["calls"] and report["last_hop_bytes_per_token"] <= 1024
-    # the first node embedded the token ids of every pass: the client holds none of the table, nor of the head
-    # tied to it (each counted on the model's own modules, which are on meta)
-    assert report["embedding"] == "first node" and report["embed_passes"] == report["calls"]
-    assert report["client_embedding_params"] == 0 and report["client_head_params"] == 0
-    hops = [n["bytes_in"] for n in report["node_stats"]]
-    assert hops[0] < hops[1]  # ids on the first hop, hidden states (8 bytes a position against 128) after it
+    if on_node:  # the first node embedded the token ids of every pass: the client holds none of the table, nor
+        # of the head tied to it (each counted on the model's own modules, which are on meta)
+        assert report["embedding"] == "first node" and report["embed_passes"] == report["calls"]
+        assert report["client_embedding_params"] == 0 and report["client_head_params"] == 0
+        hops = [n["bytes_in"] for n in report["node_stats"]]
+        assert hops[0] < hops[1]  # ids on the first hop, hidden states (8 bytes a position against 128) after it
+    else:  # the client embeds: every pass carries hidden states, never token ids
+        assert report["embedding"] == "client" and "--embedding-on-node" in report["embedding_kept_because"]
     if name == "qwen2":  # full attention everywhere: every position seen stays in the cache of its layer's node
         check_cache_bytes(model, report)
 
@@ -146,7 +150,9 @@ def test_split_vision_language_model_with_an_image_equals_transformers(name, nod
     inputs by hand, the client through the model's own processor class, and the ids must agree."""
     model = lm_models(name)
     ref = reference(lm_references, model, image=True)
-    tokens, report, proc = split_run(model, tmp_path, diffuse_home, nodes, images=(image_file,))
+    on_node = nodes == 3  # asked to put the embedding table on the first node at three nodes
+    tokens, report, proc = split_run(model, tmp_path, diffuse_home, nodes, images=(image_file,),
+                                     extra=["--embedding-on-node"] if on_node else [])
     assert tokens["input_ids"] == ref["input_ids"]
     assert tokens["new_tokens"] == ref["new_tokens"]
     assert report["top"] == ref["top"]
@@ -154,8 +160,10 @@ def test_split_vision_language_model_with_an_image_equals_transformers(name, nod
     assert report["tail_passes"] == report["calls"] and report["last_hop_bytes_per_token"] <= 1024
     if name == "smolvlm":  # its head has weights of its own (not tied to the embedding): none of them stay here
         assert report["client_head_params"] == 0
-    # the image's features are merged into the token embeddings here: the table stays, and the report says why
-    assert report["embedding"] == "client" and "pixel_values" in report["embedding_kept_because"]
+    # the image's features are merged into the token embeddings here: asked or not, the table stays, and the
+    # report says why
+    assert report["embedding"] == "client"
+    assert ("pixel_values" if on_node else "--embedding-on-node") in report["embedding_kept_because"]
     assert "without its video processor" in proc.stderr  # said in one line, as it was built
 
 
@@ -318,7 +326,8 @@ def test_python_api_splits_a_transformers_model_samples_and_refuses_beam_search(
     nodes = start_local_nodes(model_dir, 2, threads=THREADS)
     try:
         model = diffuse.from_pretrained(model_dir)
-        with diffuse.split(model, nodes=[f"{n.address}#{n.key}" for n in nodes]) as ring:
+        # the embedding table on the first node (opt-in): the client then holds neither it nor the head tied to it
+        with diffuse.split(model, nodes=[f"{n.address}#{n.key}" for n in nodes], embedding_on_node=True) as ring:
             out = model.generate(**inputs, max_new_tokens=6, do_sample=False)
             during = [state(n) for n in nodes]
             with pytest.raises(diffuse.DiffuseError, match="beam search"):

@@ -335,3 +335,122 @@ def test_malformed_authenticated_calls_are_answered_in_one_line(ring_env):
         h.close()
     assert "Traceback" not in env.log(0)
     assert np.array_equal(env.generate(env.ring), env.expected)
+
+
+# --------------------------------------------------------------------------- 7. nobody freezes the control thread
+
+
+def test_a_stranger_cannot_freeze_a_nodes_control_thread(ring_env):
+    """While node 0 runs a long pass of a real client, strangers' sessions flood its data port (junk sealed
+    under no key; calls sealed under their own hop key, more than the compute thread's queue holds) and
+    close. Junk never takes a place in that queue; the closes and the node's hellos are answered at once."""
+    import queue
+    import threading
+
+    import cbor2
+
+    from diffuse.node import MAX_QUEUED
+    from test_hardening import WAN_ARGS
+
+    env = ring_env
+    ring, split = env.ring, env._split_of(env.ring)
+    sent: queue.Queue = queue.Queue()
+    ring.send = lambda *a, **k: (type(ring).send(ring, *a, **k), sent.put(time.monotonic()))[0]
+    # one step, one call (no guidance) of ~21,000 tokens: node 0 computes for seconds
+    big = dict(WAN_ARGS, height=512, width=512, num_frames=81, guidance_scale=1.0, num_inference_steps=1)
+    done: dict = {}
+
+    def client():
+        split.splitter.attach(ring)
+        try:
+            with torch.no_grad():
+                done["out"] = env.pipe(**big, generator=torch.Generator("cpu").manual_seed(0), output_type="latent")[0]
+        except BaseException as exc:
+            done["error"] = exc
+
+    junk, squat = Hostile(env, 0), Hostile(env, 0)
+    log_before = len(env.log(0))
+    worker = threading.Thread(target=client)
+    worker.start()
+    try:
+        sent.get(timeout=120)  # the pass went to node 0
+        for c in range(1, MAX_QUEUED + 145):  # the stranger's own session id, frames sealed under no key
+            junk.outbox.send_multipart([cbor2.dumps({"v": 1, "s": junk.sid, "c": c, "n": 3}), b"x" * 64, b"y" * 64])
+        for _ in range(MAX_QUEUED + 16):  # authentic, and more than the queue holds
+            squat.call(tree={"args": [{"$t": 0}], "kwargs": {}}, slots=[["f", 0]], _tensors=[torch.zeros(4)])
+        time.sleep(0.3)  # the floods reach the node
+        closing = threading.Thread(target=lambda: (junk.close(), squat.close()))
+        closing.start()
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        junk.t.request(junk.address, {"op": "hello", "wire": [1]}, 10.0)
+        hello_s = time.monotonic() - t0
+        closing.join(10.0)
+        closed = not closing.is_alive()
+    finally:
+        worker.join(120)
+        del ring.send
+    log = env.log(0)[log_before:]
+    print(f"hello answered in {hello_s:.3f} s while node 0 computed with its queue full")
+    assert hello_s < 1.0 and closed
+    assert log.count("failed authentication") >= MAX_QUEUED + 144, log[-2000:]
+    assert log.count("already wait for the compute thread") <= 16, log[-2000:]  # junk took no place in the queue
+    assert "error" not in done and torch.isfinite(done["out"]).all()
+    assert np.array_equal(env.generate(env.ring), env.expected)
+
+
+# --------------------------------------------------------------------------- 8. per-pass records bounded
+
+
+def test_a_long_sessions_per_pass_records_stay_bounded(ring_env):
+    """A session of more calls than a node keeps records of: its close reply lists the latest only (bytes in
+    and busy time per pass), while its totals count every message."""
+    from diffuse.node import MAX_PASS_LOG
+    from diffuse.sealing import open_control, seal_control
+
+    env = ring_env
+    h = Hostile(env, 0)
+    calls = MAX_PASS_LOG + 300
+    try:
+        for start in range(0, calls, 8):  # no more in flight than the node's sending end keeps for a session
+            n = min(8, calls - start)
+            for _ in range(n):  # refused by the blocks (a made-up call), each answered with an error
+                h.call(tree={"args": [{"$t": 0}], "kwargs": {}}, slots=[["f", 0]], _tensors=[torch.zeros(4)])
+            for _ in range(n):
+                assert h.answer()["op"] == "error"
+        reply = h.t.request(h.address, dict(seal_control({"op": "close", "session": h.sid}, h.node_key, h.me),
+                                            op="close"), 10.0)
+        said, _ = open_control(reply, h.me)
+    finally:
+        h.close(tell=False)
+    assert said["ok"] and said["messages"] == calls
+    for records in (said["hop_bytes"], said["busy_log"]):
+        assert len(records) == MAX_PASS_LOG
+        assert [seq for seq, _ in records] == list(range(calls - MAX_PASS_LOG + 1, calls + 1))
+
+
+# --------------------------------------------------------------------------- 9. only the session's client renews it
+
+
+def test_only_pings_that_prove_the_sessions_key_renew_it(ring_env):
+    """Pings by session id alone are answered but renew nothing: such a session is reaped at its lease. Pings
+    carrying the MAC of the id under the session's hop key (what its client sends) keep it."""
+    from diffuse.sessions import ping_proof
+
+    env = ring_env
+    bare, proven = Hostile(env, 0), Hostile(env, 0)
+    proof = ping_proof(proven.send_hop.key, proven.sid)
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < LEASE_S + 2.5:
+            said = bare.ping()
+            assert said.get("renewed") is not True, said
+            kept = proven.t.request(proven.address, {"op": "ping", "session": proven.sid, "proof": proof}, 5.0)
+            assert kept["session_known"] is True and kept["renewed"] is True, kept
+            time.sleep(0.5)
+        assert bare.ping()["session_known"] is False  # reaped at its lease, pinged all along
+        forged = proven.t.request(proven.address, {"op": "ping", "session": proven.sid, "proof": bytes(16)}, 5.0)
+        assert forged["session_known"] is True and forged["renewed"] is False
+    finally:
+        bare.close(tell=False)
+        proven.close()

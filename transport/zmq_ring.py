@@ -21,18 +21,12 @@ import contextlib
 import os
 import time
 
-import cbor2
 import zmq
 
-from diffuse import safecbor
-from diffuse.errors import DiffuseError, NodeError, WireError
-from diffuse.hookspecs import hookimpl
-from diffuse.transport_api import DEFAULT_MAX_MESSAGE_BYTES
+from diffuse.transport_api import (DEFAULT_MAX_MESSAGE_BYTES, IDEMPOTENT, MAX_CONTROL_BYTES, MAX_REPLY_BYTES,
+                                   DiffuseError, NodeError, WireError, decode_reply, decode_request, encode_reply,
+                                   encode_request, hookimpl)
 
-
-MAX_CONTROL_BYTES = 1 << 20  # a control request is a small map; a peer sending more is cut off
-MAX_REPLY_BYTES = safecbor.REPLY.max_bytes
-IDEMPOTENT = ("hello", "ping", "status")  # asked again on a fresh socket while an answer does not come
 TRIES = 3  # sockets an idempotent request may be sent on, one each third of its time
 
 
@@ -77,16 +71,13 @@ class ZmqEndpoint:
         self._asker = parts[0]
         if len(parts) != 3:
             raise WireError(f"control request came in {len(parts) - 2} parts; a request is one CBOR map")
-        return safecbor.loads(parts[2], safecbor.CONTROL, "control request")
+        return decode_request(parts[2])
 
     def reply_control(self, reply: dict) -> None:
         asker, self._asker = self._asker, None
         if asker is None:
             return  # nothing was received whole: there is nobody to answer
-        try:
-            raw = cbor2.dumps(reply)
-        except Exception as exc:
-            raw = cbor2.dumps({"ok": False, "error": f"the node could not encode its reply: {type(exc).__name__}"})
+        raw = encode_reply(reply)
         with contextlib.suppress(zmq.Again):  # a peer that stopped reading loses its own answer, nobody else's
             self.control.send_multipart([asker, b"", raw], zmq.NOBLOCK)
 
@@ -173,7 +164,7 @@ class ZmqOutbox:
 
 class ZmqTransport:
     """The reference transport for ``tcp://``. A plugin may serve another scheme ZeroMQ speaks
-    (``ipc://``) by returning ``ZmqTransport(scheme)``: this class is the built-in's public face."""
+    (``ipc://``) by returning ``diffuse.transport_api.zeromq_transport(scheme)``, which is this class."""
 
     def __init__(self, scheme: str = "tcp"):
         self.scheme = scheme
@@ -225,7 +216,7 @@ class ZmqTransport:
         """One request/reply within ``timeout_s``. An idempotent request (hello, ping, status) is also sent
         again on a fresh socket each third of the time, in case an answer was lost; the first answer to
         any of the tries is taken (an earlier try still counts: a slow node is not abandoned)."""
-        raw = cbor2.dumps(message)
+        raw = encode_request(message)
         op = message.get("op")
         tries = TRIES if op in IDEMPOTENT else 1
         socks: list[zmq.Socket] = []
@@ -250,10 +241,13 @@ class ZmqTransport:
         if answer is None:
             raise NodeError(address, f"no answer to {str(op)[:32]!r} within {timeout_s:.0f} s"
                             + (f" ({tries} tries)" if tries > 1 else ""))
-        try:
-            return safecbor.loads(answer, safecbor.REPLY, "reply")
-        except WireError as exc:
-            raise NodeError(address, f"answered with something that is not a map ({exc})") from None
+        return decode_reply(answer, address)
+
+
+def zeromq_transport(scheme: str) -> ZmqTransport:
+    """This transport for any scheme ZeroMQ speaks (``tcp``, ``ipc``): what ``diffuse.transport_api.zeromq_transport``
+    hands a plugin that claims such a scheme."""
+    return ZmqTransport(scheme)
 
 
 @hookimpl

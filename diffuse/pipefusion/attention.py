@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from diffuse.callplan import unflatten
 from diffuse.errors import DiffuseError
+from diffuse.measure import relative_error
 
 if TYPE_CHECKING:
     from diffuse.pipefusion.buffers import Pass, StaleStack
@@ -187,21 +188,6 @@ def attention_scope(block: torch.nn.Module, mode: str, tokens: int, buffer: Atte
             _set_processor(m, original)
         for lin in memoized:
             del lin.forward
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in double precision (complex as pairs of reals; inf when shapes differ or
-    values are not finite).
-
-    >>> relative_error(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.0])), relative_error(torch.ones(2), torch.ones(3))
-    (0.0, inf)
-    """
-    if a.shape != b.shape:
-        return float("inf")
-    a, b = (torch.view_as_real(t) if t.is_complex() else t for t in (a.detach(), b.detach()))
-    a, b = a.double(), b.double()
-    err = float((a - b).norm() / b.norm().clamp_min(1e-30))
-    return err if err == err else float("inf")
 
 
 # --------------------------------------------------------------------------- the two paths

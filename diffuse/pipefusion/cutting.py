@@ -152,8 +152,8 @@ class Patcher:
         self.trackers: dict[str, BranchTracker] = {}
         self._ahead: dict[str, _Ahead] = {}
         self._rerecord: set[tuple[str, int]] = set()  # (stack, branch) whose buffers a dropped guess overwrote
-        if hasattr(ring, "on_repair"):  # nodes new to the session hold no stale buffers: every branch
-            ring.on_repair.append(self._forget)  # starts again with a whole step
+        if hasattr(ring, "repair"):  # nodes new to the session hold no stale buffers: every branch
+            ring.repair.listen(self._forget)  # starts again with a whole step
         self.calls = {"uncut": 0, "cut": 0}
         self.ahead = {"used": 0, "dropped": 0}
         self.used: dict[str, dict] = {}

@@ -3,12 +3,12 @@
 A transport provides sockets only (see ``diffuse.transport_api.Transport``):
 sealing, envelopes and replay counters are the core's, the same for every
 scheme. ZeroMQ speaks ipc as well as tcp, so this plugin claims the scheme and
-hands back the built-in ZeroMQ transport's public class for it; a transport
-over something other than ZeroMQ would return its own object with the same
-methods.
+hands back the built-in ZeroMQ transport for it, through the public
+``diffuse.transport_api.zeromq_transport``; a transport over something other
+than ZeroMQ returns its own object with the same methods (plugins/diffuse-tcp).
 """
 
-from diffuse.hookspecs import hookimpl
+from diffuse.transport_api import hookimpl, zeromq_transport
 
 __all__ = ["diffuse_transport"]
 
@@ -17,6 +17,4 @@ __all__ = ["diffuse_transport"]
 def diffuse_transport(scheme):
     if scheme != "ipc":
         return None
-    from transport.zmq_ring import ZmqTransport
-
-    return ZmqTransport("ipc")
+    return zeromq_transport("ipc")

@@ -1,0 +1,119 @@
+"""The small subcommands of ``diffuse``: key, check, plan, verify, plugins (the table is ``diffuse.cli.COMMANDS``)."""
+
+from __future__ import annotations
+
+import os
+
+from diffuse import cli
+
+
+def key_main(argv: list[str]) -> int:
+    """``diffuse key``: the public key a node started with the same ``$DIFFUSE_HOME`` (or ``--key-file``)
+    presents, created (0600) if missing, so a client can pin it before the node is up."""
+    from diffuse.home import config_home
+    from diffuse.sealing import load_identity
+
+    ap = cli.Parser(prog="diffuse key", description=key_main.__doc__.split("\n")[0].replace("``", ""))
+    ap.add_argument("--key-file", metavar="FILE", help="the identity file (default: node.key in $DIFFUSE_HOME, "
+                    "else ~/.config/diffuse)")
+    a = ap.parse_args(argv)
+    out = cli.console()
+    path = a.key_file or os.path.join(config_home(), "node.key")
+
+    def body():
+        print(load_identity(path).public_hex)
+
+    return cli.run_guarded(body, out)
+
+
+def check_main(argv: list[str]) -> int:
+    ap = cli.Parser(prog="diffuse check", description="The verdict on a model from its config.json files alone "
+                    "(no weights read): whether it splits, its block stacks, what it makes, how --patches runs.")
+    ap.add_argument("model", help="a model folder, a shipped model's name, or a Hub id in the local cache")
+    a = ap.parse_args(argv)
+    out = cli.console(stderr=False)
+    code = 0
+
+    def body():
+        nonlocal code
+        from diffuse.check import print_check
+        from diffuse.modelfiles import resolve_model
+
+        code = print_check(resolve_model(a.model), out, cache=True)
+
+    return cli.run_guarded(body, out) or code
+
+
+def plan_main(argv: list[str]) -> int:
+    ap = cli.Parser(prog="diffuse plan", description="The slicing plan for N nodes, as JSON.")
+    ap.add_argument("model", help="a model folder, a shipped model's name, or a Hub id in the local cache")
+    ap.add_argument("--nodes", type=cli.positive, default=2, help="how many nodes to split over (default 2)")
+    a = ap.parse_args(argv)
+
+    def body():
+        from diffuse.modelfiles import resolve_model
+        from diffuse.planner import analyze, make_plan
+
+        subject, draft = analyze(resolve_model(a.model))
+        print(make_plan(subject, draft, [f"node{i + 1}" for i in range(a.nodes)]).to_json())
+
+    return cli.run_guarded(body, cli.console())
+
+
+def verify_main(argv: list[str]) -> int:
+    ap = cli.query_parser("diffuse verify")
+    ap.description = ("Run the model whole and split with the same arguments; print the largest difference "
+                      "(exit 0 when byte-identical, or with --patches above 1).")
+    ap.add_argument("model_pos", nargs="?", metavar="MODEL", help="the model (or give --model)")
+    a = ap.parse_args(argv)
+    a.model = a.model or a.model_pos
+    out = cli.console()
+    result: dict = {}
+
+    def body():
+        import numpy as np
+        import torch
+
+        import diffuse
+        from diffuse.api import ModelInfo
+        from diffuse.planner import load_pipeline
+        from diffuse.run import call_kwargs, output_array
+
+        cli.check_flags(a)
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        info = ModelInfo.of(a.model)
+        cli.check_flags_for(a, info.subject.autoregressive)
+        with cli.phase(out, f"{os.path.basename(info.path)}: running it whole, in this process", a.quiet):
+            whole = load_pipeline(info.path)
+            with torch.no_grad():
+                reference = output_array(whole(**call_kwargs(a, whole, info)))
+            del whole
+        with cli.phase(out, f"{os.path.basename(info.path)}: running it split", a.quiet):
+            pipe = diffuse.from_pretrained(info.path)
+            with diffuse.split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches,
+                               threads=a.threads, timeout=a.timeout, local_transport=a.local_transport), \
+                    torch.no_grad():
+                split = output_array(pipe(**call_kwargs(a, pipe, info)))
+        result["diff"] = float(np.abs(reference.astype(np.float64) - split).max())
+        result["same"] = reference.tobytes() == split.tobytes()
+
+    code = cli.run_guarded(body, out)
+    if code:
+        return code
+    print(f"max abs difference, whole vs split ({a.patches} patch{'es' if a.patches > 1 else ''}): "
+          f"{result['diff']:.3g}{'  (byte-identical)' if result['same'] else ''}")
+    return 0 if (result["same"] or a.patches > 1) else 1
+
+
+def plugins_main(argv: list[str]) -> int:
+    cli.Parser(prog="diffuse plugins", description="The installed plugins and the hooks each implements.") \
+        .parse_args(argv)
+    from diffuse.plugins import plugin_manager
+
+    pm = plugin_manager()
+    for plugin in pm.get_plugins():
+        name = pm.get_name(plugin)
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+        print(f"{name:12s} {getattr(plugin, '__name__', plugin)}  {', '.join(hooks)}")
+    return 0

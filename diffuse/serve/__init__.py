@@ -1,0 +1,274 @@
+"""``diffuse serve``: models kept warm on a ring of nodes, answering on an OpenAI-compatible HTTP API, with a
+page at ``/`` to chat and generate.
+
+    diffuse serve                                   # the shipped models, 2 local nodes each, on 127.0.0.1:8000
+    diffuse serve --model /models/wan --nodes tcp://h1:7000#K1,tcp://h2:7000#K2 --model /models/qwen ...
+
+Each ``--model`` is loaded once (its client ends: text encoder, VAE, tokenizer, embeddings); its nodes are
+started here (``--local-nodes N``) or listed (``--nodes``, one per ``--model``, in the same order). Every
+request is its own session on the nodes, so concurrent chats batch there; diffusion requests take turns.
+Loopback only unless ``--api-key`` is given (every ``/v1`` request then sends ``Authorization: Bearer KEY``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from diffuse.errors import DiffuseError  # noqa: E402
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is less than 1")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = Parser(prog="diffuse serve", description="Serve models split over a ring of nodes on an "
+                "OpenAI-compatible HTTP API (chat, completions, images, video jobs, transcription, speech), "
+                "with a page at / to chat and generate.")
+    ap.add_argument("--model", action="append", default=[], metavar="M",
+                    help="a model folder, a shipped model's name or a cached Hub id (repeatable; default: the "
+                    "shipped models, tiny-wan-shapes and tiny-qwen-chat)")
+    ap.add_argument("--nodes", action="append", default=[], metavar="ADDR,...",
+                    help="the nodes of one --model (repeatable, in the order of --model), each address "
+                    "optionally #HEXKEY; without it each model gets --local-nodes nodes started here")
+    ap.add_argument("--local-nodes", type=_positive, default=2, metavar="N",
+                    help="nodes started here for each model given no --nodes (default 2)")
+    ap.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
+                    help="where to answer (default 127.0.0.1:8000; anything but loopback needs --api-key)")
+    ap.add_argument("--api-key", default=os.environ.get("DIFFUSE_API_KEY"), metavar="KEY",
+                    help="a bearer token every /v1 request must send (default: $DIFFUSE_API_KEY)")
+    ap.add_argument("--parallel", type=_positive, default=8, metavar="N",
+                    help="requests a language model answers at once, each its own session (default 8); a "
+                    "diffusion model answers one at a time")
+    ap.add_argument("--max-waiting", type=_positive, default=32, metavar="N",
+                    help="requests that may wait for a model; beyond, 429 with Retry-After (default 32)")
+    ap.add_argument("--max-body-mb", type=_positive, default=32, metavar="MB",
+                    help="largest request body accepted (default 32 MiB)")
+    ap.add_argument("--max-tokens", type=_positive, default=256, metavar="N",
+                    help="new tokens per answer when a request does not say (default 256)")
+    ap.add_argument("--threads", type=_positive, help="torch threads here and on local nodes")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds one pass through the ring may take")
+    ap.add_argument("--client-key", metavar="FILE", help="this service's long-term identity as a client of the "
+                    "nodes (for nodes run with --allow-client)")
+    ap.add_argument("--local-transport", default="tcp", metavar="SCHEME", help="URL scheme of local nodes")
+    ap.add_argument("--quiet", action="store_true", help="no line per request")
+    return ap
+
+
+def default_models() -> list[str]:
+    from diffuse.default_model import TRAINED
+
+    names = ["tiny-wan-shapes", "tiny-qwen-chat"]
+    return [n for n in names if (TRAINED / n).is_dir()]
+
+
+class Service:
+    """What one ``diffuse serve`` holds: the engines by model name, their nodes, the video jobs."""
+
+    def __init__(self, engines: dict, api_key: str | None, version: str):
+        from diffuse.serve.app import Jobs
+
+        self.engines = engines
+        self.api_key = api_key
+        self.version = version
+        self.jobs = Jobs()
+        self.started = time.time()
+
+    @classmethod
+    def start(cls, models: list[str], nodes: list[str], local_nodes: int = 2, parallel: int = 8,
+              max_waiting: int = 32, max_tokens: int = 256, threads: int | None = None, timeout: float = 300.0,
+              client_key: str | None = None, local_transport: str = "tcp", api_key: str | None = None,
+              say=print) -> "Service":
+        """Load each model's client ends, start or dial its nodes, and make one warm copy of each; ``say``
+        gets a line per phase."""
+        import torch
+
+        from diffuse.api import ModelInfo
+        from diffuse.known_nodes import parse_nodes
+        from diffuse.serve.engines import LanguageEngine, NodeSet, PipelineEngine
+
+        if threads:
+            torch.set_num_threads(threads)
+        models = models or default_models()
+        if not models:
+            raise DiffuseError("no --model given and no shipped model found: reinstall diffuse or give --model")
+        if nodes and len(nodes) != len(models):
+            raise DiffuseError(f"--nodes given {len(nodes)} time(s) for {len(models)} --model(s): give one --nodes "
+                               "per --model, in the same order, or none (local nodes for every model)")
+        for spec in nodes:
+            parse_nodes(spec)  # address and key mistakes, before anything loads
+        infos = []
+        for m in models:
+            say(f"analysing {m}")
+            infos.append(ModelInfo.of(m))  # refusals, before any node starts
+        names = [os.path.basename(os.path.normpath(i.path)) for i in infos]
+        if len(set(names)) != len(names):
+            raise DiffuseError(f"two models share a name ({', '.join(names)}): give folders with different names")
+        engines: dict = {}
+        started = int(time.time())
+        keys = None
+        if client_key is None:  # one identity for every request; local nodes serve it alone
+            import tempfile
+
+            keys = tempfile.TemporaryDirectory(prefix="diffuse-serve-key-")
+            client_key = os.path.join(keys.name, "client.key")
+        from diffuse.sealing import load_identity
+
+        identity = load_identity(client_key)
+        options = dict(timeout=timeout, client_key=client_key)
+        node_sets: list = [None] * len(infos)
+        failed: list = []
+
+        def start_nodes():  # nodes come up (and load their blocks) while the client ends load here
+            try:
+                for k, info in enumerate(infos):
+                    node_sets[k] = cls._nodes(info, nodes[k] if nodes else None, local_nodes, threads,
+                                              local_transport, identity, say)
+            except BaseException as exc:
+                failed.append(exc)
+
+        if not nodes:
+            from diffuse.localnodes import warm_launcher
+
+            warm_launcher()
+        starter = threading.Thread(target=start_nodes, name="start-nodes", daemon=True)
+        starter.start()
+        try:
+            for name, info in zip(names, infos):
+                if info.subject.autoregressive:
+                    e = LanguageEngine(name, info, None, options, started, parallel, max_waiting, max_tokens)
+                else:
+                    e = PipelineEngine(name, info, None, options, started, 1, max_waiting)
+                engines[name] = e
+                say(f"loading {name}'s client ends ({e.kind})")
+                e.pool.prewarm()  # one warm copy, so the first request pays no loading
+            starter.join()
+            if failed:
+                raise failed[0]
+            for e, node_set in zip(engines.values(), node_sets):
+                e.nodes = node_set
+        except BaseException:
+            starter.join()
+            for node_set in node_sets:
+                if node_set is not None:
+                    node_set.stop()
+            raise
+        from diffuse import __version__
+
+        service = cls(engines, api_key, __version__)
+        service._keys = keys
+        return service
+
+    @staticmethod
+    def _nodes(info, spec, local_nodes, threads, scheme, identity, say):
+        from diffuse.serve.engines import NodeSet
+
+        if spec is not None:
+            return NodeSet([s.strip() for s in spec.split(",") if s.strip()])
+        from diffuse.api import plan_local_nodes
+        from diffuse.localnodes import start_local_nodes
+
+        plan = plan_local_nodes(local_nodes, info.draft["stacks"], 1, threads)
+        for note in plan.notes:
+            say(note)
+        name = os.path.basename(os.path.normpath(info.path))
+        say(f"starting {plan.count} local node{'s' if plan.count > 1 else ''} for {name}")
+        local = start_local_nodes(info.path, plan.count, plan.threads, scheme=scheme, client=identity)
+        return NodeSet([f"{n.address}#{n.key}" for n in local], local)
+
+    _keys = None  # the folder of a key made for this service alone
+
+    def stop(self) -> None:
+        self.jobs.stop()
+        for e in self.engines.values():
+            e.nodes.stop()
+        if self._keys is not None:
+            self._keys.cleanup()
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise DiffuseError(f"--listen {text!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    a = build_parser().parse_args(argv)
+
+    def say(line: str) -> None:
+        console.print(line, highlight=False, soft_wrap=True)
+
+    service = None
+    try:
+        host, port = parse_listen(a.listen)
+        if host not in LOOPBACK and not a.api_key:
+            raise DiffuseError(f"--listen {a.listen}: beyond loopback the service needs --api-key KEY (or "
+                               "$DIFFUSE_API_KEY), which every request then sends as a bearer token")
+        _port_free(host, port)
+        service = Service.start(a.model, a.nodes, a.local_nodes, a.parallel, a.max_waiting, a.max_tokens,
+                                a.threads, a.timeout, a.client_key, a.local_transport, a.api_key, say)
+        serve(service, host, port, a.max_body_mb << 20, quiet=a.quiet, say=say)
+    except DiffuseError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if service is not None:
+            service.stop()
+    return 0
+
+
+def _port_free(host: str, port: int) -> None:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise DiffuseError(f"--listen {host}:{port}: {exc.strerror or exc} (another service there? pick "
+                               "another port)") from None
+
+
+def serve(service: Service, host: str, port: int, max_body: int, quiet: bool = False, say=print) -> None:
+    import uvicorn
+
+    from diffuse.serve.app import BodyLimit, make_app
+
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+    logging.getLogger("diffuse.serve").setLevel(logging.WARNING if quiet else logging.INFO)
+    app = BodyLimit(make_app(service), max_body)
+    shown = f"[{host}]" if ":" in host else host
+    for e in service.engines.values():
+        say(f"  {e.name}: {e.kind}, nodes {', '.join(s.split('#')[0] for s in e.nodes.specs)}")
+    say(f"serving on http://{shown}:{port}  (page at /, API at /v1, health at /health; Ctrl-C stops)")
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=2)
+    uvicorn.Server(config).run()

@@ -1,0 +1,5 @@
+import sys
+
+from diffuse.serve import main
+
+sys.exit(main())

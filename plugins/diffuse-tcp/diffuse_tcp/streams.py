@@ -1,0 +1,456 @@
+"""A Diffuse transport over plain TCP streams: the standard library's sockets, one connection per sender.
+
+A message (a list of frames) travels on a stream as::
+
+    message := count (u32) part * count
+    part    := length (u64) bytes * length          (big-endian)
+
+Data: a node listens on two ports, control (the address it is dialled at) and
+data; each sender toward a data address holds one connection and sends its
+messages in order. Control: the client connects to the control port, sends one
+message of one part (the CBOR request), reads one message back (the reply) and
+hangs up; a reply goes back on the connection that asked, so nobody else's junk
+can take it.
+
+Every wait is bounded: a node's endpoint is read with a selector from the
+node's control thread, what a next hop cannot take yet waits in the outbox (a
+few messages at most), and only an outbox's connect blocks, for
+``CONNECT_TIMEOUT_S`` at most. Every receiving connection has
+caps: a part claiming more than the cap, or a message claiming more parts than
+``MAX_PARTS``, cuts that connection off before the bytes are kept.
+
+Only ``diffuse.transport_api`` and the standard library are used: sealing,
+envelopes and the meaning of the bytes are the core's.
+"""
+
+from __future__ import annotations
+
+import collections
+import selectors
+import socket
+import struct
+import time
+
+from diffuse.transport_api import (DEFAULT_MAX_MESSAGE_BYTES, IDEMPOTENT, MAX_CONTROL_BYTES, MAX_PARTS, MAX_REPLY_BYTES,
+                                   DiffuseError, NodeError, WireError, decode_reply, decode_request, encode_reply,
+                                   encode_request)
+
+SCHEME = "tcpstream"
+COUNT = struct.Struct(">I")
+LENGTH = struct.Struct(">Q")
+CONTROL_PARTS = 16  # a request is one part; a few more are read whole, so that their sender can be told so
+MAX_CONNECTIONS = 1024  # per endpoint or inbox (its ports together); one more is closed at once
+READ_BYTES = 1 << 20  # read from a connection at once
+CONNECT_TIMEOUT_S = 10.0  # an outbox's connection to a data address
+TRIES = 3  # connections an idempotent request may be sent on, one each third of its time
+MAX_WAITING = 8  # messages an outbox keeps while its peer takes none; one more and the peer is given up
+STUCK_S = 30.0  # an outbox whose peer takes no byte for this long: the peer is given up
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """(host, port) of ``tcpstream://HOST:PORT``; DiffuseError otherwise.
+
+    >>> split_address("tcpstream://127.0.0.1:7000"), split_address("tcpstream://[::1]:0")
+    (('127.0.0.1', 7000), ('::1', 0))
+    """
+    scheme, sep, rest = address.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if scheme != SCHEME or not sep or not colon or not host or not port.isdigit():
+        raise DiffuseError(f"{address!r} is not a {SCHEME}:// address (write it as {SCHEME}://HOST:PORT)")
+    return host.strip("[]"), int(port)
+
+
+def join_address(host: str, port: int) -> str:
+    return f"{SCHEME}://[{host}]:{port}" if ":" in host else f"{SCHEME}://{host}:{port}"
+
+
+def encode(frames: list[bytes]) -> bytes:
+    """One message as the bytes of the stream.
+
+    >>> encode([b"ab", b""])
+    b'\\x00\\x00\\x00\\x02\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x02ab\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x00'
+    """
+    pieces = [COUNT.pack(len(frames))]
+    for f in frames:
+        pieces += [LENGTH.pack(len(f)), f]
+    return b"".join(pieces)
+
+
+class Cut(Exception):
+    """The peer broke the framing or a cap: its connection is closed."""
+
+
+class Reader:
+    """Whole messages out of one connection's bytes as they arrive. A part longer than ``cap`` or a count of
+    parts outside [1, ``max_parts``] raises Cut as soon as its header is read, before its bytes are kept.
+
+    >>> r = Reader(cap=4, max_parts=2)
+    >>> raw = encode([b"ab", b"cd"])
+    >>> r.feed(raw[:7]), r.feed(raw[7:])
+    ([], [[b'ab', b'cd']])
+    >>> r.feed(encode([b"abcde"]))
+    Traceback (most recent call last):
+    ...
+    diffuse_tcp.streams.Cut: a part of 5 bytes is over the 4-byte cap
+    """
+
+    def __init__(self, cap: int, max_parts: int):
+        self.cap, self.max_parts = cap, max_parts
+        self.buf = bytearray()
+        self.count: int | None = None  # parts of the message being read
+        self.length: int | None = None  # bytes of the part being read
+        self.parts: list[bytes] = []
+
+    def feed(self, data: bytes) -> list[list[bytes]]:
+        self.buf += data
+        done = []
+        while True:
+            if self.count is None:
+                if len(self.buf) < COUNT.size:
+                    return done
+                (self.count,) = COUNT.unpack_from(self.buf)
+                del self.buf[:COUNT.size]
+                if not 1 <= self.count <= self.max_parts:
+                    raise Cut(f"a message of {self.count} parts (1 to {self.max_parts} allowed)")
+            if self.length is None:
+                if len(self.buf) < LENGTH.size:
+                    return done
+                (self.length,) = LENGTH.unpack_from(self.buf)
+                del self.buf[:LENGTH.size]
+                if self.length > self.cap:
+                    raise Cut(f"a part of {self.length} bytes is over the {self.cap}-byte cap")
+            if len(self.buf) < self.length:
+                return done
+            with memoryview(self.buf) as view:
+                self.parts.append(bytes(view[:self.length]))
+            del self.buf[:self.length]
+            self.length = None
+            if len(self.parts) == self.count:
+                done.append(self.parts)
+                self.parts, self.count = [], None
+
+
+class Connection:
+    """One accepted connection: what it sent so far, and the answers it still has to be sent."""
+
+    def __init__(self, sock: socket.socket, kind: str, reader: Reader):
+        self.sock, self.kind, self.reader = sock, kind, reader
+        self.out = bytearray()
+        self.open = True
+
+
+class Hub:
+    """Listening ports and the connections they accepted, served without blocking from one thread: each
+    ``poll`` accepts, reads and writes what it can, and whole messages wait in ``ready[kind]`` as
+    (connection, frames)."""
+
+    def __init__(self):
+        self.sel = selectors.DefaultSelector()
+        self.ready: dict[str, collections.deque] = {}
+        self.listeners: list[socket.socket] = []
+        self.conns: set[Connection] = set()
+
+    def listen(self, kind: str, host: str, port: int, cap: int, max_parts: int) -> int:
+        """Listen for ``kind`` on (host, port); the port bound."""
+        try:
+            sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                        backlog=128)
+        except OSError as exc:
+            raise DiffuseError(f"cannot listen at {join_address(host, port)}: {exc}") from exc
+        sock.setblocking(False)
+        self.sel.register(sock, selectors.EVENT_READ, (kind, cap, max_parts))
+        self.listeners.append(sock)
+        self.ready[kind] = collections.deque()
+        return sock.getsockname()[1]
+
+    def poll(self, timeout_s: float) -> None:
+        for key, events in self.sel.select(max(0.0, timeout_s)):
+            if isinstance(key.data, Connection):  # each step skips a connection an earlier one dropped
+                if events & selectors.EVENT_WRITE and key.data.open:
+                    self._write(key.data)
+                if events & selectors.EVENT_READ and key.data.open:
+                    self._read(key.data)
+            else:
+                self._accept(key.fileobj, *key.data)
+
+    def _accept(self, listener: socket.socket, kind: str, cap: int, max_parts: int) -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of descriptors, or the peer left already: the others are still served
+                return
+            if len(self.conns) >= MAX_CONNECTIONS:
+                sock.close()
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = Connection(sock, kind, Reader(cap, max_parts))
+            self.conns.add(conn)
+            self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: Connection) -> None:
+        try:
+            data = conn.sock.recv(READ_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            return self.drop(conn)
+        try:
+            messages = conn.reader.feed(data)
+        except Cut:
+            return self.drop(conn)
+        self.ready[conn.kind].extend((conn, m) for m in messages)
+
+    def send(self, conn: Connection, frames: list[bytes]) -> None:
+        """Queue a message to an accepted connection (an answer) and write what the socket takes now. A peer
+        that leaves more than a reply's worth of answers unread is dropped: it loses its own answers only."""
+        if not conn.open:
+            return
+        conn.out += encode(frames)
+        if len(conn.out) > MAX_REPLY_BYTES + 64:
+            return self.drop(conn)
+        self._write(conn)
+
+    def _write(self, conn: Connection) -> None:
+        try:
+            sent = conn.sock.send(conn.out) if conn.out else 0
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            return self.drop(conn)
+        del conn.out[:sent]
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        if self.sel.get_key(conn.sock).events != events:
+            self.sel.modify(conn.sock, events, conn)
+
+    def drop(self, conn: Connection) -> None:
+        if conn.open:
+            conn.open = False
+            self.conns.discard(conn)
+            self.sel.unregister(conn.sock)
+            conn.sock.close()
+
+    def close(self) -> None:
+        for conn in list(self.conns):
+            self.drop(conn)
+        for sock in self.listeners:
+            self.sel.unregister(sock)
+            sock.close()
+        self.listeners.clear()
+        self.sel.close()
+
+
+def _wait_until(hub: Hub, kinds: tuple[str, ...], timeout_s: float) -> list[str]:
+    """Serve ``hub`` until a message of one of ``kinds`` is whole, or ``timeout_s`` passed; which are ready."""
+    deadline = time.monotonic() + timeout_s
+    hub.poll(0.0)  # connections are served even while messages wait to be taken
+    while True:
+        ready = [k for k in kinds if hub.ready[k]]
+        left = deadline - time.monotonic()
+        if ready or left <= 0:
+            return ready
+        hub.poll(left)
+
+
+class StreamEndpoint:
+    """A node's listening side: the control port it is dialled at, and a data port beside it."""
+
+    def __init__(self, listen: str, max_message_bytes: int | None = None):
+        host, port = split_address(listen)
+        self.hub = Hub()
+        try:
+            control = self.hub.listen("control", host, port, MAX_CONTROL_BYTES, CONTROL_PARTS)
+            data = self.hub.listen("data", host, 0, max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES, MAX_PARTS)
+        except BaseException:
+            self.hub.close()
+            raise
+        self.control_address = join_address(host, control)
+        self.address = join_address(host, data)
+        self._asker: Connection | None = None  # the connection owed an answer to the request last received
+
+    def wait(self, timeout_s: float) -> list[str]:
+        return _wait_until(self.hub, ("control", "data"), timeout_s)
+
+    def recv_control(self) -> dict:
+        self._asker = None
+        if not self.hub.ready["control"]:
+            raise WireError("no control message was waiting")
+        self._asker, parts = self.hub.ready["control"].popleft()
+        if len(parts) != 1:
+            raise WireError(f"control request came in {len(parts)} parts; a request is one CBOR map")
+        return decode_request(parts[0])
+
+    def reply_control(self, reply: dict) -> None:
+        asker, self._asker = self._asker, None
+        if asker is not None:
+            self.hub.send(asker, [encode_reply(reply)])
+
+    def recv_data(self) -> list[bytes]:
+        if not self.hub.ready["data"]:
+            raise WireError("no data message was waiting")
+        return self.hub.ready["data"].popleft()[1]
+
+    def close(self) -> None:
+        self.hub.close()
+
+
+class StreamInbox:
+    """The client's receiving end: a data port the ring's last node connects to."""
+
+    def __init__(self, bind: str, max_message_bytes: int | None = None):
+        host, port = split_address(bind)
+        self.hub = Hub()
+        self.address = join_address(host, self.hub.listen("data", host, port,
+                                                          max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES, MAX_PARTS))
+
+    def recv(self, timeout_s: float) -> list[bytes] | None:
+        if not _wait_until(self.hub, ("data",), timeout_s):
+            return None
+        return self.hub.ready["data"].popleft()[1]
+
+    def close(self) -> None:
+        self.hub.close()
+
+
+class StreamOutbox:
+    """One connection toward a data address that never blocks: what the peer cannot take yet waits here,
+    a few messages at most, and goes out on the next ``send`` or ``flush``. A peer that takes no byte for
+    ``STUCK_S``, or while ``MAX_WAITING`` messages pile up, is given up: NodeError naming it."""
+
+    def __init__(self, address: str):
+        host, port = split_address(address)
+        try:
+            self.sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+        except OSError as exc:
+            raise DiffuseError(f"cannot send to {address!r}: {exc}") from exc
+        self.sock.setblocking(False)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.address = address
+        self.waiting: collections.deque[memoryview] = collections.deque()  # what is not sent yet, per message
+        self._progress = time.monotonic()  # when the peer last took a byte, or the queue was last empty
+
+    def send(self, frames: list[bytes]) -> None:
+        self.flush()
+        if len(self.waiting) >= MAX_WAITING:
+            raise NodeError(self.address, f"takes no messages: {MAX_WAITING} wait for it (stuck or gone)")
+        if not self.waiting:
+            self._progress = time.monotonic()
+        self.waiting.append(memoryview(encode(frames)))
+        self.flush()
+
+    def flush(self) -> bool:
+        while self.waiting:
+            try:
+                sent = self.sock.send(self.waiting[0])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                raise NodeError(self.address, f"the connection broke ({exc})") from None
+            if sent:
+                self._progress = time.monotonic()
+            if sent < len(self.waiting[0]):
+                self.waiting[0] = self.waiting[0][sent:]
+                if time.monotonic() - self._progress > STUCK_S:
+                    raise NodeError(self.address, f"took nothing for {STUCK_S:.0f} s (stuck or gone)")
+                return True
+            self.waiting.popleft()
+        return False
+
+    def close(self) -> None:
+        self.waiting.clear()  # what a given-up peer never took is dropped; what was sent is the kernel's to deliver
+        self.sock.close()
+
+
+class StreamTransport:
+    """The ``tcpstream://`` transport (``diffuse.transport_api.Transport``)."""
+
+    scheme = SCHEME
+
+    def local_listen(self, name: str) -> str:
+        return f"{SCHEME}://127.0.0.1:0"
+
+    def inbox_address(self, first_node: str) -> str:
+        """The interface this machine reaches the first node by (loopback for loopback), any free port."""
+        host, _ = split_address(first_node)
+        if host in ("127.0.0.1", "localhost", "::1"):
+            return f"{SCHEME}://127.0.0.1:0"
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return join_address(s.getsockname()[0], 0)
+
+    def serve(self, listen: str, max_message_bytes: int | None = None) -> StreamEndpoint:
+        return StreamEndpoint(listen, max_message_bytes)
+
+    def inbox(self, bind: str, max_message_bytes: int | None = None) -> StreamInbox:
+        return StreamInbox(bind, max_message_bytes)
+
+    def outbox(self, address: str) -> StreamOutbox:
+        return StreamOutbox(address)
+
+    def request(self, address: str, message: dict, timeout_s: float) -> dict:
+        """One request/reply within ``timeout_s``. An idempotent request is also sent again on a fresh
+        connection each third of the time, in case an answer was lost; the first answer to any try is taken."""
+        host, port = split_address(address)
+        raw = encode([encode_request(message)])
+        op = message.get("op")
+        tries = TRIES if op in IDEMPOTENT else 1
+        start = time.monotonic()
+        sel = selectors.DefaultSelector()
+        why = ""
+        try:
+            for k in range(tries):
+                try_end = start + timeout_s * (k + 1) / tries
+                why = _ask(sel, host, port, raw, try_end) or why
+                while (left := try_end - time.monotonic()) > 0:
+                    if not sel.get_map():
+                        time.sleep(min(left, 0.1))  # nothing asked is still open: wait out this try's time
+                        continue
+                    for key, _ in sel.select(left):
+                        answer = _answer(sel, key)
+                        if answer is not None:
+                            return decode_reply(answer, address)
+        finally:
+            for key in list(sel.get_map().values()):
+                key.fileobj.close()
+            sel.close()
+        raise NodeError(address, f"no answer to {str(op)[:32]!r} within {timeout_s:.0f} s"
+                        + (f" ({tries} tries)" if tries > 1 else "") + (f"; {why}" if why else ""))
+
+
+def _ask(sel: selectors.BaseSelector, host: str, port: int, raw: bytes, until: float) -> str:
+    """Connect and send one request, its connection then waited on in ``sel``; why not, or ''."""
+    try:
+        sock = socket.create_connection((host, port), timeout=max(0.01, until - time.monotonic()))
+    except OSError as exc:
+        return f"cannot connect: {exc}"
+    try:
+        sock.settimeout(max(0.01, until - time.monotonic()))
+        sock.sendall(raw)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        return f"the request could not be sent: {exc}"
+    sel.register(sock, selectors.EVENT_READ, Reader(MAX_REPLY_BYTES, 1))
+    return ""
+
+
+def _answer(sel: selectors.BaseSelector, key: selectors.SelectorKey) -> bytes | None:
+    """Read what one asked connection has; its reply once whole. A connection that ends or breaks the framing
+    first is closed and given up (another try may still be answered)."""
+    try:
+        data = key.fileobj.recv(READ_BYTES)
+        messages = key.data.feed(data) if data else None
+    except (BlockingIOError, InterruptedError):
+        return None
+    except (OSError, Cut):
+        messages = None
+    if messages:
+        return messages[0][0]
+    if messages is None:
+        sel.unregister(key.fileobj)
+        key.fileobj.close()
+    return None

@@ -1,0 +1,357 @@
+"""``diffuse serve`` driven by the real ``openai`` client (and, for the page, a real headless Chromium).
+
+One service process for the module, six tiny models (a chat model, a vision chat model, an image pipeline,
+a video pipeline, a speech recogniser, a sound model), one local node each, every process at one torch
+thread. Each answer is compared with what ``diffuse query`` gives for the same request: tokens and text,
+file bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import THREADS, run_client, subprocess_env
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the shape /v1/videos answers in
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+KEY = "test-key-7f3a"
+PROMPT = "Describe the image."
+ROLES = {  # model id in the service -> (builder module, name)
+    "chat": ("lm_models", "qwen2"),
+    "vision": ("lm_models", "smolvlm"),
+    "image": ("families", "pixart_sigma"),
+    "video": ("families", "wan"),
+    "listen": ("encdec_models", "whisper"),
+    "sound": ("encdec_models", "musicgen"),
+}
+# what the tiny pipelines need beyond the API's fields, declared in the folder as a shipped model would
+DEFAULTS = {"image": {"use_resolution_binning": False, "clean_caption": False, "max_sequence_length": 16},
+            "video": {"height": 32, "width": 32, "num_frames": 9, "max_sequence_length": 16}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    import importlib
+
+    root = tmp_path_factory.mktemp("serve-models")
+    out = {}
+    for role, (module, name) in ROLES.items():
+        out[role] = importlib.import_module(module).build(name, str(root / role))
+        if role in DEFAULTS:
+            with open(os.path.join(out[role], "diffuse_defaults.json"), "w") as f:
+                json.dump(DEFAULTS[role], f)
+    return out
+
+
+class Served:
+    def __init__(self, proc, url: str, log: str, folders: dict):
+        self.proc, self.url, self.log, self.folders = proc, url, log, folders
+
+    def client(self, key: str | None = KEY, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, **kw)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+
+    def said(self) -> str:
+        with open(self.log) as f:
+            return f.read()
+
+
+@pytest.fixture(scope="module")
+def served(folders, tmp_path_factory):
+    port = _free_port()
+    log = str(tmp_path_factory.mktemp("serve-log") / "serve.log")
+    cmd = [sys.executable, "-m", "diffuse.serve", "--threads", str(THREADS), "--local-nodes", "1",
+           "--listen", f"127.0.0.1:{port}", "--api-key", KEY, "--max-body-mb", "1", "--max-waiting", "1", "--max-tokens", "16"]
+    for role in ROLES:
+        cmd += ["--model", folders[role]]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=subprocess_env())
+    s = Served(proc, f"http://127.0.0.1:{port}", log, folders)
+    deadline = time.monotonic() + 240
+    while "serving on" not in s.said():
+        assert proc.poll() is None, s.said()[-3000:]
+        assert time.monotonic() < deadline, "the service did not come up:\n" + s.said()[-3000:]
+        time.sleep(0.3)
+    yield s
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    for role in ROLES:  # every node the service started ended with it
+        assert subprocess.run(["pgrep", "-f", f"diffuse.node --model {folders[role]} "]).returncode == 1
+
+
+def query(tmp_path, *argv: str) -> dict:
+    """``diffuse query ARGV`` (its client in this process), its report."""
+    report = tmp_path / f"report-{time.monotonic_ns()}.json"
+    run = run_client([*argv, "--threads", str(THREADS), "--local-nodes", "1", "--quiet", "--report", str(report)])
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(report) as f:
+        return json.load(f)
+
+
+def test_models_and_health(served):
+    c = served.client()
+    assert sorted(m.id for m in c.models.list()) == sorted(ROLES)
+    h = served.health()
+    assert h["ok"] is True
+    for role in ROLES:
+        (node,) = h["models"][role]["nodes"]
+        assert node["alive"] and node["slices"], node  # it says what it holds
+    kinds = {role: h["models"][role]["kind"] for role in ROLES}
+    assert kinds == {"chat": "chat", "vision": "chat", "image": "image", "video": "video", "listen": "transcription",
+                     "sound": "speech"}
+
+
+def test_chat_equals_query(served, tmp_path):
+    c = served.client()
+    r = c.chat.completions.create(model="chat", messages=[{"role": "user", "content": PROMPT}], max_tokens=8)
+    stream = c.chat.completions.create(model="chat", messages=[{"role": "user", "content": PROMPT}],
+                                       max_completion_tokens=8, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    usage = [ch.usage for ch in chunks if ch.usage]
+    ref = query(tmp_path, "--model", served.folders["chat"], "--prompt", PROMPT, "--max-new-tokens", "8")
+    assert r.choices[0].message.content == ref["text"] == streamed
+    assert r.usage.completion_tokens == ref["new_tokens"] == usage[0].completion_tokens == 8
+    assert r.usage.prompt_tokens == ref["prompt_tokens"]
+    assert r.choices[0].finish_reason == "length"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+
+
+def test_vision_chat_equals_query(served, tmp_path):
+    from PIL import Image
+
+    picture = tmp_path / "picture.png"
+    Image.fromarray((np.random.RandomState(3).rand(24, 24, 3) * 255).astype(np.uint8)).save(picture)
+    url = "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()
+    r = served.client().chat.completions.create(model="vision", max_tokens=6, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPT}]}])
+    ref = query(tmp_path, "--model", served.folders["vision"], "--prompt", PROMPT, "--image", str(picture),
+                "--max-new-tokens", "6")
+    assert r.choices[0].message.content == ref["text"]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (ref["prompt_tokens"], ref["new_tokens"])
+
+
+def test_completion_equals_query(served, tmp_path):
+    r = served.client().completions.create(model="chat", prompt="The quick brown fox", max_tokens=6)
+    ref = query(tmp_path, "--model", served.folders["chat"], "--prompt", "The quick brown fox", "--no-template",
+                "--max-new-tokens", "6")
+    assert r.choices[0].text == ref["text"]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (ref["prompt_tokens"], ref["new_tokens"])
+
+
+def test_image_equals_query(served, tmp_path):
+    r = served.client().images.generate(model="image", prompt="a red cat", size="16x16",
+                                        extra_body={"seed": 3, "steps": 2})
+    png = base64.b64decode(r.data[0].b64_json)
+    out = tmp_path / "query.png"
+    query(tmp_path, "--model", served.folders["image"], "--prompt", "a red cat", "--seed", "3", "--steps", "2",
+          "--height", "16", "--width", "16", "--out", str(out))
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png == out.read_bytes()
+
+
+def test_image_stream_reports_steps(served):
+    with httpx.stream("POST", served.url + "/v1/images/generations", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "image", "prompt": "a red cat", "size": "16x16", "steps": 3, "stream": True},
+                      timeout=120) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    steps = [e["step"] for e in events if e["type"] == "image_generation.progress"]
+    assert steps == [1, 2, 3] and events[-1]["type"] == "image_generation.completed"
+    assert base64.b64decode(events[-1]["b64_json"])[:4] == b"\x89PNG"
+
+
+def test_video_job_equals_query(served, tmp_path):
+    c = served.client()
+    job = c.videos.create(model="video", prompt="a red cat", extra_body={"seed": 1, "steps": 2})
+    seen = {job.status}
+    deadline = time.monotonic() + 180
+    while job.status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+        job = c.videos.retrieve(job.id)
+        seen.add(job.status)
+    assert job.status == "completed" and job.progress == 100, job
+    mp4 = c.videos.download_content(job.id).read()
+    sheet = c.videos.download_content(job.id, variant="spritesheet").read()
+    out = tmp_path / "query.mp4"
+    query(tmp_path, "--model", served.folders["video"], "--prompt", "a red cat", "--seed", "1", "--steps", "2",
+          "--out", str(out))
+    assert mp4[4:8] == b"ftyp" and mp4 == out.read_bytes()
+    from PIL import Image
+    import io
+
+    assert Image.open(io.BytesIO(sheet)).size == (32 * 9, 32)  # nine 32x32 frames side by side
+    with pytest.raises(openai.NotFoundError):
+        c.videos.retrieve("video_nosuchjob")
+
+
+def test_transcription_equals_query(served, tmp_path):
+    import encdec_reference
+
+    clip = tmp_path / "clip.wav"
+    encdec_reference.write_clip(str(clip))
+    with open(clip, "rb") as f:
+        r = served.client().audio.transcriptions.create(model="listen", file=f, extra_body={"max_tokens": 12})
+    ref = query(tmp_path, "--model", served.folders["listen"], "--audio", str(clip), "--max-new-tokens", "12")
+    assert r.text == ref["text"] and ref["new_tokens"] > 0
+
+
+def test_speech_equals_query(served, tmp_path):
+    wav = served.client().audio.speech.create(model="sound", input="happy drums", voice="alloy").read()
+    out = tmp_path / "query.wav"
+    query(tmp_path, "--model", served.folders["sound"], "--prompt", "happy drums", "--out", str(out))
+    assert wav[:4] == b"RIFF" and wav == out.read_bytes()
+
+
+def _error(resp) -> dict:
+    body = resp.json()
+    assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"]), body
+    assert "Traceback" not in resp.text
+    return body["error"]
+
+
+def test_errors_in_openai_shape_and_still_serving(served):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    chat = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [
+        (dict(json={**chat, "model": "nope"}, headers=auth), "/v1/chat/completions", 404, "model_not_found"),
+        (dict(json={"model": "image", "prompt": "x", "size": "abc"}, headers=auth), "/v1/images/generations", 400,
+         None),
+        (dict(json={"model": "image", "prompt": "x", "size": "12x12", "steps": 1}, headers=auth),
+         "/v1/images/generations", 400, None),  # the pipeline refuses sides not divisible by 8
+        (dict(json={"model": "chat", "prompt": "x"}, headers=auth), "/v1/images/generations", 400, "wrong_model_kind"),
+        (dict(json=chat), "/v1/chat/completions", 401, "invalid_api_key"),
+        (dict(json=chat, headers={"Authorization": "Bearer wrong"}), "/v1/chat/completions", 401, "invalid_api_key"),
+        (dict(content=b"{" + b" " * (2 << 20) + b"}", headers={**auth, "Content-Type": "application/json"}),
+         "/v1/chat/completions", 413, "body_too_large"),
+        (dict(content=b"not json", headers={**auth, "Content-Type": "application/json"}), "/v1/chat/completions",
+         400, "invalid_json"),
+        (dict(json={**chat, "temperature": 7}, headers=auth), "/v1/chat/completions", 400, None),
+    ]
+    for kw, path, status, code in cases:
+        resp = httpx.post(served.url + path, timeout=60, **kw)
+        assert resp.status_code == status, (path, kw.get("json"), resp.text)
+        err = _error(resp)
+        if code:
+            assert err["code"] == code, err
+    with pytest.raises(openai.AuthenticationError):
+        served.client(key="wrong").models.list()
+    r = served.client().chat.completions.create(**chat)  # still serving
+    assert r.usage.completion_tokens == 2
+    said = served.said()
+    assert "Traceback" not in said
+    assert "POST /v1/chat/completions 401" in said  # one line per request
+
+
+def _sessions(served, role: str) -> int:
+    return sum(n.get("sessions") or 0 for n in served.health()["models"][role]["nodes"])
+
+
+def test_disconnect_closes_node_sessions(served):
+    body = {"model": "chat", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", served.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json=body, timeout=60) as resp:
+        lines = resp.iter_lines()  # kept open: a finished iterator would close the response
+        got = 0
+        while got < 3:
+            line = next(lines)
+            got += line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line
+        during = _sessions(served, "chat")
+        lines.close()
+    assert during >= 1  # the answer was still being generated, its session open on the node
+    deadline = time.monotonic() + 20
+    while _sessions(served, "chat") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _sessions(served, "chat") == 0
+    r = served.client().chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=3)
+    assert r.usage.completion_tokens == 3  # the next request is served
+
+
+def test_busy_model_answers_429(served):
+    """The image model answers one request at a time and lets one wait (--max-waiting 1): of three at once, one
+    is refused with 429 and Retry-After, and the others are served."""
+    results: list = []
+
+    def ask():
+        results.append(httpx.post(served.url + "/v1/images/generations", headers={"Authorization": f"Bearer {KEY}"},
+                                  json={"model": "image", "prompt": "a cat", "size": "16x16", "steps": 100},
+                                  timeout=300))
+
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    for t in threads:
+        t.start()
+        time.sleep(0.15)
+    for t in threads:
+        t.join()
+    codes = sorted(r.status_code for r in results)
+    assert codes == [200, 200, 429], [r.text[:200] for r in results]
+    busy = next(r for r in results if r.status_code == 429)
+    assert int(busy.headers["Retry-After"]) >= 1 and _error(busy)["type"] == "rate_limit_error"
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here (apt-get install chromium)")
+def test_page_chats_and_generates(served, tmp_path):
+    """The page at / in headless Chromium: a chat message answered by streamed tokens, an image generated and
+    shown. Screenshots go to $DIFFUSE_ARTIFACTS (default: artifacts/ in the checkout)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    shots = os.environ.get("DIFFUSE_ARTIFACTS") or os.path.join(os.path.dirname(os.path.dirname(__file__)), "artifacts")
+    os.makedirs(shots, exist_ok=True)
+    expected = served.client().chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "hello"}]).choices[0].message.content
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page()
+            page.add_init_script(f"localStorage.setItem('diffuse-api-key', {json.dumps(KEY)})")
+            page.goto(served.url + "/")
+            page.wait_for_function("document.querySelectorAll('#chat-model option').length > 0", timeout=30000)
+            page.select_option("#chat-model", "chat")
+            page.fill("#chat-input", "hello")
+            page.press("#chat-input", "Enter")
+            page.wait_for_selector("#chat-log .msg.assistant.done", timeout=120000)
+            answer = page.inner_text("#chat-log .msg.assistant")
+            assert answer == expected  # the page streamed the whole answer the API gives
+            page.screenshot(path=os.path.join(shots, "page-chat.png"), full_page=True)
+            page.select_option("#gen-model", "image")
+            page.fill("#gen-prompt", "a red cat")
+            page.fill("#gen-steps", "3")
+            page.fill("#gen-size", "16x16")
+            page.click("#gen-go")
+            page.wait_for_function("() => { const i = document.querySelector('#gen-result img.picture');"
+                                   " return i && i.complete && i.naturalWidth === 16; }", timeout=120000)
+            assert page.inner_text("#gen-status").startswith("done")
+            assert int(page.get_attribute("#gen-progress", "value") or 0) == 100 or \
+                page.eval_on_selector("#gen-progress", "e => e.value") == 100
+            page.screenshot(path=os.path.join(shots, "page-generate.png"), full_page=True)
+        finally:
+            browser.close()
