@@ -167,12 +167,17 @@ class Split:
                  threads: int | None = None, timeout: float = 300.0, client_key: str | None = None,
                  attention: str = "auto", local_transport: str = "tcp", model: str | None = None,
                  started=None, branch_groups: int = 1, cache_threshold: float = 0.0, ahead: bool = True,
-                 repair=None, embedding_on_node: bool = False):
+                 repair=None, embedding_on_node: bool = False, placement: str = "planned"):
         from diffuse.branches import parse_groups
         from diffuse.repair import RepairPolicy
         from diffuse.known_nodes import parse_nodes
 
         check_options(patches, nodes is not None, local_nodes, branch_groups, cache_threshold)  # before any reading
+        from diffuse.placement import PLACEMENTS
+
+        if placement not in PLACEMENTS:
+            raise DiffuseError(f"--placement {placement}: choose {' or '.join(PLACEMENTS)}")
+        self.placement = placement
         self.target = pipe_or_model
         self.info = model_info(pipe_or_model, model)
         self.groups = None  # node lists, one per group of branches, when there are several
@@ -198,6 +203,7 @@ class Split:
         self.patches, self.timeout, self.client_key = patches, timeout, client_key
         self.ahead = ahead  # with patches, the next guidance branch's call sent while this one finishes
         self.repair = repair if repair is not None else RepairPolicy()  # one for all of this split's rings
+        self.repair.placement = placement  # where nodes that hold nothing fixed get their slices
         self.embedding_on_node = embedding_on_node
         self.attention, self.local_transport = attention, local_transport
         self.started = started  # local nodes already started by the caller (a diffuse.localnodes.LocalNodes)
@@ -345,5 +351,7 @@ def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: in
     True), ``repair`` (a ``diffuse.repair.RepairPolicy``: how a failed node is replaced; default: the
     first usable holder of its range, the failed node avoided 30 s, doubling, then used again),
     ``embedding_on_node`` (a language model's embedding table on the first node, so passes carry token ids
-    instead of hidden states; default False: the client embeds)."""
+    instead of hidden states; default False: the client embeds), ``placement`` ("planned": nodes that hold
+    nothing fixed get slices planned from their memory and speed, ``diffuse.placement``; "even": even slices,
+    still checked against their memory; set on the repair policy, which also repairs by it)."""
     return Split(pipe_or_model, nodes=nodes, local_nodes=local_nodes, patches=patches, **options)

@@ -59,9 +59,10 @@ def _growing_layers(cache, indices) -> bool:
 
 
 def batch_key(dtype, p) -> tuple | None:
-    """What must be the same for passes (``diffuse.stage.Pass``) of different sessions to run as one batch;
-    None: this pass runs alone (no cache, a PipeFusion patch, a prefill, an unusual cache)."""
-    if p.cache is None or p.header.get("patch") is not None or not p.blocks or not p.rmap.streams:
+    """What must be the same for passes (``diffuse.stage.Prepared``) of different sessions to run as one batch;
+    None: this pass runs alone (no cache: a diffusion pass, PipeFusion's patches included; a prefill; an unusual
+    cache). Only a language model's pass (``diffuse.passes.LayerPass``) carries a cache."""
+    if p.cache is None or not p.blocks or not p.rmap.streams:
         return None
     if not _growing_layers(p.cache, [i for i, _ in p.blocks]):
         return None

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from diffuse import frames
 from diffuse.callplan import SLOT_CACHE_BYTES, SlotCache, decode_value, digest
 from diffuse.errors import DiffuseError, NodeError, WireError
+from diffuse.passes import WHOLE, Answer, ContractError, Part, Pass
 from diffuse.plan import Patch, ReturnMap, SlotRef
 
 log = logging.getLogger("diffuse.ring")
@@ -82,21 +83,20 @@ class Channel:
                 log.debug("keep-alive ping failed: %s", exc)
 
     def send(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, patch: Patch | None = None,
-             digests: list | None = None, extra: dict | None = None) -> int:
+             digests: list | None = None, part: Part | None = None) -> int:
         """Seal and send one pass of ``stack``; returns its sequence number (``digests``: the tensors'
-        digests where already known, so each is hashed once per call; ``extra``: header fields of a
-        language model's pass, its per-layer trees and cache state)."""
+        digests where already known, so each is hashed once per call; ``patch`` or ``part``: what kind of
+        pass it is, ``diffuse.passes``; neither: a whole call)."""
+        if patch is not None and part is not None:
+            raise ContractError("a pass carries one part: a patch, or another, not both")
         self._seq += 1
-        header = {"op": "call", "stack": stack, "seq": self._seq, **(extra or {})}
-        if self._seq == 1:  # the nodes keep what the mirror assumes: this much per session at most
-            header["slot_bytes"] = self._mirror.max_bytes
+        sent_tree = None
         if self._trees.get(stack) != tree:
-            header["tree"] = self._trees[stack] = tree
+            sent_tree = self._trees[stack] = tree
+        sent_rmap = None
         if stack not in self._sent_rmap:
-            header["rmap"] = rmap.to_dict()
+            sent_rmap = rmap
             self._sent_rmap.add(stack)
-        if patch is not None:
-            header["patch"] = patch.to_wire()
         streams = set(rmap.streams)
         mirror = self._mirror
         refs, sent, fresh = [], [], []
@@ -114,8 +114,10 @@ class Channel:
                 refs.append(SlotRef(frame=len(sent), digest=h))
                 sent.append(t)
                 fresh.append(i)
-        header["slots"] = [r.to_wire() for r in refs]
-        out = frames.seal_message(self.send_hop, header, sent)
+        part = patch if patch is not None else part if part is not None else WHOLE
+        message = Pass(stack, self._seq, tuple(refs), part, sent_tree, sent_rmap,
+                       self._mirror.max_bytes if self._seq == 1 else None)  # the nodes keep what the mirror assumes
+        out = frames.seal_message(self.send_hop, message.to_wire(), sent)
         self.outbox.send(out)
         n_out = sum(len(f) for f in out)
         self.stats.bytes_sent += n_out
@@ -152,15 +154,16 @@ class Channel:
             raise NodeError(str(header.get("node", "?"))[:200], str(header.get("message", "failed"))[:2000])
         if header.get("seq") != seq or header.get("op") != "result":
             raise DiffuseError(f"ring answered {header.get('op')!r:.32} #{header.get('seq')!r:.32} to call #{seq}")
+        answer = Answer.from_wire(header)
         n_in = sum(len(f) for f in reply)
         self.stats.passes += 1
         self.stats.bytes_received += n_in
         self.stats.returns.append([seq, n_in])
-        if "skipped" in header:
-            counted = self.stats.reuse.setdefault(str(header.get("stack"))[:200], [0, 0])
-            counted[0] += header["skipped"] is True
+        if answer.skipped is not None:
+            counted = self.stats.reuse.setdefault(answer.stack[:200], [0, 0])
+            counted[0] += answer.skipped
             counted[1] += 1
-        return decode_value(header["out"], tensors)
+        return decode_value(answer.out, tensors)
 
     def _wait(self, seq: int):
         deadline = time.monotonic() + self.timeout_s

@@ -61,7 +61,8 @@ COMMANDS: dict[str, Command] = {
                    "[--key-file FILE]"),
     "check": Command("diffuse.commands:check_main", "the verdict from config.json files alone: stacks, output, "
                      "patching", "MODEL"),
-    "plan": Command("diffuse.commands:plan_main", "print the slicing plan as JSON", "MODEL --nodes N"),
+    "plan": Command("diffuse.plan_command:plan_command", "the slicing plan as JSON (--nodes N), or where its "
+                    "slices go on given nodes (--nodes ADDR,... or --memory GiB,...)", "MODEL --nodes N|ADDR,..."),
     "verify": Command("diffuse.commands:verify_main", "run whole and split, print the largest difference",
                       "MODEL ..."),
     "bench": Command("diffuse.bench:main", "speed and wire use, whole and split (python -m diffuse.bench)",
@@ -238,6 +239,9 @@ def ring_flags(ap: argparse.ArgumentParser) -> None:
                     "never more than the longest stack has blocks)")
     ap.add_argument("--local-transport", default="tcp", metavar="SCHEME",
                     help="URL scheme local nodes listen on (tcp; ipc with the diffuse-ipc plugin)")
+    ap.add_argument("--placement", choices=("planned", "even"), default="planned",
+                    help="for nodes started without --blocks: slices planned from each node's memory and speed "
+                    "(default), or even slices; either is refused, with the shortfall, where it does not fit")
     ap.add_argument("--threads", type=positive, help="torch threads here and on local nodes; equal bits need equal "
                     "counts here, on every node and in the run compared with (default: torch's here, and at "
                     "--patches 1 the same on local nodes, so a default run equals a default whole run)")

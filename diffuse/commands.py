@@ -44,22 +44,6 @@ def check_main(argv: list[str]) -> int:
     return cli.run_guarded(body, out) or code
 
 
-def plan_main(argv: list[str]) -> int:
-    ap = cli.Parser(prog="diffuse plan", description="The slicing plan for N nodes, as JSON.")
-    ap.add_argument("model", help="a model folder, a shipped model's name, or a Hub id in the local cache")
-    ap.add_argument("--nodes", type=cli.positive, default=2, help="how many nodes to split over (default 2)")
-    a = ap.parse_args(argv)
-
-    def body():
-        from diffuse.modelfiles import resolve_model
-        from diffuse.planner import analyze, make_plan
-
-        subject, draft = analyze(resolve_model(a.model))
-        print(make_plan(subject, draft, [f"node{i + 1}" for i in range(a.nodes)]).to_json())
-
-    return cli.run_guarded(body, cli.console())
-
-
 def verify_main(argv: list[str]) -> int:
     ap = cli.query_parser("diffuse verify")
     ap.description = ("Run the model whole and split with the same arguments; print the largest difference "

@@ -11,7 +11,8 @@ node keeps its slice's new residuals. ``r_prev`` changes only on full steps, so
 drift is bounded by ``T`` against the last step computed (the rule of the known
 first-block cache technique, applied per node).
 
-The client tags each call ``{"reuse": {"t": T, "branch": b, "fresh": bool}}``:
+The client tags each call with a ``Reuse`` part (``diffuse.passes``; on the wire
+``{"reuse": {"t": T, "branch": b, "fresh": bool}}``):
 ``b`` tells guidance branches apart (``diffuse.pipefusion.BranchTracker``), so
 each branch decides for itself; ``fresh`` asks for a full step (after a repair,
 nodes new to the session hold nothing). The block-0 node marks the call
@@ -21,13 +22,15 @@ nodes new to the session hold nothing). The block-0 node marks the call
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from diffuse.callplan import digest, thread_outputs, unflatten
 from diffuse.errors import DiffuseError
+from diffuse.passes import Reuse
 from diffuse.plan import ReturnMap
+from diffuse.runners import PassKind, kind
 
 MAX_BRANCHES = 4  # branches one stack keeps residuals for (guidance needs two)
 _STREAM = object()  # where the remembered answer held a stream tensor
@@ -73,8 +76,8 @@ class CacheTagger:
     def repaired(self) -> None:
         self._since_repair = set()
 
-    def tag(self, stack: str, tensors: list, stream: int) -> tuple[dict, list]:
-        """(the header field, the tensors' digests with the stream's left out) for one call."""
+    def tag(self, stack: str, tensors: list, stream: int) -> tuple[Reuse, list]:
+        """(the call's part, the tensors' digests with the stream's left out) for one call."""
         from diffuse.pipefusion.cutting import BranchTracker
 
         digests = [b"" if i == stream else digest(t) for i, t in enumerate(tensors)]
@@ -82,14 +85,12 @@ class CacheTagger:
         fresh = self._since_repair is not None and (stack, branch) not in self._since_repair
         if fresh:
             self._since_repair.add((stack, branch))
-        return {"reuse": {"t": self.threshold, "branch": branch, "fresh": fresh}}, digests
+        return Reuse(self.threshold, branch, fresh), digests
 
 
-def with_branch(extra: dict | None, branch: int) -> dict | None:
-    """``extra`` with its reuse tag naming ``branch`` (a group of nodes numbers the branches it sees itself)."""
-    if not extra or "reuse" not in extra:
-        return extra
-    return dict(extra, reuse=dict(extra["reuse"], branch=branch))
+def with_branch(part, branch: int):
+    """``part`` naming ``branch`` if it is a reuse tag (a group of nodes numbers the branches it sees itself)."""
+    return replace(part, branch=branch) if isinstance(part, Reuse) else part
 
 
 def counts(stats) -> dict:
@@ -104,23 +105,6 @@ def summary_line(per_stack: dict, threshold: float) -> str:
 
 
 # --------------------------------------------------------------------------- a node
-
-
-@dataclass(frozen=True)
-class Reuse:
-    threshold: float
-    branch: int
-    fresh: bool
-
-    @classmethod
-    def from_wire(cls, x) -> "Reuse":
-        if not isinstance(x, dict) or set(x) != {"t", "branch", "fresh"}:
-            raise DiffuseError("malformed reuse: a map of t, branch and fresh")
-        t, b, fresh = x["t"], x["branch"], x["fresh"]
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0 \
-                or type(b) is not int or not 0 <= b < 1 << 16 or not isinstance(fresh, bool):
-            raise DiffuseError("malformed reuse: t a number >= 0, branch a small integer, fresh true or false")
-        return cls(float(t), b, fresh)
 
 
 @dataclass
@@ -156,11 +140,13 @@ class NodeResiduals:
     def nbytes(self) -> int:
         return sum(k.nbytes for k in self.kept.values())
 
-    def run(self, stack: str, blocks: list, tree: dict, values: list, rmap: ReturnMap, reuse: Reuse,
-            holds_first: bool, skip: bool, last: bool, where: str):
-        """Thread ``values`` through this node's ``blocks`` (a whole step) or reuse its residuals; returns
-        (the last block's answer, whether the step was skipped). ``holds_first``: this node holds block 0 and
-        decides; others follow ``skip``, as the previous hop decided."""
+    def run(self, p, last: bool):
+        """Thread the prepared pass ``p``'s values (``diffuse.stage.Prepared``) through this node's blocks (a whole
+        step) or reuse its residuals; returns (the last block's answer, whether the step was skipped). The node
+        holding block 0 decides; others follow ``skip``, as the previous hop decided. ``last``: this node holds
+        the stack's last block."""
+        stack, blocks, tree, values, rmap, reuse = p.stack, p.blocks, p.tree, p.values, p.rmap, p.part
+        holds_first, skip, where = p.sl.start == 0, bool(reuse.skip), str(p.sl)
         key = (stack, reuse.branch)
         held = self.kept.get(key)
         streams = rmap.streams
@@ -205,3 +191,17 @@ class NodeResiduals:
 
     def report(self) -> dict:
         return {"skipped": self.skipped, "full": self.full, "bytes": self.nbytes}
+
+
+@kind(Reuse)
+class FirstBlockCache(PassKind):
+    """A whole step tagged for the first-block cache: skipped, or run and kept (``NodeResiduals``)."""
+
+    def run(self, sess, p):
+        out, skipped = sess.residuals.run(p, last=p.sl.stop == sess.store.stacks[p.stack].length)
+        p.part = replace(p.part, skip=skipped)
+        sess.count_buffers(stale_changed=True)
+        return out
+
+    def answer(self, sess, p, out) -> tuple:
+        return out, p.part.skip

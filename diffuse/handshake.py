@@ -2,7 +2,10 @@
 
 ``hello`` (plain) gives a node's key (pinned, or trusted on first use), data
 address, model hash, the slices it holds (nodes started with ``--blocks``), the
-wire versions it speaks and a one-time challenge. The client offers the
+wire versions it speaks, a one-time challenge, and its report for placement
+(memory, blocks held, threads, device, measured speed; remembered with the
+hello's round trip by ``diffuse.placement.note_hello``; a node whose hello
+passes every check below is the only one whose report is kept). The client offers the
 versions it speaks; each node's is the highest both speak, and each data hop's
 is the highest its two ends speak (a node that speaks only an older version
 keeps serving, in a ring with newer ones). ``open`` and ``close`` are sealed to
@@ -21,6 +24,7 @@ import time
 from diffuse import frames, sealing
 from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.known_nodes import parse_node, pin_key
+from diffuse.placement import note_hello
 from diffuse.plan import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, Slice, SlicingPlan, Stage, StagePlan, \
     check_slices
 
@@ -115,7 +119,9 @@ class Handshake:
 
     def hello(self, k: int, expect_key: bytes | None = None) -> dict:
         stage = self.plan.route[k]
+        t0 = time.perf_counter()
         hello = self._request(k, {"op": "hello", "wire": list(WIRE_VERSIONS)}, HELLO_TIMEOUT_S)
+        rtt = time.perf_counter() - t0
         speaks = _speaks(hello)
         if speaks is not None and not set(speaks) & set(WIRE_VERSIONS):
             raise NodeError(stage.address, f"speaks wire versions {speaks}, this client speaks "
@@ -150,6 +156,7 @@ class Handshake:
             except ContractError as exc:
                 raise NodeError(stage.address, f"says it holds what this model does not have: {exc}") from None
         hello["speaks"] = speaks
+        note_hello(stage.address, hello, rtt)  # what it says of its memory and speed, for placement
         self.wire[stage.address] = best
         hello["at"] = time.monotonic()
         return hello

@@ -167,7 +167,8 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
     if not a.whole:
         split = Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
                       client_key=a.client_key, local_transport=a.local_transport,
-                      embedding_on_node=getattr(a, "embedding_on_node", False))
+                      embedding_on_node=getattr(a, "embedding_on_node", False),
+                      placement=a.placement)
         if split.local is not None:
             for n in split.local.notes:
                 console.print(n, soft_wrap=True)
@@ -261,7 +262,7 @@ def compose_audio(a, console, info, model, inputs, gen, times, t0) -> dict:
     try:
         if not a.whole:
             split = Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
-                          client_key=a.client_key, local_transport=a.local_transport)
+                          client_key=a.client_key, local_transport=a.local_transport, placement=a.placement)
             if split.local is not None:
                 console.print(f"starting {split.local.count} local nodes ({split.local.threads} "
                               f"thread{'s' if split.local.threads > 1 else ''} each)")

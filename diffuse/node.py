@@ -33,6 +33,7 @@ from diffuse.text import plain
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.home import config_home
 from diffuse.node_control import NodeControl, refusal
+from diffuse.placement import SpeedBook
 from diffuse.plan import WIRE_VERSIONS, StackPlan, parse_slices
 from diffuse.processes import alive
 from diffuse.sessions import SessionTable
@@ -124,6 +125,8 @@ class Node:
         self.two_stream: dict[str, bool] = dict(draft.get("two_stream", {}))  # such stacks run uncut steps
         self.store = BlockStore(model_path, subject, self.stacks)
         self.store.fixed = parse_slices(blocks, self.stacks)
+        self.speeds = SpeedBook(self.store.model_hash)  # its own measured speed, said at hello (diffuse.placement)
+        self.max_memory: int | None = None  # --max-memory, in bytes
         if self.store.fixed:
             self.store.load(self.store.fixed)
         self.identity = load_identity(key_file)
@@ -237,7 +240,9 @@ class Node:
             t0 = time.thread_time()
             try:
                 with torch.no_grad():
+                    w0 = time.perf_counter()
                     out = m.sess.run(m.pass_)
+                    self.speeds.add(m.pass_, m.sess.dtype, time.perf_counter() - w0)
                 m.reply = m.sess.finish(m.pass_, out)
             except Exception as exc:
                 self._failed(m, exc)
@@ -533,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-batch", action="store_true",
                     help="run every pass alone (default for a language model: decoding passes of several sessions "
                     "that wait together run through the layers as one batch)")
+    ap.add_argument("--max-memory", type=float, default=None, metavar="GIB",
+                    help="the most this node's blocks and sessions may take, in GiB, as it tells clients planning "
+                    "where slices go (default: what its cgroup or machine has available)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone (local nodes)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
@@ -556,6 +564,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     node.control.speaks = a.wire
+    if a.max_memory is not None:
+        if not a.max_memory > 0:
+            print(f"error: --max-memory {a.max_memory}: give a positive number of GiB", file=sys.stderr)
+            return 2
+        node.max_memory = int(a.max_memory * (1 << 30))
     print(json.dumps({"diffuse_node": max(a.wire), "wire": list(a.wire), "address": node.endpoint.control_address,
                       "data": node.endpoint.address, "key": node.identity.public_hex}), flush=True)
     log.info("serving %s at %s, key %s, wire versions %s", a.model, node.endpoint.control_address,

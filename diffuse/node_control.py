@@ -2,7 +2,9 @@
 
 ``hello`` gives the node's key, data address, model hash, the slices it holds
 (``--blocks``), the wire versions it speaks and the one it chose (the highest
-the client also offers), and a one-time challenge; at wire version 2 also a
+the client also offers), a one-time challenge, and its report for placement
+(``diffuse.placement.node_report``: memory available to it, blocks it holds,
+threads, CPUs, device, dtype, measured speed); at wire version 2 also a
 fresh X25519 key for the open's key agreement (``sealing.agree``). ``ping``
 says whether the node is alive and still has a session; it is answered while
 blocks compute, so a client notices a dead or frozen node in seconds. ``open``
@@ -42,6 +44,7 @@ import torch
 
 from diffuse import frames, safecbor, sealing
 from diffuse.errors import DiffuseError
+from diffuse.placement import node_report
 from diffuse.plan import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, StagePlan
 
 log = logging.getLogger("diffuse.node")
@@ -176,7 +179,7 @@ class NodeControl:
         wire, challenge = max(common), self.challenges.issue()
         reply = {"ok": True, "wire": wire, "speaks": speaks, "key": self.node.identity.public,
                  "data": self.node.data_address, "model": self.node.store.model_hash, "slices": self._slices(),
-                 "challenge": challenge}
+                 "challenge": challenge, "report": node_report(self.node)}
         if wire >= 2:
             reply["eph"] = self.challenges.ephemeral(challenge).public
         return reply

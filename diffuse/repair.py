@@ -4,8 +4,8 @@ Every listed node is asked what it holds (hello). Nodes started with the same ``
 replicas of one range. The route runs through the ranges in the order of the blocks they hold (where
 each range starts, whatever order the nodes were listed in), one holder per range: the first listed
 that is usable; the others are spares. Nodes that hold nothing fixed load what each session asks for:
-the route splits the stacks evenly over those in use, and a failed one is repaired by splitting over
-the rest.
+the route gives them slices planned from their memory and speed (``diffuse.placement``; even slices
+with the policy's ``placement="even"``), and a failed one is repaired by planning over the rest.
 
 What a ring does when a node fails is a ``RepairPolicy`` handed to it (``diffuse.split(..., repair=)``):
 which holder a range takes (``choose``), how long a failed node is avoided (``avoid_s``: 30 s after
@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from diffuse.errors import DiffuseError
+from diffuse.placement import route as placement_route
 from diffuse.plan import Slice, SlicingPlan, Stage, even_route
 
 AVOID_FIRST_S = 30.0
@@ -68,13 +69,15 @@ class RepairPolicy:
     nodes (default: the one the whole process shares). Listeners (``listen``) run after each repair,
     before anything is replayed: a cache of per-step state on the client (PipeFusion's branches, the
     first-block cache) starts again there. One policy may serve several rings (branch groups): its
-    listeners then hear of a repair of any of them."""
+    listeners then hear of a repair of any of them. ``placement``: how nodes that hold nothing fixed
+    share the stacks, at the start and after a repair ("planned" or "even", ``diffuse.placement``)."""
 
     avoid_first_s: float = AVOID_FIRST_S
     avoid_max_s: float = AVOID_MAX_S
     replay: bool = True
     avoidance: Avoidance = field(default_factory=lambda: AVOIDED)
     listeners: list = field(default_factory=list)
+    placement: str = "planned"
 
     def avoid_s(self, failures_before: int) -> float:
         """How long a node is avoided after a failure, given its failures in a row before this one."""
@@ -93,7 +96,7 @@ class RepairPolicy:
 
     def choose(self, plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, usable: list[bool]) -> SlicingPlan:
         """The route to use (``choose_route``); a policy that prefers other holders overrides this."""
-        return choose_route(plan, candidates, held, usable)
+        return choose_route(plan, candidates, held, usable, self.placement)
 
     def listen(self, hook) -> None:
         """Run ``hook()`` after every repair of a ring using this policy (once, however often it is given)."""
@@ -143,17 +146,22 @@ def _gap(plan: SlicingPlan, ranges: list[tuple]) -> str | None:
     return None
 
 
-def choose_route(plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, usable: list[bool]) -> SlicingPlan:
+def choose_route(plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, usable: list[bool],
+                 placement: str = "planned") -> SlicingPlan:
     """The plan routed through one usable holder per range, the ranges in block order.
 
     ``held[i]``: the slices candidate ``i`` said it holds (None: whatever it is asked for);
-    ``usable[i]``: it answered and is not being avoided. Raises DiffuseError naming a range no usable
-    node holds when no complete route is left (the caller says which nodes were lost)."""
+    ``usable[i]``: it answered and is not being avoided; ``placement``: how nodes that hold nothing
+    fixed share the stacks (``diffuse.placement.route``). Raises DiffuseError naming a range no usable
+    node holds when no complete route is left (the caller says which nodes were lost), or when the
+    model fits no placement on them."""
     live = [i for i in range(len(candidates)) if usable[i]]
     if not live:
         raise DiffuseError("no listed node is left to route through")
+    if all(held[i] is None for i in live):  # nodes that load what they are asked for: slices planned for them
+        return placement_route(plan, [candidates[i] for i in live], placement)
     if any(held[i] is None for i in live):
-        # nodes that load what they are asked for (with any others): an even split over the usable ones
+        # such nodes with others: an even split over the usable ones
         stages = [candidates[i] for i in live]
         return plan.with_route(even_route(plan.stacks, [s.address for s in stages], [s.key for s in stages]))
     picked: dict[tuple, int] = {}

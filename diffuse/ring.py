@@ -15,6 +15,7 @@ from diffuse.callplan import flatten, flatten_layers
 from diffuse.channel import Channel, ChannelStats
 from diffuse.handshake import Handshake
 from diffuse.errors import DiffuseError, NodeError, Repaired
+from diffuse.passes import Embed, LayerPass, Part, Tail
 from diffuse.plan import Patch, ReturnMap, SlicingPlan
 from diffuse.repair import RepairPolicy
 
@@ -159,25 +160,19 @@ class Ring:
         return self.receive(self.send(stack, tree, tensors, rmap))
 
     def call_layers(self, stack: str, calls: list[tuple[tuple, dict]], rmap: ReturnMap, cache, fresh: bool,
-                    tail: dict | None = None, embed: dict | None = None):
+                    tail: Tail | None = None, embed: Embed | None = None):
         """One pass of a language model's ``stack``: every layer's own call (``calls``, in order) in one
         message; ``cache`` is the client's cache object, ``fresh`` whether the nodes start theirs anew;
         ``tail``: the last node also runs the final norm and output head (``diffuse.tail``); ``embed``: the
         first layer's input slot holds token ids, which the first node embeds (``diffuse.embedding``)."""
         tree, layer_trees, tensors = flatten_layers(calls)
-        extra = {"state": {"kind": type(cache).__name__, "fresh": bool(fresh)}}
-        if tail is not None:
-            extra["tail"] = tail
-        if embed is not None:
-            extra["embed"] = embed
-        if layer_trees:
-            extra["layer_trees"] = layer_trees
+        extra = LayerPass(type(cache).__name__, bool(fresh), layer_trees or None, tail, embed)
         if fresh:
             self._history = []
         return self.receive(self.send(stack, tree, tensors, rmap, extra=extra))
 
     def send(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, patch: Patch | None = None,
-             digests: list | None = None, extra: dict | None = None) -> int:
+             digests: list | None = None, extra: Part | None = None) -> int:
         sent = (stack, tree, tensors, rmap, patch, digests, extra)
         self._n += 1
         self._pending[self._n] = (self.channel.send(*sent), sent)
@@ -196,7 +191,7 @@ class Ring:
                 continue
             del self._pending[n]
             self._streak = 0
-            if sent[6] is not None and "state" in sent[6]:
+            if isinstance(sent[6], LayerPass):
                 self._history.append(sent)
             return out
 

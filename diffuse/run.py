@@ -165,7 +165,7 @@ def generate(a: argparse.Namespace, console) -> dict:
     if not a.whole:
         split = Split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches, threads=a.threads,
                       timeout=a.timeout, client_key=a.client_key, local_transport=a.local_transport,
-                      branch_groups=a.branch_groups, cache_threshold=a.cache_threshold)
+                      branch_groups=a.branch_groups, cache_threshold=a.cache_threshold, placement=a.placement)
         if a.client_key:
             from diffuse.sealing import load_identity
 

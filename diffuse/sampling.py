@@ -41,6 +41,7 @@ import math
 import torch
 
 from diffuse.errors import DiffuseError
+from diffuse.passes import DrawState
 
 # The processors a node rebuilds, with their constructor's parameters (read from the instance under the same
 # names) and what each holds: "float", "int", "ids" (token ids, a tensor or a list), "lengths" (None, an int, or
@@ -187,19 +188,20 @@ class NodeSampler:
     def nbytes(self) -> int:
         return self.history.numel() * self.history.element_size()
 
-    def draw(self, spec, logits: torch.Tensor) -> dict:
+    def draw(self, spec: DrawState | dict, logits: torch.Tensor) -> dict:
         """Apply the processors to ``logits`` (batch x vocab, the last row of the head's answer), then draw
-        (``sample``) or take the argmax; the token per row, and the generator's digest after the draw."""
-        if not isinstance(spec, dict) or not isinstance(spec.get("sample"), bool):
-            raise DiffuseError("malformed draw")
-        if "processors" in spec:
-            self.processors = rebuild(spec["processors"])
+        (``spec.sample``) or take the argmax; the token per row, and the generator's digest after the draw.
+        ``spec`` as a pass carries it, or as it travels (checked here then)."""
+        if not isinstance(spec, DrawState):
+            spec = DrawState.from_wire(spec)
+        if spec.processors is not None:
+            self.processors = rebuild(spec.processors)
         if self.processors is None:
             raise DiffuseError("this session's draw arrived without its logits processors")
-        self._update_history(spec.get("history"))
-        if "rng" in spec:
-            state = spec["rng"]
-            if not isinstance(state, bytes) or len(state) != torch.get_rng_state().numel():
+        self._update_history(spec.history)
+        if spec.rng is not None:
+            state = spec.rng
+            if len(state) != torch.get_rng_state().numel():
                 raise DiffuseError("malformed generator state")
             self.generator = torch.Generator()
             self.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
@@ -212,7 +214,7 @@ class NodeSampler:
         if scores.dim() != 2 or scores.shape[0] != self.history.shape[0]:
             raise DiffuseError(f"the processors left {scores.shape[0]} rows for {self.history.shape[0]} rows of "
                                "token history")
-        if spec["sample"]:
+        if spec.sample:
             if self.generator is None:
                 raise DiffuseError("this session's draw arrived without the client's generator state")
             probs = torch.nn.functional.softmax(scores, dim=-1)
@@ -260,8 +262,8 @@ class Draw:
         self.draws = 0
         self.states_sent = 0
 
-    def wire(self, node: NodeTail) -> dict:
-        """The ``draw`` field of a pass's tail: what the node lacks of the processors, history and generator."""
+    def wire(self, node: NodeTail) -> DrawState:
+        """The ``draw`` of a pass's tail: what the node lacks of the processors, history and generator."""
         ids = self.ids
         if ids is None:
             raise DiffuseError("generate ran its model without the token history it draws after")
@@ -269,20 +271,20 @@ class Draw:
             raise DiffuseError("sampling on the last node draws as generate does on the CPU; this client's "
                                f"tokens are on {ids.device}")
         ids = ids.detach().to(torch.long)
-        msg: dict = {"sample": self.sample}
+        processors = rng = None
         if node.processors != self.described:
-            msg["processors"] = node.processors = self.described
+            processors = node.processors = self.described
         old = node.history
         keep = old.shape[1] if (old is not None and old.shape[0] == ids.shape[0] and old.shape[1] <= ids.shape[1]
                                 and torch.equal(ids[:, :old.shape[1]], old)) else 0
-        msg["history"] = {"keep": keep, "add": ids[:, keep:].tolist()}
+        history = {"keep": keep, "add": ids[:, keep:].tolist()}
         node.history = self.sent_ids = ids.clone()
         if self.sample:
             state = torch.get_rng_state()
             if rng_digest(state) != node.rng:
-                msg["rng"] = state.numpy().tobytes()
+                rng = state.numpy().tobytes()
                 self.states_sent += 1
-        return msg
+        return DrawState(self.sample, history, processors, rng)
 
     def took(self, answer: dict, node: NodeTail, row: torch.Tensor) -> None:
         drawn = answer.get("drawn")

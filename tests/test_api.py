@@ -61,17 +61,28 @@ def test_a_pipeline_from_diffusers_itself_splits_and_can_be_split_again(models, 
     model = models("wan")
     kwargs = families.call_args("wan")
     reference = run_reference(model, kwargs, str(tmp_path / "reference.npy"))
+    from test_release import hooks_of, model_layout, only_refusals_added, reloaded
+
     pipe = diffusers.DiffusionPipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
+    layout, hooks = model_layout(pipe.transformer), hooks_of(pipe.transformer)
+    saved = {k: v.detach().clone() for k, v in pipe.transformer.state_dict().items()}
     runs = []
     for _ in range(2):  # a second split of the same pipeline: new nodes, new session, the same answer
         with diffuse.split(pipe, local_nodes=2):
             runs.append(pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0), output_type="np")[0])
+        # released: its own modules again, no hook left but the refusals of the blocks handed out
+        assert model_layout(pipe.transformer) == layout and only_refusals_added(pipe.transformer, hooks)
     assert runs[0].tobytes() == runs[1].tobytes() == reference.tobytes()
     # the blocks it handed out are freed here (meta), and outside a split the pipeline says why it cannot run
     assert all(p.device.type == "meta" for p in pipe.transformer.blocks.parameters())
     with pytest.raises(diffuse.DiffuseError, match="inside `with diffuse.split"):
         pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0), output_type="np")
+    # its blocks loaded again, it is the pipeline it was: it runs whole, to the same bytes
+    reloaded(pipe.transformer, saved)
+    whole = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0), output_type="np")[0]
+    assert whole.tobytes() == reference.tobytes()
+    assert model_layout(pipe.transformer) == layout and hooks_of(pipe.transformer) == hooks
 
 
 def _readme_example() -> str:

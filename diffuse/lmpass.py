@@ -1,0 +1,96 @@
+"""A language model's pass on a node: its layers with the session's cache, the embedding, the tail and sampling.
+
+The session keeps each stack's key/value cache for the layers held here
+(``diffuse.kvcache.NodeCaches``); layers whose call differs from the first
+layer's get their own call plan. A pass whose first layer's input slot carries
+token ids (``Embed``) is embedded by the node holding the first layer, with the
+table it loads on first use (``diffuse.embedding``). On the last node the
+``Tail`` runs the final norm and the output head on the rows decoding needs and
+answers the best candidates or whole rows; with a ``DrawState`` it also applies
+``generate``'s processors and draws there (``diffuse.sampling``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from diffuse.errors import DiffuseError
+from diffuse.passes import Embed, LayerPass, Tail
+from diffuse.plan import ReturnMap
+from diffuse.runners import PassKind, kind, run_blocks
+
+
+def embed_spec(wire, rmap: ReturnMap, slots: int) -> tuple[int, torch.dtype]:
+    """(slot, dtype) of a pass whose first layer's input is token ids, checked: a stream slot, a float dtype."""
+    embed = wire if isinstance(wire, Embed) else Embed.from_wire(wire, slots)
+    if embed.slot not in rmap.streams:
+        raise DiffuseError("embed names a slot that does not carry the stack's hidden state")
+    return embed.slot, embed.torch_dtype
+
+
+@kind(LayerPass)
+class LanguageModelPass(PassKind):
+    def check(self, sess, message, rmap) -> None:
+        if message.part.embed is not None:
+            embed_spec(message.part.embed, rmap, len(message.slots))
+
+    def prepare(self, sess, p) -> None:
+        part: LayerPass = p.part
+        if part.embed is not None and p.sl.start == 0:  # token ids in the first layer's input slot: embedded here
+            p.values[part.embed.slot] = embedded(sess.store, p.values[part.embed.slot], part.embed.torch_dtype)
+            p.part = replace(part, embed=None)
+        p.layer_trees = part.trees
+        p.cache = sess.kv.get(p.stack, part.kind, part.fresh) if part.kind is not None else None
+
+    def run(self, sess, p):
+        return run_blocks(p.blocks, p.tree, p.values, p.rmap, p.layer_trees, p.cache)
+
+    def answer(self, sess, p, out) -> tuple:
+        tail = p.part.tail
+        return (run_tail(sess, out, tail) if tail is not None else out), None
+
+
+def embedded(store, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The first hidden states of a pass: its token ids looked up in this node's copy of the table."""
+    from diffuse.embedding import checked_ids
+
+    table = store.embedding(dtype)
+    ids = checked_ids(ids, table.weight.shape[0])
+    with torch.no_grad():
+        return table(ids)
+
+
+def run_tail(sess, hidden: torch.Tensor, tail: Tail) -> dict:
+    """Final norm, the rows decoding needs, output head; the best candidates or the whole rows; with a
+    ``draw``, also the token generate's processors and sampling pick from the whole last row. A list of heads
+    runs whole, laid out as generate reads it (``diffuse.tail.stack_heads``), its ids as int32."""
+    from diffuse.tail import stack_heads, top_candidates
+
+    norm, head = sess.store.tail(tail.norm, sess.tail_dtype)
+    start, stop = tail.rows
+    if not 0 <= start < stop <= hidden.shape[1]:
+        raise DiffuseError("tail rows out of range")
+    listed = isinstance(head, torch.nn.ModuleList)
+    with torch.no_grad():
+        h = norm(hidden) if norm is not None else hidden
+        logits = stack_heads(head, h[:, start:stop]) if listed else head(h[:, start:stop])
+    if 0 < tail.top < logits.shape[-1]:
+        ids, values = top_candidates(logits, tail.top)
+        if listed and logits.shape[-1] <= torch.iinfo(torch.int32).max:
+            ids = ids.to(torch.int32)
+        answer = {"ids": ids, "values": values}
+    else:
+        answer = {"logits": logits}
+    if tail.draw is not None:  # generate's processors and its draw, here (diffuse.sampling)
+        from diffuse.sampling import NodeSampler
+
+        sampler = getattr(sess, "sampler", None)
+        if sampler is None:
+            sampler = sess.sampler = NodeSampler()
+        with torch.no_grad():
+            answer.update(sampler.draw(tail.draw, logits[:, -1]))
+        if listed:
+            answer["drawn"] = answer["drawn"].to(torch.int32)
+    return answer

@@ -1,0 +1,122 @@
+"""``diffuse plan``: the slicing plan as JSON, or where its slices go on given nodes (``diffuse.placement``)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from diffuse.errors import DiffuseError
+from diffuse.placement import (DEFAULT_CONTEXT, GIB, MARGIN_FRACTION, MARGIN_MIN_BYTES, PLACEMENTS, Capacity,
+                               Placement, _dtype_size, block_costs, capacities, context_tokens, even_placement,
+                               load_dtype, place, report_of)
+from diffuse.plan import SlicingPlan, Stage
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or any(not math.isfinite(x) or x <= 0 for x in out):
+        raise DiffuseError(f"{what} {text!r}: give positive numbers, comma-separated")
+    return out
+
+
+def plan_command(argv: list[str]) -> int:
+    """``diffuse plan MODEL --nodes N``: the slicing plan as JSON (even slices over N placeholder nodes).
+    ``--nodes ADDR,...``: the placement on those nodes, from what their hellos say. ``--memory GiB,...``
+    (and ``--speed``): the placement on nodes described by hand."""
+    from rich.console import Console
+
+    from diffuse.cli import Parser
+
+    from diffuse.known_nodes import parse_nodes
+    from diffuse.modelfiles import resolve_model
+    from diffuse.planner import analyze, make_plan
+
+    ap = Parser(prog="diffuse plan", description="the slicing plan, and where its slices go")
+    ap.add_argument("model")
+    ap.add_argument("--nodes", default=None, help="N (the plan as JSON, even slices over N nodes) or ADDR[#KEY],... "
+                    "(the placement on those nodes, from what they say at hello)")
+    ap.add_argument("--memory", default=None, metavar="GIB,...", help="nodes described by hand: the memory each may "
+                    "take, in GiB")
+    ap.add_argument("--speed", default=None, metavar="S,...", help="with --memory: each node's seconds per GiB of "
+                    "weights per token, or any numbers in proportion (default: all alike)")
+    ap.add_argument("--placement", choices=PLACEMENTS, default="planned")
+    ap.add_argument("--dtype", default=None, help="compute dtype (default: what a plain load gives)")
+    ap.add_argument("--context", type=int, default=None, help=f"tokens of cache per language-model session "
+                    f"(default {DEFAULT_CONTEXT}, at most the model's)")
+    ap.add_argument("--json", action="store_true", help="print the plan, routed as placed, as JSON")
+    a = ap.parse_args(argv)
+    err = Console(stderr=True)
+    try:
+        path = resolve_model(a.model)
+        subject, draft = analyze(path)
+        dtype = a.dtype or load_dtype(subject)
+        _dtype_size(dtype)
+        if a.memory is None and (a.nodes is None or a.nodes.strip().isdigit()):
+            n = int(a.nodes) if a.nodes else 2
+            if n < 1:
+                raise DiffuseError("--nodes must be at least 1")
+            print(make_plan(subject, draft, [f"node{i + 1}" for i in range(n)], compute_dtype=dtype).to_json())
+            return 0
+        if a.memory is not None:
+            memory = _floats(a.memory, "--memory")
+            speed = _floats(a.speed, "--speed") if a.speed else [1.0] * len(memory)
+            if len(speed) != len(memory):
+                raise DiffuseError(f"--speed names {len(speed)} nodes, --memory {len(memory)}")
+            names = [f"node{i + 1}" for i in range(len(memory))]
+            caps = [Capacity(nm, int(m * GIB), s if a.speed else None) for nm, m, s in zip(names, memory, speed)]
+            plan = make_plan(subject, draft, names, compute_dtype=dtype)
+        else:
+            nodes = parse_nodes(a.nodes)
+            plan = make_plan(subject, draft, [x for x, _ in nodes], [k for _, k in nodes], dtype)
+            caps = _ask(plan)
+        blocks = block_costs(subject, plan.stacks, dtype, a.context)
+        p = even_placement(blocks, caps) if a.placement == "even" else place(blocks, caps)
+    except DiffuseError as exc:
+        from diffuse.run import report_error
+
+        return report_error(err, exc)
+    if a.json:
+        print(plan.with_route(Stage(s.address, s.key, p.rows[i]) for i, s in enumerate(plan.route)
+                              if i in p.used).to_json())
+        return 0
+    for line in describe(p, subject, plan, dtype, a.context):
+        print(line)
+    return 0
+
+
+def _ask(plan: SlicingPlan) -> list[Capacity]:
+    """Each node's hello, read for placement (its key checked or pinned as a run would)."""
+    from diffuse.handshake import Handshake
+
+    hs = Handshake(plan)
+    for k, stage in enumerate(plan.route):
+        hs.hello(k)
+        if report_of(stage.address) is None:
+            raise DiffuseError(f"{stage.address} says nothing of its memory or speed (a node older than "
+                               "placement): plan with --memory instead")
+    return capacities(plan.route, plan.compute_dtype, plan.model.content_hash)
+
+
+def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int | None = None) -> list[str]:
+    """The placement in words: what the model needs, the table, and the expected times."""
+    weights = sum(b.weight_bytes for b in p.blocks)
+    state = sum(b.state_bytes for b in p.blocks)
+    stacks = ", ".join(f"{s.path} ({s.length})" for s in plan.stacks)
+    head = (f"{os.path.basename(os.path.normpath(subject.path))}: {len(p.blocks)} blocks [{stacks}], "
+            f"{weights / GIB:.2f} GiB of weights in {dtype}")
+    if state:
+        head += f", {state / GIB:.2f} GiB of cache per session at {context_tokens(subject, context)} tokens"
+    lines = [head]
+    if p.blocks[-1].end_bytes:
+        lines.append(f"the last node also holds the output head ({p.blocks[-1].end_bytes / GIB:.2f} GiB)")
+    lines += [f"on {len(p.nodes)} node(s), {len(p.used)} used; margin {MARGIN_FRACTION:.0%} of each node's "
+              f"memory (at least {MARGIN_MIN_BYTES >> 20} MiB):", ""]
+    lines += p.lines()
+    if any(p.measured):
+        lines += ["", f"per token: slowest node {p.slowest_s:.3g} s; one pass through every used node in turn "
+                  f"{p.pass_s:.3g} s" + (f" (with {len(p.used) + 1} hops of {p.hop_s * 1000:.2f} ms)" if p.hop_s
+                                         else "")]
+    return lines
