@@ -46,7 +46,7 @@ class ChatTrainConfig:
     size: str = "full"
     steps: int = 2000
     batch: int = 48
-    lr: float = 2e-3
+    lr: float = 3e-3
     min_lr_ratio: float = 0.05
     warmup: int = 200
     weight_decay: float = 0.01
