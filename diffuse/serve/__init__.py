@@ -26,22 +26,9 @@ from diffuse.errors import DiffuseError  # noqa: E402
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} is less than 1")
-    return n
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from diffuse.cli import Parser, positive
+
     ap = Parser(prog="diffuse serve", description="Serve models split over a ring of nodes on an "
                 "OpenAI-compatible HTTP API (chat, completions, images, video jobs, transcription, speech), "
                 "with a page at / to chat and generate.")
@@ -51,22 +38,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nodes", action="append", default=[], metavar="ADDR,...",
                     help="the nodes of one --model (repeatable, in the order of --model), each address "
                     "optionally #HEXKEY; without it each model gets --local-nodes nodes started here")
-    ap.add_argument("--local-nodes", type=_positive, default=2, metavar="N",
+    ap.add_argument("--local-nodes", type=positive, default=2, metavar="N",
                     help="nodes started here for each model given no --nodes (default 2)")
     ap.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
                     help="where to answer (default 127.0.0.1:8000; anything but loopback needs --api-key)")
     ap.add_argument("--api-key", default=os.environ.get("DIFFUSE_API_KEY"), metavar="KEY",
                     help="a bearer token every /v1 request must send (default: $DIFFUSE_API_KEY)")
-    ap.add_argument("--parallel", type=_positive, default=8, metavar="N",
+    ap.add_argument("--parallel", type=positive, default=8, metavar="N",
                     help="requests a language model answers at once, each its own session (default 8); a "
                     "diffusion model answers one at a time")
-    ap.add_argument("--max-waiting", type=_positive, default=32, metavar="N",
+    ap.add_argument("--max-waiting", type=positive, default=32, metavar="N",
                     help="requests that may wait for a model; beyond, 429 with Retry-After (default 32)")
-    ap.add_argument("--max-body-mb", type=_positive, default=32, metavar="MB",
+    ap.add_argument("--max-body-mb", type=positive, default=32, metavar="MB",
                     help="largest request body accepted (default 32 MiB)")
-    ap.add_argument("--max-tokens", type=_positive, default=256, metavar="N",
+    ap.add_argument("--max-tokens", type=positive, default=256, metavar="N",
                     help="new tokens per answer when a request does not say (default 256)")
-    ap.add_argument("--threads", type=_positive, help="torch threads here and on local nodes")
+    ap.add_argument("--threads", type=positive, help="torch threads here and on local nodes")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one pass through the ring may take")
     ap.add_argument("--client-key", metavar="FILE", help="this service's long-term identity as a client of the "
                     "nodes (for nodes run with --allow-client)")
@@ -214,46 +201,32 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
+    from diffuse import cli
 
-    console = Console(stderr=True)
+    out = cli.console()
     a = build_parser().parse_args(argv)
+    service = None
 
     def say(line: str) -> None:
-        console.print(line, highlight=False, soft_wrap=True)
+        cli.status(out, line)
 
-    service = None
-    try:
+    def body() -> None:
+        nonlocal service
         host, port = parse_listen(a.listen)
         if host not in LOOPBACK and not a.api_key:
             raise DiffuseError(f"--listen {a.listen}: beyond loopback the service needs --api-key KEY (or "
                                "$DIFFUSE_API_KEY), which every request then sends as a bearer token")
-        _port_free(host, port)
-        service = Service.start(a.model, a.nodes, a.local_nodes, a.parallel, a.max_waiting, a.max_tokens,
-                                a.threads, a.timeout, a.client_key, a.local_transport, a.api_key, say)
+        cli.check_port_free(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
+        with cli.phase(out, "starting: models analysed and loaded, nodes started"):
+            service = Service.start(a.model, a.nodes, a.local_nodes, a.parallel, a.max_waiting, a.max_tokens,
+                                    a.threads, a.timeout, a.client_key, a.local_transport, a.api_key, say)
         serve(service, host, port, a.max_body_mb << 20, quiet=a.quiet, say=say)
-    except DiffuseError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+
+    try:
+        return cli.run_guarded(body, out, interrupted="stopped")
     finally:
         if service is not None:
             service.stop()
-    return 0
-
-
-def _port_free(host: str, port: int) -> None:
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise DiffuseError(f"--listen {host}:{port}: {exc.strerror or exc} (another service there? pick "
-                               "another port)") from None
 
 
 def serve(service: Service, host: str, port: int, max_body: int, quiet: bool = False, say=print) -> None:
