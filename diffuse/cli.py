@@ -53,8 +53,8 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "query": Command("diffuse.run:main", "generate with a model split over a ring (also: generate, run)"),
-    "chat": Command("diffuse.lm:chat_main", "talk with a language model split over a ring, turn by turn",
-                    "--model DIR"),
+    "chat": Command("diffuse.lm:chat_main", "talk with a language model split over a ring, turn by turn "
+                    "(default: the embedded tiny-qwen-chat)", "[--model DIR]"),
     "node": Command("diffuse.node:main", "serve a slice of a model's blocks (python -m diffuse.node)"),
     "serve": Command("diffuse.serve:main", "an OpenAI-compatible HTTP service and a page, models kept warm on a ring"),
     "key": Command("diffuse.commands:key_main", "print this machine's node key (creating it if missing)",
@@ -312,7 +312,8 @@ def chat_parser() -> Parser:
     ap = Parser(prog="diffuse chat", description="An interactive chat with a language model split over a ring: the "
                 "history is rendered with the chat template, and each node keeps its layers' cache between turns, "
                 "so a turn sends only its own new tokens. Ctrl-C or an empty input at end of file ends it.")
-    ap.add_argument("--model", required=True, help="a transformers model folder (or a shipped name / cached Hub id)")
+    ap.add_argument("--model", help="a transformers model folder (or a shipped name / cached Hub id); default: the "
+                    "embedded chat model, tiny-qwen-chat")
     ap.add_argument("--max-new-tokens", type=positive, default=128, help="tokens per answer at most (default 128)")
     ap.add_argument("--image", action="append", default=[], metavar="FILE", help="an image for the first turn")
     ring_flags(ap)

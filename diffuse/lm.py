@@ -354,6 +354,10 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
     from diffuse.modelfiles import resolve_model
 
     cli.check_flags(a)
+    if a.model is None:
+        from diffuse.default_model import default_chat_model_dir
+
+        a.model = default_chat_model_dir()
     a.model = resolve_model(a.model)
     cli.status(console, f"diffuse chat: {a.model}; reading its config (importing torch and transformers)")
     import torch

@@ -4,6 +4,7 @@ commands (each takes --help):
   python -m diffuse.train [options]                 train from scratch (the defaults made ``tiny-wan-shapes``)
   python -m diffuse.train evaluate [options]        held-out property match rates, against random weights
   python -m diffuse.train polish-decoder [options]  train only a saved model's VAE decoder (encoder frozen)
+  python -m diffuse.train chat [evaluate|card] ...  the tiny chat model (tiny-qwen-chat): train, evaluate, card
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import sys
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "chat":
+        from .chat import main as chat
+
+        return chat(argv[1:])
     if argv and argv[0] == "evaluate":
         from .evaluate import main as ev
 
