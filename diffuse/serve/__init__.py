@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-body-mb", type=positive, default=32, metavar="MB",
                     help="largest request body accepted (default 32 MiB)")
     ap.add_argument("--max-tokens", type=positive, default=256, metavar="N",
-                    help="new tokens per answer when a request does not say (default 256)")
+                    help="new tokens per answer when a request does not say and the model's generation config sets "
+                    "no max_new_tokens (default 256)")
     ap.add_argument("--threads", type=positive, help="torch threads here and on local nodes")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one pass through the ring may take")
     ap.add_argument("--client-key", metavar="FILE", help="this service's long-term identity as a client of the "

@@ -314,7 +314,13 @@ class LanguageEngine(Engine):
         self.hears_in_chat = takes_audio_in_chat(config)
         self.kind = "transcription" if self.listens else "speech" if self.sample_rate else "chat"
         self.tokenizer = load_tokenizer(info.path)
-        self.default_max_tokens = default_max_tokens
+        from transformers import GenerationConfig
+
+        try:  # what the model's own generation config allows, else the service's default
+            own = GenerationConfig.from_pretrained(info.path).max_new_tokens
+        except (OSError, ValueError):
+            own = None
+        self.default_max_tokens = own or default_max_tokens
         self.pool = Pool(self._make, parallel if self.kind == "chat" else 1, max_waiting, name)
 
     def _make(self):
