@@ -116,18 +116,24 @@ def seal_message(hop, header: dict, tensors: list[torch.Tensor]) -> list[bytes]:
     return frames
 
 
-def open_message(hop, frames: list[bytes]) -> tuple[dict, list[torch.Tensor]]:
-    """Authenticate before parsing anything but the envelope; enforce the hop counter."""
-    env = envelope_of(frames)
+def check_envelope(hop, env: dict, frames: list[bytes]) -> None:
+    """What the envelope says against the hop it arrived on: its wire version, session, a counter not yet
+    accepted (no replay) and the frame count it has (nothing dropped)."""
     if env["v"] != hop.wire:
         raise WireError(f"wire version {env['v']} is not this hop's ({hop.wire})")
     if env["s"] != hop.session:
         raise WireError("message is for another session")
-    counter = env["c"]
-    if counter <= hop.seen:
-        raise WireError(f"replayed or reordered message: counter {counter}, last accepted {hop.seen}")
+    if env["c"] <= hop.seen:
+        raise WireError(f"replayed or reordered message: counter {env['c']}, last accepted {hop.seen}")
     if len(frames) != env["n"]:
         raise WireError(f"truncated message: {len(frames)} frames, envelope promises {env['n']}")
+
+
+def open_message(hop, frames: list[bytes]) -> tuple[dict, list[torch.Tensor]]:
+    """Authenticate before parsing anything but the envelope; enforce the hop counter."""
+    env = envelope_of(frames)
+    check_envelope(hop, env, frames)
+    counter = env["c"]
     raw_env = bytes(frames[0])
     plain = seal.open_frame(hop.key, counter, 1, raw_env, bytes(frames[1]))
     # authenticated from here on, but still checked: a bug on the sending side must not crash the receiver

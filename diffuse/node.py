@@ -171,8 +171,7 @@ class Node:
             return False
         hop = sess.in_hop
         try:
-            if env["v"] != hop.wire or env["c"] <= hop.seen or len(raw) != env["n"]:
-                raise WireError("its wire version, counter or frame count does not fit the session's hop")
+            frames.check_envelope(hop, env, raw)
             sealing.open_frame(hop.key, env["c"], 1, bytes(raw[0]), bytes(raw[1]))
         except WireError as exc:
             log.warning("rejected a message for session %s: %s", sess.sid.hex()[:8], exc)
