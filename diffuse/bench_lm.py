@@ -29,18 +29,19 @@ FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, pro
 QUICK = dict(layers=4, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=512, prompt=16, new=8)
 
 
-def build(out_dir: str, cfg: dict) -> None:
+def build(out_dir: str, cfg: dict, family: str = "Qwen2") -> None:
+    """The model at ``cfg``'s geometry, of transformers' ``{family}ForCausalLM``, with seeded random weights."""
     import torch
     import transformers
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"], num_hidden_layers=cfg["layers"],
-                         num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"],
-                         vocab_size=cfg["vocab"], max_position_embeddings=4096, tie_word_embeddings=True,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = Qwen2ForCausalLM(config)
+    config = getattr(transformers, f"{family}Config")(
+        hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"], num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"], vocab_size=cfg["vocab"],
+        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05)

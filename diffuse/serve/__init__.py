@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -242,7 +243,17 @@ def serve(service: Service, host: str, port: int, max_body: int, quiet: bool = F
     shown = f"[{host}]" if ":" in host else host
     for e in service.engines.values():
         say(f"  {e.name}: {e.kind}, nodes {', '.join(s.split('#')[0] for s in e.nodes.specs)}")
+    # the port is bound and listening before the line says so: a client that reads it and connects at once waits
+    # in the backlog until the server takes it, never finds the port closed
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise DiffuseError(f"--listen {host}:{port}: cannot listen there ({exc.strerror or exc})") from None
+    sock.listen(2048)
     say(f"serving on http://{shown}:{port}  (page at /, API at /v1, health at /health; Ctrl-C stops)")
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=2)
-    uvicorn.Server(config).run()
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+    uvicorn.Server(config).run(sockets=[sock])

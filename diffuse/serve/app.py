@@ -385,16 +385,7 @@ def make_app(service) -> FastAPI:
             msgs = Messages(body.get("messages"), tmp)
             loop = asyncio.get_running_loop()
             inputs = await loop.run_in_executor(None, e.chat_inputs, msgs.messages, msgs.images, msgs.audio)
-        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return stream_text(request, e, inputs, gen, seed, stop, rid, "chat.completion.chunk", include_usage)
-        cancel = Cancel()
-        r = await run_in_thread(request, lambda: e.generate_text(inputs, gen, seed, stop, cancel), cancel)
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": e.name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
-                             "finish_reason": r.finish_reason, "logprobs": None}],
-                "usage": _usage(r)}
+        return await answer_text(request, body, e, inputs, gen, seed, stop, "chat.completion")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -407,14 +398,23 @@ def make_app(service) -> FastAPI:
             raise BadRequest("prompt: one non-empty string", "prompt")
         loop = asyncio.get_running_loop()
         inputs = await loop.run_in_executor(None, e.prompt_inputs, prompt)
-        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        return await answer_text(request, body, e, inputs, gen, seed, stop, "text_completion")
+
+    async def answer_text(request, body, e, inputs, gen, seed, stop, obj: str):
+        """A chat ("chat.completion") or text completion ("text_completion"), whole or streamed."""
+        rid = f"{'chatcmpl' if obj == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return stream_text(request, e, inputs, gen, seed, stop, rid, "text_completion", include_usage)
+            chunks = "chat.completion.chunk" if obj == "chat.completion" else obj
+            return stream_text(request, e, inputs, gen, seed, stop, rid, chunks, include_usage)
         cancel = Cancel()
         r = await run_in_thread(request, lambda: e.generate_text(inputs, gen, seed, stop, cancel), cancel)
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": e.name,
-                "choices": [{"index": 0, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}],
+        choice = {"index": 0, "finish_reason": r.finish_reason, "logprobs": None}
+        if obj == "chat.completion":
+            choice["message"] = {"role": "assistant", "content": r.text}
+        else:
+            choice["text"] = r.text
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": e.name, "choices": [choice],
                 "usage": _usage(r)}
 
     def stream_text(request, e, inputs, gen, seed, stop, rid, obj, include_usage):

@@ -32,22 +32,12 @@ def build(out_dir: str, cfg: dict) -> None:
     """A Llama-shaped model at ``bench lm``'s geometry, and a tokenizer whose words are its ids (``w0`` ...), so
     prompts are text. (Llama, not Qwen2: transformers loads every qwen2 folder with Qwen2's own byte-level
     tokenizer, whatever the folder's tokenizer says.)"""
-    import torch
-    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    transformers.utils.logging.disable_progress_bar()
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"], num_hidden_layers=cfg["layers"],
-                         num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"],
-                         vocab_size=cfg["vocab"], max_position_embeddings=4096, tie_word_embeddings=True,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.05)
-    model.save_pretrained(out_dir)
+    from diffuse.bench_lm import build as build_model
+
+    build_model(out_dir, cfg, family="Llama")
     vocab = {f"w{i}": i for i in range(cfg["vocab"] - 1)}
     vocab["<unk>"] = cfg["vocab"] - 1
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))

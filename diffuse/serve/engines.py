@@ -295,6 +295,20 @@ def generation_kwargs(max_tokens: int | None, temperature: float | None, top_p: 
 _RNG = threading.Lock()  # generate draws from torch's global generator: seeded sampling takes turns
 
 
+@contextmanager
+def seeded(gen: dict, seed: int | None):
+    """Where ``gen`` samples: torch's global generator seeded with ``seed`` (0 if None) and held by this request
+    alone for the ``with`` block, as ``diffuse query --seed`` seeds it; greedy decoding takes nothing."""
+    if not gen.get("do_sample"):
+        yield
+        return
+    import torch
+
+    with _RNG:
+        torch.manual_seed(0 if seed is None else seed)
+        yield
+
+
 class LanguageEngine(Engine):
     """A transformers model: chat and completions (text, images, audio parts), transcription for a model that
     listens, speech for a model whose ``generate`` returns sound."""
@@ -381,21 +395,11 @@ class LanguageEngine(Engine):
         try:
             stream = TextStream(self.tokenizer, cancel, stop, on_delta)
             prompt_len = int(inputs["input_ids"].shape[1]) if "input_ids" in inputs else 0
-            with self.split(model):
-                lock = _RNG if gen.get("do_sample") else None
-                if lock is not None:
-                    lock.acquire()
+            with self.split(model), seeded(gen, seed), torch.no_grad():
                 try:
-                    if lock is not None:
-                        torch.manual_seed(0 if seed is None else seed)
-                    with torch.no_grad():
-                        try:
-                            out = model.generate(**inputs, **gen, streamer=stream, return_dict_in_generate=True)
-                        except _StopString:
-                            out = None
-                finally:
-                    if lock is not None:
-                        lock.release()
+                    out = model.generate(**inputs, **gen, streamer=stream, return_dict_in_generate=True)
+                except _StopString:
+                    out = None
         finally:
             self.pool.give(model)
         if out is not None and not model.config.is_encoder_decoder:
@@ -435,18 +439,8 @@ class LanguageEngine(Engine):
         model = self.pool.take(cancel)
         try:
             steps = _Steps(cancel)
-            with self.split(model):
-                lock = _RNG if gen.get("do_sample") else None
-                if lock is not None:
-                    lock.acquire()
-                try:
-                    if lock is not None:
-                        torch.manual_seed(0 if seed is None else seed)
-                    with torch.no_grad():
-                        audio = model.generate(**inputs, **gen, streamer=steps)
-                finally:
-                    if lock is not None:
-                        lock.release()
+            with self.split(model), seeded(gen, seed), torch.no_grad():
+                audio = model.generate(**inputs, **gen, streamer=steps)
         finally:
             self.pool.give(model)
         arr = audio.detach().to(torch.float32).cpu().numpy()
