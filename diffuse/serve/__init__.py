@@ -94,7 +94,7 @@ class Service:
 
         from diffuse.api import ModelInfo
         from diffuse.known_nodes import parse_nodes
-        from diffuse.serve.engines import LanguageEngine, NodeSet, PipelineEngine
+        from diffuse.serve.engines import LanguageEngine, PipelineEngine
 
         if threads:
             torch.set_num_threads(threads)

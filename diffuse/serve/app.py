@@ -236,6 +236,18 @@ def make_app(service) -> FastAPI:
     """``service``: a ``diffuse.serve.Service`` (engines by name, jobs, the API key)."""
     app = FastAPI(title="Diffuse", description="An OpenAI-compatible service over models split across a ring of "
                   "nodes.", version=service.version, docs_url="/docs", redoc_url=None)
+    _error_handlers(app)
+    _auth_and_log(app, service)
+    _info_routes(app, service)
+    _text_routes(app, service)
+    _image_routes(app, service)
+    _video_routes(app, service)
+    _audio_routes(app, service)
+    return app
+
+
+def _error_handlers(app) -> None:
+    """Every error in the OpenAI shape; a fault of this service keeps its traceback in the log."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -266,6 +278,10 @@ def make_app(service) -> FastAPI:
         log.error("%s %s: %s", request.method, request.url.path, err.message)
         return error_response(err.status, err.message, err.type, err.code, err.param, err.headers)
 
+
+def _auth_and_log(app, service) -> None:
+    """The bearer key where one is set; one log line per request (a stream's when it ends)."""
+
     @app.middleware("http")
     async def _auth_and_log(request: Request, call_next):
         t0 = time.perf_counter()
@@ -275,7 +291,7 @@ def make_app(service) -> FastAPI:
             if got != f"Bearer {service.api_key}":
                 response = error_response(401, "missing or wrong API key: send Authorization: Bearer KEY",
                                           "invalid_request_error", "invalid_api_key")
-                _log_line(request, response.status_code, t0)
+                log_line(request, response.status_code, t0)
                 return response
         try:
             response = await call_next(request)
@@ -289,42 +305,49 @@ def make_app(service) -> FastAPI:
                     async for part in inner:
                         yield part
                 finally:
-                    _log_line(request, response.status_code, t0, " (stream)")
+                    log_line(request, response.status_code, t0, " (stream)")
 
             response.body_iterator = logged()
         else:
-            _log_line(request, response.status_code, t0)
+            log_line(request, response.status_code, t0)
         return response
 
-    def _log_line(request, status, t0, note=""):
-        log.info("%s %s %s %.0f ms%s", request.method, request.url.path, status, 1000 * (time.perf_counter() - t0),
-                 note)
 
-    def engine(name, kinds: tuple[str, ...], what: str):
-        if not name:
-            candidates = [e for e in service.engines.values() if e.kind in kinds]
-            if not candidates:
-                raise ApiError(404, f"no model here does {what}", code="model_not_found", param="model")
-            return candidates[0]
-        e = service.engines.get(name)
-        if e is None:
-            raise ApiError(404, f"the model {name!r} does not exist here; see GET /v1/models "
-                           f"({', '.join(service.engines)})", code="model_not_found", param="model")
-        if e.kind not in kinds:
-            raise ApiError(400, f"{name} is a {e.kind} model and does not do {what}", code="wrong_model_kind",
-                           param="model")
-        return e
+def log_line(request, status, t0, note=""):
+    log.info("%s %s %s %.0f ms%s", request.method, request.url.path, status, 1000 * (time.perf_counter() - t0),
+             note)
 
-    async def json_body(request: Request) -> dict:
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            raise ApiError(400, "the body is not JSON", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-        return body
 
-    # ------------------------------------------------------------------------------------------- the page
+def find_engine(service, name, kinds: tuple[str, ...], what: str):
+    """The model a request names (or the first that does ``what``), or the error to answer with."""
+    if not name:
+        candidates = [e for e in service.engines.values() if e.kind in kinds]
+        if not candidates:
+            raise ApiError(404, f"no model here does {what}", code="model_not_found", param="model")
+        return candidates[0]
+    e = service.engines.get(name)
+    if e is None:
+        raise ApiError(404, f"the model {name!r} does not exist here; see GET /v1/models "
+                       f"({', '.join(service.engines)})", code="model_not_found", param="model")
+    if e.kind not in kinds:
+        raise ApiError(400, f"{name} is a {e.kind} model and does not do {what}", code="wrong_model_kind",
+                       param="model")
+    return e
+
+
+async def json_body(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "the body is not JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _info_routes(app, service) -> None:
+    """The page, the models, the ring's health."""
+
 
     @app.get("/", include_in_schema=False)
     async def page():
@@ -362,10 +385,12 @@ def make_app(service) -> FastAPI:
         return JSONResponse({"ok": ok, "models": rows, "uptime_s": round(time.time() - service.started, 1)},
                             status_code=200 if ok else 503)
 
-    # ------------------------------------------------------------------------------------------- text
+
+def _text_routes(app, service) -> None:
+    """Chat and text completions."""
 
     def _text_request(body: dict, kinds=("chat",), what="chat"):
-        e = engine(body.get("model"), kinds, what)
+        e = find_engine(service, body.get("model"), kinds, what)
         max_tokens = _int(body, "max_completion_tokens") or _int(body, "max_tokens")
         if _int(body, "n", 1) != 1:
             raise BadRequest("n: one answer per request", "n")
@@ -400,86 +425,91 @@ def make_app(service) -> FastAPI:
         inputs = await loop.run_in_executor(None, e.prompt_inputs, prompt)
         return await answer_text(request, body, e, inputs, gen, seed, stop, "text_completion")
 
-    async def answer_text(request, body, e, inputs, gen, seed, stop, obj: str):
-        """A chat ("chat.completion") or text completion ("text_completion"), whole or streamed."""
-        rid = f"{'chatcmpl' if obj == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            chunks = "chat.completion.chunk" if obj == "chat.completion" else obj
-            return stream_text(request, e, inputs, gen, seed, stop, rid, chunks, include_usage)
-        cancel = Cancel()
-        r = await run_in_thread(request, lambda: e.generate_text(inputs, gen, seed, stop, cancel), cancel)
-        choice = {"index": 0, "finish_reason": r.finish_reason, "logprobs": None}
-        if obj == "chat.completion":
-            choice["message"] = {"role": "assistant", "content": r.text}
+
+async def answer_text(request, body, e, inputs, gen, seed, stop, obj: str):
+    """A chat ("chat.completion") or text completion ("text_completion"), whole or streamed."""
+    rid = f"{'chatcmpl' if obj == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    if body.get("stream"):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        chunks = "chat.completion.chunk" if obj == "chat.completion" else obj
+        return stream_text(request, e, inputs, gen, seed, stop, rid, chunks, include_usage)
+    cancel = Cancel()
+    r = await run_in_thread(request, lambda: e.generate_text(inputs, gen, seed, stop, cancel), cancel)
+    choice = {"index": 0, "finish_reason": r.finish_reason, "logprobs": None}
+    if obj == "chat.completion":
+        choice["message"] = {"role": "assistant", "content": r.text}
+    else:
+        choice["text"] = r.text
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": e.name, "choices": [choice],
+            "usage": _usage(r)}
+
+
+def stream_text(request, e, inputs, gen, seed, stop, rid, obj, include_usage):
+    cancel = Cancel()
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    created = int(time.time())
+
+    def on_delta(text):
+        loop.call_soon_threadsafe(q.put_nowait, ("delta", text))
+
+    def work():
+        try:
+            r = e.generate_text(inputs, gen, seed, stop, cancel, on_delta)
+            loop.call_soon_threadsafe(q.put_nowait, ("done", r))
+        except BaseException as exc:  # reported in the stream, never raised into the loop
+            loop.call_soon_threadsafe(q.put_nowait, ("error", exc))
+
+    def chunk(delta=None, finish=None, usage=None):
+        if obj == "text_completion":
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
         else:
-            choice["text"] = r.text
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": e.name, "choices": [choice],
-                "usage": _usage(r)}
+            choice = {"index": 0, "delta": delta if isinstance(delta, dict) else
+                      ({"content": delta} if delta else {}), "finish_reason": finish, "logprobs": None}
+        c = {"id": rid, "object": obj, "created": created, "model": e.name, "choices": [choice] if usage is None
+             else []}
+        if usage is not None:
+            c["usage"] = usage
+        return _sse(c)
 
-    def stream_text(request, e, inputs, gen, seed, stop, rid, obj, include_usage):
-        cancel = Cancel()
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        created = int(time.time())
+    async def events():
+        worker = loop.run_in_executor(None, work)
+        try:
+            if obj != "text_completion":
+                yield chunk({"role": "assistant", "content": ""})
+            while True:
+                kind, value = await q.get()
+                if kind == "delta":
+                    yield chunk(value)
+                elif kind == "done":
+                    yield chunk(finish=value.finish_reason)
+                    if include_usage:
+                        yield chunk(usage=_usage(value))
+                    break
+                else:
+                    err = _as_api_error(value)
+                    if not isinstance(value, Cancelled):
+                        log.error("%s stream failed: %s", request.url.path, err.message)
+                    yield _sse({"error": {"message": err.message, "type": err.type, "param": err.param,
+                                          "code": err.code}})
+                    break
+            yield _sse("[DONE]")
+        finally:  # the stream ended or its client went away: the work stops at its next token, closing its sessions
+            cancel.set()
+            worker.add_done_callback(_quiet)
 
-        def on_delta(text):
-            loop.call_soon_threadsafe(q.put_nowait, ("delta", text))
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        def work():
-            try:
-                r = e.generate_text(inputs, gen, seed, stop, cancel, on_delta)
-                loop.call_soon_threadsafe(q.put_nowait, ("done", r))
-            except BaseException as exc:  # reported in the stream, never raised into the loop
-                loop.call_soon_threadsafe(q.put_nowait, ("error", exc))
 
-        def chunk(delta=None, finish=None, usage=None):
-            if obj == "text_completion":
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "delta": delta if isinstance(delta, dict) else
-                          ({"content": delta} if delta else {}), "finish_reason": finish, "logprobs": None}
-            c = {"id": rid, "object": obj, "created": created, "model": e.name, "choices": [choice] if usage is None
-                 else []}
-            if usage is not None:
-                c["usage"] = usage
-            return _sse(c)
+def _image_routes(app, service) -> None:
+    """Image generation, whole or streamed with a progress event per step."""
 
-        async def events():
-            worker = loop.run_in_executor(None, work)
-            try:
-                if obj != "text_completion":
-                    yield chunk({"role": "assistant", "content": ""})
-                while True:
-                    kind, value = await q.get()
-                    if kind == "delta":
-                        yield chunk(value)
-                    elif kind == "done":
-                        yield chunk(finish=value.finish_reason)
-                        if include_usage:
-                            yield chunk(usage=_usage(value))
-                        break
-                    else:
-                        err = _as_api_error(value)
-                        if not isinstance(value, Cancelled):
-                            log.error("%s stream failed: %s", request.url.path, err.message)
-                        yield _sse({"error": {"message": err.message, "type": err.type, "param": err.param,
-                                              "code": err.code}})
-                        break
-                yield _sse("[DONE]")
-            finally:  # the stream ended or its client went away: the work stops at its next token, closing its sessions
-                cancel.set()
-                worker.add_done_callback(_quiet)
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    # ------------------------------------------------------------------------------------------- pictures
 
     @app.post("/v1/images/generations")
     async def images(request: Request):
         body = await json_body(request)
-        e = engine(body.get("model"), ("image",), "image generation")
+        e = find_engine(service, body.get("model"), ("image",), "image generation")
         if not isinstance(body.get("prompt"), str):
             raise BadRequest("prompt must be a string", "prompt")
         fmt = body.get("response_format") or "b64_json"
@@ -506,52 +536,56 @@ def make_app(service) -> FastAPI:
         return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(p.data).decode()} for p in pics],
                 "output_format": "png", "size": f"{pics[0].array.shape[-2]}x{pics[0].array.shape[-3]}"}
 
-    def stream_images(request, e, args, seed, n):
-        cancel = Cancel()
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
 
-        def work():
-            try:
-                for i in range(n):
-                    def on_step(k, total, i=i):
-                        loop.call_soon_threadsafe(q.put_nowait, ("step", (i, k, total)))
+def stream_images(request, e, args, seed, n):
+    cancel = Cancel()
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
 
-                    p = e.run(**args, seed=seed + i, cancel=cancel, on_step=on_step)
-                    loop.call_soon_threadsafe(q.put_nowait, ("image", (i, p)))
-                loop.call_soon_threadsafe(q.put_nowait, ("end", None))
-            except BaseException as exc:
-                loop.call_soon_threadsafe(q.put_nowait, ("error", exc))
+    def work():
+        try:
+            for i in range(n):
+                def on_step(k, total, i=i):
+                    loop.call_soon_threadsafe(q.put_nowait, ("step", (i, k, total)))
 
-        async def events():
-            worker = loop.run_in_executor(None, work)
-            try:
-                while True:
-                    kind, value = await q.get()
-                    if kind == "step":
-                        i, k, total = value
-                        yield _sse({"type": "image_generation.progress", "image_index": i, "step": k,
-                                    "steps": total})
-                    elif kind == "image":
-                        i, p = value
-                        yield _sse({"type": "image_generation.completed", "image_index": i,
-                                    "b64_json": base64.b64encode(p.data).decode(), "output_format": "png",
-                                    "created_at": int(time.time())})
-                    elif kind == "end":
-                        break
-                    else:
-                        err = _as_api_error(value)
-                        yield _sse({"type": "error", "error": {"message": err.message, "type": err.type,
-                                                              "param": err.param, "code": err.code}})
-                        break
-                yield _sse("[DONE]")
-            finally:
-                cancel.set()
-                worker.add_done_callback(_quiet)
+                p = e.run(**args, seed=seed + i, cancel=cancel, on_step=on_step)
+                loop.call_soon_threadsafe(q.put_nowait, ("image", (i, p)))
+            loop.call_soon_threadsafe(q.put_nowait, ("end", None))
+        except BaseException as exc:
+            loop.call_soon_threadsafe(q.put_nowait, ("error", exc))
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    async def events():
+        worker = loop.run_in_executor(None, work)
+        try:
+            while True:
+                kind, value = await q.get()
+                if kind == "step":
+                    i, k, total = value
+                    yield _sse({"type": "image_generation.progress", "image_index": i, "step": k,
+                                "steps": total})
+                elif kind == "image":
+                    i, p = value
+                    yield _sse({"type": "image_generation.completed", "image_index": i,
+                                "b64_json": base64.b64encode(p.data).decode(), "output_format": "png",
+                                "created_at": int(time.time())})
+                elif kind == "end":
+                    break
+                else:
+                    err = _as_api_error(value)
+                    yield _sse({"type": "error", "error": {"message": err.message, "type": err.type,
+                                                          "param": err.param, "code": err.code}})
+                    break
+            yield _sse("[DONE]")
+        finally:
+            cancel.set()
+            worker.add_done_callback(_quiet)
 
-    # ------------------------------------------------------------------------------------------- video jobs
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _video_routes(app, service) -> None:
+    """Video jobs: create, follow, fetch, cancel."""
+
 
     @app.post("/v1/videos")
     async def create_video(request: Request):
@@ -561,7 +595,7 @@ def make_app(service) -> FastAPI:
             body = {k: v for k, v in form.items() if isinstance(v, str)}
         else:
             body = await json_body(request)
-        e = engine(body.get("model"), ("video",), "video generation")
+        e = find_engine(service, body.get("model"), ("video",), "video generation")
         if not isinstance(body.get("prompt"), str) or not body["prompt"].strip():
             raise BadRequest("prompt must be a non-empty string", "prompt")
         w, h = parse_size(body.get("size"))
@@ -605,7 +639,10 @@ def make_app(service) -> FastAPI:
             return Response(preview_png(job.picture.array, variant), media_type="image/png")
         raise BadRequest("variant: video, thumbnail or spritesheet", "variant")
 
-    # ------------------------------------------------------------------------------------------- audio
+
+def _audio_routes(app, service) -> None:
+    """Transcription and speech."""
+
 
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: Request):
@@ -613,7 +650,7 @@ def make_app(service) -> FastAPI:
         upload = form.get("file")
         if upload is None or isinstance(upload, str):
             raise BadRequest("file: the audio to transcribe (multipart)", "file")
-        e = engine(form.get("model"), ("transcription",), "transcription")
+        e = find_engine(service, form.get("model"), ("transcription",), "transcription")
         fmt = form.get("response_format") or "json"
         if fmt not in ("json", "text", "verbose_json"):
             raise BadRequest("response_format: json, text or verbose_json", "response_format")
@@ -637,7 +674,7 @@ def make_app(service) -> FastAPI:
     async def speech(request: Request):
         body = await json_body(request)
         kinds = ("speech", "audio")
-        e = engine(body.get("model"), kinds, "speech or sound")
+        e = find_engine(service, body.get("model"), kinds, "speech or sound")
         text = body.get("input")
         if not isinstance(text, str) or not text.strip():
             raise BadRequest("input: the text or description to voice", "input")
@@ -655,7 +692,6 @@ def make_app(service) -> FastAPI:
                 patches=1, cancel=cancel), cancel)).data
         return Response(data, media_type="audio/wav")
 
-    return app
 
 
 def _quiet(future) -> None:
