@@ -19,6 +19,8 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -234,8 +236,18 @@ def _image(data: bytes):
 
 def make_app(service) -> FastAPI:
     """``service``: a ``diffuse.serve.Service`` (engines by name, jobs, the API key)."""
+    # every request works in a thread, and so does one that waits for a copy of its model: the threads are sized
+    # for all of them (the event loop's default would run a handful and leave the rest, /health too, queued)
+    workers = sum(e.pool.size + e.pool.max_waiting for e in service.engines.values()) + 16
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="diffuse-serve")
+        asyncio.get_running_loop().set_default_executor(executor)
+        yield
+
     app = FastAPI(title="Diffuse", description="An OpenAI-compatible service over models split across a ring of "
-                  "nodes.", version=service.version, docs_url="/docs", redoc_url=None)
+                  "nodes.", version=service.version, docs_url="/docs", redoc_url=None, lifespan=lifespan)
     _error_handlers(app)
     _auth_and_log(app, service)
     _info_routes(app, service)
