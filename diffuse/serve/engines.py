@@ -60,8 +60,8 @@ class Cancel:
             raise Cancelled()
 
 
-# Loading a copy builds models under patches that are global to the process (weightless construction), and a
-# split's first call analyses a block: both take turns, whatever model they are for.
+# Loading a copy builds models under patches that are global to the process (weightless construction), and
+# opening a split plans and installs stand-ins: both take turns, whatever model they are for.
 LOADING = threading.RLock()
 
 
