@@ -195,15 +195,15 @@ def threshold(text: str) -> float:
     return t
 
 
-def hex_key(text: str) -> bytes:
-    """A public key: 64 hex digits."""
+def hex_key(text: str, what: str = "public key") -> bytes:
+    """A public key: 64 hex digits (``what``: how the refusal names it)."""
     try:
         key = bytes.fromhex(text.strip())
     except ValueError:
         key = b""
     if len(key) != 32:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a public key (64 hex digits, as `diffuse query --client-key FILE` or `diffuse key` "
+            f"{text!r} is not a {what} (64 hex digits, as `diffuse query --client-key FILE` or `diffuse key` "
             "prints)")
     return key
 

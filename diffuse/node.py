@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import logging
 import os
@@ -160,14 +161,8 @@ class Node:
         name an open session, carry that hop's wire version, a counter not yet accepted and the frame count
         it has, and its header frame must open under the session's hop key: a stranger's message is dropped
         here, at the cost of opening one small frame, and never takes a place in the compute thread's queue."""
-        try:
-            env = frames.envelope_of(raw)
-        except WireError as exc:
-            log.warning("rejected a message: %s", exc)
-            return False
-        sess = self.sessions.get(env["s"])
+        env, sess = self._addressed(raw)
         if sess is None:
-            log.warning("rejected a message: unknown session %s", env["s"].hex()[:8])
             return False
         hop = sess.in_hop
         try:
@@ -178,15 +173,22 @@ class Node:
             return False
         return True
 
-    def _open(self, raw: list[bytes]) -> "Incoming | None":
+    def _addressed(self, raw: list[bytes]) -> tuple[dict | None, "object | None"]:
+        """A data message's envelope and the open session it names; (envelope or None, None), said in the log, when
+        it names none."""
         try:
             env = frames.envelope_of(raw)
         except WireError as exc:
             log.warning("rejected a message: %s", exc)
-            return None
+            return None, None
         sess = self.sessions.get(env["s"])
         if sess is None:
             log.warning("rejected a message: unknown session %s", env["s"].hex()[:8])
+        return env, sess
+
+    def _open(self, raw: list[bytes]) -> "Incoming | None":
+        env, sess = self._addressed(raw)
+        if sess is None:
             return None
         malformed = None
         try:
@@ -473,28 +475,6 @@ class Node:
         self.endpoint.reply_control(reply)  # a request taken off the socket is always answered
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
-    return value
-
-
-def _client_key(text: str) -> bytes:
-    """``--allow-client``: a client's public key, 64 hex digits."""
-    try:
-        key = bytes.fromhex(text.strip())
-    except ValueError:
-        key = b""
-    if len(key) != 32:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a client public key (64 hex digits, as `python -m diffuse.run --client-key FILE` prints)")
-    return key
-
-
 def _wire(text: str) -> tuple[int, ...]:
     """``--wire``: the wire versions this node speaks, e.g. "1" or "1,2"."""
     try:
@@ -520,19 +500,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="long-term identity key, created (0600) if missing; default: node.key in $DIFFUSE_HOME "
                     "or ~/.config/diffuse (nodes sharing that folder share one identity: give each its own file)")
     ap.add_argument("--ephemeral-key", action="store_true", help="a fresh identity for this run only")
-    ap.add_argument("--allow-client", action="append", default=None, metavar="HEXKEY", type=_client_key,
+    ap.add_argument("--allow-client", action="append", default=None, metavar="HEXKEY",
+                    type=functools.partial(cli.hex_key, what="client public key"),
                     help="serve only this client key (repeatable); a client shows its key when run with --client-key")
     ap.add_argument("--advertise-data", metavar="ADDR", help="data address peers should dial, if not the bound one")
     ap.add_argument("--wire", type=_wire, default=WIRE_VERSIONS, metavar="V[,V]",
                     help=f"the wire versions to speak (default {','.join(map(str, WIRE_VERSIONS))}; 1: hop keys sealed "
                     "to this node's long-term key; 2: agreed per session, forward secret)")
-    ap.add_argument("--max-message-mb", type=_positive, default=None, metavar="MB",
+    ap.add_argument("--max-message-mb", type=cli.positive, default=None, metavar="MB",
                     help=f"the most one received data frame (one tensor) may hold; a peer sending more is cut off "
                     f"before it is buffered (default {DEFAULT_MAX_MESSAGE_BYTES >> 20})")
-    ap.add_argument("--max-sessions", type=_positive, default=MAX_SESSIONS, metavar="N",
+    ap.add_argument("--max-sessions", type=cli.positive, default=MAX_SESSIONS, metavar="N",
                     help=f"open sessions at once, in all (default {MAX_SESSIONS}; fewer if the open-file limit "
                     "leaves no room)")
-    ap.add_argument("--max-sessions-per-client", type=_positive, default=MAX_SESSIONS_PER_CLIENT, metavar="N",
+    ap.add_argument("--max-sessions-per-client", type=cli.positive, default=MAX_SESSIONS_PER_CLIENT, metavar="N",
                     help=f"open sessions at once per client key (default {MAX_SESSIONS_PER_CLIENT})")
     ap.add_argument("--no-batch", action="store_true",
                     help="run every pass alone (default for a language model: decoding passes of several sessions "
