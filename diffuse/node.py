@@ -44,6 +44,10 @@ from diffuse.transport_api import DEFAULT_MAX_MESSAGE_BYTES
 log = logging.getLogger("diffuse.node")
 
 MAX_QUEUED = 256  # data messages waiting for the compute thread; more are dropped (and logged)
+# where a call's time went on a node, in the order of its per-call record (after the sequence number): the
+# compute thread idle before it, opening its frames, checking it, its blocks (wall, then CPU), building what it
+# hands on, sealing and sending that, and the page faults its blocks took
+PARTS = ("idle", "open", "prepare", "blocks", "blocks_cpu", "finish", "seal", "faults")
 MAX_SESSIONS = 256  # open sessions in all (each holds a socket toward its next hop)
 MAX_PASS_LOG = 4096  # per-pass records a session keeps (bytes in, busy time): the latest, with running totals
 MAX_SESSIONS_PER_CLIENT = 16  # open sessions of one client key: one key's flood leaves room for the others
@@ -88,11 +92,36 @@ def session_capacity(wanted: int, max_sockets: int | None) -> int:
     return max(1, min(wanted, fit, (max_sockets or wanted + 16) - 16))
 
 
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory for reuse instead of handing it back: without this, every large activation a
+    block makes (tens of MiB) is a fresh mapping, page-faulted and zeroed by the kernel on every call, the more so
+    on the compute thread, whose own arena trims eagerly. Placement within a page is unchanged (torch aligns
+    every tensor itself), so results are the same bits. False where this is not glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
+    return bool(libc.mallopt(m_trim_threshold, 1 << 30) and libc.mallopt(m_mmap_threshold, 32 << 20)
+                and libc.mallopt(m_arena_max, 1))
+
+
+def _faults() -> int:
+    """Minor page faults of the calling thread so far (0 where the system does not count per thread)."""
+    import resource
+
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return resource.getrusage(who).ru_minflt if who is not None else 0
+
+
 class Incoming:
     """A data message opened on the compute thread: its session, header and tensors; once prepared, the pass
-    to run (``pass_``) or the message to send at once (``reply``); its batch key (``diffuse.batching``)."""
+    to run (``pass_``) or the message to send at once (``reply``); its batch key (``diffuse.batching``); where
+    its time went (``parts``: wall seconds of each stage, for ``python -m diffuse.bench``)."""
 
-    __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key", "busy")
+    __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key", "busy", "parts")
 
     def __init__(self, sess, header: dict, tensors: list, malformed: str | None):
         self.sess, self.header, self.tensors, self.malformed = sess, header, tensors, malformed
@@ -100,6 +129,13 @@ class Incoming:
         self.reply: tuple[dict, list] | None = None
         self.key: tuple | None = None
         self.busy = 0.0  # seconds its preparing and running took
+        self.parts = dict.fromkeys(PARTS, 0.0)
+
+    def timed(self, part: str, since: float) -> float:
+        """Add the wall time from ``since`` to ``part``; the time now."""
+        now = time.perf_counter()
+        self.parts[part] += now - since
+        return now
 
     def spent(self, seconds: float) -> None:
         """Count ``seconds`` of work on this message (the compute thread's own CPU time: waiting for a core
@@ -147,6 +183,7 @@ class Node:
         # decoding passes of several sessions batched through the layers (language models only; --no-batch)
         self.batching = batch and bool(getattr(subject, "autoregressive", False))
         self.batches = self.batched_rows = self.batch_fallbacks = 0  # counted by the compute thread
+        self.idle_s = 0.0  # the compute thread's waits for work not yet counted in a call's record
 
     # -- data (compute thread) ---------------------------------------------------
     def data(self, raw: list[bytes]) -> None:
@@ -191,6 +228,7 @@ class Node:
         if sess is None:
             return None
         malformed = None
+        t0 = time.perf_counter()
         try:
             header, tensors = frames.open_message(sess.in_hop, raw)
         except MalformedHeader as exc:  # its sender is authentic: it hears why, in one line
@@ -203,7 +241,9 @@ class Node:
         sess.messages += 1
         if header.get("op") == "call":
             _keep(sess.hop_log, [header.get("seq"), nbytes])
-        return Incoming(sess, header, tensors, malformed)
+        m = Incoming(sess, header, tensors, malformed)
+        m.timed("open", t0)
+        return m
 
     def _failed(self, m: "Incoming", exc: Exception) -> None:
         """The message that answers a call that failed: the client hears of it; the node keeps serving."""
@@ -220,7 +260,7 @@ class Node:
     def _prepare(self, m: "Incoming") -> None:
         """Check and take apart a message (``StageSession.prepare``): ``m.pass_`` to run, or ``m.reply`` at once."""
         sess = m.sess
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
         sess.room = NODE_BUFFER_BYTES - self.sessions.buffer_bytes(but=sess)  # what the other sessions left
         try:
             if m.malformed:
@@ -234,17 +274,22 @@ class Node:
             else:
                 m.reply = got
         m.spent(time.thread_time() - t0)
+        m.timed("prepare", w0)
 
     def _solo(self, m: "Incoming") -> None:
         """Run a prepared message alone, then send what it made."""
         if m.reply is None:
-            t0 = time.thread_time()
+            t0, f0 = time.thread_time(), _faults()
             try:
                 with torch.no_grad():
                     w0 = time.perf_counter()
                     out = m.sess.run(m.pass_)
                     self.speeds.add(m.pass_, m.sess.dtype, time.perf_counter() - w0)
+                w1 = m.timed("blocks", w0)
+                m.parts["blocks_cpu"] += time.thread_time() - t0
+                m.parts["faults"] += _faults() - f0
                 m.reply = m.sess.finish(m.pass_, out)
+                m.timed("finish", w1)
             except Exception as exc:
                 self._failed(m, exc)
             m.spent(time.thread_time() - t0)
@@ -253,7 +298,7 @@ class Node:
     def _batch(self, group: list["Incoming"]) -> None:
         """Decoding passes of different sessions through the layers as one batch (``diffuse.batching``); each
         session's tail and message then as for a lone pass. What cannot be batched runs one by one."""
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
         try:
             outs = run_batch([m.pass_ for m in group])
         except Exception as exc:
@@ -266,14 +311,18 @@ class Node:
         self.batches += 1
         self.batched_rows += rows
         share = (time.thread_time() - t0) / len(group)
+        wall = (time.perf_counter() - w0) / len(group)
         for m, out in zip(group, outs):
-            t1 = time.thread_time()
+            m.parts["blocks"] += wall
+            m.parts["blocks_cpu"] += share
+            t1, w1 = time.thread_time(), time.perf_counter()
             m.sess.batched_passes += 1
             try:
                 m.reply = m.sess.finish(m.pass_, out)
             except Exception as exc:
                 self._failed(m, exc)
             m.spent(share + time.thread_time() - t1)
+            m.timed("finish", w1)
         for m in group:
             self._send(m)
 
@@ -284,8 +333,10 @@ class Node:
             if self.sessions.get(sess.sid) is not sess:  # closed while it computed: its state went with it
                 self.state_bytes.drop(sess.sid)
         out_header, out_tensors = m.reply
-        if m.header.get("op") == "call" and type(m.header.get("seq")) is int:
+        call = m.header.get("op") == "call" and type(m.header.get("seq")) is int
+        if call:
             _keep(sess.busy_log, [m.header["seq"], m.busy])
+        w0 = time.perf_counter()
         out = frames.seal_message(sess.out_hop, out_header, out_tensors)
         sess.bytes_out += sum(len(f) for f in out)
         outbox = self.sessions.outbox(sess.sid)
@@ -295,6 +346,9 @@ class Node:
             outbox.send(out)
         except DiffuseError as exc:
             self._give_up(sess.sid, outbox, exc)
+        m.timed("seal", w0)
+        if call:
+            _keep(sess.parts_log, [m.header["seq"]] + [round(m.parts[k], 6) for k in PARTS])
 
     def serve_taken(self, items: list) -> None:
         """What the compute thread took from its queue at once, in arrival order, except that decoding passes
@@ -312,6 +366,7 @@ class Node:
                 log.debug("dropped", exc_info=True)
                 continue
             if m is not None:
+                m.parts["idle"], self.idle_s = self.idle_s, 0.0
                 entries.append(m)
         while entries:
             e = entries.pop(0)
@@ -378,10 +433,12 @@ class Node:
         torch.set_num_threads(threads)
         while True:
             stuck = self.sessions.waiting()
+            w0 = time.perf_counter()
             try:
                 item = self.work.get(timeout=0.1) if stuck else self.work.get()
             except queue.Empty:
                 item = ()
+            self.idle_s += time.perf_counter() - w0
             if item is None:
                 return
             items = [item]
@@ -528,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s node %(levelname)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    keep_freed_memory()
     if a.threads:
         torch.set_num_threads(a.threads)
     from diffuse.modelfiles import resolve_model

@@ -31,6 +31,8 @@ loaded again; until then calling one says so.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -148,6 +150,7 @@ class Splitter:
         self.patcher = None
         self.memo: RepeatMemo | None = None  # projections of repeated inputs, while a ring is attached
         self.reused = 0  # projections answered from the memo by rings already detached
+        self.stand_in_s = 0.0  # wall seconds spent in stand-ins' stack calls, ring included (python -m diffuse.bench)
         self.tagger = None  # the first-block cache's (diffuse.firstblock), when a threshold is set
         self.uncut: dict[str, str] = {}  # stack -> why its steps run uncut although patches > 1
         self.lm = LanguageEnds(self)
@@ -246,6 +249,13 @@ class Splitter:
         self._first_blocks.pop(stack.path).to("meta")
 
     def run_stack(self, stack: StackPlan, args: tuple, kwargs: dict):
+        t0 = time.perf_counter()
+        try:
+            return self._run_stack(stack, args, kwargs)
+        finally:
+            self.stand_in_s += time.perf_counter() - t0
+
+    def _run_stack(self, stack: StackPlan, args: tuple, kwargs: dict):
         if self.ring is None:
             raise DiffuseError("this pipeline's blocks are held by nodes: call it inside `with diffuse.split(...)`")
         block = self.first_block(stack.path)
