@@ -2,10 +2,14 @@
 
 A Qwen2-shaped causal model with seeded random weights is built offline and
 saved; the same greedy ``generate`` (a fixed prompt of token ids) runs whole in
-this process, then split over 1 and over 2 local nodes (every process at one
-torch thread). Printed: tokens per second after the first token, first-token
-latency, the bytes one decoding step puts on each hop (sealed, as measured on
-the wire), and whether the tokens are the same.
+this process and split over 1 and over 2 local nodes (every process at one
+torch thread), in turn for ``--rounds`` rounds so that the machine's load hits
+each alike. Printed: tokens per second after the first token against whole
+(the mean of the per-round ratios, with its spread), first-token latency, the
+bytes one decoding step puts on each hop (sealed, as measured on the wire),
+whether the tokens are the same, and where a token's time goes: the client's
+generate loop, hashing, sealing, waiting; on each node opening, checking and
+assembling, the layers, handing on, sealing; the hops.
 
 ``--sessions N``: N greedy sessions at once (prompts of different lengths),
 each its own client on a thread of this process (its own model copy and
@@ -24,6 +28,9 @@ import statistics
 import tempfile
 import threading
 import time
+
+from diffuse import bench_parts as parts
+from diffuse.bench_parts import mean_se
 
 FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, prompt=64, new=32)
 QUICK = dict(layers=4, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=512, prompt=16, new=8)
@@ -92,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="diffuse bench lm", description=plain(__doc__.split("\n")[0]))
     ap.add_argument("--quick", action="store_true", help="a tiny model, for a smoke test")
     ap.add_argument("--new-tokens", type=int, help="tokens to generate per run")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of whole and split generation in turn (default 3)")
     ap.add_argument("--sessions", type=int, metavar="N",
                     help="N concurrent sessions, the nodes batching off and on, and a single stream on each")
     a = ap.parse_args(argv)
@@ -102,10 +110,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg["new"] = max(2, a.new_tokens)
 
     import torch
-
-    import diffuse
-    from diffuse.api import ModelInfo
-    from diffuse.planner import load_model
 
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="diffuse-bench-lm-")
@@ -119,30 +123,95 @@ def main(argv: list[str] | None = None) -> int:
         if a.sessions:
             return sessions(tmp, cfg, a.sessions)
         ids = torch.randint(0, cfg["vocab"], (1, cfg["prompt"]), generator=torch.Generator().manual_seed(0))
-        info = ModelInfo.of(tmp)
-        whole_model = load_model(tmp, info.subject)
-        generate(whole_model, ids, 2)  # warm-up
-        whole_tokens, whole = generate(whole_model, ids, cfg["new"])
-        del whole_model
-        rows = [("whole", whole, None, True)]
-        for n in (1, 2):
-            model = diffuse.from_pretrained(tmp)
-            with diffuse.split(model, local_nodes=n) as ring:
-                generate(model, ids, 2)  # warm-up: the session is open, the nodes' blocks are loaded
-                tokens, clock = generate(model, ids, cfg["new"])
-            rows.append((f"split, {n} node{'s' if n > 1 else ''}", clock, ring, bool(torch.equal(tokens, whole_tokens))))
-        print("\nresults")
-        for name, clock, ring, same in rows:
-            ratio = clock.per_second / whole.per_second if whole.per_second else 0.0
-            print(f"  {name:15s} {clock.per_second:7.1f} tokens/s ({ratio:.2f} of whole)   first token "
-                  f"{1000 * clock.first:7.1f} ms   tokens equal whole: {same}")
-        for name, clock, ring, _ in rows[1:]:
-            hops = per_token_hops(ring, cfg["new"])
+        rows = interleaved(tmp, cfg, ids, a.rounds)
+        print(f"\nresults ({a.rounds} rounds, whole and split in turn, each ratio the mean of the per-round ratios "
+              f"+- one standard error; load average {rows['load'][0]:.2f} before, {rows['load'][1]:.2f} after)")
+        goals = {"split, 2 nodes": "   goal >= 0.95"}
+        for name in ("whole", "split, 1 node", "split, 2 nodes"):
+            r = rows[name]
+            ratio, spread = mean_se([c.per_second / w.per_second for c, w in zip(r["clocks"], rows["whole"]["clocks"])])
+            rate = mean_se([c.per_second for c in r["clocks"]])[0]
+            first = mean_se([c.first for c in r["clocks"]])[0]
+            print(f"  {name:15s} {rate:7.1f} tokens/s ({ratio:.2f} of whole) +- {spread:.2f}   first token "
+                  f"{1000 * first:7.1f} ms   tokens equal whole: {r['same']}{goals.get(name, '')}")
+        for name in ("split, 1 node", "split, 2 nodes"):
+            r = rows[name]
             print(f"  {name}: bytes per decoding step on each hop (sealed): "
-                  + ", ".join(f"{h} {b:.0f} B" for h, b in hops))
+                  + ", ".join(f"{h} {b:.0f} B" for h, b in r["hops"]))
+        for name in ("split, 1 node", "split, 2 nodes"):
+            print_token_breakdown(name, rows[name], rows["whole"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def interleaved(tmp: str, cfg: dict, ids, rounds: int) -> dict:
+    """The whole model and splits over 1 and 2 local nodes (all open at once), generating in turn for ``rounds``
+    rounds (the order turning each round), so that the machine's load hits each alike. Per configuration: its
+    clocks, whether its tokens equal whole's, bytes per hop, and where its time went per pass."""
+    import contextlib
+
+    import torch
+
+    import diffuse
+    from diffuse.api import ModelInfo
+    from diffuse.planner import load_model
+
+    load0 = os.getloadavg()[0]
+    models = {"whole": load_model(tmp, ModelInfo.of(tmp).subject), "split, 1 node": diffuse.from_pretrained(tmp),
+              "split, 2 nodes": diffuse.from_pretrained(tmp)}
+    rows = {name: {"clocks": [], "tokens": None, "client": {}, "marks": None} for name in models}
+    with contextlib.ExitStack() as stack:
+        rings = {name: stack.enter_context(diffuse.split(models[name], local_nodes=n))
+                 for name, n in (("split, 1 node", 1), ("split, 2 nodes", 2))}
+        for name, model in models.items():
+            generate(model, ids, 2)  # warm-up: sessions open, blocks loaded, call plans learnt
+            if name in rings:
+                rows[name]["marks"] = max((m["seq"] for m in rings[name].ring.channel_stats.messages), default=0)
+        names = list(models)
+        for k in range(rounds):
+            for name in names[k % 3:] + names[:k % 3]:
+                before = parts.snapshot(rings[name]) if name in rings else None
+                tokens, clock = generate(models[name], ids, cfg["new"])
+                row = rows[name]
+                row["clocks"].append(clock)
+                row["tokens"] = tokens if row["tokens"] is None else row["tokens"]
+                if before is not None:
+                    for key, v in parts.snapshot(rings[name]).items():
+                        row["client"][key] = row["client"].get(key, 0.0) + v - before[key]
+    for name, ring in rings.items():
+        row = rows[name]
+        row["hops"] = per_token_hops(ring, cfg["new"])
+        row["nodes"] = parts.node_parts(ring.node_reports, [row["marks"]], len(ring.node_reports))
+        row["same"] = bool(torch.equal(row["tokens"], rows["whole"]["tokens"]))
+        row["passes"] = rounds * cfg["new"]
+    rows["whole"]["same"] = True
+    rows["load"] = (load0, os.getloadavg()[0])
+    return rows
+
+
+def print_token_breakdown(name: str, row: dict, whole: dict) -> None:
+    """Where one token's time went (ms, means over every pass of the timed rounds, the prompt's included; a pass
+    is one token's trip round the ring)."""
+    per = 1000 / max(1, row["passes"])
+    token = per * sum(c.times[-1] for c in row["clocks"])  # the prompt's pass included, as in the parts below
+    whole_token = per * sum(c.times[-1] for c in whole["clocks"])
+    c = {k: v * per for k, v in row["client"].items()}
+    ring = c["hash"] + c["seal"] + c["send"] + c["wait"] + c["open"]
+    print(f"  breakdown {name}, per token (ms): {token:.2f} (whole {whole_token:.2f}) = client's generate loop and "
+          f"model code outside the layers' pass {token - c['stand_in']:.2f} + the pass {c['stand_in']:.2f} "
+          f"[hashing {c['hash']:.3f}, sealing {c['seal']:.3f}, handing to the transport {c['send']:.3f}, waiting "
+          f"{c['wait']:.2f}, opening {c['open']:.3f}, taking the call apart and the answer together "
+          f"{c['stand_in'] - ring:.3f}]")
+    work = 0.0
+    for k, p in enumerate(row["nodes"]):
+        node_work = p["open"] + p["prepare"] + p["blocks"] + p["finish"] + p["seal"]
+        work += node_work
+        print(f"    node {k + 1} per pass (ms): idle before it (median) {1000 * p['idle']:.2f}, opening {1000 * p['open']:.3f}, "
+              f"checking and assembling {1000 * p['prepare']:.3f}, layers {1000 * p['blocks']:.2f} (CPU "
+              f"{1000 * p['blocks_cpu']:.2f}), handing on {1000 * p['finish']:.3f}, sealing and sending "
+              f"{1000 * p['seal']:.3f}")
+    print(f"    hops and doors (waiting less the nodes' work): {c['wait'] - 1000 * work:.2f} ms per token")
 
 
 def per_token_hops(ring, new: int) -> list[tuple[str, float]]:

@@ -124,12 +124,15 @@ def snapshot(split) -> dict:
 
 def node_parts(reports: list[dict], marks: list[int], per_ring: int) -> list[dict]:
     """Per node, the mean per call it worked on in the timed steps of each part of its time (seconds; faults
-    as a count), and the number of such calls."""
+    as a count; idle: the median), and the number of such calls."""
     out = []
     for n, rep in enumerate(reports):
         rows = [r[1:] for r in rep.get("parts_log", []) if r[0] > marks[min(n // per_ring, len(marks) - 1)]]
         calls = max(1, len(rows))
-        out.append({"calls": len(rows), **{k: sum(r[i] for r in rows) / calls for i, k in enumerate(NODE_PARTS)}})
+        means = {k: sum(r[i] for r in rows) / calls for i, k in enumerate(NODE_PARTS)}
+        idle = sorted(r[0] for r in rows)
+        means["idle"] = idle[len(idle) // 2] if idle else 0.0  # the median: a pause between runs is not a pass's
+        out.append({"calls": len(rows), **means})
     return out
 
 
@@ -157,7 +160,7 @@ def print_breakdown(name: str, r: dict, timed_from: int) -> None:
         each = p["calls"] / max(1, (len(r["split"]) - timed_from) * calls_per_step)
         node_work = p["open"] + p["prepare"] + p["blocks"] + p["finish"] + p["seal"]
         work += node_work * each
-        print(f"    node {k + 1}: {p['calls']} passes; per pass: idle before it {1000 * p['idle']:.1f}, opening "
+        print(f"    node {k + 1}: {p['calls']} passes; per pass: idle before it (median) {1000 * p['idle']:.1f}, opening "
               f"{1000 * p['open']:.2f}, checking {1000 * p['prepare']:.2f}, blocks {1000 * p['blocks']:.1f} "
               f"(CPU {1000 * p['blocks_cpu']:.1f}, {p['faults']:.0f} page faults), handing on "
               f"{1000 * p['finish']:.2f}, sealing and sending {1000 * p['seal']:.2f}")

@@ -274,7 +274,7 @@ class Splitter:
         return self.ring.call(stack.path, args, kwargs, rmap)
 
     def run_layers(self, stack: StackPlan, calls: list[tuple[tuple, dict]], cache):
-        """A language model's pass (``diffuse.lmsplit``)."""
+        """A language model's pass (``diffuse.lmsplit``, which counts its time in ``stand_in_s``)."""
         if self.ring is None:
             raise DiffuseError("this model's layers are held by nodes: call it inside `with diffuse.split(...)`")
         if self.tagger is not None:
