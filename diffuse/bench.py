@@ -222,12 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, help="denoising steps per configuration (the first two are not timed)")
     ap.add_argument("--only", metavar="NAME[,NAME]", help="run these configurations only (of: " +
                     ", ".join(c[0] for c in CONFIGS) + "); P=1 always runs")
+    ap.add_argument("--compile", action="store_true", help="also P=1 on two nodes started with --compile "
+                    "(torch.compile, inductor), against the eager P=1; not exact, so its difference from whole is shown")
     ap.add_argument("--keep", metavar="DIR", help="build (or reuse) the model in DIR instead of a temp folder")
     a = ap.parse_args(argv)
     cfg = dict(QUICK if a.quick else FULL)
     if a.steps:
         cfg["steps"] = max(TIMED_FROM + 2, a.steps)
     configs = [c for c in CONFIGS if c[0] == "P=1" or not a.only or c[0] in a.only.split(",")]
+    if a.compile:
+        configs.append(("P=1 compiled", 1, 1, True))
     return run_bench(cfg, configs, a.keep)
 
 
@@ -246,7 +250,7 @@ def run_bench(cfg: dict, configs: list, keep: str | None) -> int:
 
     torch.set_num_threads(1)
     tmp = keep or tempfile.mkdtemp(prefix="diffuse-bench-")
-    nodes, group_nodes = [], []
+    nodes, group_nodes, compiled_nodes = [], [], []
     try:
         print_setup(cfg)
         if not os.path.isfile(os.path.join(tmp, "model_index.json")):
@@ -254,13 +258,16 @@ def run_bench(cfg: dict, configs: list, keep: str | None) -> int:
         nodes = start_local_nodes(tmp, 2, threads=1, extra=["--log-level", "WARNING"])
         if any(c[2] > 1 for c in configs):
             group_nodes = start_local_nodes(tmp, 2, threads=1, extra=["--log-level", "WARNING"], groups=2)
+        if any(c[0] == "P=1 compiled" for c in configs):
+            compiled_nodes = start_local_nodes(tmp, 2, threads=1, extra=["--log-level", "WARNING", "--compile"])
         x = inputs(cfg)
         whole_tr = load_transformer(tmp)
         load0 = os.getloadavg()
         runs = {}
         for name, p, g, ahead in configs:
             before = os.getloadavg()[0]
-            r = split_run(tmp, group_nodes if g > 1 else nodes, x, cfg["steps"], p, whole_tr, "auto", g, ahead)
+            on = compiled_nodes if name == "P=1 compiled" else group_nodes if g > 1 else nodes
+            r = split_run(tmp, on, x, cfg["steps"], p, whole_tr, "auto", g, ahead)
             r["load"] = (before, os.getloadavg()[0])
             runs[name] = r
             print_run(name, r)
@@ -273,8 +280,9 @@ def run_bench(cfg: dict, configs: list, keep: str | None) -> int:
     finally:
         if nodes:
             stop_local_nodes(nodes)
-        if group_nodes:
-            stop_local_nodes(group_nodes)
+        for started in (group_nodes, compiled_nodes):
+            if started:
+                stop_local_nodes(started)
         if not keep:
             shutil.rmtree(tmp, ignore_errors=True)
     return 0
@@ -330,6 +338,10 @@ def report(cfg: dict, runs: dict, load0, load1) -> None:
               + f"   calls sent ahead and used: {ahead.get('used', 0)}"
               + f"   max |out - exact| {float((r['out'] - exact).abs().max()):.2e}"
               + f"   (load {r['load'][0]:.2f} -> {r['load'][1]:.2f})")
+        grown = sum(r["busy"]) / max(1e-9, sum(p1["busy"]))  # the nodes' CPU per step against P=1's
+        print(f"    ... the nodes' CPU per step is {grown:.2f}x P=1's (both computing at once on {os.cpu_count()} "
+              f"cores slow each other): the ideal with that work is {ideal / grown:.2f}x, reached "
+              f"{100 * sp * grown / ideal:.0f}%")
     if "P=4" in runs and "P=4 one by one" in runs:
         same = bool(torch.equal(runs["P=4"]["out"], runs["P=4 one by one"]["out"]))
         print(f"  P=4 output with calls sent ahead equals P=4 one by one: {same}")
@@ -340,6 +352,12 @@ def report(cfg: dict, runs: dict, load0, load1) -> None:
               f"{50 * sg:.0f}% of ideal   goal >= 1.80x   (load {rg['load'][0]:.2f} -> {rg['load'][1]:.2f}; calls "
               f"answered by a pass sent ahead: {rg['ahead_used']}; output equals whole: "
               f"{bool(torch.equal(rg['out'], rg['whole_out']))})")
+    if "P=1 compiled" in runs:
+        rc = runs["P=1 compiled"]
+        c, sc = step_ratios(rc["split"][T:], rc["whole"][T:])
+        print(f"  compiled nodes (--compile, inductor), P=1 / whole: {c:.3f} +- {sc:.3f}, against eager's {o:.3f}: "
+              f"{o / c:.2f}x eager's speed   (load {rc['load'][0]:.2f} -> {rc['load'][1]:.2f}; not exact: max "
+              f"|out - whole| {float((rc['out'] - rc['whole_out']).abs().max()):.2e})")
     report_busy(cfg, runs)
     report_parts(runs, mw)
 

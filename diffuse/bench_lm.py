@@ -99,13 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="diffuse bench lm", description=plain(__doc__.split("\n")[0]))
     ap.add_argument("--quick", action="store_true", help="a tiny model, for a smoke test")
     ap.add_argument("--new-tokens", type=int, help="tokens to generate per run")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of whole and split generation in turn (default 3)")
+    ap.add_argument("--rounds", type=int, help="rounds of whole and split generation in turn (default 3; 2 with "
+                    "--quick)")
     ap.add_argument("--sessions", type=int, metavar="N",
                     help="N concurrent sessions, the nodes batching off and on, and a single stream on each")
     a = ap.parse_args(argv)
     if a.sessions is not None and a.sessions < 1:
         ap.error("--sessions must be at least 1")
     cfg = dict(QUICK if a.quick else FULL)
+    a.rounds = max(2, a.rounds or (2 if a.quick else 3))
     if a.new_tokens:
         cfg["new"] = max(2, a.new_tokens)
 

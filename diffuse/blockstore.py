@@ -44,6 +44,7 @@ class BlockStore:
         self._tails: dict[tuple, tuple] = {}  # a language model's (final norm, output head), by norm path and dtype
         self._embeds: dict[torch.dtype, torch.nn.Module] = {}  # a language model's input embedding, by dtype
         self._loaded: weakref.WeakSet = weakref.WeakSet()  # every parameter read from the files, while alive
+        self.compiled = False  # --compile: blocks through torch.compile (inductor) as they load; not exact
 
     def _dtype(self, stack: str, i: int, dtype: torch.dtype | None) -> torch.dtype | None:
         return dtype if dtype is not None else self.native.get((stack, i))
@@ -84,6 +85,8 @@ class BlockStore:
                 load_into(block, f"{stack}.{i}.", wmap, dtype, files=files)
                 self._loaded.update(block.parameters())
                 block.eval()
+                if self.compiled:
+                    block.compile()  # traced at its first call of each shape; the same module object
                 p = next(block.parameters(), None)
                 actual = p.dtype if p is not None else (dtype or torch.float32)
                 if dtype is None:

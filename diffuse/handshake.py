@@ -18,6 +18,7 @@ recorded session cannot be opened later with the node's long-term key.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -156,6 +157,10 @@ class Handshake:
             except ContractError as exc:
                 raise NodeError(stage.address, f"says it holds what this model does not have: {exc}") from None
         hello["speaks"] = speaks
+        if hello.get("compiled") is True and stage.address not in self.wire:
+            logging.getLogger("diffuse.ring").warning(
+                "node %s runs its blocks compiled (--compile): results are close to plain diffusers/transformers, "
+                "not byte-identical", stage.address[:200])
         note_hello(stage.address, hello, rtt)  # what it says of its memory and speed, for placement
         self.wire[stage.address] = best
         hello["at"] = time.monotonic()

@@ -108,6 +108,19 @@ def keep_freed_memory() -> bool:
                 and libc.mallopt(m_arena_max, 1))
 
 
+def compile_unavailable() -> str | None:
+    """Why ``--compile`` cannot work here (inductor missing, or no C compiler for its CPU kernels), or None."""
+    import shutil
+
+    try:
+        import torch._inductor  # noqa: F401
+    except Exception as exc:
+        return f"torch's inductor compiler is not available in this torch ({type(exc).__name__}: {exc})"
+    if not torch.cuda.is_available() and not any(shutil.which(c) for c in ("cc", "gcc", "clang", "g++")):
+        return "inductor compiles CPU kernels with a C compiler, and none is on PATH (install gcc)"
+    return None
+
+
 def _faults() -> int:
     """Minor page faults of the calling thread so far (0 where the system does not count per thread)."""
     import resource
@@ -148,7 +161,7 @@ class Node:
     def __init__(self, model_path: str, listen: str, blocks: str | None, key_file: str | None,
                  allowed_clients: set[bytes] | None = None, advertise: str | None = None,
                  max_message_bytes: int | None = None, max_sessions: int = MAX_SESSIONS,
-                 max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT, batch: bool = True):
+                 max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT, batch: bool = True, compiled: bool = False):
         from diffuse.analysis import ModelSubject
         from diffuse.planner import config_draft
         from diffuse.plugins import transport_for
@@ -161,6 +174,7 @@ class Node:
         self.stacks: list[StackPlan] = draft["stacks"]
         self.two_stream: dict[str, bool] = dict(draft.get("two_stream", {}))  # such stacks run uncut steps
         self.store = BlockStore(model_path, subject, self.stacks)
+        self.store.compiled = compiled  # --compile: each block through torch.compile as it loads (not exact)
         self.store.fixed = parse_slices(blocks, self.stacks)
         self.speeds = SpeedBook(self.store.model_hash)  # its own measured speed, said at hello (diffuse.placement)
         self.max_memory: int | None = None  # --max-memory, in bytes
@@ -575,6 +589,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-batch", action="store_true",
                     help="run every pass alone (default for a language model: decoding passes of several sessions "
                     "that wait together run through the layers as one batch)")
+    ap.add_argument("--compile", action="store_true",
+                    help="run the blocks through torch.compile (inductor; on CPU it needs a C compiler): each block "
+                    "is compiled as it loads and traced at its first call of each shape. NOT EXACT: results differ "
+                    "from plain diffusers/transformers in the last bits; without it a split is byte-identical")
     ap.add_argument("--max-memory", type=float, default=None, metavar="GIB",
                     help="the most this node's blocks and sessions may take, in GiB, as it tells clients planning "
                     "where slices go (default: what its cgroup or machine has available)")
@@ -590,6 +608,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     from diffuse.modelfiles import resolve_model
 
+    if a.compile and (why := compile_unavailable()):
+        print(f"error: --compile: {why}", file=sys.stderr)
+        return 2
     try:
         cli.check_port_free(a.listen)  # before anything loads
         log.info("loading %s%s", a.model, f" (blocks {a.blocks})" if a.blocks else "")
@@ -597,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         node = Node(resolve_model(a.model), a.listen, a.blocks, key_file,
                     set(a.allow_client) if a.allow_client else None, a.advertise_data,
                     a.max_message_mb << 20 if a.max_message_mb else None, a.max_sessions, a.max_sessions_per_client,
-                    batch=not a.no_batch)
+                    batch=not a.no_batch, compiled=a.compile)
     except (DiffuseError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
