@@ -69,6 +69,9 @@ def route_from_slices(plan: SlicingPlan, held: list[list[Slice] | None]) -> Slic
     return plan.with_route(Stage(s.address, s.key, tuple(r)) for s, r in zip(plan.route, routes))
 
 
+_TOLD_COMPILED: set[str] = set()  # nodes this process has said run compiled blocks (said once each)
+
+
 def _speaks(hello: dict) -> list[int] | None:
     """The wire versions a hello's answer says the node speaks; None if it does not say. A node that
     predates negotiation names only the one version it speaks, as ``wire``."""
@@ -157,7 +160,8 @@ class Handshake:
             except ContractError as exc:
                 raise NodeError(stage.address, f"says it holds what this model does not have: {exc}") from None
         hello["speaks"] = speaks
-        if hello.get("compiled") is True and stage.address not in self.wire:
+        if hello.get("compiled") is True and stage.address not in _TOLD_COMPILED:
+            _TOLD_COMPILED.add(stage.address)
             logging.getLogger("diffuse.ring").warning(
                 "node %s runs its blocks compiled (--compile): results are close to plain diffusers/transformers, "
                 "not byte-identical", stage.address[:200])
