@@ -20,8 +20,10 @@ node announces or a client discovers.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
+import os
 import re
 import socket
 import threading
@@ -84,7 +86,8 @@ class Announced:
         """From what a browse resolved; ``DiffuseError`` naming the first field that is wrong."""
         p = {_text(k): _text(v) for k, v in list(properties.items())[:32] if k is not None}
         if p.get("txtvers") != TXT_VERSION:
-            raise DiffuseError(f"TXT record version {p.get('txtvers')!r}, this client reads {TXT_VERSION}")
+            raise DiffuseError(f"TXT record version {(p.get('txtvers') or '')[:20]!r}, this client reads "
+                               f"{TXT_VERSION}")
         key, digest = p.get("key") or "", p.get("hash") or ""
         if len(key) != 64 or not _HEX.fullmatch(key):
             raise DiffuseError("its key is not 64 lower-case hex digits")
@@ -167,7 +170,10 @@ class Announcer:
         if ":" in host:
             raise DiffuseError(f"--announce: {listen}: announcements carry IPv4 addresses; listen on one, or on "
                                "0.0.0.0")
-        self.host = "0.0.0.0" if host in ("*", "0.0.0.0", "") else socket.gethostbyname(host)
+        try:
+            self.host = "0.0.0.0" if host in ("*", "0.0.0.0", "") else socket.gethostbyname(host)
+        except OSError as exc:
+            raise DiffuseError(f"--announce: {listen}: {host} does not resolve to an address ({exc})") from None
         if self.host.startswith("127."):
             raise DiffuseError(f"--announce: this node listens on {listen}, which no other machine reaches: give "
                                "--listen tcp://0.0.0.0:PORT (every interface) or this machine's LAN address")
@@ -218,27 +224,21 @@ class Announcer:
             self.zc.close()
 
 
-class announced:
-    """``with announced(announcer, node, model, wire):`` the node is announced while the block runs (nothing
-    when ``announcer`` is None)."""
-
-    def __init__(self, announcer: Announcer | None, node, model: str, wire):
-        self.announcer, self.node, self.model, self.wire = announcer, node, model, wire
-
-    def __enter__(self):
-        if self.announcer is not None:
-            import os
-
-            node = self.node
-            blocks = ",".join(str(s) for s in node.store.fixed or [])
-            self.announcer.start(self.announcer.record(
-                node.endpoint.control_address, node.identity.public_hex, os.path.basename(self.model.rstrip("/")),
-                node.store.model_hash, blocks if len(blocks) <= 200 else "", self.wire, node.data_address))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.announcer is not None:
-            self.announcer.stop()
+@contextlib.contextmanager
+def announced(announcer: Announcer | None, node, model: str, wire):
+    """``with announced(announcer, node, model, wire):`` the node is announced while the block runs, and
+    withdrawn however it ends (nothing when ``announcer`` is None)."""
+    if announcer is None:
+        yield
+        return
+    blocks = ",".join(str(s) for s in node.store.fixed or [])
+    announcer.start(announcer.record(node.endpoint.control_address, node.identity.public_hex,
+                                     os.path.basename(model.rstrip("/")), node.store.model_hash,
+                                     blocks if len(blocks) <= 200 else "", wire, node.data_address))
+    try:
+        yield
+    finally:
+        announcer.stop()
 
 
 # ---------------------------------------------------------------- the client's side

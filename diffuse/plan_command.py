@@ -56,6 +56,8 @@ def plan_command(argv: list[str]) -> int:
     try:
         if a.nodes == "auto":
             zeroconf_library()  # or how to install it, before anything loads
+        elif a.discover_seconds is not None:
+            raise DiffuseError("--discover-seconds applies with --nodes auto")
         path = resolve_model(a.model)
         subject, draft = analyze(path)
         dtype = a.dtype or load_dtype(subject)

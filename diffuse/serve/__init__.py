@@ -202,6 +202,8 @@ def lan_nodes(models: list[str], nodes: list[str], seconds: float | None, say) -
     """Each ``--nodes auto`` replaced by the nodes announced on the local network that serve its ``--model``
     (one listening window for all; ``diffuse.discovery``). Counts that do not match are left for
     ``Service.start`` to refuse."""
+    if "auto" not in nodes and seconds is not None:
+        raise DiffuseError("--discover-seconds applies with --nodes auto")
     if "auto" not in nodes or len(nodes) != len(models):
         return nodes
     from diffuse.analysis import ModelSubject
