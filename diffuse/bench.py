@@ -100,8 +100,8 @@ def denoise(transformer, x: dict, steps: int, on_step=None) -> tuple[list[float]
     return times, latent
 
 
-def split_run(path: str, nodes, x: dict, steps: int, patches: int, whole_tr, attention: str = "auto",
-              groups: int = 1, ahead: bool = True) -> dict:
+def split_run(path: str, nodes, x: dict, steps: int, patches: int, whole_tr, groups: int = 1,
+              ahead: bool = True) -> dict:
     """One split configuration stepped in turn with the whole model (``diffuse.bench_parts.paired``): per step
     both one's seconds, the processes' CPU, and what the client and each node spent per call in the timed steps."""
     import diffuse
@@ -119,7 +119,7 @@ def split_run(path: str, nodes, x: dict, steps: int, patches: int, whole_tr, att
             before.update(parts.snapshot(split))
 
     pids = [p for p in (getattr(n.proc, "pid", None) for n in nodes) if p]
-    with diffuse.split(transformer, nodes=spec, patches=patches, attention=attention, timeout=600,
+    with diffuse.split(transformer, nodes=spec, patches=patches, attention="auto", timeout=600,
                        model=path, ahead=ahead) as split:
         r = parts.paired(transformer, whole_tr, x, steps, GUIDANCE, mark, pids)
         timed_calls = 2 * max(1, steps - TIMED_FROM)
@@ -267,7 +267,7 @@ def run_bench(cfg: dict, configs: list, keep: str | None) -> int:
         for name, p, g, ahead in configs:
             before = os.getloadavg()[0]
             on = compiled_nodes if name == "P=1 compiled" else group_nodes if g > 1 else nodes
-            r = split_run(tmp, on, x, cfg["steps"], p, whole_tr, "auto", g, ahead)
+            r = split_run(tmp, on, x, cfg["steps"], p, whole_tr, g, ahead)
             r["load"] = (before, os.getloadavg()[0])
             runs[name] = r
             print_run(name, r)

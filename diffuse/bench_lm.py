@@ -230,6 +230,42 @@ def per_token_hops(ring, new: int) -> list[tuple[str, float]]:
     return hops
 
 
+def print_sessions(rows: dict, n: int) -> None:
+    """``--sessions``' table: each mode's rate, latency and batches, the single streams, the CPU bound, the ratios."""
+    print("\nresults (tokens/s: all sessions together; latency: median time between two tokens of a session)")
+    for mode in ("off", "on"):
+        rate, latency, equal, batches, batched = rows[("sessions", mode)]
+        formed = f"   batches formed {batches} ({batched / batches:.1f} sessions each on average)" if batches else \
+            "   batches formed 0"
+        print(f"  {n} sessions, batching {mode:3s} {rate:7.1f} tokens/s   median latency {1000 * latency:7.1f} ms   "
+              f"tokens equal solo: {equal}{formed}   (load {rows[('load', mode)][0]:.2f} -> "
+              f"{rows[('load', mode)][1]:.2f})")
+    for mode in ("off", "on"):
+        rate, latency, equal = rows[("single", mode)]
+        print(f"  single stream, batching {mode:3s} {rate:7.1f} tokens/s   median latency {1000 * latency:7.1f} ms   "
+              f"tokens equal solo: {equal}")
+    print_cpu_bound(rows, n)
+    on, off = rows[("sessions", "on")], rows[("sessions", "off")]
+    single_on, single_off = rows[("single", "on")], rows[("single", "off")]
+    print(f"  batching on / off: {n} sessions {on[0] / off[0]:.2f}x tokens/s (goal >= 1.9x at 8), latency "
+          f"{on[1] / off[1]:.2f}x; "
+          f"single stream {single_on[0] / single_off[0]:.2f}x tokens/s")
+
+
+def print_cpu_bound(rows: dict, n: int) -> None:
+    """Per batching mode, the CPU one token took in the client process and on the nodes, and the bound that puts on
+    tokens/s on this machine's cores."""
+    cores = min(2, os.cpu_count() or 1)
+    for mode in ("off", "on"):
+        client, node_cpu = rows[("cpu", mode)]
+        bound = min(1 / client, cores / (client + node_cpu))  # the client's Python holds one lock: one core at most
+        rate = rows[("sessions", mode)][0]
+        print(f"  CPU per token, batching {mode:3s}: client {1000 * client:.2f} ms (all {n} sessions' threads, "
+              f"one process) + nodes {1000 * node_cpu:.2f} ms; bound on {cores} cores {bound:.1f} tokens/s "
+              f"(the client's threads share one interpreter lock: at most one core), measured "
+              f"{100 * rate / bound:.0f}% of it")
+
+
 def gaps(clock: Clock) -> list[float]:
     """Seconds between a session's consecutive tokens."""
     return [b - a for a, b in zip(clock.times, clock.times[1:])]
@@ -304,31 +340,6 @@ def sessions(model_dir: str, cfg: dict, n: int) -> int:
                                     batches, batched)
         rows[("cpu", mode)] = tuple(c / (n * cfg["new"]) for c in cpu)
         rows[("load", mode)] = (load, os.getloadavg()[0])
-    print("\nresults (tokens/s: all sessions together; latency: median time between two tokens of a session)")
-    for mode in ("off", "on"):
-        rate, latency, equal, batches, batched = rows[("sessions", mode)]
-        formed = f"   batches formed {batches} ({batched / batches:.1f} sessions each on average)" if batches else \
-            "   batches formed 0"
-        print(f"  {n} sessions, batching {mode:3s} {rate:7.1f} tokens/s   median latency {1000 * latency:7.1f} ms   "
-              f"tokens equal solo: {equal}{formed}   (load {rows[('load', mode)][0]:.2f} -> "
-              f"{rows[('load', mode)][1]:.2f})")
-    for mode in ("off", "on"):
-        rate, latency, equal = rows[("single", mode)]
-        print(f"  single stream, batching {mode:3s} {rate:7.1f} tokens/s   median latency {1000 * latency:7.1f} ms   "
-              f"tokens equal solo: {equal}")
-    cores = min(2, os.cpu_count() or 1)
-    for mode in ("off", "on"):
-        client, node_cpu = rows[("cpu", mode)]
-        bound = min(1 / client, cores / (client + node_cpu))  # the client's Python holds one lock: one core at most
-        rate = rows[("sessions", mode)][0]
-        print(f"  CPU per token, batching {mode:3s}: client {1000 * client:.2f} ms (all {n} sessions' threads, "
-              f"one process) + nodes {1000 * node_cpu:.2f} ms; bound on {cores} cores {bound:.1f} tokens/s "
-              f"(the client's threads share one interpreter lock: at most one core), measured "
-              f"{100 * rate / bound:.0f}% of it")
-    on, off = rows[("sessions", "on")], rows[("sessions", "off")]
-    single_on, single_off = rows[("single", "on")], rows[("single", "off")]
-    print(f"  batching on / off: {n} sessions {on[0] / off[0]:.2f}x tokens/s (goal >= 1.9x at 8), latency "
-          f"{on[1] / off[1]:.2f}x; "
-          f"single stream {single_on[0] / single_off[0]:.2f}x tokens/s")
+    print_sessions(rows, n)
     print(f"  every session's tokens equal its solo run: {same}")
     return 0 if same else 1

@@ -558,7 +558,8 @@ def _wire(text: str) -> tuple[int, ...]:
     return versions
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser():
+    """The node's command line."""
     from diffuse import cli
 
     ap = cli.Parser(prog="diffuse node", description=plain(__doc__.split("\n")[0]))
@@ -601,7 +602,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
     ap.add_argument("--announce", action="store_true", help="advertise this node on the local network (mDNS) while "
                     "it serves, for clients given --nodes auto; needs a --listen others reach, and diffuse[lan]")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from diffuse import cli
+
+    a = _parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s node %(levelname)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
