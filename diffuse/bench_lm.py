@@ -245,6 +245,12 @@ def print_sessions(rows: dict, n: int) -> None:
         print(f"  single stream, batching {mode:3s} {rate:7.1f} tokens/s   median latency {1000 * latency:7.1f} ms   "
               f"tokens equal solo: {equal}")
     print_cpu_bound(rows, n)
+    for mode in ("off", "on"):
+        for k, p in enumerate(rows[("nodes", mode)]):
+            print(f"    batching {mode:3s}, node {k + 1} per pass (ms): idle before it (median) {1000 * p['idle']:.2f}, "
+                  f"opening {1000 * p['open']:.3f}, checking and batch assembly {1000 * p['prepare']:.3f}, layers "
+                  f"(a batch's shared) {1000 * p['blocks']:.2f} (CPU {1000 * p['blocks_cpu']:.2f}), handing on "
+                  f"{1000 * p['finish']:.3f}, sealing and sending {1000 * p['seal']:.3f}")
     on, off = rows[("sessions", "on")], rows[("sessions", "off")]
     single_on, single_off = rows[("single", "on")], rows[("single", "off")]
     print(f"  batching on / off: {n} sessions {on[0] / off[0]:.2f}x tokens/s (goal >= 1.9x at 8), latency "
@@ -304,13 +310,16 @@ def sessions(model_dir: str, cfg: dict, n: int) -> int:
             before = [transport_for(node.address).request(node.address, {"op": "status"}, 10.0) for node in nodes]
             ready = threading.Barrier(n + 1, timeout=600)
             out: dict[int, object] = {}
+            timed: dict[int, list] = {}  # per session, where each node's time went in its timed passes
 
             def session(i: int) -> None:
                 try:
-                    with diffuse.split(copies[i], nodes=spec):
+                    with diffuse.split(copies[i], nodes=spec) as sp:
                         generate(copies[i], prompts[i], 2)  # warm-up: the session is open, its call plans learnt
+                        mark = max(m["seq"] for m in sp.ring.channel_stats.messages)
                         ready.wait()
                         out[i] = generate(copies[i], prompts[i], cfg["new"])
+                    timed[i] = parts.node_parts(sp.node_reports, [mark], len(sp.node_reports))
                 except BaseException as exc:  # reported below
                     ready.abort()
                     out[i] = exc
@@ -339,6 +348,7 @@ def sessions(model_dir: str, cfg: dict, n: int) -> int:
                                     statistics.median(g for i in range(n) for g in gaps(out[i][1])), all(equal),
                                     batches, batched)
         rows[("cpu", mode)] = tuple(c / (n * cfg["new"]) for c in cpu)
+        rows[("nodes", mode)] = parts.merged(list(timed.values()))
         rows[("load", mode)] = (load, os.getloadavg()[0])
     print_sessions(rows, n)
     print(f"  every session's tokens equal its solo run: {same}")

@@ -136,6 +136,20 @@ def node_parts(reports: list[dict], marks: list[int], per_ring: int) -> list[dic
     return out
 
 
+def merged(per_session: list[list[dict]]) -> list[dict]:
+    """Several sessions' ``node_parts`` (one list per session, a dict per node) as one per node: means weighted by
+    each session's passes (idle: the median of the sessions' medians)."""
+    out = []
+    for k in range(max((len(x) for x in per_session), default=0)):
+        rows = [x[k] for x in per_session if len(x) > k and x[k]["calls"]]
+        calls = sum(r["calls"] for r in rows)
+        m = {key: sum(r[key] * r["calls"] for r in rows) / max(1, calls) for key in NODE_PARTS}
+        idle = sorted(r["idle"] for r in rows)
+        m["idle"] = idle[len(idle) // 2] if idle else 0.0
+        out.append({"calls": calls, **m})
+    return out
+
+
 def client_parts(before: dict, after: dict, calls: int) -> dict:
     """The client's per-call seconds in each part over the timed steps."""
     return {k: (after[k] - before.get(k, 0.0)) / max(1, calls) for k in after}
