@@ -61,8 +61,18 @@ class _Embedded:
 
 class SideOutput(torch.Tensor):
     """What stands in, before the last layer, for a tensor a layer returns besides its hidden state and that
-    replaces none of its inputs (BLOOM's attention weights): empty, and refused if handed to the next layer
-    (``diffuse.standin.StandIn``)."""
+    replaces none of its inputs (BLOOM's attention weights, T5's position biases): empty, and ``output`` says
+    which returned position it stands for. A model may hand it to the next layer as it is (T5 gives block 0's
+    biases to every later block): the pass then threads that output into the slot it takes there
+    (``threaded_sides``); anything else done with it is refused (``diffuse.standin.StandIn``)."""
+
+    output: int
+
+
+def _side(position: int) -> SideOutput:
+    t = torch.empty(0).as_subclass(SideOutput)
+    t.output = position
+    return t
 
 
 def shaped(rmap: ReturnMap, hidden):
@@ -70,8 +80,24 @@ def shaped(rmap: ReturnMap, hidden):
     is, None where the layer returned None and an empty ``SideOutput`` where it returned a side output."""
     if rmap.single:
         return hidden
-    return tuple(hidden if slot is not None else None if name is None else torch.empty(0).as_subclass(SideOutput)
-                 for slot, name in zip(rmap.outputs, rmap.names))
+    return tuple(hidden if slot is not None else None if name is None else _side(j)
+                 for j, (slot, name) in enumerate(zip(rmap.outputs, rmap.names)))
+
+
+def threaded_sides(calls: list[tuple[tuple, dict]], rmap: ReturnMap) -> ReturnMap:
+    """The pass's return map: ``rmap`` with each side output the model handed on to later layers threaded into
+    the slot it sits in in their calls (so the node computing it hands it to the next layer, and the next node,
+    as the model would have)."""
+    if rmap.single:
+        return rmap
+    _, _, tensors = flatten_layers(calls)
+    sides = {}
+    for slot, t in enumerate(tensors):
+        if isinstance(t, SideOutput):
+            if getattr(t, "output", None) is None or t.output in sides or rmap.outputs[t.output] is not None:
+                raise DiffuseError("a layer was handed a side output no layer of this pass returned as it is")
+            sides[t.output] = slot
+    return rmap.with_sides(sides)
 
 
 def _is_freed(module: nn.Module) -> bool:
@@ -248,7 +274,8 @@ class LanguageEnds:
                 raise DiffuseError(f"{stack.path}: the first layer's input is not the slot its output threads into, "
                                    "so the first node cannot put the token embeddings there")
             embed = Embed(slot, str(rows.dtype).removeprefix("torch."))
-        out = self.splitter.ring.call_layers(stack.path, calls, rmap, cache, fresh, tail, embed=embed)
+        out = self.splitter.ring.call_layers(stack.path, calls, threaded_sides(calls, rmap), cache, fresh, tail,
+                                             embed=embed)
         self.caches.shadow(cache, range(stack.length), rows)
         if ids is not None:
             self.embedding.passes += 1
