@@ -48,7 +48,7 @@ import os
 import sys
 
 NAMES = ["qwen2", "hybrid", "smolvlm", "qwen2_vl", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "falcon",
-         "olmo", "gemma2_capped", "bloom", "t5"]
+         "olmo", "gemma2_capped", "bloom", "t5", "t5_untied"]
 
 # The text the byte-level BPEs are trained on: plain English plus the words the
 # chat templates and test prompts use, so those become few tokens.
@@ -598,20 +598,28 @@ def build_bloom(out_dir: str, seed: int = 0) -> str:
         intermediate_size=None, hidden_act=None, max_position_embeddings=None), attention="eager")
 
 
-def build_t5(out_dir: str, seed: int = 0) -> str:
-    """T5 (T5ForConditionalGeneration): an encoder and a decoder of 4 blocks each, relative position buckets.
+def build_t5(out_dir: str, seed: int = 0, tied: bool = True) -> str:
+    """T5 (T5ForConditionalGeneration) as T5Config makes it: an encoder and a decoder of 4 blocks each, relative
+    position buckets, the head tied to the shared embedding and so fed the decoder's output scaled by
+    ``d_model ** -0.5``. ``tied=False``: an untied head fed the decoder's output as it is (flan-T5's layout).
 
     Traps: each block returns ``(hidden, position bias, cross-attention position bias)``, the stack unpacks the
     three, and only block 0 computes the biases: every later block is handed the ones block 0 returned, so
     what stands in for a skipped block must answer with tensors of that structure (and the nodes must thread
-    them from block 0 on). The encoder runs once, without a cache; the decoder with one. Its weights are drawn
-    from ``seed + 5``: with seeds 0-4 this tiny model's greedy answer is mostly one token repeated."""
+    them from block 0 on). The tied head reads the final norm's output scaled, not rows of it. The encoder runs
+    once, without a cache; the decoder with one. Its weights are drawn from ``seed + 5``: with seeds 0-4 this
+    tiny model's greedy answer is mostly one token repeated."""
     return _causal(out_dir, seed + 5, "T5Config", dict(
         d_model=_HIDDEN, d_kv=8, d_ff=64, num_layers=_LAYERS, num_decoder_layers=_LAYERS, num_heads=4,
         relative_attention_num_buckets=8, relative_attention_max_distance=16, feed_forward_proj="relu",
-        dropout_rate=0.0, hidden_size=None, intermediate_size=None,
+        dropout_rate=0.0, hidden_size=None, intermediate_size=None, tie_word_embeddings=None if tied else False,
         num_hidden_layers=None, num_attention_heads=None, num_key_value_heads=None, max_position_embeddings=None,
         hidden_act=None), auto="AutoModelForSeq2SeqLM")
+
+
+def build_t5_untied(out_dir: str, seed: int = 0) -> str:
+    """``build_t5`` with an untied head, which reads the final norm's output as it is."""
+    return build_t5(out_dir, seed, tied=False)
 
 
 BUILDERS = {
@@ -628,6 +636,7 @@ BUILDERS = {
     "gemma2_capped": build_gemma2_capped,
     "bloom": build_bloom,
     "t5": build_t5,
+    "t5_untied": build_t5_untied,
 }
 
 
