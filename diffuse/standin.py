@@ -125,7 +125,8 @@ class StandIn(nn.ModuleList):
                     f"the denoiser changes what {self.stack.path}[{index - 1}] returned before it calls "
                     f"{self.stack.path}[{index}] (e.g. adds a residual between blocks): this stack is not a plain "
                     "chain, so it cannot be split")
-        rmap = self._splitter[0].plan.return_maps.get(self.stack.path)
+        plan = getattr(self._splitter[0], "plan", None)
+        rmap = plan.return_maps.get(self.stack.path) if plan is not None else None
         if self._calls is None and rmap is not None and not rmap.single:  # a whole call: one call plan for all blocks
             for out, slot in zip(answer, rmap.outputs):
                 if slot is None and isinstance(out, torch.Tensor) and id(out) in given_ids:
