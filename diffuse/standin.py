@@ -13,8 +13,10 @@ stack's calls are collected instead: each proxy but the last hands back its
 input untouched (in the structure the first layer returns, a tuple for some),
 and the last hands every layer's call to the language model's ends
 (``diffuse.lmsplit``), which ship them in one pass. The model's code between
-layers does nothing with what a layer returns but pass its hidden state to the
-next (checked: a side output handed on is refused), so nothing is lost.
+layers does nothing with what a layer returns but pass it on to the next
+(checked): its hidden state, and side outputs handed on as they were returned
+(T5's position biases, threaded by the pass from the node that computes them,
+``diffuse.lmsplit.threaded_sides``), so nothing is lost.
 
 With ``patches > 1`` a stack that carries one stream goes through a
 ``diffuse.pipefusion.Patcher`` (cut into token patches, pipelined through the
