@@ -71,14 +71,21 @@ def _watch_chains(meta, stacks: list[str]) -> list:
             if i and i != seen["next"]:
                 raise NotAChain(f"{path}[{i}] is called after {path}[{seen['next'] - 1}]: the denoiser does not run "
                                 "this stack as a chain in list order, so it cannot be split")
-            given = {id(t) for t in flatten(args, kwargs)[1]}
+            try:
+                given = {id(t) for t in flatten(args, kwargs)[1]}
+            except DiffuseError:  # a call that cannot travel: the split says so itself, not this check
+                return
             if i and any(id(t) not in given for t in seen["out"]):
                 raise NotAChain(f"the denoiser does not hand {path}[{i}] what {path}[{i - 1}] returned, as it "
                                 f"returned it (it works between the blocks, e.g. adds something to their output, or "
                                 f"uses a block's output elsewhere): {path} is not a plain chain, so it cannot be split")
 
         def after(module, args, kwargs, out, i, seen=seen):
-            seen["next"], seen["out"] = i + 1, encode_value(out)[1]
+            try:
+                outs = encode_value(out)[1]
+            except DiffuseError:  # an answer that cannot travel: the split says so itself, not this check
+                outs = []
+            seen["next"], seen["out"] = i + 1, outs
 
         for i, block in enumerate(blocks):
             hooks.append(block.register_forward_pre_hook(
