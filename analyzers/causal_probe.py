@@ -1,21 +1,23 @@
 """Which lists of blocks of a token-by-token model are its decoder, by what they do.
 
 A decoder stack attends causally and writes a key/value cache one entry per
-layer. Both are seen on a tiny probe, not read from attribute names: on
-the model's weightless build, in its decoder (``get_decoder()``, the model
-itself where it has none) each list of blocks keeps only its first block for
-the probe (every entry is that block, so one block's weights are made),
-every other weight the decoder's forward reads is drawn at random (the input
-embedding table is never made: the forward is given embeddings; everything is
-put back after), and the forward runs once on 3 positions with ``use_cache=True``. Where the first
-block of a list is called, it is called twice more on copies of its cache:
-as called, and with the last position's hidden state changed. The list is a
+layer. Both are seen on a tiny probe, not read from attribute names. On the
+model's weightless build, in its decoder (``get_decoder()``, the model itself
+where it has none), each list of blocks keeps only its first block for the
+probe (every entry is that block, so one block's weights are made); every
+other weight the decoder's forward reads is drawn at random (a seeded pool
+repeated, so drawing costs a copy); the input embedding table is never made
+(the forward is given embeddings); all of it is put back after. The forward
+runs on 3 positions with ``use_cache=True``. When it reaches the first block
+of a list, that block is run twice on copies of the cache it was handed: as
+called, and with the last position's hidden state changed. The list is a
 decoder stack when the block was handed a cache, exactly one layer of that
 cache grew by the 3 positions, and the change at the last position left every
 earlier position's output as it was while changing the last one's (BLOOM
 attends causally through the mask its model builds, with no attribute that
-says so). Lists the probe's forward never calls (an encoder, a media tower)
-are not decoder stacks: they run once per request, on the client.
+says so). Once every list is probed the forward stops. Lists the forward
+never calls (an encoder, a media tower) are not decoder stacks: they run once
+per request, on the client.
 """
 
 from __future__ import annotations
@@ -119,12 +121,24 @@ def _weights_drawn(model, decoder, drawn: list) -> int:
             if p is None or p.device.type != "meta" or id(p) in skip:
                 continue
             if id(p) not in made:
-                value = torch.randn(p.shape, generator=gen) * 0.2
-                made[id(p)] = torch.nn.Parameter(value.to(p.dtype) if p.is_floating_point() else
+                made[id(p)] = torch.nn.Parameter(_drawn(p.shape, gen).to(p.dtype) if p.is_floating_point() else
                                                  torch.zeros(p.shape, dtype=p.dtype), requires_grad=False)
             drawn.append((module, name, p))
             module._parameters[name] = made[id(p)]
     return width
+
+
+POOL = 4099  # a prime: the pool's repeats fall across rows, not along them
+
+
+def _drawn(shape, gen: torch.Generator) -> torch.Tensor:
+    """Random-looking weights of ``shape`` at the cost of a copy: a seeded pool of normal values (std 0.2),
+    repeated (a big model's block is filled in a fraction of the time drawing each value would take)."""
+    n = 1
+    for d in shape:
+        n *= d
+    pool = torch.randn(POOL, generator=gen) * 0.2
+    return pool.repeat(n // POOL + 1)[:n].view(shape) if n else torch.zeros(shape)
 
 
 def _probe_block(block, args: tuple, kwargs: dict, path: str, found: dict, lists: int):
