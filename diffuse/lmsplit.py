@@ -348,7 +348,7 @@ class LanguageEnds:
         head, which runs here on what the forward hands it; later passes go at once (``tail_follows``)."""
         answer = self._send_pending(None)
         if self.tail_follows or self._forward_call is None or self._forwards != 1 or self.head_freed \
-                or self.embed is not None:
+                or self.embed is not None or self.head_list:
             raise unsupported_view(path)
         self.tail_follows = False
         args, kwargs = self._forward_call
