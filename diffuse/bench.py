@@ -203,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         from diffuse.serve.bench import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["device"]:  # a Wan2.1-1.3B-shaped model on one device, whole against 2 nodes sharing it
+        from diffuse.bench_device import main as device_main
+
+        return device_main(argv[1:])
     if argv and argv[0] == "lm":
         from diffuse.bench_lm import main as lm_main
 
@@ -219,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                                         "python -m diffuse.bench lm [--help]: a language model whole and split "
                                         "(tokens/s, first token, bytes per hop). "
                                         "python -m diffuse.bench serve [--help]: the service warm against a cold "
-                                        "query, and 8 concurrent streams against one")
+                                        "query, and 8 concurrent streams against one. "
+                                        "python -m diffuse.bench device [--help]: a Wan2.1-1.3B-shaped model on "
+                                        "one device (--device cuda), whole against 2 nodes sharing it, P=1 and P=2")
     ap.add_argument("--quick", action="store_true", help="a small model, for a smoke test (well under a minute)")
     ap.add_argument("--steps", type=int, help="denoising steps per configuration (the first is not timed)")
     ap.add_argument("--keep", metavar="DIR", help="build (or reuse) the model in DIR instead of a temp folder")

@@ -165,7 +165,7 @@ class Compute:
         return self.device.type == "cpu"
 
     def describe(self) -> str:
-        return f"{self.device} in {dtype_name(self.dtype, 'the dtype each client asks')}"
+        return f"{self.device} in {dtype_name(self.dtype, 'the default dtype')}"
 
 
 # --------------------------------------------------------------------------- tensors to and from the device
