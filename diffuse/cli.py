@@ -269,6 +269,10 @@ def check_device_flags(a: argparse.Namespace) -> None:
     dtypes are resolved once the model's folder is read)."""
     if not hasattr(a, "device"):
         return
+    named = [x for x in (a.device, a.dtype, os.environ.get("DIFFUSE_DEVICE"), os.environ.get("DIFFUSE_DTYPE"))
+             if x and x != "auto"]
+    if not named:
+        return  # auto finds what is there: nothing to refuse, and torch is not imported yet (the first line waits)
     from diffuse.devices import resolve_device, resolve_dtype
 
     device = resolve_device(a.device)
