@@ -123,3 +123,31 @@ def test_bf16_language_model_split_over_local_nodes_gives_the_tokens_of_plain_tr
         want, got, rep = json.load(f), json.load(g), json.load(h)
     assert got["new_tokens"] == want["new_tokens"] and got["input_ids"] == want["input_ids"]
     assert rep["top"] == want["top"]  # each step's best logits, the same bfloat16 values bit for bit
+
+
+def test_a_node_holds_its_blocks_in_the_asked_dtype_as_plain_diffusers_loads_them(models):
+    """What a node's store holds in bfloat16 on the CPU, tensor by tensor, against diffusers'
+    from_pretrained(torch_dtype=bfloat16): the same values in the same dtypes, float32-kept modules included."""
+    from diffusers import WanTransformer3DModel
+
+    from diffuse.analysis import ModelSubject
+    from diffuse.blockstore import BlockStore
+    from diffuse.devices import Compute
+    from diffuse.plan import Slice
+    from diffuse.planner import config_draft
+
+    wan = models("wan")
+    subject = ModelSubject.from_path(wan)
+    stacks = config_draft(subject, wanted={"stacks"})["stacks"]
+    store = BlockStore(wan, subject, stacks, Compute(torch.device("cpu"), torch.bfloat16, fixed=True))
+    store.load([Slice("blocks", 0, 2)])
+    whole = WanTransformer3DModel.from_pretrained(os.path.join(wan, "transformer"), torch_dtype=torch.bfloat16)
+    kinds = set()
+    for i, block in store.blocks_of(Slice("blocks", 0, 2)):
+        want = whole.blocks[i].state_dict()
+        got = block.state_dict()
+        assert got.keys() == want.keys()
+        for name, t in got.items():
+            assert t.dtype == want[name].dtype and t.device.type == "cpu" and torch.equal(t, want[name]), name
+            kinds.add(t.dtype)
+    assert kinds == {torch.bfloat16, torch.float32}  # Wan's norms and modulation table stay float32, as diffusers keeps them
