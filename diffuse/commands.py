@@ -67,6 +67,7 @@ def verify_main(argv: list[str]) -> int:
             torch.set_num_threads(a.threads)
         info = ModelInfo.of(a.model)
         cli.check_flags_for(a, info.subject.autoregressive)
+        cli.lan_nodes(a, info.subject, out)
         compute = client_compute(info, a.device, a.dtype)
         with cli.phase(out, f"{os.path.basename(info.path)}: running it whole, in this process, on "
                        f"{compute.describe()}", a.quiet):

@@ -134,6 +134,7 @@ def generate(a: argparse.Namespace, console) -> dict:
         info = ModelInfo.of(path)  # refusals happen here, before any node is contacted
         compute = client_compute(info, a.device, a.dtype)
     cli.check_flags_for(a, info.subject.autoregressive)
+    cli.lan_nodes(a, info.subject, console)  # --nodes auto: the nodes announced on this network
     if a.nodes is None and not a.whole:
         from diffuse.localnodes import warm_launcher
 
