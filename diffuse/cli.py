@@ -258,7 +258,7 @@ def ring_flags(ap: argparse.ArgumentParser) -> None:
 def device_flags(ap: argparse.ArgumentParser, what: str = "the client's ends of the model, and local nodes") -> None:
     """``--device`` and ``--dtype`` (``diffuse.devices``): where ``what`` computes, and in what."""
     ap.add_argument("--device", default=None, metavar="auto|cpu|cuda|cuda:N|mps",
-                    help=f"where {what} compute{'s' if what.startswith('this') else ''} (default: $DIFFUSE_DEVICE, "
+                    help=f"where {what} compute (default: $DIFFUSE_DEVICE, "
                     "else auto: the first accelerator torch sees, else the CPU); a device torch does not see is "
                     "refused")
     ap.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float16", "float32"),
