@@ -74,7 +74,7 @@ def denoise(transformer, x: dict, steps: int, device, dtype) -> tuple[list[float
     transformer in ``dtype``, as a pipeline does; the seconds of each step's two calls, synchronised."""
     import torch
 
-    from diffuse.bench import GUIDANCE
+    from diffuse.benchkit import GUIDANCE
 
     latent = x["latent"].to(device)
     text, negative = x["text"].to(device, dtype), x["negative"].to(device, dtype)
@@ -111,7 +111,7 @@ def split_run(path: str, spec: str, x: dict, steps: int, patches: int, device, d
 def report(cfg: dict, whole: list[float], whole_out, runs: dict, nodes: list, loads: tuple) -> None:
     import torch
 
-    from diffuse.bench import mean_se, ratio
+    from diffuse.benchkit import mean_se, ratio
     from diffuse.placement import report_of
 
     mw, sw = mean_se(whole[TIMED_FROM:])
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     import torch
 
-    from diffuse.bench import inputs
+    from diffuse.benchkit import inputs
     from diffuse.devices import Compute, torch_sees
     from diffuse.localnodes import start_local_nodes, stop_local_nodes
 
