@@ -153,7 +153,7 @@ def generate(a: argparse.Namespace, console) -> dict:
         kwargs = call_kwargs(a, pipe, info)
         from diffuse.dryrun import check_sizes, notes
 
-        check_sizes(pipe, kwargs, info, name)
+        check_sizes(pipe, kwargs, info, name, split=not a.whole)
     for note in notes(pipe, kwargs, info):
         cli.status(console, note, a.quiet)
     report: dict = {"model": info.path, "mode": "whole" if a.whole else "split"}
