@@ -32,13 +32,13 @@ import tempfile
 import time
 
 from diffuse import bench_parts as parts
-from diffuse.bench_parts import mean_se, step_ratios
+from diffuse.bench_parts import step_ratios
+from diffuse.benchkit import GUIDANCE, inputs, mean_se
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 FULL = dict(heads=12, head_dim=128, ffn=8960, layers=4, text_dim=4096, text_len=512, frames=3, size=32, steps=10)
 QUICK = dict(heads=4, head_dim=32, ffn=512, layers=4, text_dim=64, text_len=32, frames=3, size=16, steps=4)
-GUIDANCE = 5.0
 TIMED_FROM = 2  # steps (0-based) timed: the first runs whole, the second also checks quick against plain once
 
 
@@ -64,17 +64,6 @@ def load_transformer(path: str):
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel.from_pretrained(os.path.join(path, "transformer"), use_safetensors=True).eval()
-
-
-def inputs(cfg: dict, seed: int = 0) -> dict:
-    import torch
-
-    g = torch.Generator("cpu").manual_seed(seed)
-    return {
-        "latent": torch.randn(1, 16, cfg["frames"], cfg["size"], cfg["size"], generator=g),
-        "text": torch.randn(1, cfg["text_len"], cfg["text_dim"], generator=g),
-        "negative": torch.randn(1, cfg["text_len"], cfg["text_dim"], generator=g),
-    }
 
 
 def denoise(transformer, x: dict, steps: int, on_step=None) -> tuple[list[float], "torch.Tensor"]:
@@ -201,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         from diffuse.serve.bench import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["device"]:  # a Wan2.1-1.3B-shaped model on one device, whole against 2 nodes sharing it
+        from diffuse.bench_device import main as device_main
+
+        return device_main(argv[1:])
     if argv and argv[0] == "lm":
         from diffuse.bench_lm import main as lm_main
 
@@ -217,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                                         "python -m diffuse.bench lm [--help]: a language model whole and split "
                                         "(tokens/s, first token, bytes per hop). "
                                         "python -m diffuse.bench serve [--help]: the service warm against a cold "
-                                        "query, and 8 concurrent streams against one")
+                                        "query, and 8 concurrent streams against one. "
+                                        "python -m diffuse.bench device [--help]: a Wan2.1-1.3B-shaped model on "
+                                        "one device (--device cuda), whole against 2 nodes sharing it, P=1 and P=2")
     ap.add_argument("--quick", action="store_true", help="a small model, for a smoke test (well under a minute)")
     ap.add_argument("--steps", type=int, help="denoising steps per configuration (the first two are not timed)")
     ap.add_argument("--only", metavar="NAME[,NAME]", help="run these configurations only (of: " +

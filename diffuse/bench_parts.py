@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import time
 
+from diffuse.benchkit import mean_se
+
 NODE_PARTS = ("idle", "open", "prepare", "blocks", "blocks_cpu", "finish", "seal", "faults")  # diffuse.node.PARTS
 CLIENT_PARTS = ("hash", "seal", "send", "wait", "open")  # diffuse.channel.ChannelStats.seconds
 
@@ -96,15 +98,6 @@ def paired(split_tr, whole_tr, x: dict, steps: int, guidance: float, on_step, pi
         clock.remove()
     rec["out"], rec["whole_out"] = lat["split"], lat["whole"]
     return rec
-
-
-def mean_se(xs: list[float]) -> tuple[float, float]:
-    """Mean and its standard error."""
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, 0.0
-    var = sum((v - m) ** 2 for v in xs) / (len(xs) - 1)
-    return m, (var / len(xs)) ** 0.5
 
 
 def step_ratios(num: list[float], den: list[float]) -> tuple[float, float]:
