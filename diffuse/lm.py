@@ -158,6 +158,10 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
         inputs, note = build_inputs(info.path, a.prompt, images, videos, a.no_template)
     if note:
         console.print(note, highlight=False, soft_wrap=True)
+    if "input_ids" in inputs:  # a prompt beyond the model's positions: refused before anything loads or starts
+        from diffuse.kvcache import check_prompt
+
+        check_prompt(load_config(info.path), inputs["input_ids"])
     tokenizer = load_tokenizer(info.path)
     model = load_model(info.path, info.subject) if a.whole else diffuse.from_pretrained(info.path)
     times = {"load": time.perf_counter() - t0}
@@ -206,7 +210,7 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
         report.update(
             transport=split.ring.scheme, calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
             last_hop_bytes_per_token=st.bytes_received / per_token,
-            last_hop_max_bytes=max((n for _, n in st.returns), default=0),
+            last_hop_max_bytes=st.max_return_bytes,
             client_layer_params=split.splitter.held_block_parameters(),
             tail_passes=split.splitter.tail_passes,
             client_head_params=head_params_held(split.splitter),
@@ -290,7 +294,7 @@ def compose_audio(a, console, info, model, inputs, gen, times, t0) -> dict:
         st, sp = split.ring.channel_stats, split.splitter
         report.update(calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
                       last_hop_bytes_per_step=st.bytes_received / max(1, st.passes),
-                      last_hop_max_bytes=max((n for _, n in st.returns), default=0),
+                      last_hop_max_bytes=st.max_return_bytes,
                       tail_passes=sp.tail_passes, tail_answer_max_bytes=sp.tail_bytes_max,
                       client_head_params=head_params_held(sp),
                       client_layer_params=sp.held_block_parameters(), node_stats=split.node_reports)
@@ -424,10 +428,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
 
 def _stream_rows(split) -> int:
     """Hidden-state rows sent into the ring so far (the stream slot of every pass)."""
-    rows = 0
-    for m in split.ring.channel_stats.messages:
-        rows += m.get("stream_rows", 0)
-    return rows
+    return split.ring.channel_stats.stream_rows
 
 
 def chat_main(argv: list[str] | None = None) -> int:

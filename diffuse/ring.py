@@ -18,6 +18,7 @@ from diffuse.errors import DiffuseError, NodeError, Repaired
 from diffuse.passes import Embed, LayerPass, Part, Tail
 from diffuse.plan import Patch, ReturnMap, SlicingPlan
 from diffuse.repair import RepairPolicy
+from diffuse.replay import Replay
 
 
 @dataclass
@@ -86,7 +87,7 @@ class Ring:
         self._n = 0  # this ring's own pass numbers (a repaired route starts a new channel)
         self._pending: dict[int, tuple] = {}  # pass number -> (channel seq, what was sent), until answered
         self._lost: set[int] = set()  # passes a repair dropped (patches): asking for one raises Repaired
-        self._history: list[tuple] = []  # a language model's passes since its cache was last started anew
+        self._history = Replay()  # a language model's passes since its cache was last started anew
 
     @property
     def uncut(self) -> set[str]:
@@ -168,7 +169,7 @@ class Ring:
         tree, layer_trees, tensors = flatten_layers(calls)
         extra = LayerPass(type(cache).__name__, bool(fresh), layer_trees or None, tail, embed)
         if fresh:
-            self._history = []
+            self._history.clear()
         return self.receive(self.send(stack, tree, tensors, rmap, extra=extra))
 
     def send(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, patch: Patch | None = None,
