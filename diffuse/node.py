@@ -171,6 +171,7 @@ class Node:
         except WireError as exc:
             log.warning("rejected a message for session %s: %s", sess.sid.hex()[:8], exc)
             return False
+        sess.last_used = time.monotonic()  # authentic data: the session is in use (``NodeControl._make_room``)
         return True
 
     def _addressed(self, raw: list[bytes]) -> tuple[dict | None, "object | None"]:
@@ -417,10 +418,11 @@ class Node:
             except Exception:
                 log.debug("closing an outbox failed", exc_info=True)
 
-    def end(self, sid: bytes) -> None:
+    def end(self, sid: bytes, failed: str | None = None) -> None:
         """End a session (control thread, never waiting): its outbox is closed by the compute thread, after the
-        messages queued before this, or as soon as it is free when the queue is full."""
-        outbox = self.sessions.end(sid)
+        messages queued before this, or as soon as it is free when the queue is full. ``failed``: why it ended,
+        for its client's next ping."""
+        outbox = self.sessions.end(sid, failed=failed)
         self.state_bytes.drop(sid)
         if outbox is not None:
             try:

@@ -13,6 +13,10 @@ nothing, so nobody else keeps a session alive. A session that heard neither for 
 belongs to a client that vanished, or to a node that was frozen: it is closed
 and its buffers freed. A session that failed here (its next hop stopped taking
 messages) is ended with its reason, which the next ping with its id is told.
+
+A node at its cap of sessions makes room for a good open by ending the session
+that has gone longest without authenticated data (``longest_idle``; pings do
+not count): a place is kept by using it, not by holding it.
 """
 
 from __future__ import annotations
@@ -99,6 +103,14 @@ class SessionTable:
             if renew:
                 s.renewed = time.monotonic()
             return {"session_known": True, "seen": getattr(s, "last_seq", 0), "renewed": renew}
+
+    def longest_idle(self) -> tuple[bytes, float] | None:
+        """(id, seconds) of the session that has gone longest without authenticated data; None if none is open."""
+        with self.lock:
+            if not self.sessions:
+                return None
+            sid, s = min(self.sessions.items(), key=lambda item: item[1].last_used)
+            return sid, time.monotonic() - s.last_used
 
     def end(self, sid: bytes, failed: str | None = None):
         """Forget the session (its id stays spent; ``failed``: why, told to the next ping);
