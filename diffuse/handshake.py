@@ -260,7 +260,7 @@ class Handshake:
     def probe(self, keepalive: bool = False, stalled: int | None = None) -> None:
         """Ask every node of the route whether it is alive and still has the session (each ping also
         renews the session's lease there); NodeError naming the first that is dead, frozen (two pings
-        unanswered), has lost the session or ended it on a failure (saying why, e.g. its next hop).
+        in a row unanswered, or one once a pass's answer is overdue), has lost the session or ended it on a failure (saying why, e.g. its next hop).
         ``keepalive``: a background renewal only, which never raises. ``stalled``: the sequence number
         of a pass whose answer never came; NodeError naming the hop where it stopped, if the nodes tell."""
         seen = []
@@ -271,8 +271,10 @@ class Handshake:
                 if keepalive:
                     continue
                 self._misses[k] += 1
-                if self._misses[k] >= 2 or stalled is not None:
-                    raise NodeError(stage.address, f"stopped answering (no answer to two pings of "
+                misses = self._misses[k]
+                if misses >= 2 or stalled is not None:
+                    pings = "a ping" if misses == 1 else f"{misses} pings in a row"
+                    raise NodeError(stage.address, f"stopped answering (no answer to {pings}, each given "
                                     f"{PROBE_TIMEOUT_S:g} s): the node is dead or frozen") from None
                 continue
             if keepalive:
