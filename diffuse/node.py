@@ -132,7 +132,10 @@ class Node:
             self.store.load(self.store.fixed)
         self.identity = load_identity(key_file)
         self.allowed = allowed_clients
-        self.endpoint = self.transport.serve(listen, max_message_bytes)
+        self.sessions = SessionTable()
+        self.refused_connections = 0  # data connections that named no open session (or not with its token)
+        admits = {"admit": self.admit_connection} if getattr(self.transport, "admits", False) else {}
+        self.endpoint = self.transport.serve(listen, max_message_bytes, **admits)
         self.max_sessions = session_capacity(max_sessions, getattr(self.transport, "max_sockets", None))
         if self.max_sessions < max_sessions:
             log.warning("at most %d sessions at once: the open-file limit leaves room for no more (raise it "
@@ -140,13 +143,22 @@ class Node:
         self.max_sessions_per_client = min(max_sessions_per_client, self.max_sessions)
         self.state_bytes = StateTally()
         self.data_address = advertise or self.endpoint.address  # what peers dial (differs behind NAT or a relay)
-        self.sessions = SessionTable()
         self.control = NodeControl(self)
         self.work: queue.Queue = queue.Queue(MAX_QUEUED)  # frames to compute, or ("close", outbox)
         self.closing: collections.deque = collections.deque()  # outboxes to close that found the queue full
         # decoding passes of several sessions batched through the layers (language models only; --no-batch)
         self.batching = batch and bool(getattr(subject, "autoregressive", False))
         self.batches = self.batched_rows = self.batch_fallbacks = 0  # counted by the compute thread
+
+    def admit_connection(self, user, password) -> bool:
+        """Asked by the transport (its own thread) about each new connection to the data port, before any of
+        its bytes are taken: only a sending end of an open session, with that session's token, is let in; a
+        stranger's connection is closed at once and costs the node nothing it buffers."""
+        if self.sessions.admits(user, password):
+            return True
+        self.refused_connections += 1
+        log.debug("refused a connection to the data port: it names no open session, or not with its token")
+        return False
 
     # -- data (compute thread) ---------------------------------------------------
     def data(self, raw: list[bytes]) -> None:

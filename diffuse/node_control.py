@@ -147,6 +147,7 @@ class NodeControl:
         and says only totals: no session's id, owner, errors or contents."""
         node = self.node
         return {"ok": True, "sessions": len(node.sessions), "outboxes": len(node.sessions.outboxes),
+                "refused_connections": node.refused_connections,
                 "state_bytes": node.state_bytes.total, "slices": self._slices(),
                 "max_sessions": node.max_sessions, "max_sessions_per_client": node.max_sessions_per_client,
                 "batching": node.batching, "batches": node.batches, "batched_rows": node.batched_rows,
@@ -266,7 +267,12 @@ class NodeControl:
                 return refusal(f"asked for blocks {', '.join(missing)}, but this node holds only {held}")
         node.store.load(list(stage.slices), dtype)
         self._make_room()  # the open is good: a full node ends its longest-idle session for it
-        outbox = node.transport.outbox(stage.next)  # this session's own: closed with it
+        # this session's own sending end, closed with it; it proves the session to the next hop's transport
+        from diffuse.sessions import data_token
+
+        creds = {"credentials": (sid, data_token(keys["out_key"], sid))} if getattr(node.transport, "admits", False) \
+            else {}
+        outbox = node.transport.outbox(stage.next, **creds)
         from diffuse.stage import StageSession
 
         node.sessions.add(sid, StageSession(sid, node.store, stage, frames.Hop(sid, keys["in_key"], wire=stage.wire_in),

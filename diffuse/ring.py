@@ -19,6 +19,7 @@ from diffuse.passes import Embed, LayerPass, Part, Tail
 from diffuse.plan import Patch, ReturnMap, SlicingPlan
 from diffuse.repair import RepairPolicy
 from diffuse.replay import Replay
+from diffuse.sessions import data_token, token_admits
 
 
 @dataclass
@@ -143,10 +144,14 @@ class Ring:
         self.handshake = Handshake(plan, self.client_key, self.attention)
         self.handshake.identity = self.identity
         t = self.handshake.transports[0]
-        inbox = t.inbox(t.inbox_address(plan.route[0].address))
+        hs, admits = self.handshake, getattr(t, "admits", False)
+        # the inbox admits the ring's last node only, by the token of the hop home (made when the session opens)
+        inbox = t.inbox(t.inbox_address(plan.route[0].address), **(
+            {"admit": lambda user, password: token_admits(hs.hop_keys[-1] if hs.hop_keys else None, hs.sid, user,
+                                                          password)} if admits else {}))
         try:
             self.plan, send_hop, recv_hop, first = self.handshake.open(inbox.address)
-            outbox = t.outbox(first)
+            outbox = t.outbox(first, **({"credentials": (hs.sid, data_token(send_hop.key, hs.sid))} if admits else {}))
         except BaseException:
             inbox.close()
             raise

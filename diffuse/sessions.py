@@ -38,6 +38,18 @@ def ping_proof(hop_key: bytes, sid: bytes) -> bytes:
     return hmac.new(hop_key, b"diffuse ping " + sid, hashlib.sha256).digest()[:16]
 
 
+def data_token(hop_key: bytes, sid: bytes) -> bytes:
+    """What a sending end presents, with the session id, to connect to the data port of a hop's receiver (a
+    transport that ``admits``): a MAC of the id under that hop's key, which only the hop's two ends hold."""
+    return hmac.new(hop_key, b"diffuse data " + sid, hashlib.sha256).digest()[:16]
+
+
+def token_admits(hop_key: bytes | None, sid: bytes, user, password) -> bool:
+    """Whether ``(user, password)`` is session ``sid``'s connection over the hop keyed ``hop_key``."""
+    return hop_key is not None and bytes(user) == sid and hmac.compare_digest(bytes(password),
+                                                                               data_token(hop_key, sid))
+
+
 def lease_s() -> float:
     """The lease: ``DIFFUSE_SESSION_LEASE_S`` if set (both ends read it), else ``SESSION_LEASE_S``."""
     try:
@@ -103,6 +115,14 @@ class SessionTable:
             if renew:
                 s.renewed = time.monotonic()
             return {"session_known": True, "seen": getattr(s, "last_seq", 0), "renewed": renew}
+
+    def admits(self, user, password) -> bool:
+        """Whether a connection to the data port presenting ``(user, password)`` belongs to an open session: the
+        session's id and its ``data_token`` under the key of the hop into this node."""
+        with self.lock:
+            s = self.sessions.get(bytes(user))
+        hop = getattr(s, "in_hop", None)
+        return hop is not None and token_admits(hop.key, s.sid, user, password)
 
     def longest_idle(self) -> tuple[bytes, float] | None:
         """(id, seconds) of the session that has gone longest without authenticated data; None if none is open."""

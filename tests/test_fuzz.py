@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import random
+import socket
+import struct
 import time
 
 import cbor2
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 import zmq
 
-from test_bounds import Target, _claim, _close_as, _open_as, ask_raw
+from test_bounds import Target, _claim, _close_as, _open_as, ask_raw, hello_answered_within
 from test_hardening import _client, _stop
 from transport.zmq_ring import MAX_CONTROL_BYTES
 
@@ -120,11 +122,12 @@ class Fuzzer:
     BREAKS = [
         lambda f, p, live: p.update(wire=f.rng.choice([0, 7, "1", None, 2 ** 70])),
         lambda f, p, live: p.update(offered=[1, 2]),  # both speak 2: an open at 1 is a downgrade
-        lambda f, p, live: p.update(challenge=f.rng.choice([f.blob(36), bytes(p["challenge"] or b"")[:-1] + b"x", None])),
+        lambda f, p, live: p.update(challenge=f.rng.choice([f.blob(36), bytes(p["challenge"] or b"")[:-1] + b"x",
+                                                            None])),
         lambda f, p, live: p.update(session=f.rng.choice([f.blob(15), f.blob(17), "s" * 16, None])),
         lambda f, p, live: p.update(session=live),  # in use
         lambda f, p, live: p.update({f.rng.choice(["in_key", "out_key"]): f.rng.choice([f.blob(31), None, "k" * 32])}),
-        lambda f, p, live: p.update(stage=f.rng.choice([None, [], [p["stage"]], dict(p["stage"], extra=1)])),
+        lambda f, p, live: p.update(stage=f.rng.choice([None, [], [p["stage"]], dict(_stage(p), extra=1)])),
         lambda f, p, live: _stage(p).update({f.rng.choice(["model_hash", "dtype", "next", "attention"]): 5}),
         lambda f, p, live: _stage(p).update(attention=f.rng.choice(["fast", "", "eager "])),
         lambda f, p, live: _stage(p).update(wire_in=f.rng.choice(["1", None]), wire_out=1),
@@ -199,20 +202,26 @@ def _settle(node: Target, limit_s: float = 60.0) -> None:
     raise AssertionError(f"the node was still busy {limit_s:.0f} s after the fuzz")
 
 
-def _fuzz(node: Target, fuzzer: Fuzzer, control: int, data: int, claims: int) -> int:
-    """Send the messages, interleaved; returns how many were sent."""
+def _fuzz(node: Target, fuzzer: Fuzzer, control: int, data: int, claims: int, key: bytes) -> int:
+    """Send the messages, interleaved; returns how many were sent. Data goes on a connection admitted as the
+    live session's (``key``: its hop key into the node), so that it reaches the node's door."""
+    from diffuse.sessions import data_token
+
     ctx = zmq.Context.instance()
     sent = 0
 
-    def fresh(kind, address):
+    def fresh(kind, address, as_live=False):
         s = ctx.socket(kind)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDTIMEO, 10_000)
         s.setsockopt(zmq.SNDHWM, 100_000)
+        if as_live:
+            s.setsockopt(zmq.PLAIN_USERNAME, fuzzer.live)
+            s.setsockopt(zmq.PLAIN_PASSWORD, data_token(key, fuzzer.live))
         s.connect(address)
         return s
 
-    dealer, push = fresh(zmq.DEALER, node.address), fresh(zmq.PUSH, node.data)
+    dealer, push = fresh(zmq.DEALER, node.address), fresh(zmq.PUSH, node.data, as_live=True)
     try:
         todo = ["c"] * control + ["d"] * data
         fuzzer.rng.shuffle(todo)
@@ -285,7 +294,7 @@ def _run_fuzz(node: Target, tmp_path, home: str, control: int, data: int) -> Non
     log0 = len(node.log())
     t0 = time.monotonic()
     fuzzer = Fuzzer(SEED, node.key, live["session"])
-    sent = _fuzz(node, fuzzer, control, data, claims=20)
+    sent = _fuzz(node, fuzzer, control, data, claims=20, key=live["in_key"])
     checks = _deep_opens(node, fuzzer, live["session"], DEEP_OPENS)
     _settle(node)
     took = time.monotonic() - t0
@@ -314,3 +323,56 @@ def _run_fuzz(node: Target, tmp_path, home: str, control: int, data: int) -> Non
 
 def test_a_fuzzed_node_stays_alive_bounded_and_exact(fuzzed, tmp_path, diffuse_home):
     _run_fuzz(fuzzed, tmp_path, diffuse_home, control=MESSAGES // 2, data=MESSAGES - MESSAGES // 2)
+
+
+def _stream_claim(address: str, size: int, send: int, plain: bool) -> int:
+    """Speak ZMTP 3.0 to a data ``address`` as a stranger (NULL, or PLAIN with made-up credentials), announce
+    one frame of ``size`` bytes and send up to ``send`` of them: how many the receiver took before it hung up."""
+    host, port = address.split("://", 1)[1].rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=5)
+    taken = 0
+    try:
+        mechanism = b"PLAIN" if plain else b"NULL"
+        conn.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\0") + b"\0" + b"\0" * 31)
+        if plain:
+            body = b"\x05HELLO" + b"\x10" + os.urandom(16) + b"\x10" + os.urandom(16)
+        else:
+            body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 4) + b"PUSH"
+        conn.sendall(b"\x04" + bytes([len(body)]) + body)
+        conn.sendall(b"\x02" + struct.pack(">Q", size))
+        chunk = b"\0" * (1 << 20)
+        while taken < send:
+            conn.sendall(chunk)
+            taken += len(chunk)
+    except (BrokenPipeError, ConnectionResetError, socket.timeout):
+        pass
+    finally:
+        conn.close()
+    return taken
+
+
+def test_strangers_claiming_huge_frames_on_the_data_port_cost_the_node_nothing(fuzzed):
+    """Eight strangers at once, each announcing a 2 GiB frame (under the node's 4 GiB cap) and sending 96 MiB
+    of it: none is let past the connection's handshake, so the node buffers none of it."""
+    import threading
+
+    node = fuzzed
+    before = ask_raw(node.address, cbor2.dumps({"op": "status"}))["refused_connections"]
+    rss0 = node.rss()
+    taken: list[int] = []
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=lambda i=i: taken.append(_stream_claim(node.data, 2 << 30, 96 << 20, i % 2)))
+               for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    took = time.monotonic() - t0
+    time.sleep(0.5)
+    grown = node.rss() - rss0
+    refused = ask_raw(node.address, cbor2.dumps({"op": "status"}))["refused_connections"] - before
+    print(f"\n8 strangers claiming 2 GiB frames: {sum(taken) >> 20} MiB sent before the hang-ups, in {took:.1f} s; "
+          f"node RSS {grown / 2 ** 20:+.1f} MiB; {refused} refused by admission (the others by mechanism)")
+    assert len(taken) == 8 and grown < 64 << 20, (taken, grown)
+    assert refused >= 4  # the PLAIN ones were asked about, and refused
+    assert hello_answered_within(node, 3.0)
