@@ -162,8 +162,8 @@ class Handshake:
         return hello
 
     def open(self, transport_inbox) -> tuple[SlicingPlan, frames.Hop, frames.Hop, str]:
-        """Open the session on every node, in route order. Returns the plan with the route the nodes'
-        slices make, the client's two hops, and the first node's data address."""
+        """Open the session on every node, from the last in route order back to the first. Returns the plan with
+        the route the nodes' slices make, the client's two hops, and the first node's data address."""
         hellos = [self.hello(k) for k in range(len(self.plan.route))]
         self.keys = [h["key"] for h in hellos]
         data = []
@@ -179,7 +179,9 @@ class Handshake:
         hop_keys = self.hop_keys = [sealing.new_key() for _ in range(len(plan.route) + 1)]
         nexts = data[1:] + [transport_inbox]
         try:
-            for k, stage in enumerate(plan.route):
+            # from the last node back: each node's next hop already holds the session when its sending end
+            # connects, and admits it (a transport that ``admits`` lets in only an open session's sending end)
+            for k, stage in reversed(list(enumerate(plan.route))):
                 hello = hellos[k]
                 if time.monotonic() - hello["at"] > CHALLENGE_FRESH_S:  # earlier nodes took long to load
                     hello = self.hello(k, self.keys[k])

@@ -315,8 +315,8 @@ def test_replayed_open_is_refused_and_sessions_answer_only_their_opener(wan):
     assert np.array_equal(first, second)
     wan.close_ring(ring)
     # a closed session's id is never opened again, even with a fresh challenge
-    hello = t.request(ring.plan.route[0].address, {"op": "hello", "wire": [1]}, 10.0)
-    address, captured = opens[0]
+    address = ring.plan.route[0].address
+    hello = t.request(address, {"op": "hello", "wire": [1]}, 10.0)
     payload = _stage_payload(ring, 0, hs.sid, hello["challenge"])
     assert "already in use on this node, or was" in refusal(
         address, dict(seal_control(payload, hs.keys[0], ring.identity), op="open"))
