@@ -262,7 +262,8 @@ class Handshake:
     def probe(self, keepalive: bool = False, stalled: int | None = None) -> None:
         """Ask every node of the route whether it is alive and still has the session (each ping also
         renews the session's lease there); NodeError naming the first that is dead, frozen (two pings
-        in a row unanswered, or one once a pass's answer is overdue), has lost the session or ended it on a failure (saying why, e.g. its next hop).
+        in a row unanswered, or one once a pass's answer is overdue), has lost the session or ended it on a
+        failure (saying why, e.g. its next hop).
         ``keepalive``: a background renewal only, which never raises. ``stalled``: the sequence number
         of a pass whose answer never came; NodeError naming the hop where it stopped, if the nodes tell."""
         seen = []
