@@ -162,8 +162,8 @@ class Handshake:
         return hello
 
     def open(self, transport_inbox) -> tuple[SlicingPlan, frames.Hop, frames.Hop, str]:
-        """Open the session on every node, in route order. Returns the plan with the route the nodes'
-        slices make, the client's two hops, and the first node's data address."""
+        """Open the session on every node, from the last in route order back to the first. Returns the plan with
+        the route the nodes' slices make, the client's two hops, and the first node's data address."""
         hellos = [self.hello(k) for k in range(len(self.plan.route))]
         self.keys = [h["key"] for h in hellos]
         data = []
@@ -179,7 +179,9 @@ class Handshake:
         hop_keys = self.hop_keys = [sealing.new_key() for _ in range(len(plan.route) + 1)]
         nexts = data[1:] + [transport_inbox]
         try:
-            for k, stage in enumerate(plan.route):
+            # from the last node back: each node's next hop already holds the session when its sending end
+            # connects, and admits it (a transport that ``admits`` lets in only an open session's sending end)
+            for k, stage in reversed(list(enumerate(plan.route))):
                 hello = hellos[k]
                 if time.monotonic() - hello["at"] > CHALLENGE_FRESH_S:  # earlier nodes took long to load
                     hello = self.hello(k, self.keys[k])
@@ -260,7 +262,8 @@ class Handshake:
     def probe(self, keepalive: bool = False, stalled: int | None = None) -> None:
         """Ask every node of the route whether it is alive and still has the session (each ping also
         renews the session's lease there); NodeError naming the first that is dead, frozen (two pings
-        unanswered), has lost the session or ended it on a failure (saying why, e.g. its next hop).
+        in a row unanswered, or one once a pass's answer is overdue), has lost the session or ended it on a
+        failure (saying why, e.g. its next hop).
         ``keepalive``: a background renewal only, which never raises. ``stalled``: the sequence number
         of a pass whose answer never came; NodeError naming the hop where it stopped, if the nodes tell."""
         seen = []
@@ -271,8 +274,10 @@ class Handshake:
                 if keepalive:
                     continue
                 self._misses[k] += 1
-                if self._misses[k] >= 2 or stalled is not None:
-                    raise NodeError(stage.address, f"stopped answering (no answer to two pings of "
+                misses = self._misses[k]
+                if misses >= 2 or stalled is not None:
+                    pings = "a ping" if misses == 1 else f"{misses} pings in a row"
+                    raise NodeError(stage.address, f"stopped answering (no answer to {pings}, each given "
                                     f"{PROBE_TIMEOUT_S:g} s): the node is dead or frozen") from None
                 continue
             if keepalive:

@@ -123,7 +123,7 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
 
     from diffuse.api import Split, client_compute, load_whole_or_shell
     from diffuse.devices import inputs_on
-    from diffuse.media_inputs import load_tokenizer
+    from diffuse.media_inputs import load_config, load_tokenizer
 
     t0 = time.perf_counter()
     compute = client_compute(info, a.device, a.dtype)
@@ -131,6 +131,10 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
     inputs, note = read_inputs(a, info)
     if note:
         console.print(note, highlight=False, soft_wrap=True)
+    if "input_ids" in inputs:  # a prompt beyond the model's positions: refused before anything loads or starts
+        from diffuse.kvcache import check_prompt
+
+        check_prompt(load_config(info.path), inputs["input_ids"])
     tokenizer = load_tokenizer(info.path)
     model = load_whole_or_shell(info, compute, shell=not a.whole)
     model._diffuse = info
@@ -238,7 +242,7 @@ def text_split_report(split, new_tokens: int) -> dict:
     report = dict(
         transport=split.ring.scheme, calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
         last_hop_bytes_per_token=st.bytes_received / per_token,
-        last_hop_max_bytes=max((n for _, n in st.returns), default=0),
+        last_hop_max_bytes=st.max_return_bytes,
         client_layer_params=split.splitter.held_block_parameters(),
         tail_passes=split.splitter.tail_passes,
         client_head_params=head_params_held(split.splitter),
@@ -310,7 +314,7 @@ def compose_audio(a, console, info, model, inputs, gen, times, t0) -> dict:
         st, sp = split.ring.channel_stats, split.splitter
         report.update(calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
                       last_hop_bytes_per_step=st.bytes_received / max(1, st.passes),
-                      last_hop_max_bytes=max((n for _, n in st.returns), default=0),
+                      last_hop_max_bytes=st.max_return_bytes,
                       tail_passes=sp.tail_passes, tail_answer_max_bytes=sp.tail_bytes_max,
                       client_head_params=head_params_held(sp),
                       client_layer_params=sp.held_block_parameters(), node_stats=split.node_reports)
@@ -447,10 +451,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
 
 def _stream_rows(split) -> int:
     """Hidden-state rows sent into the ring so far (the stream slot of every pass)."""
-    rows = 0
-    for m in split.ring.channel_stats.messages:
-        rows += m.get("stream_rows", 0)
-    return rows
+    return split.ring.channel_stats.stream_rows
 
 
 def chat_main(argv: list[str] | None = None) -> int:

@@ -135,7 +135,10 @@ class Node:
             self.store.load(self.store.fixed)
         self.identity = load_identity(key_file)
         self.allowed = allowed_clients
-        self.endpoint = self.transport.serve(listen, max_message_bytes)
+        self.sessions = SessionTable()
+        self.refused_connections = 0  # data connections that named no open session (or not with its token)
+        admits = {"admit": self.admit_connection} if getattr(self.transport, "admits", False) else {}
+        self.endpoint = self.transport.serve(listen, max_message_bytes, **admits)
         self.max_sessions = session_capacity(max_sessions, getattr(self.transport, "max_sockets", None))
         if self.max_sessions < max_sessions:
             log.warning("at most %d sessions at once: the open-file limit leaves room for no more (raise it "
@@ -143,13 +146,22 @@ class Node:
         self.max_sessions_per_client = min(max_sessions_per_client, self.max_sessions)
         self.state_bytes = StateTally()
         self.data_address = advertise or self.endpoint.address  # what peers dial (differs behind NAT or a relay)
-        self.sessions = SessionTable()
         self.control = NodeControl(self)
         self.work: queue.Queue = queue.Queue(MAX_QUEUED)  # frames to compute, or ("close", outbox)
         self.closing: collections.deque = collections.deque()  # outboxes to close that found the queue full
         # decoding passes of several sessions batched through the layers (language models only; --no-batch)
         self.batching = batch and bool(getattr(subject, "autoregressive", False))
         self.batches = self.batched_rows = self.batch_fallbacks = 0  # counted by the compute thread
+
+    def admit_connection(self, user, password) -> bool:
+        """Asked by the transport (its own thread) about each new connection to the data port, before any of
+        its bytes are taken: only a sending end of an open session, with that session's token, is let in; a
+        stranger's connection is closed at once and costs the node nothing it buffers."""
+        if self.sessions.admits(user, password):
+            return True
+        self.refused_connections += 1
+        log.debug("refused a connection to the data port: it names no open session, or not with its token")
+        return False
 
     # -- data (compute thread) ---------------------------------------------------
     def data(self, raw: list[bytes]) -> None:
@@ -174,6 +186,7 @@ class Node:
         except WireError as exc:
             log.warning("rejected a message for session %s: %s", sess.sid.hex()[:8], exc)
             return False
+        sess.last_used = time.monotonic()  # authentic data: the session is in use (``NodeControl._make_room``)
         return True
 
     def _addressed(self, raw: list[bytes]) -> tuple[dict | None, "object | None"]:
@@ -423,10 +436,11 @@ class Node:
             except Exception:
                 log.debug("closing an outbox failed", exc_info=True)
 
-    def end(self, sid: bytes) -> None:
+    def end(self, sid: bytes, failed: str | None = None) -> None:
         """End a session (control thread, never waiting): its outbox is closed by the compute thread, after the
-        messages queued before this, or as soon as it is free when the queue is full."""
-        outbox = self.sessions.end(sid)
+        messages queued before this, or as soon as it is free when the queue is full. ``failed``: why it ended,
+        for its client's next ping."""
+        outbox = self.sessions.end(sid, failed=failed)
         self.state_bytes.drop(sid)
         if outbox is not None:
             try:

@@ -147,24 +147,40 @@ class NodeControl:
         and says only totals: no session's id, owner, errors or contents."""
         node = self.node
         return {"ok": True, "sessions": len(node.sessions), "outboxes": len(node.sessions.outboxes),
+                "refused_connections": node.refused_connections,
                 "state_bytes": node.state_bytes.total, "slices": self._slices(),
                 "max_sessions": node.max_sessions, "max_sessions_per_client": node.max_sessions_per_client,
                 "batching": node.batching, "batches": node.batches, "batched_rows": node.batched_rows,
                 "batch_fallbacks": node.batch_fallbacks}
 
     def _session_room(self, sender: bytes) -> str | None:
-        """Why a new session of ``sender`` would be one too many (None: there is room). Caps per client key
-        and in total keep one client's flood of opens from taking the sockets every other client needs."""
+        """Why a new session of ``sender`` would be one too many (None: there is room, or there will be). The
+        cap per client key keeps one key's flood of opens from taking every place; the cap in all is kept by
+        ``_make_room`` once the open is found good, so a full node never locks a newcomer out."""
         node = self.node
         with node.sessions.lock:
-            total = len(node.sessions.sessions)
             mine = sum(1 for owner in node.sessions.owners.values() if owner == sender)
         if mine >= node.max_sessions_per_client:
             return (f"this node already holds {mine} sessions for your client key, its limit per client: "
                     "close one first")
-        if total >= node.max_sessions:
-            return f"this node holds {total} sessions, its limit: try again later or use another node"
         return None
+
+    def _make_room(self) -> None:
+        """At the cap in all, end the session that has gone longest without authenticated data (pings keep a
+        lease, not a place: they prove a client is alive, not that it uses the node), so that the newcomer
+        gets its place. Keys cost nothing, so a party holding every place under many keys would otherwise
+        lock out everyone else; now it keeps a place only by using it. The session ended is told why at its
+        client's next ping."""
+        node = self.node
+        while len(node.sessions) >= node.max_sessions:
+            found = node.sessions.longest_idle()
+            if found is None:
+                return
+            sid, idle_s = found
+            why = (f"evicted: this node was full ({node.max_sessions} sessions) and this session had carried no "
+                   f"data for the longest ({idle_s:.0f} s)")
+            node.end(sid, failed=why)
+            log.info("session %s %s", sid.hex()[:8], why)
 
     def _slices(self):
         fixed = self.node.store.fixed
@@ -250,7 +266,13 @@ class NodeControl:
                 held = ", ".join(str(s) for s in node.store.fixed)
                 return refusal(f"asked for blocks {', '.join(missing)}, but this node holds only {held}")
         node.store.load(list(stage.slices), dtype)
-        outbox = node.transport.outbox(stage.next)  # this session's own: closed with it
+        self._make_room()  # the open is good: a full node ends its longest-idle session for it
+        # this session's own sending end, closed with it; it proves the session to the next hop's transport
+        from diffuse.sessions import data_token
+
+        creds = {"credentials": (sid, data_token(keys["out_key"], sid))} if getattr(node.transport, "admits", False) \
+            else {}
+        outbox = node.transport.outbox(stage.next, **creds)
         from diffuse.stage import StageSession
 
         node.sessions.add(sid, StageSession(sid, node.store, stage, frames.Hop(sid, keys["in_key"], wire=stage.wire_in),
