@@ -204,6 +204,7 @@ class Split:
         self.ahead = ahead  # with patches, the next guidance branch's call sent while this one finishes
         self.repair = repair if repair is not None else RepairPolicy()  # one for all of this split's rings
         self.repair.placement = placement  # where nodes that hold nothing fixed get their slices
+        self.repair.depth = max(1, patches)  # ... planned for this many passes in flight at once
         self.embedding_on_node = embedding_on_node
         self.attention, self.local_transport = attention, local_transport
         self.started = started  # local nodes already started by the caller (a diffuse.localnodes.LocalNodes)

@@ -34,6 +34,7 @@ from diffuse.text import plain
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.home import config_home
 from diffuse.node_control import NodeControl, refusal
+from diffuse.links import NextHop
 from diffuse.placement import SpeedBook
 from diffuse.plan import WIRE_VERSIONS, StackPlan, parse_slices
 from diffuse.processes import alive
@@ -127,6 +128,7 @@ class Node:
         self.store = BlockStore(model_path, subject, self.stacks)
         self.store.fixed = parse_slices(blocks, self.stacks)
         self.speeds = SpeedBook(self.store.model_hash)  # its own measured speed, said at hello (diffuse.placement)
+        self.next_hops = NextHop()  # its links to the next hops it was given (diffuse.links)
         self.max_memory: int | None = None  # --max-memory, in bytes
         if self.store.fixed:
             self.store.load(self.store.fixed)

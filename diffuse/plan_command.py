@@ -8,7 +8,8 @@ import os
 from diffuse.errors import DiffuseError
 from diffuse.placement import (DEFAULT_CONTEXT, GIB, MARGIN_FRACTION, MARGIN_MIN_BYTES, PLACEMENTS, Capacity,
                                Placement, _dtype_size, block_costs, capacities, context_tokens, even_placement,
-                               load_dtype, place, report_of)
+                               link_hops, load_dtype, pass_bytes, place, report_of)
+from diffuse.links import route_lines
 from diffuse.plan import SlicingPlan, Stage
 
 
@@ -46,6 +47,8 @@ def plan_command(argv: list[str]) -> int:
     ap.add_argument("--dtype", default=None, help="compute dtype (default: what a plain load gives)")
     ap.add_argument("--context", type=int, default=None, help=f"tokens of cache per language-model session "
                     f"(default {DEFAULT_CONTEXT}, at most the model's)")
+    ap.add_argument("--patches", type=int, default=1, help="passes in flight at once to plan for (a run's "
+                    "--patches; default 1: passes one after another)")
     ap.add_argument("--json", action="store_true", help="print the plan, routed as placed, as JSON")
     a = ap.parse_args(argv)
     err = Console(stderr=True)
@@ -60,6 +63,9 @@ def plan_command(argv: list[str]) -> int:
                 raise DiffuseError("--nodes must be at least 1")
             print(make_plan(subject, draft, [f"node{i + 1}" for i in range(n)], compute_dtype=dtype).to_json())
             return 0
+        if a.patches < 1:
+            raise DiffuseError("--patches must be at least 1")
+        hops = None
         if a.memory is not None:
             memory = _floats(a.memory, "--memory")
             speed = _floats(a.speed, "--speed") if a.speed else [1.0] * len(memory)
@@ -72,8 +78,11 @@ def plan_command(argv: list[str]) -> int:
             nodes = parse_nodes(a.nodes)
             plan = make_plan(subject, draft, [x for x, _ in nodes], [k for _, k in nodes], dtype)
             caps = _ask(plan)
+            hops = link_hops([s.address for s in plan.route], pass_bytes(plan, subject, dtype),
+                             [c.hop_s for c in caps])
         blocks = block_costs(subject, plan.stacks, dtype, a.context)
-        p = even_placement(blocks, caps) if a.placement == "even" else place(blocks, caps)
+        p = (even_placement(blocks, caps, links=hops, depth=a.patches) if a.placement == "even"
+             else place(blocks, caps, links=hops, depth=a.patches))
     except DiffuseError as exc:
         from diffuse.run import report_error
 
@@ -84,6 +93,10 @@ def plan_command(argv: list[str]) -> int:
         return 0
     for line in describe(p, subject, plan, dtype, a.context):
         print(line)
+    if hops is not None:
+        print("\nlinks, as measured (a hop costs half the round trip, plus the bytes it carries at the throughput):")
+        for line in route_lines([s.address for s in plan.route]):
+            print(f"  {line}")
     return 0
 
 
@@ -97,7 +110,10 @@ def _ask(plan: SlicingPlan) -> list[Capacity]:
         if report_of(stage.address) is None:
             raise DiffuseError(f"{stage.address} says nothing of its memory or speed (a node older than "
                                "placement): plan with --memory instead")
-    return capacities(plan.route, plan.compute_dtype, plan.model.content_hash)
+    from diffuse.analysis import ModelSubject
+
+    single = ModelSubject.from_path(plan.model.path).autoregressive  # a language model: its decoding speed
+    return capacities(plan.route, plan.compute_dtype, plan.model.content_hash, single)
 
 
 def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int | None = None) -> list[str]:
@@ -116,7 +132,8 @@ def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int 
               f"memory (at least {MARGIN_MIN_BYTES >> 20} MiB):", ""]
     lines += p.lines()
     if any(p.measured):
+        hops = " + ".join(f"{h * 1000:.2f}" for h in p.hops)
         lines += ["", f"per token: slowest node {p.slowest_s:.3g} s; one pass through every used node in turn "
-                  f"{p.pass_s:.3g} s" + (f" (with {len(p.used) + 1} hops of {p.hop_s * 1000:.2f} ms)" if p.hop_s
-                                         else "")]
+                  f"{p.pass_s:.3g} s" + (f" (with {len(p.hops)} hops of {hops} ms)" if p.hop_s else "")
+                  + (f"; {p.depth} passes in flight: {p.step_s():.3g} s a pass" if p.depth > 1 else "")]
     return lines

@@ -165,7 +165,10 @@ class Endpoint(Protocol):
 @runtime_checkable
 class Transport(Protocol):
     """What the ``diffuse_transport`` hook returns for one scheme. Optional: ``max_sockets`` (int), how many
-    sockets one process may open; a node keeps its sessions under it (one outbox each)."""
+    sockets one process may open; a node keeps its sessions under it (one outbox each); and
+    ``exchange(address, messages, timeout_s)``, several control requests in turn on one connection, each
+    reply with the seconds from its send, which ``diffuse.links`` measures a link's round trip with (without
+    it, each request's connection is counted in the round trip)."""
 
     scheme: str
 
