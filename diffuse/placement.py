@@ -882,6 +882,24 @@ def even_placement(blocks: list[BlockCost], nodes: list[Capacity], tokens: int =
                      statistics.mean(hops), [], tokens, hops, depth)
 
 
+def placement_of(blocks: list[BlockCost], nodes: list[Capacity], rows, tokens: int = 1,
+                 links: list[list[float]] | None = None, depth: int = 1) -> Placement:
+    """A given placement (``rows``: per node its slices, as a route's stages hold them), costed as ``place``
+    costs its own: what a bench predicts a route's pass takes."""
+    offsets, off = {}, 0
+    for stack, length in _stacks_of(blocks):
+        offsets[stack] = off
+        off += length
+    ranges = []
+    for row in rows:
+        held = [(offsets[s.stack] + s.start, offsets[s.stack] + s.stop) for s in row if not s.empty]
+        ranges.append((min(a for a, _ in held), max(b for _, b in held)) if held else (0, 0))
+    speeds, measured, any_measured = _speeds(nodes)
+    n = len(nodes)
+    hop = _hop_matrix(n, nodes, links) if any_measured else [[0.0] * (n + 1) for _ in range(n + 1)]
+    return _placement(_Costs(blocks, nodes, speeds, tokens), ranges, measured, hop, depth)
+
+
 # --------------------------------------------------------------------------- from reports to a route
 
 

@@ -77,7 +77,7 @@ def plan_command(argv: list[str]) -> int:
         else:
             nodes = parse_nodes(a.nodes)
             plan = make_plan(subject, draft, [x for x, _ in nodes], [k for _, k in nodes], dtype)
-            caps = _ask(plan)
+            caps = ask_nodes(plan)
             hops = link_hops([s.address for s in plan.route], pass_bytes(plan, subject, dtype),
                              [c.hop_s for c in caps])
         blocks = block_costs(subject, plan.stacks, dtype, a.context)
@@ -100,7 +100,7 @@ def plan_command(argv: list[str]) -> int:
     return 0
 
 
-def _ask(plan: SlicingPlan) -> list[Capacity]:
+def ask_nodes(plan: SlicingPlan) -> list[Capacity]:
     """Each node's hello, read for placement (its key checked or pinned as a run would)."""
     from diffuse.handshake import Handshake
 

@@ -364,60 +364,7 @@ def test_planned_slices_leave_out_a_node_without_room_and_generate_the_tokens_of
 
 # ------------------------------------------------------------------------------------ unequal machines, for real
 
-PERIOD_US = 100_000
 HEADROOM = 80 << 20  # what the memory-limited node may still take: the margin and one block, not two
-
-
-def _own_v1_group(controller: str) -> str | None:
-    from diffuse.placement import _cgroup_dirs
-
-    found = [d for d, version in _cgroup_dirs(controller) if version == "v1"]
-    return found[0] if found else None
-
-
-class Cgroups:
-    """cgroup v1 groups made for this test (cpu and memory), removed at the end."""
-
-    def __init__(self, tag: str):
-        self.tag, self.made = tag, []
-        self.cpu, self.memory = _own_v1_group("cpu"), _own_v1_group("memory")
-        why = None
-        if os.geteuid() != 0:
-            why = "not root"
-        elif not self.cpu or not self.memory:
-            why = "no cgroup v1 cpu and memory controllers"
-        elif not (os.access(self.cpu, os.W_OK) and os.access(self.memory, os.W_OK)):
-            why = f"{self.cpu} or {self.memory} is not writable"
-        self.why = why
-
-    def make(self, name: str, cpus: float, memory: int | None = None) -> list[str]:
-        folders = [os.path.join(self.cpu, f"{self.tag}-{name}"), os.path.join(self.memory, f"{self.tag}-{name}")]
-        for f in folders:
-            os.mkdir(f)
-            self.made.append(f)
-        with open(os.path.join(folders[0], "cpu.cfs_period_us"), "w") as f:
-            f.write(str(PERIOD_US))
-        with open(os.path.join(folders[0], "cpu.cfs_quota_us"), "w") as f:
-            f.write(str(int(PERIOD_US * cpus)))
-        return folders
-
-    def close(self) -> None:
-        import time
-
-        for f in reversed(self.made):
-            for _ in range(50):  # its processes take a moment to leave it
-                try:
-                    os.rmdir(f)
-                    break
-                except OSError:
-                    time.sleep(0.1)
-
-
-def _usage(folder: str) -> int:
-    from diffuse.placement import _stat_value
-
-    with open(os.path.join(folder, "memory.usage_in_bytes")) as f:
-        return int(f.read()) - _stat_value(folder, "total_inactive_file")
 
 
 def _wan_model(out_dir: str) -> str:
@@ -452,6 +399,8 @@ def test_unequal_nodes_under_cgroup_limits_get_slices_that_fit_and_the_bytes_of_
     from conftest import run_reference
     from diffuse.placement import report_of
 
+    from diffuse.cgroups import Cgroups, memory_used
+
     groups = Cgroups(f"diffuse-test-{os.getpid()}")
     if groups.why:
         pytest.skip(f"cgroup limits cannot be set here: {groups.why}")
@@ -466,19 +415,10 @@ def test_unequal_nodes_under_cgroup_limits_get_slices_that_fit_and_the_bytes_of_
             line = procs[-1].stdout.readline()
             assert line, (tmp_path / f"{name}.log").read_text()[-3000:]
             ready.append(json.loads(line))
-            cpu, memory = groups.make(name, cpus)
-            try:  # what it holds comes along where the kernel still moves charges (newer ones do not: then the
-                with open(os.path.join(memory, "memory.move_charge_at_immigrate"), "w") as f:  # group counts
-                    f.write("3")  # only what the node takes from now on, which is what the limit is about)
-            except OSError:
-                pass
-            for folder in (cpu, memory):
-                with open(os.path.join(folder, "cgroup.procs"), "w") as f:
-                    f.write(str(procs[-1].pid))
+            groups.enter(groups.make(name, cpus), procs[-1].pid)
         small_memory = groups.made[-1]
-        limit = _usage(small_memory) + HEADROOM
-        with open(os.path.join(small_memory, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(limit))
+        limit = memory_used(small_memory) + HEADROOM
+        groups.limit_memory(small_memory, limit)
         addresses = ",".join(f"{r['address']}#{r['key']}" for r in ready)
         names = [r["address"] for r in ready]
 
