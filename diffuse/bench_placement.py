@@ -44,21 +44,22 @@ LM_QUICK = dict(layers=3, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, pr
 class Limits:
     """The bench's cgroups: one per node, one for this process; ``why`` says why there are none."""
 
-    def __init__(self):
+    def __init__(self, period_us: int = PERIOD_US, shares: int | None = SHARES):
         from diffuse.cgroups import Cgroups
 
         self.groups = Cgroups(f"diffuse-bench-{os.getpid()}")
         self.why = self.groups.why
-        self.count = 0
+        self.count, self.period_us, self.shares = 0, period_us, shares
         if not self.why:
-            self.groups.enter(self.groups.make("client", 1.0, PERIOD_US, SHARES), os.getpid())
+            self.groups.enter(self.groups.make("client", 1.0, period_us, shares), os.getpid())
 
     def nodes(self, nodes) -> None:
         if self.why:
             return
         self.count += 1
         for node, (name, cpus) in zip(nodes, NODES):
-            self.groups.enter(self.groups.make(f"{name}-{self.count}", cpus, PERIOD_US, SHARES), node.proc.pid)
+            self.groups.enter(self.groups.make(f"{name}-{self.count}", cpus, self.period_us, self.shares),
+                              node.proc.pid)
 
     def close(self) -> None:
         if not self.why:
@@ -188,12 +189,18 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = Parser(prog="diffuse bench placement", description=plain(__doc__.split("\n")[0]))
     ap.add_argument("--quick", action="store_true", help="tiny models, for a smoke test")
+    ap.add_argument("--period-us", type=int, default=PERIOD_US, help=f"CFS period of the groups, in microseconds "
+                    f"(default {PERIOD_US}; the kernel's own is 100000)")
+    ap.add_argument("--shares", type=int, default=SHARES, help=f"cpu.shares of the groups (default {SHARES}; the "
+                    "kernel's own is 1024)")
     a = ap.parse_args(argv)
+    if not 1000 <= a.period_us <= 1_000_000 or a.shares < 2:
+        ap.error("--period-us must be 1000 to 1000000, --shares at least 2")
 
     import torch
 
     torch.set_num_threads(1)
-    limits = Limits()
+    limits = Limits(a.period_us, a.shares)
     tmp = tempfile.mkdtemp(prefix="diffuse-bench-placement-")
     try:
         wan, lm = (WAN_QUICK, LM_QUICK) if a.quick else (WAN, LM)
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cgroup limits cannot be set here ({limits.why}): the nodes run unlimited, and alike", flush=True)
         else:
             print("nodes, in route order: " + ", ".join(f"{n} at {c:.2g} core" for n, c in NODES)
-                  + f" (cgroup v1 CFS quota, period {PERIOD_US / 1000:g} ms; cpu.shares {SHARES}, the client's "
+                  + f" (cgroup v1 CFS quota, period {a.period_us / 1000:g} ms; cpu.shares {a.shares}, the client's "
                   "own group too)", flush=True)
         print(f"diffusion: WanTransformer3DModel, {wan['layers']} blocks, hidden {wan['heads'] * wan['head_dim']}, "
               f"FFN {wan['ffn']}, {wan['frames'] * (wan['size'] // 2) ** 2} tokens, {wan['steps']} guided steps "
