@@ -1,7 +1,9 @@
 """``python -m diffuse.bench links``: a language model over two nodes with the client's link slowed.
 
 The language-model bench model (``diffuse.bench_lm``) is served by two local nodes holding half of its
-layers each; every process at one torch thread. The client reaches them through relays that this bench
+layers each; every process at one torch thread and, where cgroups can be made, in a group of one core
+weighted ``cpu.shares`` 8192 (as ``bench placement`` makes them), so that other work on a busy machine does
+not decide the compute the floor is made of. The client reaches them through relays that this bench
 runs (``Relay``): each holds every chunk it carries for a one-way delay, then sends it on no faster than a
 rate. Everything between the client and the nodes crosses a relay: its requests to both nodes, its data
 to the first node (which advertises the relay as its data address) and the last node's answers to the
@@ -204,10 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from diffuse import bench_lm
+    from diffuse.bench_placement import SHARES, Limits
 
     torch.set_num_threads(1)
     cfg = dict(bench_lm.QUICK if a.quick else bench_lm.FULL)
     runs = QUICK_RUNS if a.quick else RUNS
+    limits = Limits(100_000, SHARES)
     tmp = tempfile.mkdtemp(prefix="diffuse-bench-links-")
     relays = {name: Relay() for name in ("control1", "control2", "data1", "inbox")}
     nodes = None
@@ -217,7 +221,14 @@ def main(argv: list[str] | None = None) -> int:
               f"vocabulary {cfg['vocab']}, random weights; prompt {cfg['prompt']} tokens, {cfg['new']} new, greedy; "
               f"2 local nodes, half the layers each; every process at 1 torch thread", flush=True)
         print(f"machine: {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.2f}", flush=True)
+        if limits.why:
+            print(f"cgroups cannot be made here ({limits.why}): the processes compete with the machine's other work",
+                  flush=True)
+        else:
+            print(f"the client and each node in a cgroup of one core, cpu.shares {SHARES} (other work on a busy "
+                  "machine does not decide their speed)", flush=True)
         nodes = _nodes(tmp, relays)
+        limits.nodes(nodes, (("node1", 1.0), ("node2", 1.0)))
         relays["control1"].start(nodes[0].address)
         relays["control2"].start(nodes[1].address)
         relays["data1"].start(nodes[0].data)
@@ -230,5 +241,6 @@ def main(argv: list[str] | None = None) -> int:
             nodes.stop()
         for r in relays.values():
             r.close()
+        limits.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -56,6 +56,7 @@ def build(path: str, geometry: dict) -> None:
                 p.fill_(1.0)
             else:
                 p.normal_(0, 0.02, generator=g)
+    model.tie_weights()  # made empty, the head is a tensor of its own: one table again, saved once
     model.save_pretrained(path, max_shard_size="2GB")
 
 

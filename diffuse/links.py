@@ -27,7 +27,7 @@ CLIENT = "client"  # the client's end of a link in the table
 PINGS = 4  # small pings; the first also pays for the connection
 PROBE_BYTES = 160 << 10  # the large ping's padding (a sealed control payload may hold 256 KiB)
 FRESH_S = 600.0  # a link measured longer ago than this is measured again at the next hello
-TIMEOUT_S = 5.0  # for each ping's answer
+TIMEOUT_S = 2.5  # for each ping's answer (a node that does not answer one in time is left unmeasured)
 MAX_LINKS = 4096  # links the table keeps (the most recent)
 
 

@@ -316,6 +316,7 @@ def test_planned_slices_leave_out_a_node_without_room_and_generate_the_tokens_of
         (a0, b0), (a2, b2) = [(int(m.group(1)), int(m.group(2))) for m in (runs[0], runs[2])]
         assert a0 == 0 and b0 == a2 and b2 == 4 and b0 > a0 and b2 > a2
         assert f"{names[1]} holds nothing: it has room for no block" in shown.stdout
+        assert re.search(rf"client -> {names[0]}: \d+\.\d\d ms round trip, ", shown.stdout), shown.stdout
 
         from diffuse.placement import report_of
 
@@ -334,6 +335,10 @@ def test_planned_slices_leave_out_a_node_without_room_and_generate_the_tokens_of
             with open(tokens) as f, open(report) as g:
                 got, rep = json.load(f), json.load(g)
             assert [n["address"] for n in rep["node_stats"]] == [names[0], names[2]]
+            # every hop's link measured: the client's at hello, the node-to-node one by the first node at open
+            assert [line.rsplit(": ", 1)[0] for line in rep["links"]] == [
+                f"client -> {names[0]}", f"{names[0]} -> {names[2]}", f"{names[2]} -> client"]
+            assert not any("not measured" in line for line in rep["links"]), rep["links"]
             with open(os.path.join(lm_model, "config.json")) as f:
                 layers = json.load(f)["num_hidden_layers"]
             assert sum(n["cache_bytes"] > 0 for n in rep["node_stats"]) == 2 and layers == 4
