@@ -1,10 +1,12 @@
 """Links: the round trip and throughput between two ends of a ring, measured with sealed pings.
 
 At its first hello to a node (and again once ``FRESH_S`` has passed), the client sends the node
-``PINGS`` small sealed ``link`` pings and one of ``PROBE_BYTES`` on one connection (``measure``);
-nothing else travels, and the node answers each with the count of bytes it received, sealed to the
-asker. The round trip is the quickest small ping after the first (which also pays for the connection,
-as a data hop does once); the throughput is the large ping's bytes over its time less that round trip.
+``PINGS`` small sealed ``link`` pings and ``PROBES`` of ``PROBE_BYTES`` on one connection
+(``measure``); nothing else travels, and the node answers each with the count of bytes it received,
+sealed to the asker. The round trip is the quickest small ping after the first (which also pays for the
+connection, as a data hop does once); the throughput is a large ping's bytes over the quicker one's time
+less that round trip (what sealing and copying the bytes cost counts as the link's: a data hop pays
+them too).
 When a route is built, each node measures its next hop the same way at ``open`` (the client names the
 next node's control address and key inside the sealed open) and says what it found in its reply. The
 client keeps both here, per pair of ends (``note``, ``known``), for the planner (``diffuse.placement``:
@@ -25,7 +27,8 @@ from diffuse.errors import DiffuseError, NodeError, WireError
 
 CLIENT = "client"  # the client's end of a link in the table
 PINGS = 4  # small pings; the first also pays for the connection
-PROBE_BYTES = 160 << 10  # the large ping's padding (a sealed control payload may hold 256 KiB)
+PROBE_BYTES = 160 << 10  # a large ping's padding (a sealed control payload may hold 256 KiB)
+PROBES = 2  # large pings (the quicker counts: on a busy machine one may wait for a core)
 FRESH_S = 600.0  # a link measured longer ago than this is measured again at the next hello
 TIMEOUT_S = 2.5  # for each ping's answer (a node that does not answer one in time is left unmeasured)
 MAX_LINKS = 4096  # links the table keeps (the most recent)
@@ -87,7 +90,7 @@ def measure(transport, address: str, own: sealing.Identity, peer_key: bytes, pin
             probe: int = PROBE_BYTES, timeout_s: float = TIMEOUT_S) -> Link:
     """The link to the node at control ``address`` whose key is ``peer_key`` (see the module's docstring);
     NodeError if it does not answer every ping, sealed by that key."""
-    sent = [_ping(own, peer_key, 0) for _ in range(pings)] + [_ping(own, peer_key, probe)]
+    sent = [_ping(own, peer_key, 0) for _ in range(pings)] + [_ping(own, peer_key, probe) for _ in range(PROBES)]
     exchange = getattr(transport, "exchange", None)
     if exchange is not None:
         replies = exchange(address, [m for m, _ in sent], timeout_s)
@@ -98,12 +101,12 @@ def measure(transport, address: str, own: sealing.Identity, peer_key: bytes, pin
             replies.append((transport.request(address, m, timeout_s), time.perf_counter() - t0))
     if len(replies) != len(sent):
         raise NodeError(address, "answered fewer link pings than were sent")
-    for (reply, _), (_, challenge), n in zip(replies, sent, [0] * pings + [probe]):
+    for (reply, _), (_, challenge), n in zip(replies, sent, [0] * pings + [probe] * PROBES):
         _check(reply, own, peer_key, address, n, challenge)
     times = [t for _, t in replies]
     small = times[1:pings] if exchange is not None and pings > 1 else times[:pings]
     rtt = max(min(small), 1e-6)
-    extra = times[-1] - rtt
+    extra = min(times[pings:]) - rtt
     return Link(rtt, probe / extra if extra > 0 else None, time.monotonic())
 
 
