@@ -3,11 +3,14 @@
 Three local nodes, started without ``--blocks`` (each session's plan gives them their slices), are put
 under cgroup v1 groups this bench makes (``diffuse.cgroups``): two at a third of a core and one at a full
 core, listed in that order (so that the language model's output head, which goes with the last layer, is on
-the quick node either way), every process at one torch thread. Their CFS period is ``PERIOD_US``, not the
-kernel's 100 ms: with that, a node that idles while the others compute spends the quota it saved on its
-next pass, and runs it at the speed of a whole core (nodes at a third of a core then measure as quick as
-the full one); their ``cpu.shares`` (``SHARES``, and the client's own group's) keep other work on a busy
-machine from deciding their speed. Where the groups cannot be made (not root, no cgroup v1), the bench says
+the quick node either way), every process at one torch thread. The CFS period of the nodes at a third of a
+core is ``PERIOD_US``, not the kernel's 100 ms: with that, a node that idles while the others compute
+spends the quota it saved on its next pass, and runs it at the speed of a whole core (nodes at a third of a
+core then measure as quick as the full one). The node at a whole core keeps the kernel's period (its quota
+is the same in any period, and a short one would throttle the moments its threads overlap). Their
+``cpu.shares`` (``SHARES``, and the client's own group's, of one core) keep other work on a busy machine
+from deciding their speed: at the kernel's 1024 the full-core node measured little quicker than the
+others on a loaded machine. Where the groups cannot be made (not root, no cgroup v1), the bench says
 so and runs the nodes unlimited.
 
 Two models, each run first on even slices (a run that also has every node measure its own speed), then on
@@ -45,22 +48,25 @@ class Limits:
     """The bench's cgroups: one per node, one for this process; ``why`` says why there are none."""
 
     def __init__(self, period_us: int = PERIOD_US, shares: int | None = SHARES):
-        from diffuse.cgroups import Cgroups
+        from diffuse.cgroups import DEFAULT_PERIOD_US, Cgroups
 
         self.groups = Cgroups(f"diffuse-bench-{os.getpid()}")
         self.why = self.groups.why
         self.count, self.period_us, self.shares = 0, period_us, shares
         if not self.why:
-            self.groups.enter(self.groups.make("client", 1.0, period_us, shares), os.getpid())
+            self.groups.enter(self.groups.make("client", 1.0, DEFAULT_PERIOD_US, shares), os.getpid())
 
     def nodes(self, nodes, limits=NODES) -> None:
         """Each of ``nodes`` into a group of its own: ``limits`` gives each its name and cores."""
+        from diffuse.cgroups import DEFAULT_PERIOD_US
+
         if self.why:
             return
         self.count += 1
         for node, (name, cpus) in zip(nodes, limits):
-            self.groups.enter(self.groups.make(f"{name}-{self.count}", cpus, self.period_us, self.shares),
-                              node.proc.pid)
+            period = self.period_us if cpus < 1 else DEFAULT_PERIOD_US  # a whole core's quota: the same in any
+            self.groups.enter(self.groups.make(f"{name}-{self.count}", cpus, period, self.shares),  # period,
+                              node.proc.pid)  # and a short one would throttle its threads' short overlaps
 
     def close(self) -> None:
         if not self.why:
@@ -223,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cgroup limits cannot be set here ({limits.why}): the nodes run unlimited, and alike", flush=True)
         else:
             print("nodes, in route order: " + ", ".join(f"{n} at {c:.2g} core" for n, c in NODES)
-                  + f" (cgroup v1 CFS quota, period {a.period_us / 1000:g} ms; cpu.shares {a.shares}, the client's "
-                  "own group too)", flush=True)
+                  + f" (cgroup v1 CFS quota, period {a.period_us / 1000:g} ms for a fraction of a core, 100 ms for "
+                  f"a whole one; cpu.shares {a.shares}, the client's own group, of a core, too)", flush=True)
         print(f"diffusion: WanTransformer3DModel, {wan['layers']} blocks, hidden {wan['heads'] * wan['head_dim']}, "
               f"FFN {wan['ffn']}, {wan['frames'] * (wan['size'] // 2) ** 2} tokens, {wan['steps']} guided steps "
               "(the first 2 not timed)", flush=True)

@@ -189,6 +189,7 @@ class SpeedBook:
         self.lock = threading.Lock()
         self.sums: dict[str, list[float]] = {}  # dtype -> [seconds, block tokens, byte tokens, passes]
         self.single: dict[str, list[float]] = {}  # dtype -> [seconds, bytes] of passes of one token (decoding)
+        self.around = [0.0, 0]  # seconds a pass spent on the node besides its blocks, passes
 
     def add(self, p, dtype, seconds: float) -> None:
         """Count one pass ``p`` (a ``diffuse.stage.Pass``) that ran its blocks in ``seconds``."""
@@ -215,6 +216,14 @@ class SpeedBook:
                 one[0] += seconds
                 one[1] += nbytes
 
+    def overhead(self, p, seconds: float) -> None:
+        """Count what pass ``p`` spent on the node besides its blocks: opened, checked, sealed and sent on."""
+        if getattr(p, "reuse", None) is not None or not getattr(p, "blocks", None) or not 0 <= seconds < 60:
+            return
+        with self.lock:
+            self.around[0] += seconds
+            self.around[1] += 1
+
     def report(self) -> dict:
         with self.lock:
             out = {d: {"s_per_block_token": s[0] / s[1], "s_per_gib_token": s[0] / s[2] * GIB, "passes": int(s[3])}
@@ -222,7 +231,8 @@ class SpeedBook:
             for d, (sec, nbytes) in self.single.items():
                 if d in out and nbytes > 0:
                     out[d]["s_per_gib_single"] = sec / nbytes * GIB
-            return {"model": self.model_hash, "by_dtype": out}
+            per_pass = self.around[0] / self.around[1] if self.around[1] else None
+            return {"model": self.model_hash, "by_dtype": out, "s_per_pass": per_pass}
 
 
 def _held_runs(store) -> list[list]:
@@ -279,6 +289,7 @@ class NodeReport:
     model: str = ""  # the model the speeds were measured on
     rtt_s: float | None = None  # the hello's round trip, as the client measured it
     at: float = 0.0  # when it came (time.monotonic)
+    pass_s: float | None = None  # seconds a pass spends on it besides its blocks (measured with the speeds)
 
     @classmethod
     def from_hello(cls, address: str, hello: dict, rtt_s: float | None = None) -> "NodeReport | None":
@@ -291,10 +302,11 @@ class NodeReport:
             if (isinstance(run, list) and len(run) == 4 and isinstance(run[0], str) and isinstance(run[3], str)
                     and _num(run[1], int) is not None and _num(run[2], int) is not None and run[2] - run[1] <= 4096):
                 holds.update((run[0][:256], i, run[3][:32]) for i in range(run[1], run[2]))
-        speed, model = {}, ""
+        speed, model, per_pass = {}, "", None
         sp = r.get("speed")
         if isinstance(sp, dict) and isinstance(sp.get("by_dtype"), dict):
             model = sp.get("model") if isinstance(sp.get("model"), str) else ""
+            per_pass = _num(sp.get("s_per_pass"))
             for d, v in list(sp["by_dtype"].items())[:8]:
                 if isinstance(d, str) and isinstance(v, dict) and _num(v.get("s_per_gib_token")):
                     speed[d] = {k: v[k] for k in ("s_per_block_token", "s_per_gib_token", "s_per_gib_single", "passes")
@@ -305,7 +317,7 @@ class NodeReport:
 
         return cls(address, _num(mem.get("available"), int), _num(mem.get("limit"), int), text(mem.get("source")),
                    text(mem.get("pool"), ""), frozenset(holds), _num(r.get("threads"), int), _num(r.get("cpus")),
-                   text(r.get("device")), text(r.get("dtype")), speed, model[:64], rtt_s, time.monotonic())
+                   text(r.get("device")), text(r.get("dtype")), speed, model[:64], rtt_s, time.monotonic(), per_pass)
 
     def s_per_gib_token(self, dtype: str, model: str, single: bool = False) -> float | None:
         """Its measured seconds per GiB of weights per token (``single``: of passes of one token, a language
@@ -486,6 +498,7 @@ class Capacity:
     holds: frozenset = frozenset()  # (stack, index) it already holds in the compute dtype (costs no memory)
     pool: str = ""  # nodes of one pool share its memory
     hop_s: float = 0.0  # one hop's time to or from it (half its round trip), where no link table is given
+    pass_s: float | None = None  # seconds a pass spends on it besides its blocks, when it holds any (measured)
 
 
 @dataclass
@@ -576,6 +589,14 @@ def _alike(speeds: list[float]) -> dict[float, float]:
     return {s: statistics.median(g) for g in groups for s in g}
 
 
+def _around(nodes: list[Capacity]) -> list[float]:
+    """Each node's seconds a pass spends on it besides its blocks: as measured, else the median of those
+    measured (0 when none is)."""
+    known = [c.pass_s for c in nodes if c.pass_s is not None]
+    median = statistics.median(known) if known else 0.0
+    return [c.pass_s if c.pass_s is not None else median for c in nodes]
+
+
 def _speeds(nodes: list[Capacity]) -> tuple[list[float], list[bool], bool]:
     measured = [c.speed is not None and c.speed > 0 for c in nodes]
     known = [c.speed for c, m in zip(nodes, measured) if m]
@@ -607,6 +628,7 @@ class _Costs:
 
     def __init__(self, blocks: list[BlockCost], nodes: list[Capacity], speeds: list[float], tokens: int):
         self.blocks, self.nodes, self.speeds, self.tokens = blocks, nodes, speeds, tokens
+        self.around = _around(nodes) if any(c.speed for c in nodes) else [0.0] * len(nodes)
         self.room = rooms(nodes)
         self.W, self.S = [0], [0]  # compute in weight bytes; memory besides the blocks' weights
         for b in blocks:
@@ -620,7 +642,9 @@ class _Costs:
             self.fresh.append(p)
 
     def cost(self, i: int, a: int, b: int) -> float:
-        return self.speeds[i] * (self.W[b] - self.W[a]) / GIB * self.tokens
+        """Seconds node ``i`` takes a pass to run blocks [a, b): their weights at its speed, and what a pass
+        costs it besides (none where it runs no block)."""
+        return self.speeds[i] * (self.W[b] - self.W[a]) / GIB * self.tokens + (self.around[i] if b > a else 0.0)
 
     def need(self, i: int, a: int, b: int) -> int:
         return self.fresh[i][b] - self.fresh[i][a] + self.S[b] - self.S[a]
@@ -867,7 +891,8 @@ def even_placement(blocks: list[BlockCost], nodes: list[Capacity], tokens: int =
         mine = [b for b in blocks for s in rows[i] if s.stack == b.stack and s.start <= b.index < s.stop]
         need.append(sum((0 if (b.stack, b.index) in c.holds else b.weight_bytes) + b.held_bytes for b in mine))
         size.append(sum(b.weight_bytes + b.held_bytes for b in mine))
-        shares.append(speeds[i] * sum(b.weight_bytes + b.end_compute for b in mine) / GIB * tokens)
+        shares.append(speeds[i] * sum(b.weight_bytes + b.end_compute for b in mine) / GIB * tokens
+                      + (t.around[i] if mine else 0.0))
         if t.room[i] is not None and need[-1] > t.room[i]:
             short.append(f"{c.name} would take {need[-1] / GIB:.2f} GiB and has room for {t.room[i] / GIB:.2f} "
                          f"({(need[-1] - t.room[i]) / GIB:.2f} GiB short)")
@@ -913,7 +938,8 @@ def capacities(stages, dtype: str, model_hash: str, single: bool = False) -> lis
             return None
         speed = r.s_per_gib_token(dtype, model_hash, single)
         holds = frozenset((st, i) for st, i, d in r.holds if d == dtype)
-        out.append(Capacity(s.address, r.available, speed, holds, r.pool, (r.rtt_s or 0.0) / 2))
+        out.append(Capacity(s.address, r.available, speed, holds, r.pool, (r.rtt_s or 0.0) / 2,
+                            r.pass_s if speed is not None else None))
     return out
 
 
