@@ -50,7 +50,7 @@ class Limits:
     def __init__(self, period_us: int = PERIOD_US, shares: int | None = SHARES):
         from diffuse.cgroups import DEFAULT_PERIOD_US, Cgroups
 
-        self.groups = Cgroups(f"diffuse-bench-{os.getpid()}")
+        self.groups = Cgroups(f"diffuse-bench-{os.getpid()}-{os.urandom(3).hex()}")
         self.why = self.groups.why
         self.count, self.period_us, self.shares = 0, period_us, shares
         if not self.why:
@@ -82,13 +82,12 @@ def _start(path: str, limits: Limits):
     return nodes
 
 
-def _speeds_now(plan, single: bool) -> list:
-    """The planner's view (``Capacity``) of the nodes of ``plan``'s route, from a fresh hello to each."""
-    from diffuse.placement import capacities
+def _speeds_now(plan) -> list:
+    """The planner's view (``Capacity``) of the nodes of ``plan``'s route, from a fresh hello to each (as
+    ``diffuse plan --nodes`` asks them)."""
     from diffuse.plan_command import ask_nodes
 
-    ask_nodes(plan)
-    return capacities(plan.route, plan.compute_dtype, plan.model.content_hash, single)
+    return ask_nodes(plan)
 
 
 def _prediction(caps: list, plan, path: str, route, tokens: int, nbytes: int):
@@ -140,8 +139,8 @@ def diffusion(tmp: str, cfg: dict, limits: Limits) -> dict:
                 route = split.plan.route
             if placement == "even":
                 plan = split.plan
-                caps = _speeds_now(plan, False)  # as the even run left them: what the planned run is planned from
-            p = _prediction(caps, plan, path, route, tokens, nbytes)
+                caps = _speeds_now(plan)  # as the even run left them: what the planned run is planned from
+            p = _prediction(caps, plan, path, route, 1, nbytes)  # speeds per pass, as a route is planned
             client = (cpu[1] - cpu[0]) / max(1, cfg["steps"] - bench.TIMED_FROM)
             out[placement] = dict(s=statistics.mean(times[bench.TIMED_FROM:]), nodes=2 * p.pass_s, client=client,
                                   route=_slices(route), latent=latent, caps=caps)
@@ -175,7 +174,7 @@ def language_model(tmp: str, cfg: dict, limits: Limits) -> dict:
                 route = split.plan.route
             if placement == "even":
                 plan = split.plan
-                caps = _speeds_now(plan, True)
+                caps = _speeds_now(plan)
             p = _prediction(caps, plan, path, route, 1, cfg["hidden"] * 4)
             out[placement] = dict(s=1 / clock.per_second, nodes=p.pass_s, client=cpu, route=_slices(route),
                                   tokens=new, caps=caps)
@@ -185,10 +184,10 @@ def language_model(tmp: str, cfg: dict, limits: Limits) -> dict:
     return out
 
 
-def report(name: str, unit: str, r: dict, per_second: bool = False) -> None:
+def report(name: str, unit: str, r: dict, per_second: bool = False, per: str = "per pass") -> None:
     print(f"\n{name}")
     caps = r["even"]["caps"]
-    print("  speeds measured on the even run (s per GiB of weights per token): "
+    print(f"  speeds measured on the even run (s per GiB of weights {per}): "
           + ", ".join(f"{nm} {c.speed:.3g}" if c.speed else f"{nm} not measured" for (nm, _), c in zip(NODES, caps)))
     for placement in ("even", "planned"):
         m = r[placement]
@@ -240,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         d = diffusion(tmp, wan, limits)
         report("diffusion bench model (seconds a step: two transformer calls)", "output", d)
         m = language_model(tmp, lm, limits)
-        report("language-model bench model (decoding, after the first token)", "tokens", m, per_second=True)
+        report("language-model bench model (decoding, after the first token)", "tokens", m, per_second=True,
+               per="per token decoded")
         print(f"\nload average after: {os.getloadavg()[0]:.2f}; {time.perf_counter() - t0:.0f} s in all")
     finally:
         limits.close()

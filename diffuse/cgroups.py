@@ -97,7 +97,18 @@ class Cgroups:
                 pass
 
     def close(self) -> None:
+        """Remove the groups made, moving any process still in one (one forked while its parent was there) to
+        the group above it."""
         for f in reversed(self.made):
+            try:
+                with open(os.path.join(f, "cgroup.procs")) as procs:
+                    for pid in procs.read().split():
+                        try:
+                            _write(os.path.join(os.path.dirname(f), "cgroup.procs"), pid)
+                        except OSError:  # gone meanwhile
+                            pass
+            except OSError:
+                pass
             for _ in range(50):  # its processes take a moment to leave it
                 try:
                     os.rmdir(f)

@@ -4,7 +4,8 @@ A node says at hello what it can hold and how fast it is (``node_report``): the 
 to it (its cgroup's limit less what the group uses, where a limit is set, else the machine's available
 memory), the blocks it already holds, its torch threads, CPUs, device and compute dtype, and, once it has
 run blocks of its model, its measured seconds per block per token (``SpeedBook``, kept per model and dtype
-for as long as the node runs, so the next session is planned from it).
+for as long as the node runs, so the next session is planned from it; also per pass, per decoding token,
+and what a pass costs it besides its blocks).
 
 The client reads each report (``NodeReport.from_hello``: whatever is missing or malformed counts as not
 said) and what the model needs per block (``block_costs``: weight bytes in the compute dtype from the
@@ -187,7 +188,7 @@ class SpeedBook:
     def __init__(self, model_hash: str):
         self.model_hash = model_hash
         self.lock = threading.Lock()
-        self.sums: dict[str, list[float]] = {}  # dtype -> [seconds, block tokens, byte tokens, passes]
+        self.sums: dict[str, list[float]] = {}  # dtype -> [seconds, block tokens, byte tokens, passes, bytes]
         self.single: dict[str, list[float]] = {}  # dtype -> [seconds, bytes] of passes of one token (decoding)
         self.around = [0.0, 0]  # seconds a pass spent on the node besides its blocks, passes
 
@@ -206,11 +207,12 @@ class SpeedBook:
             return
         key = str(dtype).removeprefix("torch.") if dtype is not None else NODE_DTYPE
         with self.lock:
-            s = self.sums.setdefault(key, [0.0, 0.0, 0.0, 0])
+            s = self.sums.setdefault(key, [0.0, 0.0, 0.0, 0, 0.0])
             s[0] += seconds
             s[1] += len(p.blocks) * tokens
             s[2] += nbytes * tokens
             s[3] += 1
+            s[4] += nbytes
             if tokens == 1:  # a token costs more alone than within a long prompt: kept apart
                 one = self.single.setdefault(key, [0.0, 0.0])
                 one[0] += seconds
@@ -226,8 +228,9 @@ class SpeedBook:
 
     def report(self) -> dict:
         with self.lock:
-            out = {d: {"s_per_block_token": s[0] / s[1], "s_per_gib_token": s[0] / s[2] * GIB, "passes": int(s[3])}
-                   for d, s in self.sums.items() if s[1] > 0 and s[2] > 0}
+            out = {d: {"s_per_block_token": s[0] / s[1], "s_per_gib_token": s[0] / s[2] * GIB,
+                       "s_per_gib_pass": s[0] / s[4] * GIB, "passes": int(s[3])}
+                   for d, s in self.sums.items() if s[1] > 0 and s[2] > 0 and s[4] > 0}
             for d, (sec, nbytes) in self.single.items():
                 if d in out and nbytes > 0:
                     out[d]["s_per_gib_single"] = sec / nbytes * GIB
@@ -285,7 +288,8 @@ class NodeReport:
     cpus: float | None = None
     device: str = "?"
     dtype: str = "?"
-    speed: dict = field(default_factory=dict)  # dtype -> {"s_per_block_token", "s_per_gib_token", "passes"}
+    speed: dict = field(default_factory=dict)  # dtype -> {"s_per_block_token", "s_per_gib_token",
+    # "s_per_gib_single" (passes of one token), "s_per_gib_pass" (per pass), "passes"}
     model: str = ""  # the model the speeds were measured on
     rtt_s: float | None = None  # the hello's round trip, as the client measured it
     at: float = 0.0  # when it came (time.monotonic)
@@ -309,8 +313,8 @@ class NodeReport:
             per_pass = _num(sp.get("s_per_pass"))
             for d, v in list(sp["by_dtype"].items())[:8]:
                 if isinstance(d, str) and isinstance(v, dict) and _num(v.get("s_per_gib_token")):
-                    speed[d] = {k: v[k] for k in ("s_per_block_token", "s_per_gib_token", "s_per_gib_single", "passes")
-                                if _num(v.get(k))}
+                    speed[d] = {k: v[k] for k in ("s_per_block_token", "s_per_gib_token", "s_per_gib_single",
+                                                  "s_per_gib_pass", "passes") if _num(v.get(k))}
 
         def text(x, default="?"):
             return x[:64] if isinstance(x, str) else default
@@ -319,13 +323,15 @@ class NodeReport:
                    text(mem.get("pool"), ""), frozenset(holds), _num(r.get("threads"), int), _num(r.get("cpus")),
                    text(r.get("device")), text(r.get("dtype")), speed, model[:64], rtt_s, time.monotonic(), per_pass)
 
-    def s_per_gib_token(self, dtype: str, model: str, single: bool = False) -> float | None:
-        """Its measured seconds per GiB of weights per token (``single``: of passes of one token, a language
-        model's decoding, where it measured those; else of all its passes)."""
+    def s_per_gib_token(self, dtype: str, model: str, per: str = "token") -> float | None:
+        """Its measured seconds per GiB of weights: per token (``per="token"``), per pass of one token (a
+        language model's decoding, ``"single"``, where it measured those), or per pass as its passes came
+        (``"pass"``: a diffusion stack's, whose tokens a route is planned without knowing)."""
         s = self.speed.get(dtype) if model and self.model == model else None
         if not s:
             return None
-        return s.get("s_per_gib_single", s["s_per_gib_token"]) if single else s["s_per_gib_token"]
+        key = {"single": "s_per_gib_single", "pass": "s_per_gib_pass"}.get(per, "s_per_gib_token")
+        return s.get(key, s["s_per_gib_token"])
 
 
 _reports: dict[str, NodeReport] = {}
@@ -928,15 +934,15 @@ def placement_of(blocks: list[BlockCost], nodes: list[Capacity], rows, tokens: i
 # --------------------------------------------------------------------------- from reports to a route
 
 
-def capacities(stages, dtype: str, model_hash: str, single: bool = False) -> list[Capacity] | None:
+def capacities(stages, dtype: str, model_hash: str, per: str = "token") -> list[Capacity] | None:
     """The planner's view of ``stages`` from their nodes' hello reports; None if any has not reported.
-    ``single``: plan with each node's speed on passes of one token (a language model's decoding)."""
+    ``per``: the speed planned with (``NodeReport.s_per_gib_token``)."""
     out = []
     for s in stages:
         r = report_of(s.address)
         if r is None:
             return None
-        speed = r.s_per_gib_token(dtype, model_hash, single)
+        speed = r.s_per_gib_token(dtype, model_hash, per)
         holds = frozenset((st, i) for st, i, d in r.holds if d == dtype)
         out.append(Capacity(s.address, r.available, speed, holds, r.pool, (r.rtt_s or 0.0) / 2,
                             r.pass_s if speed is not None else None))
@@ -988,6 +994,11 @@ def pass_bytes(plan: SlicingPlan, subject, dtype: str) -> int:
     return 0
 
 
+def per_pass(subject) -> str:
+    """The speed a route of ``subject`` is planned with: per decoding token, or per pass as they came."""
+    return "single" if subject.autoregressive else "pass"
+
+
 def plan_for(plan: SlicingPlan, stages, placement: str = "planned", context: int | None = None,
              depth: int = 1) -> Placement | None:
     """The placement of ``plan``'s model on ``stages`` (None when a node has not reported, or the model is
@@ -998,7 +1009,8 @@ def plan_for(plan: SlicingPlan, stages, placement: str = "planned", context: int
         subject = ModelSubject.from_path(plan.model.path)
     except (DiffuseError, OSError):
         return None
-    caps = capacities(stages, plan.compute_dtype, plan.model.content_hash, subject.autoregressive)
+    # a pass as it comes: a language model's token, a diffusion stack's call (its tokens not known yet)
+    caps = capacities(stages, plan.compute_dtype, plan.model.content_hash, per_pass(subject))
     if caps is None:
         return None
     try:

@@ -8,7 +8,7 @@ import os
 from diffuse.errors import DiffuseError
 from diffuse.placement import (DEFAULT_CONTEXT, GIB, MARGIN_FRACTION, MARGIN_MIN_BYTES, PLACEMENTS, Capacity,
                                Placement, _dtype_size, block_costs, capacities, context_tokens, even_placement,
-                               link_hops, load_dtype, pass_bytes, place, report_of)
+                               link_hops, load_dtype, pass_bytes, per_pass, place, report_of)
 from diffuse.links import route_lines
 from diffuse.plan import SlicingPlan, Stage
 
@@ -112,8 +112,8 @@ def ask_nodes(plan: SlicingPlan) -> list[Capacity]:
                                "placement): plan with --memory instead")
     from diffuse.analysis import ModelSubject
 
-    single = ModelSubject.from_path(plan.model.path).autoregressive  # a language model: its decoding speed
-    return capacities(plan.route, plan.compute_dtype, plan.model.content_hash, single)
+    return capacities(plan.route, plan.compute_dtype, plan.model.content_hash,
+                      per_pass(ModelSubject.from_path(plan.model.path)))
 
 
 def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int | None = None) -> list[str]:

@@ -51,7 +51,8 @@ def test_bench_placement_links_and_memory_quick_print_their_figures(diffuse_home
     out = proc.stdout
     for placement in ("even", "planned"):
         assert len(re.findall(rf"  {placement} +slices (\[\d+:\d+\] ?)+ +\d+\.\d+ .* predicted \d+\.\d+ s "
-                              r"\(measured / predicted \d+\.\d\d\)", out)) == 2, out
+                              r"\(measured / predicted \d+\.\d\d; the planner's nodes and hops \d+\.\d+ s, the "
+                              r"client's own CPU time \d+\.\d+ s\)", out)) == 2, out
     assert re.search(r"planned / even: \d+\.\d\dx +goal >= 1\.5x +\(output equal on both: True\)", out), out
     assert re.search(r"planned / even: \d+\.\d\dx +goal >= 1\.5x +\(tokens equal on both: True\)", out), out
     for name in ("no delay", "5 ms, 100 Mbit/s"):
