@@ -63,7 +63,7 @@ class Channel:
         self.stats = ChannelStats()
         self._seq = 0
         self._trees: dict[str, dict] = {}
-        self._sent_rmap: set[str] = set()
+        self._sent_rmap: dict[str, ReturnMap] = {}
         self._mirror = SlotCache(SLOT_CACHE_BYTES)  # what every node's slot cache holds: (stack, slot) -> size
         self._waiting = False  # in receive, which probes by itself
         self._closed = threading.Event()
@@ -94,9 +94,8 @@ class Channel:
         if self._trees.get(stack) != tree:
             sent_tree = self._trees[stack] = tree
         sent_rmap = None
-        if stack not in self._sent_rmap:
-            sent_rmap = rmap
-            self._sent_rmap.add(stack)
+        if self._sent_rmap.get(stack) != rmap:  # the first call's, and again when a pass threads otherwise
+            sent_rmap = self._sent_rmap[stack] = rmap
         streams = set(rmap.streams)
         mirror = self._mirror
         refs, sent, fresh = [], [], []

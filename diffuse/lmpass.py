@@ -52,7 +52,7 @@ class LanguageModelPass(PassKind):
         if tail is None:
             return out, None
         # the head runs on the stream, where a layer returns a tuple (Falcon's hidden states and weights)
-        return run_tail(sess, out if p.rmap.single else out[p.rmap.output_of(p.rmap.streams[0])], tail), None
+        return run_tail(sess, out if p.rmap.single else out[p.rmap.output_of(p.rmap.hidden_streams[0])], tail), None
 
 
 def embedded(store, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -136,6 +136,7 @@ def generate(a: argparse.Namespace, console) -> dict:
             torch.set_num_threads(a.threads)
         info = ModelInfo.of(path)  # refusals happen here, before any node is contacted
     cli.check_flags_for(a, info.subject.autoregressive)
+    cli.lan_nodes(a, info.subject, console)  # --nodes auto: the nodes announced on this network
     if a.nodes is None and not a.whole:
         from diffuse.localnodes import warm_launcher
 
@@ -157,7 +158,7 @@ def generate(a: argparse.Namespace, console) -> dict:
         kwargs = call_kwargs(a, pipe, info)
         from diffuse.dryrun import check_sizes, notes
 
-        check_sizes(pipe, kwargs, info, name)
+        check_sizes(pipe, kwargs, info, name, split=not a.whole)
     for note in notes(pipe, kwargs, info):
         cli.status(console, note, a.quiet)
     report: dict = {"model": info.path, "mode": "whole" if a.whole else "split"}

@@ -6,7 +6,8 @@
         [--arg KEY=JSON]... [--no-template] --out OUT.json
 
 Loads the model with ``AutoModelForImageTextToText`` when its config has a
-``vision_config``, else ``AutoModelForCausalLM`` (float32, sdpa where the class has it), sets the torch
+``vision_config``, ``AutoModelForSeq2SeqLM`` when it is an encoder-decoder, else
+``AutoModelForCausalLM`` (float32, sdpa where the class has it), sets the torch
 thread count when ``--threads`` > 0, builds the inputs (``build_inputs``) and
 calls ``generate(**inputs, max_new_tokens=N, do_sample=..., output_logits=True,
 return_dict_in_generate=True)``; with ``--do-sample``, ``torch.manual_seed(S)``
@@ -55,6 +56,7 @@ from transformers import (
     AutoImageProcessor,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
+    AutoModelForSeq2SeqLM,
     AutoProcessor,
     AutoTokenizer,
 )
@@ -80,7 +82,8 @@ def load_model(model_dir: str):
     """The model, float32 and sdpa (eager for a class that has no sdpa path, as ``from_pretrained`` itself
     falls back), in eval mode, with the Auto class its config calls for."""
     config = AutoConfig.from_pretrained(model_dir)
-    auto = AutoModelForImageTextToText if takes_images(config) else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if takes_images(config) else \
+        AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     try:
         model = auto.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     except ValueError as exc:
@@ -313,6 +316,8 @@ def run(model_dir: str, prompt: str, images=(), max_new_tokens: int = 8, threads
     with torch.no_grad():
         out = model.generate(**inputs, **kwargs)
     prompt_len = inputs["input_ids"].shape[1]
+    if model.config.is_encoder_decoder:  # the sequences are the decoder's: its start token, then the new ones
+        prompt_len = out.sequences.shape[1] - len(out.logits)
     return {
         "input_ids": inputs["input_ids"].tolist(),
         "new_tokens": out.sequences[:, prompt_len:].tolist(),
