@@ -26,7 +26,6 @@ import os
 import queue
 import shutil
 import socket
-import statistics
 import tempfile
 import threading
 import time

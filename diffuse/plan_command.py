@@ -32,7 +32,6 @@ def plan_command(argv: list[str]) -> int:
     from diffuse.cli import Parser, lan_nodes, seconds
 
     from diffuse.discovery import zeroconf_library
-    from diffuse.known_nodes import parse_nodes
     from diffuse.modelfiles import resolve_model
     from diffuse.planner import analyze, make_plan
 
@@ -72,26 +71,7 @@ def plan_command(argv: list[str]) -> int:
                 raise DiffuseError("--nodes must be at least 1")
             print(make_plan(subject, draft, [f"node{i + 1}" for i in range(n)], compute_dtype=dtype).to_json())
             return 0
-        if a.patches < 1:
-            raise DiffuseError("--patches must be at least 1")
-        hops = None
-        if a.memory is not None:
-            memory = _floats(a.memory, "--memory")
-            speed = _floats(a.speed, "--speed") if a.speed else [1.0] * len(memory)
-            if len(speed) != len(memory):
-                raise DiffuseError(f"--speed names {len(speed)} nodes, --memory {len(memory)}")
-            names = [f"node{i + 1}" for i in range(len(memory))]
-            caps = [Capacity(nm, int(m * GIB), s if a.speed else None) for nm, m, s in zip(names, memory, speed)]
-            plan = make_plan(subject, draft, names, compute_dtype=dtype)
-        else:
-            nodes = parse_nodes(a.nodes)
-            plan = make_plan(subject, draft, [x for x, _ in nodes], [k for _, k in nodes], dtype)
-            caps = ask_nodes(plan)
-            hops = link_hops([s.address for s in plan.route], pass_bytes(plan, subject, dtype),
-                             [c.hop_s for c in caps])
-        blocks = block_costs(subject, plan.stacks, dtype, a.context)
-        p = (even_placement(blocks, caps, links=hops, depth=a.patches) if a.placement == "even"
-             else place(blocks, caps, links=hops, depth=a.patches))
+        plan, p, hops = _placed(a, subject, draft, dtype)
     except DiffuseError as exc:
         from diffuse.run import report_error
 
@@ -107,6 +87,34 @@ def plan_command(argv: list[str]) -> int:
         for line in route_lines([s.address for s in plan.route]):
             print(f"  {line}")
     return 0
+
+
+def _placed(a, subject, draft, dtype: str) -> tuple[SlicingPlan, Placement, list | None]:
+    """The plan over the nodes ``a`` names (``--memory``: described by hand; else asked), its placement, and the
+    hops measured (None for nodes described by hand)."""
+    from diffuse.known_nodes import parse_nodes
+    from diffuse.planner import make_plan
+
+    if a.patches < 1:
+        raise DiffuseError("--patches must be at least 1")
+    hops = None
+    if a.memory is not None:
+        memory = _floats(a.memory, "--memory")
+        speed = _floats(a.speed, "--speed") if a.speed else [1.0] * len(memory)
+        if len(speed) != len(memory):
+            raise DiffuseError(f"--speed names {len(speed)} nodes, --memory {len(memory)}")
+        names = [f"node{i + 1}" for i in range(len(memory))]
+        caps = [Capacity(nm, int(m * GIB), s if a.speed else None) for nm, m, s in zip(names, memory, speed)]
+        plan = make_plan(subject, draft, names, compute_dtype=dtype)
+    else:
+        nodes = parse_nodes(a.nodes)
+        plan = make_plan(subject, draft, [x for x, _ in nodes], [k for _, k in nodes], dtype)
+        caps = ask_nodes(plan)
+        hops = link_hops([s.address for s in plan.route], pass_bytes(plan, subject, dtype), [c.hop_s for c in caps])
+    blocks = block_costs(subject, plan.stacks, dtype, a.context)
+    if a.placement == "even":
+        return plan, even_placement(blocks, caps, links=hops, depth=a.patches), hops
+    return plan, place(blocks, caps, links=hops, depth=a.patches), hops
 
 
 def ask_nodes(plan: SlicingPlan) -> list[Capacity]:

@@ -219,7 +219,7 @@ def test_a_hello_report_is_read_whatever_it_holds():
                                                           "s_per_gib_single": 5.0, "passes": 4}}}}}
     r = NodeReport.from_hello("tcp://x:1", good, 0.002)
     assert r.available == 3 * GIB and r.cpus == 0.5 and len(r.holds) == 3 and r.s_per_gib_token("float32", "h") == 2.0
-    assert r.s_per_gib_token("float32", "h", single=True) == 5.0 and r.pass_s == 0.003
+    assert r.s_per_gib_token("float32", "h", "single") == 5.0 and r.pass_s == 0.003
     assert r.s_per_gib_token("float32", "another model") is None
     rng = random.Random(1)
     junk = [None, 1, "x", [], {}, -5, float("nan"), True, [["blocks", 0, 1 << 40, "f"]], {"by_dtype": [1]}]
