@@ -58,19 +58,39 @@ class ModelInfo:
             return json.load(fh)
 
 
-def from_pretrained(model: str | None = None):
+def from_pretrained(model: str | None = None, device: str | None = None, dtype: str | None = None):
     """The pipeline at ``model`` (a folder, a shipped model's name, a Hub id in the local cache; None:
     the embedded model), loaded by diffusers from safetensors without the blocks the nodes will hold;
     or a transformers model (a folder whose config.json names its architectures), loaded by
-    transformers (its decoder layers are freed when it is split)."""
+    transformers (its decoder layers are freed when it is split). ``device`` and ``dtype`` as the
+    command line's ``--device`` and ``--dtype`` (``diffuse.devices``; default ``auto``: the CPU, or the
+    first accelerator torch sees, in what the folder declares there): where the client's ends compute."""
+    info = ModelInfo.of(model)
+    pipe = load_whole_or_shell(info, client_compute(info, device, dtype), shell=True)
+    pipe._diffuse = info
+    return pipe
+
+
+def client_compute(info: "ModelInfo", device: str | None, dtype: str | None):
+    """``--device`` and ``--dtype`` of a client of the model ``info`` describes (``diffuse.devices.Compute``)."""
+    from diffuse.devices import Compute
+
+    return Compute.of(device, dtype, info.path, info.subject.denoiser or None)
+
+
+def load_whole_or_shell(info: "ModelInfo", compute, shell: bool):
+    """The model in ``compute``'s dtype on its device: without the blocks nodes will hold (``shell``), or whole
+    (the reference a split run is compared with). On the CPU in no named dtype: exactly the plain load."""
+    from diffuse.devices import place
     from diffuse.planner import load_model, load_pipeline
 
-    info = ModelInfo.of(model)
     if info.subject.autoregressive:
-        pipe = load_model(info.path, info.subject)
-    else:
-        pipe = load_pipeline(info.path, info.subject, info.draft["stacks"])
-    pipe._diffuse = info
+        pipe = load_model(info.path, info.subject, compute.dtype)
+        return place(pipe, compute.device)
+    pipe = load_pipeline(info.path, info.subject, info.draft["stacks"] if shell else None, compute.dtype)
+    for part in pipe.components.values():
+        if hasattr(part, "_apply"):
+            place(part, compute.device)
     return pipe
 
 
@@ -167,7 +187,8 @@ class Split:
                  threads: int | None = None, timeout: float = 300.0, client_key: str | None = None,
                  attention: str = "auto", local_transport: str = "tcp", model: str | None = None,
                  started=None, branch_groups: int = 1, cache_threshold: float = 0.0, ahead: bool = True,
-                 repair=None, embedding_on_node: bool = False, placement: str = "planned"):
+                 repair=None, embedding_on_node: bool = False, placement: str = "planned",
+                 device: str | None = None, dtype: str | None = None):
         from diffuse.branches import parse_groups
         from diffuse.repair import RepairPolicy
         from diffuse.known_nodes import parse_nodes
@@ -206,6 +227,13 @@ class Split:
         self.repair.placement = placement  # where nodes that hold nothing fixed get their slices
         self.repair.depth = max(1, patches)  # ... planned for this many passes in flight at once
         self.embedding_on_node = embedding_on_node
+        self.node_device, self.node_dtype = device, dtype  # local nodes' --device and --dtype (None: as the client)
+        if device is not None or dtype is not None:
+            from diffuse.devices import resolve_device, resolve_dtype
+
+            resolve_device(device)  # refused here, before any node starts
+            if dtype not in (None, "auto"):
+                resolve_dtype(dtype, resolve_device(device), None)
         self.attention, self.local_transport = attention, local_transport
         self.started = started  # local nodes already started by the caller (a diffuse.localnodes.LocalNodes)
         self.local_nodes = None
@@ -242,8 +270,24 @@ class Split:
         from diffuse.sealing import load_identity
 
         return start_local_nodes(self.info.path, self.local.count, self.local.threads, scheme=self.local_transport,
-                                 client=load_identity(self.client_key),
+                                 client=load_identity(self.client_key), extra=self.local_node_flags(),
                                  groups=self.branch_groups)
+
+    def local_node_flags(self) -> list[str]:
+        """``--device`` and ``--dtype`` for this run's local nodes: as given to ``split``, else where the client's
+        own part of the denoiser computes and in its dtype (a float32 client on the CPU names no dtype: its
+        nodes compute in what each session asks, as before devices were named)."""
+        from diffuse.devices import device_of
+        from diffuse.planner import denoiser_dtype
+
+        device = self.node_device if self.node_device not in (None, "auto") else None
+        if device is None:
+            found = device_of(p for p in self.denoiser.parameters())
+            device = str(found) if found is not None else "cpu"
+        dtype = self.node_dtype if self.node_dtype not in (None, "auto") else denoiser_dtype(self.denoiser)
+        if device == "cpu" and dtype == "float32" and self.node_dtype in (None, "auto"):
+            return ["--device", "cpu"]  # in the dtype each session asks, as before devices were named
+        return ["--device", device, "--dtype", dtype]
 
     def __enter__(self) -> "Split":
         from diffuse.planner import denoiser_dtype, make_plan
@@ -366,5 +410,7 @@ def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: in
     ``embedding_on_node`` (a language model's embedding table on the first node, so passes carry token ids
     instead of hidden states; default False: the client embeds), ``placement`` ("planned": nodes that hold
     nothing fixed get slices planned from their memory and speed, ``diffuse.placement``; "even": even slices,
-    still checked against their memory; set on the repair policy, which also repairs by it)."""
+    still checked against their memory; set on the repair policy, which also repairs by it), ``device`` and
+    ``dtype`` (the local nodes' ``--device`` and ``--dtype``; default: the device the client's part of the model
+    is on, in its dtype; on the CPU the nodes compute in the dtype each session asks)."""
     return Split(pipe_or_model, nodes=nodes, local_nodes=local_nodes, patches=patches, **options)

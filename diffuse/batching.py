@@ -177,7 +177,7 @@ def run_batch(passes: list) -> list:
                     if "attention_mask" not in kwargs or kwargs["attention_mask"] is not None:
                         raise NotBatchable("the sessions' caches differ in length and the layer's call has no empty "
                                            "attention_mask to put the padding mask in")
-                    kwargs["attention_mask"] = padding_mask(pasts, rows, new, hidden[0].dtype)
+                    kwargs["attention_mask"] = padding_mask(pasts, rows, new, hidden[0].dtype).to(hidden[0].device)
                 out = block(*args, **kwargs)
                 thread_outputs(joined, out, rmap)
             outs = [_rows(out, a, b, total) for a, b in bounds]

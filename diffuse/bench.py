@@ -31,11 +31,12 @@ import sys
 import tempfile
 import time
 
+from diffuse.benchkit import GUIDANCE, inputs, mean_se, ratio
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 FULL = dict(heads=12, head_dim=128, ffn=8960, layers=4, text_dim=4096, text_len=512, frames=3, size=32, steps=10)
 QUICK = dict(heads=4, head_dim=32, ffn=512, layers=4, text_dim=64, text_len=32, frames=3, size=16, steps=4)
-GUIDANCE = 5.0
 TIMED_FROM = 2  # steps (0-based) timed: the first runs whole, the second also checks quick against plain once
 
 
@@ -63,17 +64,6 @@ def load_transformer(path: str):
     return WanTransformer3DModel.from_pretrained(os.path.join(path, "transformer"), use_safetensors=True).eval()
 
 
-def inputs(cfg: dict, seed: int = 0) -> dict:
-    import torch
-
-    g = torch.Generator("cpu").manual_seed(seed)
-    return {
-        "latent": torch.randn(1, 16, cfg["frames"], cfg["size"], cfg["size"], generator=g),
-        "text": torch.randn(1, cfg["text_len"], cfg["text_dim"], generator=g),
-        "negative": torch.randn(1, cfg["text_len"], cfg["text_dim"], generator=g),
-    }
-
-
 def denoise(transformer, x: dict, steps: int, on_step=None) -> tuple[list[float], "torch.Tensor"]:
     """A guided Euler loop over ``steps`` steps (a call with the prompt, then one without, combined as a
     pipeline combines them); the seconds of each step's two transformer calls, and the result. ``on_step(s)``
@@ -95,22 +85,6 @@ def denoise(transformer, x: dict, steps: int, on_step=None) -> tuple[list[float]
             times.append(time.perf_counter() - t0)
             latent = latent - (uncond + GUIDANCE * (cond - uncond)) / steps
     return times, latent
-
-
-def mean_se(xs: list[float]) -> tuple[float, float]:
-    """Mean and its standard error."""
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, 0.0
-    var = sum((v - m) ** 2 for v in xs) / (len(xs) - 1)
-    return m, (var / len(xs)) ** 0.5
-
-
-def ratio(whole: list[float], split: list[float]) -> tuple[float, float]:
-    """whole / split of the mean step times, and its spread (standard errors combined)."""
-    (mw, sw), (ms, ss) = mean_se(whole), mean_se(split)
-    r = mw / ms
-    return r, r * ((sw / mw) ** 2 + (ss / ms) ** 2) ** 0.5
 
 
 def split_run(path: str, nodes, x: dict, steps: int, patches: int, attention: str = "auto", groups: int = 1,
@@ -194,6 +168,7 @@ SUBCOMMANDS = {  # python -m diffuse.bench NAME ...: the module and function tha
     "cache": ("diffuse.quality", "cache_main"),  # the first-block cache's speed and quality
     "serve": ("diffuse.serve.bench", "main"),  # the service: warm against cold, concurrent streams against one
     "lm": ("diffuse.bench_lm", "main"),  # a language model whole and split
+    "device": ("diffuse.bench_device", "main"),  # a Wan2.1-1.3B-shaped model on one device, whole against 2 nodes
     "placement": ("diffuse.bench_placement", "main"),  # even slices against planned ones on unequal nodes
     "links": ("diffuse.bench_links", "main"),  # a language model over a slowed client link, against its floor
     "memory": ("diffuse.bench_memory", "main"),  # peak memory per process at a real model's geometry
@@ -220,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                                         "(tokens/s, first token, bytes per hop). "
                                         "python -m diffuse.bench serve [--help]: the service warm against a cold "
                                         "query, and 8 concurrent streams against one. "
+                                        "python -m diffuse.bench device [--help]: a Wan2.1-1.3B-shaped model on "
+                                        "one device (--device cuda), whole against 2 nodes sharing it, P=1 and P=2. "
                                         "python -m diffuse.bench placement|links|memory [--help]: even slices "
                                         "against planned ones on unequal nodes; a slowed client link against its "
                                         "floor; peak memory per process at a real model's geometry")

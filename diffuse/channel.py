@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from diffuse import frames
 from diffuse.callplan import SLOT_CACHE_BYTES, SlotCache, decode_value, digest
+from diffuse.devices import device_of, to_device, to_host
 from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.passes import WHOLE, Answer, ContractError, Part, Pass
 from diffuse.plan import Patch, ReturnMap, SlotRef
@@ -66,6 +67,7 @@ class Channel:
         self._sent_rmap: dict[str, ReturnMap] = {}
         self._mirror = SlotCache(SLOT_CACHE_BYTES)  # what every node's slot cache holds: (stack, slot) -> size
         self._waiting = False  # in receive, which probes by itself
+        self.device = None  # where the model's calls hand their tensors from, and get answers back (None: the CPU)
         self._closed = threading.Event()
         self._keepalive = None
         if probe is not None:
@@ -90,6 +92,8 @@ class Channel:
         if patch is not None and part is not None:
             raise ContractError("a pass carries one part: a patch, or another, not both")
         self._seq += 1
+        self.device = device_of(tensors) or self.device
+        tensors = to_host(tensors)  # one copy from an accelerator (CPU tensors: as they are)
         sent_tree = None
         if self._trees.get(stack) != tree:
             sent_tree = self._trees[stack] = tree
@@ -162,7 +166,7 @@ class Channel:
             counted = self.stats.reuse.setdefault(answer.stack[:200], [0, 0])
             counted[0] += answer.skipped
             counted[1] += 1
-        return decode_value(answer.out, tensors)
+        return decode_value(answer.out, to_device(tensors, self.device))
 
     def _wait(self, seq: int):
         deadline = time.monotonic() + self.timeout_s

@@ -82,11 +82,11 @@ class ClientCaches:
         cross = getattr(cache, "cross_attention_cache", None)
         b, q = hidden.shape[0], hidden.shape[1]
         for i in layers:
-            z = torch.zeros(b, 1, q, 1, dtype=hidden.dtype)  # numel > 0: an empty tensor would read as length 0
+            z = torch.zeros(b, 1, q, 1, dtype=hidden.dtype, device=hidden.device)  # numel > 0: an empty tensor would read as length 0
             part.update(z, z.clone(), i)
             if cross is not None and cross.get_seq_length(i) == 0:
                 # the encoder memory's keys and values are on the nodes too; a placeholder says "filled"
-                one = torch.zeros(b, 1, 1, 1, dtype=hidden.dtype)
+                one = torch.zeros(b, 1, 1, 1, dtype=hidden.dtype, device=hidden.device)
                 cross.update(one, one.clone(), i)
 
 

@@ -120,13 +120,13 @@ def embedding_report(splitter) -> dict:
 def generate_text(a: argparse.Namespace, console, info) -> dict:
     import torch
 
-    import diffuse
-    from diffuse.api import Split
+    from diffuse.api import Split, client_compute, load_whole_or_shell
     from diffuse.audio_inputs import takes_audio_in_chat
+    from diffuse.devices import inputs_on
     from diffuse.media_inputs import build_inputs, load_config, load_tokenizer, media_kind
-    from diffuse.planner import load_model
 
     t0 = time.perf_counter()
+    compute = client_compute(info, a.device, a.dtype)
     gen = generation_kwargs(a)  # the flags were checked against the model in diffuse.cli
     cls = info.subject.denoiser_class()
     if getattr(cls, "main_input_name", "input_ids") == "input_features":  # it listens: audio in, text out
@@ -160,7 +160,9 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
     if note:
         console.print(note, highlight=False, soft_wrap=True)
     tokenizer = load_tokenizer(info.path)
-    model = load_model(info.path, info.subject) if a.whole else diffuse.from_pretrained(info.path)
+    model = load_whole_or_shell(info, compute, shell=not a.whole)
+    model._diffuse = info
+    inputs = inputs_on(inputs, compute.device)
     times = {"load": time.perf_counter() - t0}
     if audio_rate(model) is not None:  # it composes: text in, audio out
         return compose_audio(a, console, info, model, inputs, gen, times, t0)
@@ -368,6 +370,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
 
     import diffuse
     from diffuse.api import ModelInfo, Split
+    from diffuse.devices import inputs_on, model_device
     from diffuse.media_inputs import chat_inputs, load_tokenizer
 
     if a.threads:
@@ -377,7 +380,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
         raise DiffuseError(f"{info.path} is a diffusion pipeline; diffuse chat talks to language models")
     cli.lan_nodes(a, info.subject, console)
     cli.status(console, f"{info.subject.denoiser_class_name}: loading it without the layers the nodes will hold")
-    model = diffuse.from_pretrained(info.path)
+    model = diffuse.from_pretrained(info.path, device=a.device, dtype=a.dtype)
     tokenizer = load_tokenizer(info.path)
     interactive = lines is None and sys.stdin.isatty()
     lines = lines if lines is not None else sys.stdin
@@ -405,6 +408,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
                 continue
             messages.append({"role": "user", "content": line})
             inputs, note = chat_inputs(info.path, messages, images)
+            inputs = inputs_on(inputs, model_device(model))
             if note and not turns:
                 console.print(note, highlight=False, soft_wrap=True)
             cached = cache.get_seq_length()

@@ -68,6 +68,8 @@ def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: st
     if client is not None:
         extra = [*extra, "--allow-client", client.public_hex]
     env = node_env()
+    if on_accelerator(extra):  # CUDA cannot be used in a process forked from one that imported it: plain starts
+        env["DIFFUSE_LAUNCHER"] = "0"
     try:
         per = n // groups
         for i in range(n):
@@ -91,6 +93,17 @@ def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: st
     except BaseException:
         stop_local_nodes(nodes)
         raise
+
+
+def on_accelerator(args) -> bool:
+    """Whether node flags ``args`` name a device other than the CPU (``--device auto`` may find one)."""
+    args = list(args)
+    for i, arg in enumerate(args):
+        value = arg.split("=", 1)[1] if arg.startswith("--device=") else args[i + 1] if arg == "--device" and \
+            i + 1 < len(args) else None
+        if value is not None:
+            return value != "cpu"
+    return False
 
 
 def _read_ready(node: LocalNode) -> dict:

@@ -30,6 +30,7 @@ import torch
 
 from diffuse import discovery, frames, sealing
 from diffuse.batching import MAX_BATCH, batch_key, run_batch
+from diffuse.devices import to_device, to_host
 from diffuse.text import plain
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.home import config_home
@@ -114,7 +115,7 @@ class Node:
     def __init__(self, model_path: str, listen: str, blocks: str | None, key_file: str | None,
                  allowed_clients: set[bytes] | None = None, advertise: str | None = None,
                  max_message_bytes: int | None = None, max_sessions: int = MAX_SESSIONS,
-                 max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT, batch: bool = True):
+                 max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT, batch: bool = True, compute=None):
         from diffuse.analysis import ModelSubject
         from diffuse.planner import config_draft
         from diffuse.plugins import transport_for
@@ -126,7 +127,9 @@ class Node:
         draft = config_draft(subject, wanted={"stacks", "two_stream"})  # not the pipeline's output: it loads far more
         self.stacks: list[StackPlan] = draft["stacks"]
         self.two_stream: dict[str, bool] = dict(draft.get("two_stream", {}))  # such stacks run uncut steps
-        self.store = BlockStore(model_path, subject, self.stacks)
+        self.store = BlockStore(model_path, subject, self.stacks, compute)
+        self.runs_on = self.store.compute  # where its blocks compute and in what (--device, --dtype)
+        self.device = self.runs_on.device
         self.store.fixed = parse_slices(blocks, self.stacks)
         self.speeds = SpeedBook(self.store.model_hash)  # its own measured speed, said at hello (diffuse.placement)
         self.next_hops = NextHop()  # its links to the next hops it was given (diffuse.links)
@@ -197,6 +200,7 @@ class Node:
         malformed = None
         try:
             header, tensors = frames.open_message(sess.in_hop, raw)
+            tensors = to_device(tensors, self.device)  # the CPU's: as they are
         except MalformedHeader as exc:  # its sender is authentic: it hears why, in one line
             header, tensors, malformed = {}, [], f"malformed header: {exc}"
         except WireError as exc:
@@ -247,6 +251,8 @@ class Node:
                 with torch.no_grad():
                     w0 = time.perf_counter()
                     out = m.sess.run(m.pass_)
+                    if self.device.type == "cuda":  # the kernels done, so the speed measured is theirs
+                        torch.cuda.synchronize(self.device)
                     ran = time.perf_counter() - w0
                     self.speeds.add(m.pass_, m.sess.dtype, ran)
                 m.reply = m.sess.finish(m.pass_, out)
@@ -298,7 +304,7 @@ class Node:
         out_header, out_tensors = m.reply
         if m.header.get("op") == "call" and type(m.header.get("seq")) is int:
             _keep(sess.busy_log, [m.header["seq"], m.busy])
-        out = frames.seal_message(sess.out_hop, out_header, out_tensors)
+        out = frames.seal_message(sess.out_hop, out_header, to_host(out_tensors))  # the CPU's: as they are
         sess.bytes_out += sum(len(f) for f in out)
         outbox = self.sessions.outbox(sess.sid)
         if outbox is None:
@@ -499,6 +505,16 @@ def _wire(text: str) -> tuple[int, ...]:
     return versions
 
 
+def node_compute(device: str | None, dtype: str | None, path: str):
+    """``--device`` and ``--dtype`` for the model at ``path`` (``auto`` on an accelerator: the dtype the folder
+    declares for the component holding the blocks), checked before anything loads."""
+    from diffuse.analysis import ModelSubject
+    from diffuse.devices import Compute, resolve_device
+
+    resolve_device(device)  # refused before the folder is read
+    return Compute.of(device, dtype, path, ModelSubject.from_path(path).denoiser or None)
+
+
 def main(argv: list[str] | None = None) -> int:
     from diffuse import cli
 
@@ -533,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-memory", type=float, default=None, metavar="GIB",
                     help="the most this node's blocks and sessions may take, in GiB, as it tells clients planning "
                     "where slices go (default: what its cgroup or machine has available)")
+    cli.device_flags(ap, "this node's blocks")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone (local nodes)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
@@ -548,13 +565,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cli.check_port_free(a.listen)  # before anything loads
+        path = resolve_model(a.model)
+        compute = node_compute(a.device, a.dtype, path)  # a device or dtype this machine lacks: refused here
         lan = discovery.Announcer(a.listen) if a.announce else None  # the library there, an address others reach
-        log.info("loading %s%s", a.model, f" (blocks {a.blocks})" if a.blocks else "")
+        log.info("loading %s%s on %s", a.model, f" (blocks {a.blocks})" if a.blocks else "", compute.describe())
         key_file = None if a.ephemeral_key else (a.key_file or os.path.join(config_home(), "node.key"))
-        node = Node(resolve_model(a.model), a.listen, a.blocks, key_file,
+        node = Node(path, a.listen, a.blocks, key_file,
                     set(a.allow_client) if a.allow_client else None, a.advertise_data,
                     a.max_message_mb << 20 if a.max_message_mb else None, a.max_sessions, a.max_sessions_per_client,
-                    batch=not a.no_batch)
+                    batch=not a.no_batch, compute=compute)
     except (DiffuseError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -45,7 +45,7 @@ UNLIMITED = 1 << 62  # a cgroup limit at or above this is no limit (v1 writes 92
 MAX_REPORTS = 1024  # node reports the client remembers (the most recent)
 REPORT_FRESH_S = 3600.0  # an older report is not planned from (each ring's opening asks every listed node afresh;
 # a repair later in a session plans from what they said then)
-DEVICE, NODE_DTYPE = "cpu", "float32"  # what a node computes on today, and in
+DEVICE, NODE_DTYPE = "cpu", "float32"  # what a node computes on and in when it is named neither (diffuse.devices)
 
 
 class DoesNotFit(DiffuseError):
@@ -250,12 +250,24 @@ def _held_runs(store) -> list[list]:
     return runs
 
 
+def device_report(node) -> tuple[str, str, dict]:
+    """A node's device (``cpu``, ``cuda:0 (NVIDIA ...)``), its compute dtype (float32 where it was named none: a
+    CPU node then computes in what each session asks) and the memory it may still take: on an accelerator the device's free memory
+    (``torch.cuda.mem_get_info``), shared by the nodes on that device (its pool); on the CPU ``memory_report``."""
+    from diffuse.devices import device_name, dtype_name, memory_report as device_memory
+
+    compute = getattr(node, "runs_on", None)
+    if compute is None or compute.on_cpu:
+        return DEVICE, dtype_name(getattr(compute, "dtype", None), NODE_DTYPE), memory_report()
+    return device_name(compute.device), dtype_name(compute.dtype, NODE_DTYPE), device_memory(compute.device)
+
+
 def node_report(node) -> dict:
     """What a node says of itself at hello (``diffuse.node_control``)."""
     import torch
 
     speeds = getattr(node, "speeds", None)
-    memory = memory_report()
+    device, dtype, memory = device_report(node)
     most = getattr(node, "max_memory", None)
     if most is not None:  # --max-memory: what its blocks may take in all, whatever the machine has
         held = sum(_module_bytes(b) for b in list(node.store.blocks.values()))
@@ -263,7 +275,7 @@ def node_report(node) -> dict:
         if memory["available"] is None or room < memory["available"]:  # its own bound: shared with no one
             memory = dict(memory, available=room, source=f"--max-memory {most / GIB:.3g} GiB", pool="")
     return {"memory": memory, "holds": _held_runs(node.store)[:256],
-            "threads": torch.get_num_threads(), "cpus": cpu_count(), "device": DEVICE, "dtype": NODE_DTYPE,
+            "threads": torch.get_num_threads(), "cpus": cpu_count(), "device": device, "dtype": dtype,
             "speed": speeds.report() if speeds is not None else None}
 
 

@@ -128,13 +128,12 @@ def generate(a: argparse.Namespace, console) -> dict:
                    a.quiet):
         import torch
 
-        import diffuse
-        from diffuse.api import ModelInfo, Split
-        from diffuse.planner import load_pipeline
+        from diffuse.api import ModelInfo, Split, client_compute, load_whole_or_shell
 
         if a.threads:
             torch.set_num_threads(a.threads)
         info = ModelInfo.of(path)  # refusals happen here, before any node is contacted
+        compute = client_compute(info, a.device, a.dtype)
     cli.check_flags_for(a, info.subject.autoregressive)
     cli.lan_nodes(a, info.subject, console)  # --nodes auto: the nodes announced on this network
     if a.nodes is None and not a.whole:
@@ -150,11 +149,8 @@ def generate(a: argparse.Namespace, console) -> dict:
     pipeline = info.subject.model_index.get("_class_name", "the pipeline")
     with cli.phase(console, f"{pipeline}, block stacks {stacks}: loading it"
                    f"{' whole' if a.whole else ' without the blocks the nodes will hold'}", a.quiet):
-        if a.whole:
-            pipe = load_pipeline(info.path)
-            pipe._diffuse = info
-        else:
-            pipe = diffuse.from_pretrained(info.path)
+        pipe = load_whole_or_shell(info, compute, shell=not a.whole)
+        pipe._diffuse = info
         kwargs = call_kwargs(a, pipe, info)
         from diffuse.dryrun import check_sizes, notes
 

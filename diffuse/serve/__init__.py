@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "nodes (for nodes run with --allow-client)")
     ap.add_argument("--local-transport", default="tcp", metavar="SCHEME", help="URL scheme of local nodes")
     ap.add_argument("--quiet", action="store_true", help="no line per request")
+    from diffuse.cli import device_flags
+
+    device_flags(ap)
     return ap
 
 
@@ -238,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> None:
         nonlocal service
+        cli.check_device_flags(a)  # then the default of every load here and of the local nodes (diffuse.devices)
+        os.environ.update({k: v for k, v in (("DIFFUSE_DEVICE", a.device), ("DIFFUSE_DTYPE", a.dtype)) if v})
         host, port = parse_listen(a.listen)
         if host not in LOOPBACK and not a.api_key:
             raise DiffuseError(f"--listen {a.listen}: beyond loopback the service needs --api-key KEY (or "

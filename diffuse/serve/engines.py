@@ -391,13 +391,16 @@ class LanguageEngine(Engine):
                       on_delta=None) -> TextResult:
         import torch
 
+        from diffuse.devices import inputs_on, model_device
+
         model = self.pool.take(cancel)
         try:
             stream = TextStream(self.tokenizer, cancel, stop, on_delta)
             prompt_len = int(inputs["input_ids"].shape[1]) if "input_ids" in inputs else 0
             with self.split(model), seeded(gen, seed), torch.no_grad():
                 try:
-                    out = model.generate(**inputs, **gen, streamer=stream, return_dict_in_generate=True)
+                    out = model.generate(**inputs_on(inputs, model_device(model)), **gen, streamer=stream,
+                                         return_dict_in_generate=True)
                 except _StopString:
                     out = None
         finally:
@@ -431,6 +434,7 @@ class LanguageEngine(Engine):
         query --out x.wav`` writes for the same request."""
         import torch
 
+        from diffuse.devices import inputs_on, model_device
         from diffuse.media_inputs import build_inputs
 
         if not self.sample_rate:
@@ -440,7 +444,7 @@ class LanguageEngine(Engine):
         try:
             steps = _Steps(cancel)
             with self.split(model), seeded(gen, seed), torch.no_grad():
-                audio = model.generate(**inputs, **gen, streamer=steps)
+                audio = model.generate(**inputs_on(inputs, model_device(model)), **gen, streamer=steps)
         finally:
             self.pool.give(model)
         arr = audio.detach().to(torch.float32).cpu().numpy()
