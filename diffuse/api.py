@@ -244,6 +244,7 @@ class Split:
         self.ahead = o.ahead  # with patches, the next guidance branch's call sent while this one finishes
         self.repair = o.repair if o.repair is not None else RepairPolicy()  # one for all of this split's rings
         self.repair.placement = o.placement  # where nodes that hold nothing fixed get their slices
+        self.repair.depth = max(1, o.patches)  # ... planned for this many passes in flight at once
         self.embedding_on_node = o.embedding_on_node
         self.node_device, self.node_dtype = o.device, o.dtype  # local nodes' --device and --dtype (None: as the client)
         if o.device is not None or o.dtype is not None:

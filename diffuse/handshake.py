@@ -10,7 +10,10 @@ versions it speaks; each node's is the highest both speak, and each data hop's
 is the highest its two ends speak (a node that speaks only an older version
 keeps serving, in a ring with newer ones). ``open`` and ``close`` are sealed to
 the node's key and carry their operation inside the seal; only a reply sealed
-by that key, for that operation, session and challenge, counts. ``open`` tells
+by that key, for that operation, session and challenge, counts. The first
+hello to a node (in ``diffuse.links.FRESH_S``) is followed by a few sealed link
+pings, which measure the client's link to it; an open names the next node's
+control address and key, and the node answers with its link to it. ``open`` tells
 each node its ``StagePlan`` and its two hop keys: at wire version 1 inside the
 seal, at version 2 under a key agreed for that open (``sealing.agree``), so a
 recorded session cannot be opened later with the node's long-term key.
@@ -21,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 
-from diffuse import frames, sealing
+from diffuse import frames, links, sealing
 from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.known_nodes import parse_node, pin_key
 from diffuse.placement import note_hello
@@ -157,6 +160,8 @@ class Handshake:
                 raise NodeError(stage.address, f"says it holds what this model does not have: {exc}") from None
         hello["speaks"] = speaks
         note_hello(stage.address, hello, rtt)  # what it says of its memory and speed, for placement
+        if expect_key is None:  # the link to it: a few sealed pings, unless measured in the last minutes
+            links.measure_client_link(self.transports[k], stage.address, self.identity, key)
         self.wire[stage.address] = best
         hello["at"] = time.monotonic()
         return hello
@@ -188,7 +193,11 @@ class Handshake:
                 stage_plan = StagePlan(plan.model.content_hash, plan.compute_dtype, stage.slices, nexts[k],
                                        self.attention, hops[k], hops[k + 1])
                 payload = self._open_payload(k, hello, stage_plan, hop_keys[k], hop_keys[k + 1])
+                if k + 1 < len(plan.route):  # the node measures its link to the next one (diffuse.links)
+                    payload.update(next_control=plan.route[k + 1].address, next_key=self.keys[k + 1])
                 reply = self.sealed(k, "open", payload, OPEN_TIMEOUT_S)
+                if k + 1 < len(plan.route):
+                    links.note(stage.address, plan.route[k + 1].address, links.Link.from_dict(reply.get("link")))
                 self.opened.append(k)
                 self.uncut.update(s for s in reply.get("uncut") or () if isinstance(s, str))
         except BaseException:

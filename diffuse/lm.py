@@ -19,6 +19,7 @@ from contextlib import nullcontext
 
 from diffuse import cli
 from diffuse.errors import DiffuseError
+from diffuse.links import route_lines
 
 TOP_SAVED = 8  # candidates per step written to --report: ids and exact values
 
@@ -236,7 +237,7 @@ def read_inputs(a: argparse.Namespace, info):
 
 def text_split_report(split, new_tokens: int) -> dict:
     """What a split language-model run adds to the report: the wire's figures per token, what the client still
-    holds, each node's figures and, where tokens were drawn on the last node, the draws."""
+    holds, each node's figures, the links of its route and, where tokens were drawn on the last node, the draws."""
     st = split.ring.channel_stats
     per_token = max(1, new_tokens)
     report = dict(
@@ -249,7 +250,7 @@ def text_split_report(split, new_tokens: int) -> dict:
         **embedding_report(split.splitter),
         node_stats=[dict(r, address=s.address, bytes_per_token_in=r.get("bytes_in", 0) / per_token)
                     for s, r in zip(split.plan.route, split.node_reports)],
-        messages=st.messages)
+        links=route_lines([s.address for s in split.plan.route]), messages=st.messages)
     draw = split.splitter.last_draw
     if draw is not None:  # the tokens were drawn on the last node (diffuse.sampling)
         report["sampling"] = {"draws": draw.draws, "generator_states_sent": draw.states_sent,
@@ -366,6 +367,8 @@ def summarize(r: dict, console) -> None:
             console.print(f"  node {i}: {ns.get('messages', 0)} messages, {ns.get('bytes_in', 0) / 1024:.1f} KiB in, "
                           f"{ns.get('bytes_out', 0) / 1024:.1f} KiB out, cache {ns.get('cache_bytes', 0) / 1024:.1f} KiB, "
                           f"busy {ns.get('busy_s', 0.0):.2f} s", soft_wrap=True)
+        for line in r.get("links") or []:
+            console.print(f"  link {line}", soft_wrap=True)
 
 
 def chat_parser() -> argparse.ArgumentParser:

@@ -35,6 +35,7 @@ from diffuse.text import plain
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.home import config_home
 from diffuse.node_control import NodeControl, refusal
+from diffuse.links import NextHop
 from diffuse.placement import SpeedBook
 from diffuse.plan import WIRE_VERSIONS, StackPlan, parse_slices
 from diffuse.processes import alive
@@ -93,10 +94,11 @@ class Incoming:
     """A data message opened on the compute thread: its session, header and tensors; once prepared, the pass
     to run (``pass_``) or the message to send at once (``reply``); its batch key (``diffuse.batching``)."""
 
-    __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key", "busy")
+    __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key", "busy", "t0")
 
-    def __init__(self, sess, header: dict, tensors: list, malformed: str | None):
+    def __init__(self, sess, header: dict, tensors: list, malformed: str | None, t0: float = 0.0):
         self.sess, self.header, self.tensors, self.malformed = sess, header, tensors, malformed
+        self.t0 = t0 or time.perf_counter()  # when it began to be opened
         self.pass_: Pass | None = None
         self.reply: tuple[dict, list] | None = None
         self.key: tuple | None = None
@@ -130,6 +132,7 @@ class Node:
         self.device = self.runs_on.device
         self.store.fixed = parse_slices(blocks, self.stacks)
         self.speeds = SpeedBook(self.store.model_hash)  # its own measured speed, said at hello (diffuse.placement)
+        self.next_hops = NextHop()  # its links to the next hops it was given (diffuse.links)
         self.max_memory: int | None = None  # --max-memory, in bytes
         if self.store.fixed:
             self.store.load(self.store.fixed)
@@ -203,6 +206,7 @@ class Node:
         return env, sess
 
     def _open(self, raw: list[bytes]) -> "Incoming | None":
+        t0 = time.perf_counter()
         env, sess = self._addressed(raw)
         if sess is None:
             return None
@@ -220,7 +224,7 @@ class Node:
         sess.messages += 1
         if header.get("op") == "call":
             _keep(sess.hop_log, [header.get("seq"), nbytes])
-        return Incoming(sess, header, tensors, malformed)
+        return Incoming(sess, header, tensors, malformed, t0)
 
     def _failed(self, m: "Incoming", exc: Exception) -> None:
         """The message that answers a call that failed: the client hears of it; the node keeps serving."""
@@ -262,11 +266,19 @@ class Node:
                     out = m.sess.run(m.pass_)
                     if self.device.type == "cuda":  # the kernels done, so the speed measured is theirs
                         torch.cuda.synchronize(self.device)
-                    self.speeds.add(m.pass_, m.sess.dtype, time.perf_counter() - w0)
+                    ran = time.perf_counter() - w0
+                    self.speeds.add(m.pass_, m.sess.dtype, ran)
                 m.reply = m.sess.finish(m.pass_, out)
+                if getattr(m.pass_.part, "tail", None) is not None:  # the output head's work: planned as weights
+                    ran = time.perf_counter() - w0
             except Exception as exc:
                 self._failed(m, exc)
+                ran = None
             m.spent(time.thread_time() - t0)
+            self._send(m)
+            if ran is not None:  # its opening, checking, sealing and sending, besides its blocks
+                self.speeds.overhead(m.pass_, time.perf_counter() - m.t0 - ran)
+            return
         self._send(m)
 
     def _batch(self, group: list["Incoming"]) -> None:

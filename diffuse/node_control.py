@@ -7,7 +7,11 @@ the client also offers), a one-time challenge, and its report for placement
 threads, CPUs, device, dtype, measured speed); at wire version 2 also a
 fresh X25519 key for the open's key agreement (``sealing.agree``). ``ping``
 says whether the node is alive and still has a session; it is answered while
-blocks compute, so a client notices a dead or frozen node in seconds. ``open``
+blocks compute, so a client notices a dead or frozen node in seconds. ``link``
+(sealed, from any key) is answered with the count of padding bytes it carried,
+sealed: a link measurement (``diffuse.links``). An open that names the next
+node's control address and key (``next_control``, ``next_key``) has the node
+measure that link too, and say it in its reply. ``open``
 and ``close`` are sealed to the node's key, carry their own ``op`` inside the
 seal, and are answered sealed to the sender with ``re`` naming the operation
 and the request's session id and challenge echoed, so a reply cannot be moved
@@ -138,7 +142,7 @@ class NodeControl:
             return {"ok": True, **self.node.sessions.ping(msg.get("session"), msg.get("proof"))}
         if op == "status":
             return self.status()
-        if op in ("open", "close"):
+        if op in ("open", "close", "link"):
             return self.sealed(op, msg)
         return refusal(f"unknown control operation {op[:32]!r}")
 
@@ -206,6 +210,9 @@ class NodeControl:
         try:
             if payload.get("op") != op:  # else a sealed open could be replayed as a close, or the reverse
                 reply = refusal(f"the sealed payload is not for {op!r}")
+            elif op == "link":  # a link measurement (diffuse.links), from a client or a node before this one
+                pad = payload.get("pad")
+                reply = {"ok": True, "n": len(pad) if isinstance(pad, bytes) else 0}
             elif self.node.allowed is not None and sender not in self.node.allowed:
                 reply = refusal("this node does not serve your client key")
             elif op == "open" and (full := self._session_room(sender)):
@@ -277,10 +284,12 @@ class NodeControl:
 
         node.sessions.add(sid, StageSession(sid, node.store, stage, frames.Hop(sid, keys["in_key"], wire=stage.wire_in),
                                             frames.Hop(sid, keys["out_key"], wire=stage.wire_out)), sender, outbox)
+        link = node.next_hops.measure(node.transport, p.get("next_control"), p.get("next_key"), node.identity)
         log.info("session %s opened (wire %d; hops in %d, out %d): %s -> %s", sid.hex()[:8], wire, stage.wire_in,
                  stage.wire_out, ", ".join(map(str, stage.slices)), stage.next)
         # blocks that carry two streams (image and text side by side) cannot be cut into patches
-        return {"ok": True, "uncut": sorted(s.stack for s in stage.slices if node.two_stream.get(s.stack))}
+        return {"ok": True, "uncut": sorted(s.stack for s in stage.slices if node.two_stream.get(s.stack)),
+                "link": link.to_dict() if link is not None else None}
 
     def _agreed_keys(self, p: dict, sender: bytes, sid: bytes, challenge: bytes) -> dict:
         """A wire-2 open's hop keys, opened under the key agreed with the client (``sealing.agree``)."""

@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from diffuse import cli
 from diffuse.errors import DiffuseError  # noqa: E402
+from diffuse.links import route_lines  # noqa: E402
 
 FLAG_TO_ARG = {  # flag -> pipeline __call__ argument
     "prompt": "prompt", "negative_prompt": "negative_prompt", "steps": "num_inference_steps",
@@ -242,15 +243,16 @@ def run_pipeline(a: argparse.Namespace, console, pipe, kwargs: dict):
 
 
 def split_report(a: argparse.Namespace, split) -> dict:
-    """What a split run adds to the report: the wire's figures, the return maps, what each side held, and the
-    figures of branch groups, the first-block cache and patches where they were used."""
+    """What a split run adds to the report: the wire's figures, the return maps, what each side held, the links
+    of its routes, and the figures of branch groups, the first-block cache and patches where they were used."""
     st = split.ring.channel_stats
     report = dict(
         transport=split.ring.scheme, calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
         per_stack=st.per_stack, return_maps={k: v.to_dict() for k, v in split.splitter.plan.return_maps.items()},
         client_block_params=split.splitter.held_block_parameters(), client_reused=split.splitter.reused,
         node_params=[r.get("params") for r in split.node_reports], node_stats=split.node_reports,
-        messages=st.messages, returns=st.returns)
+        messages=st.messages, returns=st.returns,
+        links=[line for r in split.rings for line in route_lines([s.address for s in r.plan.route])])
     if len(split.rings) > 1:
         ring = split.ring
         report["branches"] = {"groups": len(split.rings), "ahead_used": ring.ahead_used,
@@ -323,6 +325,8 @@ def summarize(r: dict, console) -> None:
                 console.print(f"  node {i}: {ns.get('messages', 0)} messages, {ns.get('bytes_in', 0) / 1024:.1f} KiB in, "
                               f"{ns.get('bytes_out', 0) / 1024:.1f} KiB out, busy {ns.get('busy_s', 0.0):.1f} s",
                               soft_wrap=True)
+        for line in r.get("links") or []:
+            console.print(f"  link {line}", soft_wrap=True)
         fbc = r.get("first_block_cache")
         if fbc:
             from diffuse.firstblock import summary_line

@@ -337,6 +337,28 @@ class ZmqTransport:
                             + (f" ({tries} tries)" if tries > 1 else ""))
         return decode_reply(answer, address)
 
+    def exchange(self, address: str, messages: list[dict], timeout_s: float) -> list[tuple[dict, float]]:
+        """Several control requests in turn on one connection, each reply with the seconds from its send
+        (the first also pays for the connection; the later ones are what a kept connection costs, as a data
+        hop's does). NodeError if any reply does not come within ``timeout_s`` of its send."""
+        out = []
+        sock = self.ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        try:
+            sock.connect(address)
+            for message in messages:
+                raw = encode_request(message)
+                t0 = time.perf_counter()
+                sock.send(raw)
+                if not sock.poll(max(1, int(timeout_s * 1000))):
+                    raise NodeError(address, f"no answer to {str(message.get('op'))[:32]!r} within {timeout_s:.0f} s")
+                answer = sock.recv()
+                out.append((decode_reply(answer, address), time.perf_counter() - t0))
+        finally:
+            sock.close(0)
+        return out
+
 
 def zeromq_transport(scheme: str) -> ZmqTransport:
     """This transport for any scheme ZeroMQ speaks (``tcp``, ``ipc``): what ``diffuse.transport_api.zeromq_transport``
