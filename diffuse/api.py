@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from diffuse.errors import DiffuseError
 
@@ -180,61 +180,81 @@ def check_options(patches: int, nodes_given: bool, local_nodes: int | None, bran
     return threshold
 
 
-class Split:
-    """A pipeline (or denoiser) split over a ring for the duration of a ``with`` block."""
+@dataclass
+class SplitOptions:
+    """How a ``Split`` runs: every option of ``diffuse.split`` but the model and its nodes (described there)."""
 
-    def __init__(self, pipe_or_model, nodes=None, local_nodes: int | None = None, patches: int = 1,
-                 threads: int | None = None, timeout: float = 300.0, client_key: str | None = None,
-                 attention: str = "auto", local_transport: str = "tcp", model: str | None = None,
-                 started=None, branch_groups: int = 1, cache_threshold: float = 0.0, ahead: bool = True,
-                 repair=None, embedding_on_node: bool = False, placement: str = "planned",
-                 device: str | None = None, dtype: str | None = None):
+    local_nodes: int | None = None
+    patches: int = 1
+    threads: int | None = None
+    timeout: float = 300.0
+    client_key: str | None = None
+    attention: str = "auto"
+    local_transport: str = "tcp"
+    model: str | None = None
+    started: object = None  # local nodes already started by the caller (a diffuse.localnodes.LocalNodes)
+    branch_groups: int = 1
+    cache_threshold: float = 0.0
+    ahead: bool = True
+    repair: object = None  # a diffuse.repair.RepairPolicy; None: the default policy
+    embedding_on_node: bool = False
+    placement: str = "planned"
+    device: str | None = None
+    dtype: str | None = None
+
+
+class Split:
+    """A pipeline (or denoiser) split over a ring for the duration of a ``with`` block. Options come as a
+    ``SplitOptions``, as keywords (``Split(pipe, nodes, patches=2)``), or both (the keywords win)."""
+
+    def __init__(self, pipe_or_model, nodes=None, options: SplitOptions | None = None, **named):
         from diffuse.branches import parse_groups
         from diffuse.repair import RepairPolicy
         from diffuse.known_nodes import parse_nodes
-
-        check_options(patches, nodes is not None, local_nodes, branch_groups, cache_threshold)  # before any reading
         from diffuse.placement import PLACEMENTS
 
-        if placement not in PLACEMENTS:
-            raise DiffuseError(f"--placement {placement}: choose {' or '.join(PLACEMENTS)}")
-        self.placement = placement
+        o = replace(options or SplitOptions(), **named)
+        check_options(o.patches, nodes is not None, o.local_nodes, o.branch_groups, o.cache_threshold)  # first
+        if o.placement not in PLACEMENTS:
+            raise DiffuseError(f"--placement {o.placement}: choose {' or '.join(PLACEMENTS)}")
+        self.placement = o.placement
         self.target = pipe_or_model
-        self.info = model_info(pipe_or_model, model)
+        self.info = model_info(pipe_or_model, o.model)
         self.groups = None  # node lists, one per group of branches, when there are several
         if nodes is not None:
             groups = [parse_nodes(g) for g in parse_groups(nodes)] if isinstance(nodes, str) and ";" in nodes \
                 else [parse_nodes(g) for g in nodes] if nodes and all(isinstance(g, list) for g in nodes) \
                 else [parse_nodes(nodes)]
-            if branch_groups not in (1, len(groups)):
-                raise DiffuseError(f"--branch-groups {branch_groups}, but --nodes lists {len(groups)} group(s) "
+            if o.branch_groups not in (1, len(groups)):
+                raise DiffuseError(f"--branch-groups {o.branch_groups}, but --nodes lists {len(groups)} group(s) "
                                    "(separate groups with ';')")
             self.nodes = [n for g in groups for n in g]
             self.groups = groups if len(groups) > 1 else None
         else:
             self.nodes = None
-        asked = local_nodes if local_nodes is not None else 2 * branch_groups
-        self.branch_groups = len(self.groups) if self.groups else branch_groups
-        self.cache_threshold = check_options(patches, nodes is not None, local_nodes, self.branch_groups,
-                                             cache_threshold, self.info.subject.autoregressive)
+        asked = o.local_nodes if o.local_nodes is not None else 2 * o.branch_groups
+        self.branch_groups = len(self.groups) if self.groups else o.branch_groups
+        self.cache_threshold = check_options(o.patches, nodes is not None, o.local_nodes, self.branch_groups,
+                                             o.cache_threshold, self.info.subject.autoregressive)
         self.local = None if nodes is not None else plan_local_nodes(
-            asked // branch_groups, self.info.draft["stacks"], patches, threads)
-        if self.local is not None and branch_groups > 1:
-            self.local = LocalNodesPlan(self.local.count * branch_groups, self.local.threads, self.local.notes)
-        self.patches, self.timeout, self.client_key = patches, timeout, client_key
-        self.ahead = ahead  # with patches, the next guidance branch's call sent while this one finishes
-        self.repair = repair if repair is not None else RepairPolicy()  # one for all of this split's rings
-        self.repair.placement = placement  # where nodes that hold nothing fixed get their slices
-        self.embedding_on_node = embedding_on_node
-        self.node_device, self.node_dtype = device, dtype  # local nodes' --device and --dtype (None: as the client)
-        if device is not None or dtype is not None:
+            asked // o.branch_groups, self.info.draft["stacks"], o.patches, o.threads)
+        if self.local is not None and o.branch_groups > 1:
+            self.local = LocalNodesPlan(self.local.count * o.branch_groups, self.local.threads, self.local.notes)
+        self.patches, self.timeout, self.client_key = o.patches, o.timeout, o.client_key
+        self.ahead = o.ahead  # with patches, the next guidance branch's call sent while this one finishes
+        self.repair = o.repair if o.repair is not None else RepairPolicy()  # one for all of this split's rings
+        self.repair.placement = o.placement  # where nodes that hold nothing fixed get their slices
+        self.repair.depth = max(1, o.patches)  # ... planned for this many passes in flight at once
+        self.embedding_on_node = o.embedding_on_node
+        self.node_device, self.node_dtype = o.device, o.dtype  # local nodes' --device and --dtype (None: as the client)
+        if o.device is not None or o.dtype is not None:
             from diffuse.devices import resolve_device, resolve_dtype
 
-            resolve_device(device)  # refused here, before any node starts
-            if dtype not in (None, "auto"):
-                resolve_dtype(dtype, resolve_device(device), None)
-        self.attention, self.local_transport = attention, local_transport
-        self.started = started  # local nodes already started by the caller (a diffuse.localnodes.LocalNodes)
+            resolve_device(o.device)  # refused here, before any node starts
+            if o.dtype not in (None, "auto"):
+                resolve_dtype(o.dtype, resolve_device(o.device), None)
+        self.attention, self.local_transport = o.attention, o.local_transport
+        self.started = o.started
         self.local_nodes = None
         self.ring = None
         self._rings: list = []

@@ -176,28 +176,25 @@ def patch_times(path: str, cfg: dict, x: dict, patches: int, repeat: int = 3) ->
     return result
 
 
+SUBCOMMANDS = {  # python -m diffuse.bench NAME ...: the module and function that run it
+    "quality": ("diffuse.quality", "main"),  # the quality table on the trained model
+    "cache": ("diffuse.quality", "cache_main"),  # the first-block cache's speed and quality
+    "serve": ("diffuse.serve.bench", "main"),  # the service: warm against cold, concurrent streams against one
+    "lm": ("diffuse.bench_lm", "main"),  # a language model whole and split
+    "device": ("diffuse.bench_device", "main"),  # a Wan2.1-1.3B-shaped model on one device, whole against 2 nodes
+    "placement": ("diffuse.bench_placement", "main"),  # even slices against planned ones on unequal nodes
+    "links": ("diffuse.bench_links", "main"),  # a language model over a slowed client link, against its floor
+    "memory": ("diffuse.bench_memory", "main"),  # peak memory per process at a real model's geometry
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["quality"]:  # the quality table on the trained model: diffuse/quality.py
-        from diffuse.quality import main as quality_main
+    if argv[:1] and argv[0] in SUBCOMMANDS:  # each in its own module
+        import importlib
 
-        return quality_main(argv[1:])
-    if argv[:1] == ["cache"]:  # the first-block cache's speed and quality: diffuse/quality.py
-        from diffuse.quality import cache_main
-
-        return cache_main(argv[1:])
-    if argv[:1] == ["serve"]:  # the service: warm against cold, concurrent streams against one
-        from diffuse.serve.bench import main as serve_main
-
-        return serve_main(argv[1:])
-    if argv[:1] == ["device"]:  # a Wan2.1-1.3B-shaped model on one device, whole against 2 nodes sharing it
-        from diffuse.bench_device import main as device_main
-
-        return device_main(argv[1:])
-    if argv and argv[0] == "lm":
-        from diffuse.bench_lm import main as lm_main
-
-        return lm_main(argv[1:])
+        module, function = SUBCOMMANDS[argv[0]]
+        return getattr(importlib.import_module(module), function)(argv[1:])
     from diffuse.text import plain
 
     from diffuse.cli import Parser
@@ -212,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
                                         "python -m diffuse.bench serve [--help]: the service warm against a cold "
                                         "query, and 8 concurrent streams against one. "
                                         "python -m diffuse.bench device [--help]: a Wan2.1-1.3B-shaped model on "
-                                        "one device (--device cuda), whole against 2 nodes sharing it, P=1 and P=2")
+                                        "one device (--device cuda), whole against 2 nodes sharing it, P=1 and P=2. "
+                                        "python -m diffuse.bench placement|links|memory [--help]: even slices "
+                                        "against planned ones on unequal nodes; a slowed client link against its "
+                                        "floor; peak memory per process at a real model's geometry")
     ap.add_argument("--quick", action="store_true", help="a small model, for a smoke test (well under a minute)")
     ap.add_argument("--steps", type=int, help="denoising steps per configuration (the first two are not timed)")
     ap.add_argument("--only", metavar="NAME[,NAME]", help="run these configurations only (of: " +

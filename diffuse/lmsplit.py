@@ -506,6 +506,7 @@ class GenerateCapture:
         self._node_tail = None  # what the open ring's last node holds for draws (diffuse.sampling.NodeTail)
 
     def wrap(self, changes) -> None:
+        from diffuse.kvcache import check_prompt
         from diffuse.tail import candidates_needed
 
         model = self.ends.model
@@ -513,6 +514,7 @@ class GenerateCapture:
 
         @functools.wraps(bound)
         def generate(*args, **kwargs):
+            check_prompt(model.config, kwargs.get("input_ids", args[0] if args else None))  # before any pass
             self.top = candidates_needed(model, kwargs)
             # greedy from the best few: until this model is known not to change its logits after the head, its
             # first pass brings the whole last row (diffuse.shortlist.ShortlistCheck learns it there)

@@ -35,6 +35,7 @@ from diffuse.text import plain
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.home import config_home
 from diffuse.node_control import NodeControl, refusal
+from diffuse.links import NextHop
 from diffuse.placement import SpeedBook
 from diffuse.plan import WIRE_VERSIONS, StackPlan, parse_slices
 from diffuse.processes import alive
@@ -135,10 +136,11 @@ class Incoming:
     to run (``pass_``) or the message to send at once (``reply``); its batch key (``diffuse.batching``); where
     its time went (``parts``: wall seconds of each stage, for ``python -m diffuse.bench``)."""
 
-    __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key", "busy", "parts")
+    __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key", "busy", "t0", "parts")
 
-    def __init__(self, sess, header: dict, tensors: list, malformed: str | None):
+    def __init__(self, sess, header: dict, tensors: list, malformed: str | None, t0: float = 0.0):
         self.sess, self.header, self.tensors, self.malformed = sess, header, tensors, malformed
+        self.t0 = t0 or time.perf_counter()  # when it began to be opened
         self.pass_: Pass | None = None
         self.reply: tuple[dict, list] | None = None
         self.key: tuple | None = None
@@ -181,12 +183,16 @@ class Node:
         self.device = self.runs_on.device
         self.store.fixed = parse_slices(blocks, self.stacks)
         self.speeds = SpeedBook(self.store.model_hash)  # its own measured speed, said at hello (diffuse.placement)
+        self.next_hops = NextHop()  # its links to the next hops it was given (diffuse.links)
         self.max_memory: int | None = None  # --max-memory, in bytes
         if self.store.fixed:
             self.store.load(self.store.fixed)
         self.identity = load_identity(key_file)
         self.allowed = allowed_clients
-        self.endpoint = self.transport.serve(listen, max_message_bytes)
+        self.sessions = SessionTable()
+        self.refused_connections = 0  # data connections that named no open session (or not with its token)
+        admits = {"admit": self.admit_connection} if getattr(self.transport, "admits", False) else {}
+        self.endpoint = self.transport.serve(listen, max_message_bytes, **admits)
         self.max_sessions = session_capacity(max_sessions, getattr(self.transport, "max_sockets", None))
         if self.max_sessions < max_sessions:
             log.warning("at most %d sessions at once: the open-file limit leaves room for no more (raise it "
@@ -194,7 +200,6 @@ class Node:
         self.max_sessions_per_client = min(max_sessions_per_client, self.max_sessions)
         self.state_bytes = StateTally()
         self.data_address = advertise or self.endpoint.address  # what peers dial (differs behind NAT or a relay)
-        self.sessions = SessionTable()
         self.control = NodeControl(self)
         self.work: queue.Queue = queue.Queue(MAX_QUEUED)  # frames to compute, or ("close", outbox)
         self.closing: collections.deque = collections.deque()  # outboxes to close that found the queue full
@@ -202,6 +207,16 @@ class Node:
         self.batching = batch and bool(getattr(subject, "autoregressive", False))
         self.batches = self.batched_rows = self.batch_fallbacks = 0  # counted by the compute thread
         self.idle_s = 0.0  # the compute thread's waits for work not yet counted in a call's record
+
+    def admit_connection(self, user, password) -> bool:
+        """Asked by the transport (its own thread) about each new connection to the data port, before any of
+        its bytes are taken: only a sending end of an open session, with that session's token, is let in; a
+        stranger's connection is closed at once and costs the node nothing it buffers."""
+        if self.sessions.admits(user, password):
+            return True
+        self.refused_connections += 1
+        log.debug("refused a connection to the data port: it names no open session, or not with its token")
+        return False
 
     # -- data (compute thread) ---------------------------------------------------
     def data(self, raw: list[bytes]) -> None:
@@ -226,6 +241,7 @@ class Node:
         except WireError as exc:
             log.warning("rejected a message for session %s: %s", sess.sid.hex()[:8], exc)
             return False
+        sess.last_used = time.monotonic()  # authentic data: the session is in use (``NodeControl._make_room``)
         return True
 
     def _addressed(self, raw: list[bytes]) -> tuple[dict | None, "object | None"]:
@@ -242,11 +258,11 @@ class Node:
         return env, sess
 
     def _open(self, raw: list[bytes]) -> "Incoming | None":
+        t0 = time.perf_counter()
         env, sess = self._addressed(raw)
         if sess is None:
             return None
         malformed = None
-        t0 = time.perf_counter()
         try:
             header, tensors = frames.open_message(sess.in_hop, raw)
             tensors = to_device(tensors, self.device)  # the CPU's: as they are
@@ -260,7 +276,7 @@ class Node:
         sess.messages += 1
         if header.get("op") == "call":
             _keep(sess.hop_log, [header.get("seq"), nbytes])
-        m = Incoming(sess, header, tensors, malformed)
+        m = Incoming(sess, header, tensors, malformed, t0)
         m.timed("open", t0)
         return m
 
@@ -305,15 +321,23 @@ class Node:
                     out = m.sess.run(m.pass_)
                     if self.device.type == "cuda":  # the kernels done, so the speed measured is theirs
                         torch.cuda.synchronize(self.device)
-                    self.speeds.add(m.pass_, m.sess.dtype, time.perf_counter() - w0)
+                    ran = time.perf_counter() - w0
+                    self.speeds.add(m.pass_, m.sess.dtype, ran)
                 w1 = m.timed("blocks", w0)
                 m.parts["blocks_cpu"] += time.thread_time() - t0
                 m.parts["faults"] += _faults() - f0
                 m.reply = m.sess.finish(m.pass_, out)
                 m.timed("finish", w1)
+                if getattr(m.pass_.part, "tail", None) is not None:  # the output head's work: planned as weights
+                    ran = time.perf_counter() - w0
             except Exception as exc:
                 self._failed(m, exc)
+                ran = None
             m.spent(time.thread_time() - t0)
+            self._send(m)
+            if ran is not None:  # its opening, checking, sealing and sending, besides its blocks
+                self.speeds.overhead(m.pass_, time.perf_counter() - m.t0 - ran)
+            return
         self._send(m)
 
     def _batch(self, group: list["Incoming"]) -> None:
@@ -495,10 +519,11 @@ class Node:
             except Exception:
                 log.debug("closing an outbox failed", exc_info=True)
 
-    def end(self, sid: bytes) -> None:
+    def end(self, sid: bytes, failed: str | None = None) -> None:
         """End a session (control thread, never waiting): its outbox is closed by the compute thread, after the
-        messages queued before this, or as soon as it is free when the queue is full."""
-        outbox = self.sessions.end(sid)
+        messages queued before this, or as soon as it is free when the queue is full. ``failed``: why it ended,
+        for its client's next ping."""
+        outbox = self.sessions.end(sid, failed=failed)
         self.state_bytes.drop(sid)
         if outbox is not None:
             try:
