@@ -10,8 +10,8 @@ unchanged code imports neither.
 A model folder may also carry its verdict (``diffuse_verdict.json``, written by
 ``python -m diffuse.check keep DIR``; the shipped models do): the check's answer
 and the largest sizes its denoiser takes (``diffuse.dryrun.largest_sizes``),
-keyed by the folder's files, the libraries' versions and the installed plugins
-(``model_key``; not by the code's file times, so it holds in a fresh install).
+keyed by the folder's files, the libraries' versions and the installed analyzer
+plugins (``model_key``; not by the code's file times, so it holds in a fresh install).
 A first check, or a refused size, then answers from it without importing torch.
 tests/test_check_speed.py compares each shipped verdict with one made afresh.
 """
@@ -130,7 +130,7 @@ def cache_key(path: str) -> str:
 def model_key(path: str) -> str:
     """A fingerprint of the model and what reads it, not of the code's files: the checkpoint's small files
     (model_index.json, every config, any .py; its kept verdict left out) and weight layouts (``content_hash``)
-    in its top two levels, the versions of the libraries, and the installed plugins by name."""
+    in its top two levels, the versions of the libraries, and the installed analyzer plugins by name."""
     from importlib.metadata import PackageNotFoundError, entry_points, version
 
     from diffuse.modelfiles import content_hash
@@ -153,9 +153,22 @@ def model_key(path: str) -> str:
             h.update(f"{lib}={version(lib)}".encode())
         except PackageNotFoundError:
             pass
-    for ep in sorted(f"{e.name}={e.value}" for e in entry_points(group="diffuse")):
+    for ep in sorted(f"{e.name}={e.value}" for e in entry_points(group="diffuse") if _analyzes(e.value)):
         h.update(f"plugin {ep}\0".encode())
     return h.hexdigest()
+
+
+def _analyzes(target: str) -> bool:
+    """Whether the plugin module an entry point names implements the analyzer hook, read from its source
+    without importing it (a transport or an output writer leaves every verdict as it is)."""
+    from importlib.util import find_spec
+
+    try:
+        spec = find_spec(target.split(":")[0])
+        with open(spec.origin, encoding="utf-8") as f:
+            return "diffuse_analyzers" in f.read()
+    except Exception:  # no source to read: counted, to be safe
+        return True
 
 
 def _named_libraries(path: str) -> list[str]:
