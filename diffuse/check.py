@@ -163,9 +163,14 @@ def _analyzes(target: str) -> bool:
     without importing it (a transport or an output writer leaves every verdict as it is)."""
     from importlib.util import find_spec
 
+    top, *rest = target.split(":")[0].split(".")
     try:
-        spec = find_spec(target.split(":")[0])
-        with open(spec.origin, encoding="utf-8") as f:
+        spec = find_spec(top)  # a top-level name: found, not imported (a submodule's spec would import its package)
+        file = spec.origin
+        for part in rest:
+            folder = os.path.join(os.path.dirname(file), part)
+            file = os.path.join(folder, "__init__.py") if os.path.isdir(folder) else f"{folder}.py"
+        with open(file, encoding="utf-8") as f:
             return "diffuse_analyzers" in f.read()
     except Exception:  # no source to read: counted, to be safe
         return True

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import run_cli, subprocess_env
 
 REFUSALS = {
     "sdxl": "a multi-resolution U-Net whose skip connections cross resolutions is not a chain",
@@ -32,14 +32,15 @@ def test_unsplittable_model_is_refused_before_any_node_is_contacted(name, models
     assert not (tmp_path / "known_nodes.json").exists()  # no hello was ever sent
 
 
-def test_verify_reports_zero_difference_at_one_patch(models, tmp_path):
+def test_verify_reports_zero_difference_at_one_patch(models, tmp_path, monkeypatch):
+    """``diffuse verify`` through the command's own code, in this process."""
     import families
 
     model = models("pixart_sigma")
-    cmd = [sys.executable, "-m", "diffuse.cli", "verify", model, "--threads", "1"]
+    argv = ["verify", model, "--threads", "1"]
     for k, v in families.call_args("pixart_sigma").items():
-        cmd += ["--arg", f"{k}={__import__('json').dumps(v)}"]
-    run = subprocess.run(cmd, env=subprocess_env(str(tmp_path)), capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
+        argv += ["--arg", f"{k}={__import__('json').dumps(v)}"]
+    monkeypatch.chdir(tmp_path)
+    run = run_cli(argv, str(tmp_path))
     assert run.returncode == 0, run.stderr[-2000:]
     assert "max abs difference, whole vs split (1 patch): 0  (byte-identical)" in run.stdout
