@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from conftest import run_cli, subprocess_env
+from conftest import run_cli, run_client
 
 REFUSALS = {
     "sdxl": "a multi-resolution U-Net whose skip connections cross resolutions is not a chain",
@@ -19,12 +16,11 @@ REFUSALS = {
 
 @pytest.mark.parametrize("name", sorted(REFUSALS))
 def test_unsplittable_model_is_refused_before_any_node_is_contacted(name, models, tmp_path):
+    """``python -m diffuse.run``'s own code (``run_client``), in this process."""
     model = models(name)
     # a node address where nothing listens: a refusal must come first, not a connection timeout
-    run = subprocess.run(
-        [sys.executable, "-m", "diffuse.run", "--model", model, "--prompt", "a cat",
-         "--nodes", "tcp://127.0.0.1:9", "--timeout", "5", "--out", str(tmp_path / "x.png")],
-        env=subprocess_env(str(tmp_path)), capture_output=True, text=True, timeout=120)
+    run = run_client(["--model", model, "--prompt", "a cat", "--nodes", "tcp://127.0.0.1:9", "--timeout", "5",
+                      "--out", str(tmp_path / "x.png")], str(tmp_path))
     assert run.returncode == 2
     assert f"cannot split {model}" in run.stderr
     assert REFUSALS[name] in run.stderr
