@@ -234,7 +234,10 @@ def key_values(items: list[str]) -> dict:
 def ring_flags(ap: argparse.ArgumentParser) -> None:
     """Where the nodes are and how the client speaks to them (query, chat, verify)."""
     ap.add_argument("--nodes", help="comma-separated node addresses, each optionally #HEXKEY to pin its key; "
-                    "';' separates groups, each a whole ring, that run guidance branches side by side")
+                    "';' separates groups, each a whole ring, that run guidance branches side by side; auto: the "
+                    "nodes announced on the local network (python -m diffuse.node --announce) that serve the model")
+    ap.add_argument("--discover-seconds", type=seconds, default=None, metavar="S",
+                    help="with --nodes auto: how long to listen for announced nodes (default 3)")
     ap.add_argument("--local-nodes", type=positive, default=None, help="start N nodes on this machine (default 2; "
                     "never more than the longest stack has blocks)")
     ap.add_argument("--local-transport", default="tcp", metavar="SCHEME",
@@ -349,8 +352,14 @@ def check_flags(a: argparse.Namespace) -> None:
     from diffuse.errors import DiffuseError
 
     split_options(a)
-    if getattr(a, "nodes", None) is not None:
+    if getattr(a, "nodes", None) == "auto":
+        from diffuse.discovery import zeroconf_library
+
+        zeroconf_library()  # or how to install it, in one line
+    elif getattr(a, "nodes", None) is not None:
         check_node_list(a.nodes)
+    if getattr(a, "discover_seconds", None) is not None and getattr(a, "nodes", None) != "auto":
+        raise DiffuseError("--discover-seconds applies with --nodes auto")
     whole = getattr(a, "whole", False)
     if whole and getattr(a, "cache_threshold", 0.0):
         raise DiffuseError("--cache-threshold applies to split runs; --whole runs the model as it is")
@@ -362,6 +371,18 @@ def check_flags(a: argparse.Namespace) -> None:
         raise DiffuseError(f"--top-p {a.top_p}: must be in (0, 1]")
     if hasattr(a, "arg"):
         key_values(a.arg)  # KEY=VALUE form
+
+
+def lan_nodes(a: argparse.Namespace, subject, out) -> None:
+    """``--nodes auto``: replaced by the nodes announced on the local network that serve ``subject``'s model
+    (``diffuse.discovery``), one line said per node heard; from then on the run is the same as with those
+    addresses given by hand, keys checked at hello or trusted on first use."""
+    if getattr(a, "nodes", None) != "auto":
+        return
+    from diffuse.discovery import nodes_on_lan
+
+    a.nodes = nodes_on_lan([subject.content_hash()], getattr(a, "discover_seconds", None),
+                           lambda line: status(out, line))[0]
 
 
 def check_node_list(nodes: str) -> None:
@@ -465,8 +486,11 @@ class phase:
 
 def report_error(out, exc: BaseException) -> int:
     """An expected failure: one clear line, no traceback, exit status 2. The line is the root cause: a
-    failure raised while handling another names the first one too when they differ."""
-    out.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    failure raised while handling another names the first one too when they differ. The message is printed as
+    written: brackets in it (``diffuse[lan]``, ``blocks[0:2]``) are not read as markup."""
+    from rich.markup import escape
+
+    out.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
     return 2
 
 

@@ -68,6 +68,7 @@ def verify_main(argv: list[str]) -> int:
             torch.set_num_threads(a.threads)
         info = ModelInfo.of(a.model)
         cli.check_flags_for(a, info.subject.autoregressive)
+        cli.lan_nodes(a, info.subject, out)
         with cli.phase(out, f"{os.path.basename(info.path)}: running it whole, in this process", a.quiet):
             whole = load_pipeline(info.path)
             with torch.no_grad():

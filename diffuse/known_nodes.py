@@ -29,6 +29,11 @@ def _read_known(path: str) -> dict:
     return known
 
 
+def known_key(address: str) -> str | None:
+    """The key remembered for ``address`` (hex), or None."""
+    return _read_known(known_nodes_file()).get(address)
+
+
 def pin_key(address: str, key: bytes, pinned: str | None) -> None:
     """Check a node's key against the one given with its address, or trust it on first use."""
     if pinned:

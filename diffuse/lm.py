@@ -372,6 +372,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
     info = ModelInfo.of(a.model)
     if not info.subject.autoregressive:
         raise DiffuseError(f"{info.path} is a diffusion pipeline; diffuse chat talks to language models")
+    cli.lan_nodes(a, info.subject, console)
     cli.status(console, f"{info.subject.denoiser_class_name}: loading it without the layers the nodes will hold")
     model = diffuse.from_pretrained(info.path)
     tokenizer = load_tokenizer(info.path)

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from diffuse import frames, sealing
+from diffuse import discovery, frames, sealing
 from diffuse.batching import MAX_BATCH, batch_key, run_batch
 from diffuse.text import plain
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
@@ -524,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone (local nodes)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
+    ap.add_argument("--announce", action="store_true", help="advertise this node on the local network (mDNS) while "
+                    "it serves, for clients given --nodes auto; needs a --listen others reach, and diffuse[lan]")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s node %(levelname)s %(message)s")
@@ -534,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cli.check_port_free(a.listen)  # before anything loads
+        lan = discovery.Announcer(a.listen) if a.announce else None  # the library there, an address others reach
         log.info("loading %s%s", a.model, f" (blocks {a.blocks})" if a.blocks else "")
         key_file = None if a.ephemeral_key else (a.key_file or os.path.join(config_home(), "node.key"))
         node = Node(resolve_model(a.model), a.listen, a.blocks, key_file,
@@ -556,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     signal.signal(signal.SIGINT, _stopping)
     try:
-        node.serve(parent=a.exit_with)
+        with discovery.announced(lan, node, a.model, a.wire):  # withdrawn on the way out
+            node.serve(parent=a.exit_with)
     except KeyboardInterrupt:
         pass
     finally:

@@ -28,8 +28,9 @@ def plan_command(argv: list[str]) -> int:
     (and ``--speed``): the placement on nodes described by hand."""
     from rich.console import Console
 
-    from diffuse.cli import Parser
+    from diffuse.cli import Parser, lan_nodes, seconds
 
+    from diffuse.discovery import zeroconf_library
     from diffuse.known_nodes import parse_nodes
     from diffuse.modelfiles import resolve_model
     from diffuse.planner import analyze, make_plan
@@ -37,7 +38,10 @@ def plan_command(argv: list[str]) -> int:
     ap = Parser(prog="diffuse plan", description="the slicing plan, and where its slices go")
     ap.add_argument("model")
     ap.add_argument("--nodes", default=None, help="N (the plan as JSON, even slices over N nodes) or ADDR[#KEY],... "
-                    "(the placement on those nodes, from what they say at hello)")
+                    "(the placement on those nodes, from what they say at hello); auto: the nodes announced on the "
+                    "local network that serve the model")
+    ap.add_argument("--discover-seconds", type=seconds, default=None, metavar="S",
+                    help="with --nodes auto: how long to listen for announced nodes (default 3)")
     ap.add_argument("--memory", default=None, metavar="GIB,...", help="nodes described by hand: the memory each may "
                     "take, in GiB")
     ap.add_argument("--speed", default=None, metavar="S,...", help="with --memory: each node's seconds per GiB of "
@@ -50,10 +54,15 @@ def plan_command(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     err = Console(stderr=True)
     try:
+        if a.nodes == "auto":
+            zeroconf_library()  # or how to install it, before anything loads
+        elif a.discover_seconds is not None:
+            raise DiffuseError("--discover-seconds applies with --nodes auto")
         path = resolve_model(a.model)
         subject, draft = analyze(path)
         dtype = a.dtype or load_dtype(subject)
         _dtype_size(dtype)
+        lan_nodes(a, subject, err)  # --nodes auto: the nodes announced on this network
         if a.memory is None and (a.nodes is None or a.nodes.strip().isdigit()):
             n = int(a.nodes) if a.nodes else 2
             if n < 1:

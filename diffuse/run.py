@@ -136,6 +136,7 @@ def generate(a: argparse.Namespace, console) -> dict:
             torch.set_num_threads(a.threads)
         info = ModelInfo.of(path)  # refusals happen here, before any node is contacted
     cli.check_flags_for(a, info.subject.autoregressive)
+    cli.lan_nodes(a, info.subject, console)  # --nodes auto: the nodes announced on this network
     if a.nodes is None and not a.whole:
         from diffuse.localnodes import warm_launcher
 

@@ -28,7 +28,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from diffuse.cli import Parser, positive
+    from diffuse.cli import Parser, positive, seconds
 
     ap = Parser(prog="diffuse serve", description="Serve models split over a ring of nodes on an "
                 "OpenAI-compatible HTTP API (chat, completions, images, video jobs, transcription, speech), "
@@ -38,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "shipped models, tiny-wan-shapes and tiny-qwen-chat)")
     ap.add_argument("--nodes", action="append", default=[], metavar="ADDR,...",
                     help="the nodes of one --model (repeatable, in the order of --model), each address "
-                    "optionally #HEXKEY; without it each model gets --local-nodes nodes started here")
+                    "optionally #HEXKEY, or auto (the nodes announced on the local network that serve it); without "
+                    "it each model gets --local-nodes nodes started here")
+    ap.add_argument("--discover-seconds", type=seconds, default=None, metavar="S",
+                    help="with --nodes auto: how long to listen for announced nodes (default 3)")
     ap.add_argument("--local-nodes", type=positive, default=2, metavar="N",
                     help="nodes started here for each model given no --nodes (default 2)")
     ap.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
@@ -195,6 +198,27 @@ class Service:
             self._keys.cleanup()
 
 
+def lan_nodes(models: list[str], nodes: list[str], seconds: float | None, say) -> list[str]:
+    """Each ``--nodes auto`` replaced by the nodes announced on the local network that serve its ``--model``
+    (one listening window for all; ``diffuse.discovery``). Counts that do not match are left for
+    ``Service.start`` to refuse."""
+    if "auto" not in nodes and seconds is not None:
+        raise DiffuseError("--discover-seconds applies with --nodes auto")
+    if "auto" not in nodes or len(nodes) != len(models):
+        return nodes
+    from diffuse.analysis import ModelSubject
+    from diffuse.discovery import nodes_on_lan
+    from diffuse.modelfiles import resolve_model
+
+    auto = [k for k, spec in enumerate(nodes) if spec == "auto"]
+    found = nodes_on_lan([ModelSubject.from_path(resolve_model(models[k])).content_hash() for k in auto], seconds,
+                         say)
+    nodes = list(nodes)
+    for k, spec in zip(auto, found):
+        nodes[k] = spec
+    return nodes
+
+
 def parse_listen(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
@@ -219,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             raise DiffuseError(f"--listen {a.listen}: beyond loopback the service needs --api-key KEY (or "
                                "$DIFFUSE_API_KEY), which every request then sends as a bearer token")
         cli.check_port_free(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
+        a.nodes = lan_nodes(a.model, a.nodes, a.discover_seconds, say)  # --nodes auto
         with cli.phase(out, "starting: models analysed and loaded, nodes started"):
             service = Service.start(a.model, a.nodes, a.local_nodes, a.parallel, a.max_waiting, a.max_tokens,
                                     a.threads, a.timeout, a.client_key, a.local_transport, a.api_key, say)
