@@ -13,7 +13,7 @@ and the largest sizes its denoiser takes (``diffuse.dryrun.largest_sizes``),
 keyed by the folder's files, the libraries' versions and the installed analyzer
 plugins (``model_key``; not by the code's file times, so it holds in a fresh install).
 A first check, or a refused size, then answers from it without importing torch.
-tests/test_check_speed.py compares each shipped verdict with one made afresh.
+tests/test_quick_answers.py compares each shipped verdict with one made afresh.
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ cannot stand for (an operation with no meta kernel, a pipeline that reads a
 tensor's values before its first step) skips the check: it never refuses a
 call the model would run.
 
+``largest_sizes`` runs the same search once for a model folder (each size alone, up to
+``SEARCH_UP_TO``) for its kept verdict (``diffuse.check.keep``); ``kept_refusal`` then
+refuses a size above those bounds from the verdict alone, before torch is imported.
+
 ``notes`` gives one-line warnings where a run would go through but make little:
 a size other than the one a model folder declares it was made for
 (``diffuse_defaults.json``), words its tokenizer does not know, an empty prompt.
