@@ -19,6 +19,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(ROOT, "tests")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# every client and node a test starts without --device computes on the CPU, as its reference does, on a machine with
+# a GPU too (--device auto would take it); tests/test_gpu.py names its devices
+os.environ.setdefault("DIFFUSE_DEVICE", "cpu")
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
 # processes started from this one (nodes of a client run in-process, too) import the tests' model libraries

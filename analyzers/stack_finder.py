@@ -10,13 +10,13 @@ A model that generates token by token (a transformers model) nests its decoder
 stack inside modules with weights of their own (``model.layers`` beside the
 embedding table; ``model.text_model.layers`` beside a vision tower), so every
 ModuleList of blocks is looked at, and the stacks are those whose blocks
-attend causally and index a cache by layer (an attention module with
-``is_causal`` and a ``layer_idx``): the decoder. A list of blocks that attend
-both ways (a vision or audio tower, a text encoder) runs once per request and
-stays on the client, where the media is. A decoder-only model whose attention
-carries no ``is_causal`` (BLOOM: causal through the mask its model builds) has
-its decoder found as the one list of cache-indexing blocks, as many as
-config.json's decoder depth.
+attend causally and index a cache by layer, as a tiny probe of the model's
+decoder shows them doing (``analyzers.causal_probe``: a change at a later
+position leaves the earlier ones' outputs as they were; one layer of the cache
+grows by the positions given), never as attribute names say: the decoder. A
+list of blocks that attends both ways, or that the decoder never calls (a
+vision or audio tower, a text encoder), runs once per request and stays on the
+client, where the media is.
 
 A pipeline with several denoiser components (Wan 2.2's two experts,
 ``diffuse.analysis.Denoisers``) has the stacks of each, named from the
@@ -52,7 +52,7 @@ class StackFinder(Analyzer):
         if not subject.autoregressive:
             stacks, others = find_stacks(model)
         else:
-            stacks, others = find_decoder_stacks(model, draft.get("config_verdict") or {})
+            stacks, others = find_decoder_stacks(model)
         return {"stacks": stacks, "other_lists": others}
 
 
@@ -69,51 +69,28 @@ def denoiser_on_meta(subject):
                                          f"{subject.denoiser}/config.json: {type(exc).__name__}: {exc}") from exc
 
 
-def _causal_with_cache(block) -> bool:
-    return any(getattr(m, "is_causal", False) is True and getattr(m, "layer_idx", None) is not None
-               for m in block.modules())
+def find_decoder_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:
+    """(the decoder stacks, in registration order; {path: why not a stack}) of a token-by-token model: the lists
+    of same-class blocks whose first block, on a tiny probe of the model's decoder, attends causally and writes
+    one layer of the key/value cache (``analyzers.causal_probe``)."""
+    from analyzers.causal_probe import probe_lists
 
-
-def _indexes_cache(block) -> bool:
-    return any(getattr(m, "layer_idx", None) is not None for m in block.modules())
-
-
-def find_decoder_stacks(model, verdict: dict | None = None) -> tuple[list[StackPlan], dict[str, str]]:
-    """(the decoder stacks, in registration order; {path: why not a stack}) of a token-by-token model.
-
-    ``verdict``: what config.json says (``diffuse.config_verdict.read_config``). A decoder-only model (it
-    generates, reads no media and no encoder) whose attention says nothing of causality (BLOOM's, causal through
-    the mask its model builds, with ALiBi) has one list of blocks that index a cache by layer, as many as the
-    config's decoder depth, none saying it attends both ways: that list is its decoder."""
-    stacks, others = _decoder_lists(model)
-    verdict = verdict or {}
-    if not stacks and verdict.get("generates") and not verdict.get("media") and not verdict.get("encoder"):
-        fits = [p for p in others if "attend both ways" in others[p] and len(model.get_submodule(p)) ==
-                verdict.get("depth") and _indexes_cache(model.get_submodule(p)[0])
-                and not any(getattr(m, "is_causal", None) is False for m in model.get_submodule(p)[0].modules())]
-        if len(fits) == 1:
-            entries = list(model.get_submodule(fits[0]))
-            del others[fits[0]]
-            stacks.append(StackPlan(
-                path=fits[0], length=len(entries), block_class=class_path(type(entries[0])),
-                params_per_block=round(sum(block_params(b) for b in entries) / len(entries)),
-            ))
-    return stacks, others
-
-
-def _decoder_lists(model) -> tuple[list[StackPlan], dict[str, str]]:
-    stacks, others = [], {}
+    stacks, others, lists = [], {}, {}
     for path, blocks in model.named_modules():
         if not isinstance(blocks, nn.ModuleList) or not len(blocks) or not all(map(is_block, blocks)):
             continue
-        if any(path.startswith(s.path + ".") for s in stacks):
-            continue  # lists inside a decoder block are part of that block
+        if any(path.startswith(p + ".") for p in lists):
+            continue  # lists inside a block of a list are part of that block
         entries = list(blocks)
         if len({type(b) for b in entries}) > 1:
             others[path] = describe_blocks(entries)
-        elif not _causal_with_cache(entries[0]):
-            others[path] = (f"{len(entries)} {type(entries[0]).__name__} blocks that attend both ways (an encoder or "
-                            "a media tower, run once per request)")
+        else:
+            lists[path] = entries
+    with quiet():
+        verdicts = probe_lists(model, list(lists))
+    for path, entries in lists.items():
+        if verdicts[path] is not None:
+            others[path] = f"{len(entries)} {type(entries[0]).__name__} {verdicts[path]}"
         else:
             stacks.append(StackPlan(
                 path=path, length=len(entries), block_class=class_path(type(entries[0])),

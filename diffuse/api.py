@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from diffuse.errors import DiffuseError
 
@@ -58,19 +58,39 @@ class ModelInfo:
             return json.load(fh)
 
 
-def from_pretrained(model: str | None = None):
+def from_pretrained(model: str | None = None, device: str | None = None, dtype: str | None = None):
     """The pipeline at ``model`` (a folder, a shipped model's name, a Hub id in the local cache; None:
     the embedded model), loaded by diffusers from safetensors without the blocks the nodes will hold;
     or a transformers model (a folder whose config.json names its architectures), loaded by
-    transformers (its decoder layers are freed when it is split)."""
+    transformers (its decoder layers are freed when it is split). ``device`` and ``dtype`` as the
+    command line's ``--device`` and ``--dtype`` (``diffuse.devices``; default ``auto``: the CPU, or the
+    first accelerator torch sees, in what the folder declares there): where the client's ends compute."""
+    info = ModelInfo.of(model)
+    pipe = load_whole_or_shell(info, client_compute(info, device, dtype), shell=True)
+    pipe._diffuse = info
+    return pipe
+
+
+def client_compute(info: "ModelInfo", device: str | None, dtype: str | None):
+    """``--device`` and ``--dtype`` of a client of the model ``info`` describes (``diffuse.devices.Compute``)."""
+    from diffuse.devices import Compute
+
+    return Compute.of(device, dtype, info.path, info.subject.denoiser or None)
+
+
+def load_whole_or_shell(info: "ModelInfo", compute, shell: bool):
+    """The model in ``compute``'s dtype on its device: without the blocks nodes will hold (``shell``), or whole
+    (the reference a split run is compared with). On the CPU in no named dtype: exactly the plain load."""
+    from diffuse.devices import place
     from diffuse.planner import load_model, load_pipeline
 
-    info = ModelInfo.of(model)
     if info.subject.autoregressive:
-        pipe = load_model(info.path, info.subject)
-    else:
-        pipe = load_pipeline(info.path, info.subject, info.draft["stacks"])
-    pipe._diffuse = info
+        pipe = load_model(info.path, info.subject, compute.dtype)
+        return place(pipe, compute.device)
+    pipe = load_pipeline(info.path, info.subject, info.draft["stacks"] if shell else None, compute.dtype)
+    for part in pipe.components.values():
+        if hasattr(part, "_apply"):
+            place(part, compute.device)
     return pipe
 
 
@@ -160,53 +180,81 @@ def check_options(patches: int, nodes_given: bool, local_nodes: int | None, bran
     return threshold
 
 
-class Split:
-    """A pipeline (or denoiser) split over a ring for the duration of a ``with`` block."""
+@dataclass
+class SplitOptions:
+    """How a ``Split`` runs: every option of ``diffuse.split`` but the model and its nodes (described there)."""
 
-    def __init__(self, pipe_or_model, nodes=None, local_nodes: int | None = None, patches: int = 1,
-                 threads: int | None = None, timeout: float = 300.0, client_key: str | None = None,
-                 attention: str = "auto", local_transport: str = "tcp", model: str | None = None,
-                 started=None, branch_groups: int = 1, cache_threshold: float = 0.0, ahead: bool = True,
-                 repair=None, embedding_on_node: bool = False, placement: str = "planned"):
+    local_nodes: int | None = None
+    patches: int = 1
+    threads: int | None = None
+    timeout: float = 300.0
+    client_key: str | None = None
+    attention: str = "auto"
+    local_transport: str = "tcp"
+    model: str | None = None
+    started: object = None  # local nodes already started by the caller (a diffuse.localnodes.LocalNodes)
+    branch_groups: int = 1
+    cache_threshold: float = 0.0
+    ahead: bool = True
+    repair: object = None  # a diffuse.repair.RepairPolicy; None: the default policy
+    embedding_on_node: bool = False
+    placement: str = "planned"
+    device: str | None = None
+    dtype: str | None = None
+
+
+class Split:
+    """A pipeline (or denoiser) split over a ring for the duration of a ``with`` block. Options come as a
+    ``SplitOptions``, as keywords (``Split(pipe, nodes, patches=2)``), or both (the keywords win)."""
+
+    def __init__(self, pipe_or_model, nodes=None, options: SplitOptions | None = None, **named):
         from diffuse.branches import parse_groups
         from diffuse.repair import RepairPolicy
         from diffuse.known_nodes import parse_nodes
-
-        check_options(patches, nodes is not None, local_nodes, branch_groups, cache_threshold)  # before any reading
         from diffuse.placement import PLACEMENTS
 
-        if placement not in PLACEMENTS:
-            raise DiffuseError(f"--placement {placement}: choose {' or '.join(PLACEMENTS)}")
-        self.placement = placement
+        o = replace(options or SplitOptions(), **named)
+        check_options(o.patches, nodes is not None, o.local_nodes, o.branch_groups, o.cache_threshold)  # first
+        if o.placement not in PLACEMENTS:
+            raise DiffuseError(f"--placement {o.placement}: choose {' or '.join(PLACEMENTS)}")
+        self.placement = o.placement
         self.target = pipe_or_model
-        self.info = model_info(pipe_or_model, model)
+        self.info = model_info(pipe_or_model, o.model)
         self.groups = None  # node lists, one per group of branches, when there are several
         if nodes is not None:
             groups = [parse_nodes(g) for g in parse_groups(nodes)] if isinstance(nodes, str) and ";" in nodes \
                 else [parse_nodes(g) for g in nodes] if nodes and all(isinstance(g, list) for g in nodes) \
                 else [parse_nodes(nodes)]
-            if branch_groups not in (1, len(groups)):
-                raise DiffuseError(f"--branch-groups {branch_groups}, but --nodes lists {len(groups)} group(s) "
+            if o.branch_groups not in (1, len(groups)):
+                raise DiffuseError(f"--branch-groups {o.branch_groups}, but --nodes lists {len(groups)} group(s) "
                                    "(separate groups with ';')")
             self.nodes = [n for g in groups for n in g]
             self.groups = groups if len(groups) > 1 else None
         else:
             self.nodes = None
-        asked = local_nodes if local_nodes is not None else 2 * branch_groups
-        self.branch_groups = len(self.groups) if self.groups else branch_groups
-        self.cache_threshold = check_options(patches, nodes is not None, local_nodes, self.branch_groups,
-                                             cache_threshold, self.info.subject.autoregressive)
+        asked = o.local_nodes if o.local_nodes is not None else 2 * o.branch_groups
+        self.branch_groups = len(self.groups) if self.groups else o.branch_groups
+        self.cache_threshold = check_options(o.patches, nodes is not None, o.local_nodes, self.branch_groups,
+                                             o.cache_threshold, self.info.subject.autoregressive)
         self.local = None if nodes is not None else plan_local_nodes(
-            asked // branch_groups, self.info.draft["stacks"], patches, threads)
-        if self.local is not None and branch_groups > 1:
-            self.local = LocalNodesPlan(self.local.count * branch_groups, self.local.threads, self.local.notes)
-        self.patches, self.timeout, self.client_key = patches, timeout, client_key
-        self.ahead = ahead  # with patches, the next guidance branch's call sent while this one finishes
-        self.repair = repair if repair is not None else RepairPolicy()  # one for all of this split's rings
-        self.repair.placement = placement  # where nodes that hold nothing fixed get their slices
-        self.embedding_on_node = embedding_on_node
-        self.attention, self.local_transport = attention, local_transport
-        self.started = started  # local nodes already started by the caller (a diffuse.localnodes.LocalNodes)
+            asked // o.branch_groups, self.info.draft["stacks"], o.patches, o.threads)
+        if self.local is not None and o.branch_groups > 1:
+            self.local = LocalNodesPlan(self.local.count * o.branch_groups, self.local.threads, self.local.notes)
+        self.patches, self.timeout, self.client_key = o.patches, o.timeout, o.client_key
+        self.ahead = o.ahead  # with patches, the next guidance branch's call sent while this one finishes
+        self.repair = o.repair if o.repair is not None else RepairPolicy()  # one for all of this split's rings
+        self.repair.placement = o.placement  # where nodes that hold nothing fixed get their slices
+        self.repair.depth = max(1, o.patches)  # ... planned for this many passes in flight at once
+        self.embedding_on_node = o.embedding_on_node
+        self.node_device, self.node_dtype = o.device, o.dtype  # local nodes' --device and --dtype (None: as the client)
+        if o.device is not None or o.dtype is not None:
+            from diffuse.devices import resolve_device, resolve_dtype
+
+            resolve_device(o.device)  # refused here, before any node starts
+            if o.dtype not in (None, "auto"):
+                resolve_dtype(o.dtype, resolve_device(o.device), None)
+        self.attention, self.local_transport = o.attention, o.local_transport
+        self.started = o.started
         self.local_nodes = None
         self.ring = None
         self._rings: list = []
@@ -241,8 +289,24 @@ class Split:
         from diffuse.sealing import load_identity
 
         return start_local_nodes(self.info.path, self.local.count, self.local.threads, scheme=self.local_transport,
-                                 client=load_identity(self.client_key),
+                                 client=load_identity(self.client_key), extra=self.local_node_flags(),
                                  groups=self.branch_groups)
+
+    def local_node_flags(self) -> list[str]:
+        """``--device`` and ``--dtype`` for this run's local nodes: as given to ``split``, else where the client's
+        own part of the denoiser computes and in its dtype (a float32 client on the CPU names no dtype: its
+        nodes compute in what each session asks, as before devices were named)."""
+        from diffuse.devices import device_of
+        from diffuse.planner import denoiser_dtype
+
+        device = self.node_device if self.node_device not in (None, "auto") else None
+        if device is None:
+            found = device_of(p for p in self.denoiser.parameters())
+            device = str(found) if found is not None else "cpu"
+        dtype = self.node_dtype if self.node_dtype not in (None, "auto") else denoiser_dtype(self.denoiser)
+        if device == "cpu" and dtype == "float32" and self.node_dtype in (None, "auto"):
+            return ["--device", "cpu"]  # in the dtype each session asks, as before devices were named
+        return ["--device", device, "--dtype", dtype]
 
     def __enter__(self) -> "Split":
         from diffuse.planner import denoiser_dtype, make_plan
@@ -365,5 +429,7 @@ def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: in
     ``embedding_on_node`` (a language model's embedding table on the first node, so passes carry token ids
     instead of hidden states; default False: the client embeds), ``placement`` ("planned": nodes that hold
     nothing fixed get slices planned from their memory and speed, ``diffuse.placement``; "even": even slices,
-    still checked against their memory; set on the repair policy, which also repairs by it)."""
+    still checked against their memory; set on the repair policy, which also repairs by it), ``device`` and
+    ``dtype`` (the local nodes' ``--device`` and ``--dtype``; default: the device the client's part of the model
+    is on, in its dtype; on the CPU the nodes compute in the dtype each session asks)."""
     return Split(pipe_or_model, nodes=nodes, local_nodes=local_nodes, patches=patches, **options)

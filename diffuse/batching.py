@@ -62,8 +62,8 @@ def batch_key(dtype, p) -> tuple | None:
     """What must be the same for passes (``diffuse.stage.Prepared``) of different sessions to run as one batch;
     None: this pass runs alone (no cache: a diffusion pass, PipeFusion's patches included; a prefill; an unusual
     cache). Only a language model's pass (``diffuse.passes.LayerPass``) carries a cache."""
-    if p.cache is None or not p.blocks or not p.rmap.streams:
-        return None
+    if p.cache is None or not p.blocks or not p.rmap.streams or p.rmap.sides:
+        return None  # side outputs threaded on (T5's position biases) are not per row: not joined
     if not _growing_layers(p.cache, [i for i, _ in p.blocks]):
         return None
     hidden = p.values[p.rmap.streams[0]]
@@ -177,7 +177,7 @@ def run_batch(passes: list) -> list:
                     if "attention_mask" not in kwargs or kwargs["attention_mask"] is not None:
                         raise NotBatchable("the sessions' caches differ in length and the layer's call has no empty "
                                            "attention_mask to put the padding mask in")
-                    kwargs["attention_mask"] = padding_mask(pasts, rows, new, hidden[0].dtype)
+                    kwargs["attention_mask"] = padding_mask(pasts, rows, new, hidden[0].dtype).to(hidden[0].device)
                 out = block(*args, **kwargs)
                 thread_outputs(joined, out, rmap)
             outs = [_rows(out, a, b, total) for a, b in bounds]

@@ -31,11 +31,12 @@ import sys
 import tempfile
 import time
 
+from diffuse.benchkit import GUIDANCE, inputs, mean_se, ratio
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 FULL = dict(heads=12, head_dim=128, ffn=8960, layers=4, text_dim=4096, text_len=512, frames=3, size=32, steps=10)
 QUICK = dict(heads=4, head_dim=32, ffn=512, layers=4, text_dim=64, text_len=32, frames=3, size=16, steps=4)
-GUIDANCE = 5.0
 TIMED_FROM = 2  # steps (0-based) timed: the first runs whole, the second also checks quick against plain once
 
 
@@ -63,17 +64,6 @@ def load_transformer(path: str):
     return WanTransformer3DModel.from_pretrained(os.path.join(path, "transformer"), use_safetensors=True).eval()
 
 
-def inputs(cfg: dict, seed: int = 0) -> dict:
-    import torch
-
-    g = torch.Generator("cpu").manual_seed(seed)
-    return {
-        "latent": torch.randn(1, 16, cfg["frames"], cfg["size"], cfg["size"], generator=g),
-        "text": torch.randn(1, cfg["text_len"], cfg["text_dim"], generator=g),
-        "negative": torch.randn(1, cfg["text_len"], cfg["text_dim"], generator=g),
-    }
-
-
 def denoise(transformer, x: dict, steps: int, on_step=None) -> tuple[list[float], "torch.Tensor"]:
     """A guided Euler loop over ``steps`` steps (a call with the prompt, then one without, combined as a
     pipeline combines them); the seconds of each step's two transformer calls, and the result. ``on_step(s)``
@@ -95,22 +85,6 @@ def denoise(transformer, x: dict, steps: int, on_step=None) -> tuple[list[float]
             times.append(time.perf_counter() - t0)
             latent = latent - (uncond + GUIDANCE * (cond - uncond)) / steps
     return times, latent
-
-
-def mean_se(xs: list[float]) -> tuple[float, float]:
-    """Mean and its standard error."""
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, 0.0
-    var = sum((v - m) ** 2 for v in xs) / (len(xs) - 1)
-    return m, (var / len(xs)) ** 0.5
-
-
-def ratio(whole: list[float], split: list[float]) -> tuple[float, float]:
-    """whole / split of the mean step times, and its spread (standard errors combined)."""
-    (mw, sw), (ms, ss) = mean_se(whole), mean_se(split)
-    r = mw / ms
-    return r, r * ((sw / mw) ** 2 + (ss / ms) ** 2) ** 0.5
 
 
 def split_run(path: str, nodes, x: dict, steps: int, patches: int, attention: str = "auto", groups: int = 1,
@@ -189,24 +163,25 @@ def patch_times(path: str, cfg: dict, x: dict, patches: int, repeat: int = 3) ->
     return result
 
 
+SUBCOMMANDS = {  # python -m diffuse.bench NAME ...: the module and function that run it
+    "quality": ("diffuse.quality", "main"),  # the quality table on the trained model
+    "cache": ("diffuse.quality", "cache_main"),  # the first-block cache's speed and quality
+    "serve": ("diffuse.serve.bench", "main"),  # the service: warm against cold, concurrent streams against one
+    "lm": ("diffuse.bench_lm", "main"),  # a language model whole and split
+    "device": ("diffuse.bench_device", "main"),  # a Wan2.1-1.3B-shaped model on one device, whole against 2 nodes
+    "placement": ("diffuse.bench_placement", "main"),  # even slices against planned ones on unequal nodes
+    "links": ("diffuse.bench_links", "main"),  # a language model over a slowed client link, against its floor
+    "memory": ("diffuse.bench_memory", "main"),  # peak memory per process at a real model's geometry
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["quality"]:  # the quality table on the trained model: diffuse/quality.py
-        from diffuse.quality import main as quality_main
+    if argv[:1] and argv[0] in SUBCOMMANDS:  # each in its own module
+        import importlib
 
-        return quality_main(argv[1:])
-    if argv[:1] == ["cache"]:  # the first-block cache's speed and quality: diffuse/quality.py
-        from diffuse.quality import cache_main
-
-        return cache_main(argv[1:])
-    if argv[:1] == ["serve"]:  # the service: warm against cold, concurrent streams against one
-        from diffuse.serve.bench import main as serve_main
-
-        return serve_main(argv[1:])
-    if argv and argv[0] == "lm":
-        from diffuse.bench_lm import main as lm_main
-
-        return lm_main(argv[1:])
+        module, function = SUBCOMMANDS[argv[0]]
+        return getattr(importlib.import_module(module), function)(argv[1:])
     from diffuse.text import plain
 
     from diffuse.cli import Parser
@@ -219,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
                                         "python -m diffuse.bench lm [--help]: a language model whole and split "
                                         "(tokens/s, first token, bytes per hop). "
                                         "python -m diffuse.bench serve [--help]: the service warm against a cold "
-                                        "query, and 8 concurrent streams against one")
+                                        "query, and 8 concurrent streams against one. "
+                                        "python -m diffuse.bench device [--help]: a Wan2.1-1.3B-shaped model on "
+                                        "one device (--device cuda), whole against 2 nodes sharing it, P=1 and P=2. "
+                                        "python -m diffuse.bench placement|links|memory [--help]: even slices "
+                                        "against planned ones on unequal nodes; a slowed client link against its "
+                                        "floor; peak memory per process at a real model's geometry")
     ap.add_argument("--quick", action="store_true", help="a small model, for a smoke test (well under a minute)")
     ap.add_argument("--steps", type=int, help="denoising steps per configuration (the first is not timed)")
     ap.add_argument("--keep", metavar="DIR", help="build (or reuse) the model in DIR instead of a temp folder")

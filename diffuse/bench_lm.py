@@ -86,10 +86,11 @@ def generate(model, ids, new: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffuse.cli import Parser
+    from diffuse.cli import Parser, check_device_flags, device_flags
     from diffuse.text import plain
 
     ap = Parser(prog="diffuse bench lm", description=plain(__doc__.split("\n")[0]))
+    device_flags(ap, "the model whole, the client and the local nodes")
     ap.add_argument("--quick", action="store_true", help="a tiny model, for a smoke test")
     ap.add_argument("--new-tokens", type=int, help="tokens to generate per run")
     ap.add_argument("--sessions", type=int, metavar="N",
@@ -97,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.sessions is not None and a.sessions < 1:
         ap.error("--sessions must be at least 1")
+    try:
+        check_device_flags(a)  # before the model is built
+    except Exception as exc:
+        ap.error(str(exc))
     cfg = dict(QUICK if a.quick else FULL)
     if a.new_tokens:
         cfg["new"] = max(2, a.new_tokens)
@@ -104,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import diffuse
-    from diffuse.api import ModelInfo
-    from diffuse.planner import load_model
+    from diffuse.api import ModelInfo, client_compute, load_whole_or_shell
 
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="diffuse-bench-lm-")
@@ -117,16 +121,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}; every process at 1 torch thread",
               flush=True)
         if a.sessions:
-            return sessions(tmp, cfg, a.sessions)
+            return sessions(tmp, cfg, a.sessions, a.device, a.dtype)
         ids = torch.randint(0, cfg["vocab"], (1, cfg["prompt"]), generator=torch.Generator().manual_seed(0))
         info = ModelInfo.of(tmp)
-        whole_model = load_model(tmp, info.subject)
+        compute = client_compute(info, a.device, a.dtype)
+        print(f"device: {compute.describe()} (client, whole model and local nodes)", flush=True)
+        ids = ids.to(compute.device)
+        whole_model = load_whole_or_shell(info, compute, shell=False)
         generate(whole_model, ids, 2)  # warm-up
         whole_tokens, whole = generate(whole_model, ids, cfg["new"])
         del whole_model
         rows = [("whole", whole, None, True)]
         for n in (1, 2):
-            model = diffuse.from_pretrained(tmp)
+            model = diffuse.from_pretrained(tmp, device=a.device, dtype=a.dtype)
             with diffuse.split(model, local_nodes=n) as ring:
                 generate(model, ids, 2)  # warm-up: the session is open, the nodes' blocks are loaded
                 tokens, clock = generate(model, ids, cfg["new"])
@@ -164,30 +171,33 @@ def gaps(clock: Clock) -> list[float]:
     return [b - a for a, b in zip(clock.times, clock.times[1:])]
 
 
-def sessions(model_dir: str, cfg: dict, n: int) -> int:
-    """``--sessions N`` (see the module's docstring); 1 if any session's tokens differ from its solo run."""
+def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype: str | None = None) -> int:
+    """``--sessions N`` (see the module's docstring); 1 if any session's tokens differ from its solo run. ``device``
+    and ``dtype``: the flags of that name, for the whole model, every client and the nodes."""
     import torch
 
     import diffuse
-    from diffuse.api import ModelInfo
+    from diffuse.api import ModelInfo, client_compute, load_whole_or_shell
     from diffuse.localnodes import start_local_nodes
-    from diffuse.planner import load_model
     from diffuse.plugins import transport_for
 
     lengths = [max(2, cfg["prompt"] * (i + 1) // n) for i in range(n)]
-    prompts = [torch.randint(0, cfg["vocab"], (1, length), generator=torch.Generator().manual_seed(i))
+    info = ModelInfo.of(model_dir)
+    compute = client_compute(info, device, dtype)
+    prompts = [torch.randint(0, cfg["vocab"], (1, length), generator=torch.Generator().manual_seed(i)).to(compute.device)
                for i, length in enumerate(lengths)]
-    whole = load_model(model_dir, ModelInfo.of(model_dir).subject)
+    whole = load_whole_or_shell(info, compute, shell=False)
+    on = ["--device", str(compute.device)] + (["--dtype", str(compute.dtype)[6:]] if compute.dtype else [])
     solo = [generate(whole, ids, cfg["new"])[0] for ids in prompts]  # each prompt alone, whole
     del whole
     print(f"{n} concurrent greedy sessions (prompts of {lengths[0]} to {lengths[-1]} tokens, {cfg['new']} new tokens "
           "each), each its own client thread and split, over the same 2 local nodes", flush=True)
     rows, same = {}, True
     for mode, extra in (("off", ["--no-batch"]), ("on", [])):
-        nodes = start_local_nodes(model_dir, 2, threads=1, extra=extra)
+        nodes = start_local_nodes(model_dir, 2, threads=1, extra=extra + on)
         try:
             spec = [f"{node.address}#{node.key}" for node in nodes]
-            copies = [diffuse.from_pretrained(model_dir) for _ in range(n)]  # one after another: imports race
+            copies = [diffuse.from_pretrained(model_dir, device, dtype) for _ in range(n)]  # one after another
             with diffuse.split(copies[0], nodes=spec) as ring:
                 generate(copies[0], prompts[0], 2)  # warm-up
                 tokens, clock = generate(copies[0], prompts[0], cfg["new"])

@@ -7,6 +7,10 @@ bit-identical), and on first use a language model's final norm and output head
 a node started with ``--blocks`` serves the dtype it loaded only; one started
 without keeps copies in ``MAX_DTYPES`` dtypes at most, the least recently asked
 going first (sessions keep their own references until they close).
+
+Everything is read onto the node's device (``diffuse.devices.Compute``) straight from the
+files, one tensor at a time, in the compute dtype; a node whose dtype was named
+(``--dtype``) holds and serves that dtype only.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import weakref
 import torch
 
 from diffuse.analysis import ModelSubject, build_meta
+from diffuse.devices import Compute, place
 from diffuse.errors import DiffuseError
-from diffuse.modelfiles import load_into, located, renamed_for, weight_map
+from diffuse.modelfiles import fp32_kept, load_into, located, renamed_for, weight_map
 from diffuse.plan import Slice, StackPlan
 
 log = logging.getLogger("diffuse.node")
@@ -31,8 +36,10 @@ MAX_DTYPES = 2  # compute dtypes a node without --blocks keeps copies of its blo
 class BlockStore:
     """The blocks one node holds, and nothing else of the model."""
 
-    def __init__(self, model_path: str, subject: ModelSubject, stacks: list[StackPlan]):
+    def __init__(self, model_path: str, subject: ModelSubject, stacks: list[StackPlan], compute: Compute | None = None):
         self.model_path = model_path
+        self.compute = compute or Compute()
+        self.device = self.compute.device
         self.subject = subject
         self.stacks = {s.path: s for s in stacks}
         self.component_dir = f"{model_path}/{subject.denoiser}"
@@ -60,6 +67,11 @@ class BlockStore:
         reading the safetensors files only. A block held in another dtype is read again into a copy of
         its own: sessions computing in the other dtype keep theirs. A node started with ``--blocks``
         serves the dtype it loaded only, and refuses others."""
+        if self.compute.fixed and dtype is not None and dtype != self.compute.dtype:
+            have = str(self.compute.dtype).removeprefix("torch.")
+            raise DiffuseError(f"this node computes in {have} (--dtype {have}); the client asks "
+                               f"{str(dtype).removeprefix('torch.')}: run the client with --dtype {have}, or use "
+                               "another node")
         if self.fixed is not None and dtype is not None and self.native:
             served = self._served_dtypes()
             if dtype not in served:
@@ -69,8 +81,9 @@ class BlockStore:
                                    f"client in {have}, or use a node started without --blocks")
         if dtype is not None:
             self._recent = [d for d in self._recent if d != dtype] + [dtype]
+        asked, dtype = dtype, dtype if dtype is not None else self.compute.dtype
         wanted = [(sl.stack, i) for sl in slices for i in range(sl.start, sl.stop)
-                  if (sl.stack, i, self._dtype(sl.stack, i, dtype)) not in self.blocks]
+                  if (sl.stack, i, self._dtype(sl.stack, i, asked)) not in self.blocks]
         if not wanted:
             return
         self._forget_old_dtypes(dtype)
@@ -78,15 +91,17 @@ class BlockStore:
         skeleton = build_meta(self.subject.denoiser_class(), self.subject.denoiser_config)
         wmap = located(renamed_for(self.subject.weight_map(), skeleton), skeleton, {s for s, _ in wanted})
         files: dict[str, object] = {}
+        keep = fp32_kept(skeleton, dtype)
         try:
             for stack, i in wanted:
                 block = skeleton.get_submodule(stack)[i]
-                load_into(block, f"{stack}.{i}.", wmap, dtype, files=files)
+                load_into(block, f"{stack}.{i}.", wmap, dtype, files=files, device=self.device, keep=keep)
+                place(block, self.device)  # what the files do not hold (buffers made at construction)
                 self._loaded.update(block.parameters())
                 block.eval()
                 p = next(block.parameters(), None)
-                actual = p.dtype if p is not None else (dtype or torch.float32)
-                if dtype is None:
+                actual = dtype or (p.dtype if p is not None else torch.float32)
+                if asked is None:
                     self.native[(stack, i)] = actual
                 self.blocks[(stack, i, dtype or actual)] = block
         finally:
@@ -149,9 +164,14 @@ class BlockStore:
 
     def _load_part(self, module: torch.nn.Module, path: str, wmap, dtype: torch.dtype | None) -> torch.nn.Module:
         """``module`` (at ``path`` in a weightless skeleton) read from the files in ``dtype``, counted as held."""
-        load_into(module, f"{path}.", wmap, dtype)
+        load_into(module, f"{path}.", wmap, dtype, device=self.device, keep=fp32_kept(self._model_of(module), dtype))
+        place(module, self.device)
         self._loaded.update(module.parameters())
         return module.eval()
+
+    def _model_of(self, module: torch.nn.Module):
+        """The class whose float32-kept modules apply to a part of it (the part's own class says nothing)."""
+        return self.subject.denoiser_class()
 
     def embedding(self, dtype: torch.dtype):
         """A language model's input embedding (its own ``get_input_embeddings()``, found here, not named by the

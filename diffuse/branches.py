@@ -116,6 +116,8 @@ class BranchRings:
             out.dropped += c.dropped
             out.messages += c.messages
             out.returns += c.returns
+            out.stream_rows += c.stream_rows
+            out.max_return_bytes = max(out.max_return_bytes, c.max_return_bytes)
             for stack, (skipped, calls) in c.reuse.items():
                 t = out.reuse.setdefault(stack, [0, 0])
                 t[0] += skipped

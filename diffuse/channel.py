@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from diffuse import frames
 from diffuse.callplan import SLOT_CACHE_BYTES, SlotCache, decode_value, digest
+from diffuse.devices import device_of, to_device, to_host
 from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.passes import WHOLE, Answer, ContractError, Part, Pass
 from diffuse.plan import Patch, ReturnMap, SlotRef
@@ -28,6 +29,14 @@ from diffuse.plan import Patch, ReturnMap, SlotRef
 log = logging.getLogger("diffuse.ring")
 
 PROBE_EVERY_S = 1.5  # while waiting for an answer, ask the nodes this often whether they are alive
+MAX_RECORDS = 4096  # per-message records a session keeps (the latest; the totals count every message)
+
+
+def keep(records: list, record) -> None:
+    """Append a per-message record, keeping the latest ``MAX_RECORDS``: a long session's records stay bounded."""
+    records.append(record)
+    if len(records) > MAX_RECORDS:
+        del records[:len(records) - MAX_RECORDS]
 
 
 def keepalive_every_s() -> float:
@@ -47,9 +56,11 @@ class ChannelStats:
     passes: int = 0  # answers received from the last node
     bytes_sent: int = 0
     bytes_received: int = 0
-    per_stack: dict = field(default_factory=dict)
-    messages: list = field(default_factory=list)  # one record per message sent into the ring
-    returns: list = field(default_factory=list)  # [seq, bytes] of every answer from the last node
+    per_stack: dict = field(default_factory=dict)  # stack -> {"calls": count, "bytes": the latest messages' sizes}
+    messages: list = field(default_factory=list)  # a record per message sent into the ring (the latest MAX_RECORDS)
+    returns: list = field(default_factory=list)  # [seq, bytes] per answer from the last node (the latest MAX_RECORDS)
+    stream_rows: int = 0  # hidden-state rows sent into the ring (the stream slot of every message)
+    max_return_bytes: int = 0  # the largest answer from the last node
     dropped: int = 0  # messages on the client's inbox that failed to open (junk, replays) and were dropped
     reuse: dict = field(default_factory=dict)  # stack -> [skipped, calls] of the first-block cache (diffuse.firstblock)
 
@@ -63,9 +74,10 @@ class Channel:
         self.stats = ChannelStats()
         self._seq = 0
         self._trees: dict[str, dict] = {}
-        self._sent_rmap: set[str] = set()
+        self._sent_rmap: dict[str, ReturnMap] = {}
         self._mirror = SlotCache(SLOT_CACHE_BYTES)  # what every node's slot cache holds: (stack, slot) -> size
         self._waiting = False  # in receive, which probes by itself
+        self.device = None  # where the model's calls hand their tensors from, and get answers back (None: the CPU)
         self._closed = threading.Event()
         self._keepalive = None
         if probe is not None:
@@ -90,13 +102,14 @@ class Channel:
         if patch is not None and part is not None:
             raise ContractError("a pass carries one part: a patch, or another, not both")
         self._seq += 1
+        self.device = device_of(tensors) or self.device
+        tensors = to_host(tensors)  # one copy from an accelerator (CPU tensors: as they are)
         sent_tree = None
         if self._trees.get(stack) != tree:
             sent_tree = self._trees[stack] = tree
         sent_rmap = None
-        if stack not in self._sent_rmap:
-            sent_rmap = rmap
-            self._sent_rmap.add(stack)
+        if self._sent_rmap.get(stack) != rmap:  # the first call's, and again when a pass threads otherwise
+            sent_rmap = self._sent_rmap[stack] = rmap
         streams = set(rmap.streams)
         mirror = self._mirror
         refs, sent, fresh = [], [], []
@@ -123,11 +136,13 @@ class Channel:
         self.stats.bytes_sent += n_out
         s = self.stats.per_stack.setdefault(stack, {"calls": 0, "bytes": []})
         s["calls"] += 1
-        s["bytes"].append(n_out)
-        self.stats.messages.append({
+        keep(s["bytes"], n_out)
+        rows = max((tensors[i].shape[1] for i in streams if tensors[i].dim() > 1), default=0)
+        self.stats.stream_rows += rows
+        keep(self.stats.messages, {
             "seq": self._seq, "stack": stack, "bytes_out": n_out,
             "stream_bytes": sum(_nbytes(tensors[i]) for i in streams),
-            "stream_rows": max((tensors[i].shape[1] for i in streams if tensors[i].dim() > 1), default=0),
+            "stream_rows": rows,
             "fresh_slots": fresh, "fresh_bytes": sum(_nbytes(tensors[i]) for i in fresh),
             **({"branch": patch.branch, "step": patch.step, "uncut": patch.uncut, "index": patch.index}
                if patch else {}),
@@ -158,12 +173,13 @@ class Channel:
         n_in = sum(len(f) for f in reply)
         self.stats.passes += 1
         self.stats.bytes_received += n_in
-        self.stats.returns.append([seq, n_in])
+        keep(self.stats.returns, [seq, n_in])
+        self.stats.max_return_bytes = max(self.stats.max_return_bytes, n_in)
         if answer.skipped is not None:
             counted = self.stats.reuse.setdefault(answer.stack[:200], [0, 0])
             counted[0] += answer.skipped
             counted[1] += 1
-        return decode_value(answer.out, tensors)
+        return decode_value(answer.out, to_device(tensors, self.device))
 
     def _wait(self, seq: int):
         deadline = time.monotonic() + self.timeout_s

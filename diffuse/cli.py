@@ -255,6 +255,34 @@ def ring_flags(ap: argparse.ArgumentParser) -> None:
                     "per run")
 
 
+def device_flags(ap: argparse.ArgumentParser, what: str = "the client's ends of the model, and local nodes") -> None:
+    """``--device`` and ``--dtype`` (``diffuse.devices``): where ``what`` computes, and in what."""
+    ap.add_argument("--device", default=None, metavar="auto|cpu|cuda|cuda:N|mps",
+                    help=f"where {what} compute (default: $DIFFUSE_DEVICE, "
+                    "else auto: the first accelerator torch sees, else the CPU); a device torch does not see is "
+                    "refused")
+    ap.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float16", "float32"),
+                    help="the compute dtype (default: $DIFFUSE_DTYPE, else auto: on an accelerator what the model "
+                    "folder declares, on the CPU what a plain from_pretrained gives, float32 for a diffusers "
+                    "pipeline)")
+
+
+def check_device_flags(a: argparse.Namespace) -> None:
+    """``--device`` and a named ``--dtype`` against what torch sees here, before anything loads (``auto``
+    dtypes are resolved once the model's folder is read)."""
+    if not hasattr(a, "device"):
+        return
+    named = [x for x in (a.device, a.dtype, os.environ.get("DIFFUSE_DEVICE"), os.environ.get("DIFFUSE_DTYPE"))
+             if x and x != "auto"]
+    if not named:
+        return  # auto finds what is there: nothing to refuse, and torch is not imported yet (the first line waits)
+    from diffuse.devices import resolve_device, resolve_dtype
+
+    device = resolve_device(a.device)
+    if (a.dtype or os.environ.get("DIFFUSE_DTYPE") or "auto") != "auto":
+        resolve_dtype(a.dtype, device, None)
+
+
 def query_parser(prog: str = "diffuse query") -> Parser:
     ap = Parser(prog=prog, description="Generate with a model split over a ring of nodes: a diffusers pipeline "
                 "makes an image, a video or audio; a transformers model folder answers in text. Flags not given "
@@ -274,6 +302,7 @@ def query_parser(prog: str = "diffuse query") -> Parser:
     ap.add_argument("--width", type=positive, help="output width in pixels (default: the model's)")
     ap.add_argument("--frames", type=positive, help="video frames (num_frames; default: the model's)")
     ring_flags(ap)
+    device_flags(ap)
     ap.add_argument("--branch-groups", type=positive, default=1, metavar="G",
                     help="with --local-nodes: share the local nodes out into G groups, one per guidance branch, "
                     "which then run side by side (default 1)")
@@ -320,6 +349,7 @@ def chat_parser() -> Parser:
     ap.add_argument("--max-new-tokens", type=positive, default=128, help="tokens per answer at most (default 128)")
     ap.add_argument("--image", action="append", default=[], metavar="FILE", help="an image for the first turn")
     ring_flags(ap)
+    device_flags(ap)
     ap.add_argument("--report", metavar="FILE.json", help="write per-turn statistics as JSON at the end")
     ap.add_argument("--embedding-on-node", action="store_true",
                     help="the first node holds the embedding table and passes carry token ids (default: the client "
@@ -358,6 +388,7 @@ def check_flags(a: argparse.Namespace) -> None:
         zeroconf_library()  # or how to install it, in one line
     elif getattr(a, "nodes", None) is not None:
         check_node_list(a.nodes)
+    check_device_flags(a)
     if getattr(a, "discover_seconds", None) is not None and getattr(a, "nodes", None) != "auto":
         raise DiffuseError("--discover-seconds applies with --nodes auto")
     whole = getattr(a, "whole", False)

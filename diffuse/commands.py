@@ -59,8 +59,7 @@ def verify_main(argv: list[str]) -> int:
         import torch
 
         import diffuse
-        from diffuse.api import ModelInfo
-        from diffuse.planner import load_pipeline
+        from diffuse.api import ModelInfo, client_compute, load_whole_or_shell
         from diffuse.run import call_kwargs, output_array
 
         cli.check_flags(a)
@@ -69,13 +68,15 @@ def verify_main(argv: list[str]) -> int:
         info = ModelInfo.of(a.model)
         cli.check_flags_for(a, info.subject.autoregressive)
         cli.lan_nodes(a, info.subject, out)
-        with cli.phase(out, f"{os.path.basename(info.path)}: running it whole, in this process", a.quiet):
-            whole = load_pipeline(info.path)
+        compute = client_compute(info, a.device, a.dtype)
+        with cli.phase(out, f"{os.path.basename(info.path)}: running it whole, in this process, on "
+                       f"{compute.describe()}", a.quiet):
+            whole = load_whole_or_shell(info, compute, shell=False)
             with torch.no_grad():
                 reference = output_array(whole(**call_kwargs(a, whole, info)))
             del whole
         with cli.phase(out, f"{os.path.basename(info.path)}: running it split", a.quiet):
-            pipe = diffuse.from_pretrained(info.path)
+            pipe = diffuse.from_pretrained(info.path, device=a.device, dtype=a.dtype)
             with diffuse.split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches,
                                threads=a.threads, timeout=a.timeout, local_transport=a.local_transport), \
                     torch.no_grad():

@@ -13,6 +13,13 @@ cannot stand for (an operation with no meta kernel, a pipeline that reads a
 tensor's values before its first step) skips the check: it never refuses a
 call the model would run.
 
+The same dry call watches each block stack of the denoiser (``NotAChain``): its
+blocks must be called in list order, each handed every tensor the block before
+it returned, untouched. That is what lets one pass through the nodes stand for
+the whole stack; a denoiser that adds to a block's output before the next block
+(Wan VACE adds its hints after chosen main blocks) or keeps each block's output
+(its side stack's hints) is refused here, in one line, before any node starts.
+
 ``largest_sizes`` runs the same search once for a model folder (each size alone, up to
 ``SEARCH_UP_TO``) for its kept verdict (``diffuse.check.keep``); ``kept_refusal`` then
 refuses a size above those bounds from the verdict alone, before torch is imported.
@@ -44,6 +51,54 @@ class _Refused(Exception):
         self.cause = cause
 
 
+class NotAChain(DiffuseError):
+    """A stack's blocks, in the dry call, were not called as a chain: in list order, each handed what the one
+    before it returned, as it returned it (the stand-in answers for all of them at once)."""
+
+
+def _watch_chains(meta, stacks: list[str]) -> list:
+    """Hooks on each stack of the weightless denoiser that raise ``NotAChain`` where the denoiser calls a block
+    out of order, or calls it without every tensor the block before returned, untouched (work between blocks,
+    such as a residual added after some of them, or a block's output used elsewhere than in the next block's
+    call); the hooks, to remove."""
+    from diffuse.callplan import flatten, encode_value
+
+    hooks = []
+    for path in stacks:
+        try:
+            blocks = meta.get_submodule(path)
+        except AttributeError:
+            continue
+        seen = {"next": 0, "out": []}
+
+        def before(module, args, kwargs, i, path=path, seen=seen):
+            if i and i != seen["next"]:
+                raise NotAChain(f"{path}[{i}] is called after {path}[{seen['next'] - 1}]: the denoiser does not run "
+                                "this stack as a chain in list order, so it cannot be split")
+            try:
+                given = {id(t) for t in flatten(args, kwargs)[1]}
+            except DiffuseError:  # a call that cannot travel: the split says so itself, not this check
+                return
+            if i and any(id(t) not in given for t in seen["out"]):
+                raise NotAChain(f"the denoiser does not hand {path}[{i}] what {path}[{i - 1}] returned, as it "
+                                f"returned it (it works between the blocks, e.g. adds something to their output, or "
+                                f"uses a block's output elsewhere): {path} is not a plain chain, so it cannot be split")
+
+        def after(module, args, kwargs, out, i, seen=seen):
+            try:
+                outs = encode_value(out)[1]
+            except DiffuseError:  # an answer that cannot travel: the split says so itself, not this check
+                outs = []
+            seen["next"], seen["out"] = i + 1, outs
+
+        for i, block in enumerate(blocks):
+            hooks.append(block.register_forward_pre_hook(
+                lambda m, a, k, i=i, f=before: f(m, a, k, i), with_kwargs=True))
+            hooks.append(block.register_forward_hook(
+                lambda m, a, k, o, i=i, f=after: f(m, a, k, o, i), with_kwargs=True))
+    return hooks
+
+
 def _meta_copy(module):
     """``module`` rebuilt from its config on the meta device (no weights, no memory), or None."""
     import torch
@@ -63,11 +118,12 @@ def _meta_copy(module):
 class DryPipeline:
     """A pipeline's call with its denoiser weightless: see the module's docstring."""
 
-    def __init__(self, pipe, denoiser: str):
+    def __init__(self, pipe, denoiser: str, stacks: list[str] = ()):
         self.pipe, self.denoiser = pipe, denoiser
         self.meta = _meta_copy(getattr(pipe, denoiser, None))
         if self.meta is None:
             raise _Skip(f"{denoiser} cannot be rebuilt from its config")
+        self.stacks = list(stacks)  # watched: their blocks must be called as a chain (``NotAChain``)
         self.prompt: tuple | None = None  # encode_prompt's (args, kwargs, answer), kept from the first call
 
     def run(self, kwargs: dict) -> None:
@@ -90,10 +146,16 @@ class DryPipeline:
 
         def checked_forward(*args, **kw):
             to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v  # noqa: E731
+            hooks = _watch_chains(meta, self.stacks)
             try:
                 forward(meta, *map(to_meta, args), **{k: to_meta(v) for k, v in kw.items()})
+            except NotAChain:
+                raise
             except Exception as exc:
                 raise _Refused(exc) from None
+            finally:
+                for h in hooks:
+                    h.remove()
             raise _FirstStep()  # the first call went through at these shapes
 
         meta.forward = checked_forward
@@ -110,7 +172,9 @@ class DryPipeline:
         try:
             with torch.no_grad():
                 type(self.pipe).__call__(dry, **kwargs)
-        except _FirstStep:
+        except (_FirstStep, NotAChain) as done:
+            if isinstance(done, NotAChain):
+                raise
             return
         except _Refused as r:
             if "meta" in str(r.cause).lower():  # no meta kernel, or a value read: the dry call cannot tell
@@ -137,20 +201,23 @@ class _Skip(Exception):
     """The dry call cannot stand for the real one here."""
 
 
-def check_sizes(pipe, kwargs: dict, info, label: str) -> None:
+def check_sizes(pipe, kwargs: dict, info, label: str, split: bool = True) -> None:
     """Refuse, in one line and before any node starts, a call whose shapes the denoiser's own forward
     refuses; the line names the largest height, width or frame count it takes where that alone is refused
     (the others at the size the model folder declares, else as asked). ``label``: the model as the user
-    named it."""
+    named it. ``split``: the run is to be split, so its stacks must also be chains (``NotAChain``)."""
     if info.subject.autoregressive or not info.subject.denoiser:
         return
+    stacks = [] if info.subject.several or not split else [s.path for s in info.draft["stacks"]]
     try:
-        dry = DryPipeline(pipe, info.subject.denoiser)
+        dry = DryPipeline(pipe, info.subject.denoiser, stacks)
         dry.run(kwargs)
         hand_over(pipe, dry.prompt)
         return
     except _Skip:
         return
+    except NotAChain as exc:
+        raise DiffuseError(f"cannot split {label}: {exc}; nothing was started") from None
     except _Refused as refused:
         cause = " ".join(str(refused.cause).split())
     asked = {k: kwargs[k] for k in SIZE_ARGS if k in kwargs}

@@ -166,7 +166,7 @@ class EmbedStandIn(HeldElsewhere):
 
 def placeholder(ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """What the embedding answers on the client: the shape and dtype of its output, NaN everywhere."""
-    return torch.full((*ids.shape, dim), float("nan"), dtype=dtype)
+    return torch.full((*ids.shape, dim), float("nan"), dtype=dtype, device=ids.device)
 
 
 def checked_ids(ids: torch.Tensor, vocab: int) -> torch.Tensor:

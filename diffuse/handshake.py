@@ -10,7 +10,10 @@ versions it speaks; each node's is the highest both speak, and each data hop's
 is the highest its two ends speak (a node that speaks only an older version
 keeps serving, in a ring with newer ones). ``open`` and ``close`` are sealed to
 the node's key and carry their operation inside the seal; only a reply sealed
-by that key, for that operation, session and challenge, counts. ``open`` tells
+by that key, for that operation, session and challenge, counts. The first
+hello to a node (in ``diffuse.links.FRESH_S``) is followed by a few sealed link
+pings, which measure the client's link to it; an open names the next node's
+control address and key, and the node answers with its link to it. ``open`` tells
 each node its ``StagePlan`` and its two hop keys: at wire version 1 inside the
 seal, at version 2 under a key agreed for that open (``sealing.agree``), so a
 recorded session cannot be opened later with the node's long-term key.
@@ -21,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 
-from diffuse import frames, sealing
+from diffuse import frames, links, sealing
 from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.known_nodes import parse_node, pin_key
 from diffuse.placement import note_hello
@@ -157,13 +160,15 @@ class Handshake:
                 raise NodeError(stage.address, f"says it holds what this model does not have: {exc}") from None
         hello["speaks"] = speaks
         note_hello(stage.address, hello, rtt)  # what it says of its memory and speed, for placement
+        if expect_key is None:  # the link to it: a few sealed pings, unless measured in the last minutes
+            links.measure_client_link(self.transports[k], stage.address, self.identity, key)
         self.wire[stage.address] = best
         hello["at"] = time.monotonic()
         return hello
 
     def open(self, transport_inbox) -> tuple[SlicingPlan, frames.Hop, frames.Hop, str]:
-        """Open the session on every node, in route order. Returns the plan with the route the nodes'
-        slices make, the client's two hops, and the first node's data address."""
+        """Open the session on every node, from the last in route order back to the first. Returns the plan with
+        the route the nodes' slices make, the client's two hops, and the first node's data address."""
         hellos = [self.hello(k) for k in range(len(self.plan.route))]
         self.keys = [h["key"] for h in hellos]
         data = []
@@ -179,14 +184,20 @@ class Handshake:
         hop_keys = self.hop_keys = [sealing.new_key() for _ in range(len(plan.route) + 1)]
         nexts = data[1:] + [transport_inbox]
         try:
-            for k, stage in enumerate(plan.route):
+            # from the last node back: each node's next hop already holds the session when its sending end
+            # connects, and admits it (a transport that ``admits`` lets in only an open session's sending end)
+            for k, stage in reversed(list(enumerate(plan.route))):
                 hello = hellos[k]
                 if time.monotonic() - hello["at"] > CHALLENGE_FRESH_S:  # earlier nodes took long to load
                     hello = self.hello(k, self.keys[k])
                 stage_plan = StagePlan(plan.model.content_hash, plan.compute_dtype, stage.slices, nexts[k],
                                        self.attention, hops[k], hops[k + 1])
                 payload = self._open_payload(k, hello, stage_plan, hop_keys[k], hop_keys[k + 1])
+                if k + 1 < len(plan.route):  # the node measures its link to the next one (diffuse.links)
+                    payload.update(next_control=plan.route[k + 1].address, next_key=self.keys[k + 1])
                 reply = self.sealed(k, "open", payload, OPEN_TIMEOUT_S)
+                if k + 1 < len(plan.route):
+                    links.note(stage.address, plan.route[k + 1].address, links.Link.from_dict(reply.get("link")))
                 self.opened.append(k)
                 self.uncut.update(s for s in reply.get("uncut") or () if isinstance(s, str))
         except BaseException:
@@ -260,7 +271,8 @@ class Handshake:
     def probe(self, keepalive: bool = False, stalled: int | None = None) -> None:
         """Ask every node of the route whether it is alive and still has the session (each ping also
         renews the session's lease there); NodeError naming the first that is dead, frozen (two pings
-        unanswered), has lost the session or ended it on a failure (saying why, e.g. its next hop).
+        in a row unanswered, or one once a pass's answer is overdue), has lost the session or ended it on a
+        failure (saying why, e.g. its next hop).
         ``keepalive``: a background renewal only, which never raises. ``stalled``: the sequence number
         of a pass whose answer never came; NodeError naming the hop where it stopped, if the nodes tell."""
         seen = []
@@ -271,8 +283,10 @@ class Handshake:
                 if keepalive:
                     continue
                 self._misses[k] += 1
-                if self._misses[k] >= 2 or stalled is not None:
-                    raise NodeError(stage.address, f"stopped answering (no answer to two pings of "
+                misses = self._misses[k]
+                if misses >= 2 or stalled is not None:
+                    pings = "a ping" if misses == 1 else f"{misses} pings in a row"
+                    raise NodeError(stage.address, f"stopped answering (no answer to {pings}, each given "
                                     f"{PROBE_TIMEOUT_S:g} s): the node is dead or frozen") from None
                 continue
             if keepalive:

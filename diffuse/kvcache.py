@@ -15,6 +15,13 @@ themselves live only on the nodes.
 
 A new cache object on the client, or one that is empty, starts fresh caches on
 the nodes (``generate`` makes a new cache per call; MusicGen prefills twice).
+
+A session's cache is capped at the model's ``max_position_embeddings`` (of its
+text part; models that name none are not capped here): the client refuses a
+prompt longer than that before any pass (``check_prompt``), and a node refuses a
+pass that would take its cache beyond it (``NodeCaches.check_room``), in one
+line naming the cap, so a session's keys and values, and the client's replay
+history of them (``diffuse.replay``), stay within what the model was made for.
 """
 
 from __future__ import annotations
@@ -37,6 +44,36 @@ def is_cache(x) -> bool:
 def self_attention_part(cache):
     """The part of ``cache`` a decoder layer's self-attention writes (an encoder-decoder cache holds two)."""
     return getattr(cache, "self_attention_cache", cache)
+
+
+def max_positions(config) -> int | None:
+    """The positions a model's attention was made for: ``max_position_embeddings`` of its text part (None
+    when it names none, as models with relative positions do)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    most = getattr(text, "max_position_embeddings", None)
+    return most if isinstance(most, int) and not isinstance(most, bool) and most > 0 else None
+
+
+def over_cap(positions: int, most: int, what: str) -> str:
+    return (f"{what} {positions} positions, over the model's max_position_embeddings ({most}), the cap on a "
+            "session's key/value cache: use a shorter prompt, fewer new tokens, or a new conversation")
+
+
+def check_prompt(config, input_ids) -> None:
+    """Refuse, before any pass, a decoder prompt longer than the model's positions (``max_positions``)."""
+    most = max_positions(config)
+    if most is None or getattr(config, "is_encoder_decoder", False) or not isinstance(input_ids, torch.Tensor):
+        return
+    if input_ids.dim() >= 2 and input_ids.shape[-1] > most:
+        raise DiffuseError(over_cap(input_ids.shape[-1], most, "the prompt holds"))
+
+
+def cached_positions(cache) -> int:
+    """Positions a cache's self-attention part holds (the longest of its layers; a sliding-window layer counts
+    every position it has seen)."""
+    lengths = [layer.get_seq_length() for layer in getattr(self_attention_part(cache), "layers", ())
+               if callable(getattr(layer, "get_seq_length", None))]
+    return max(lengths, default=0)
 
 
 EDITS = ("reorder_cache", "crop", "batch_repeat_interleave", "batch_select_indices")  # what beams and drafts do
@@ -82,11 +119,11 @@ class ClientCaches:
         cross = getattr(cache, "cross_attention_cache", None)
         b, q = hidden.shape[0], hidden.shape[1]
         for i in layers:
-            z = torch.zeros(b, 1, q, 1, dtype=hidden.dtype)  # numel > 0: an empty tensor would read as length 0
+            z = torch.zeros(b, 1, q, 1, dtype=hidden.dtype, device=hidden.device)  # numel > 0: an empty tensor would read as length 0
             part.update(z, z.clone(), i)
             if cross is not None and cross.get_seq_length(i) == 0:
                 # the encoder memory's keys and values are on the nodes too; a placeholder says "filled"
-                one = torch.zeros(b, 1, 1, 1, dtype=hidden.dtype)
+                one = torch.zeros(b, 1, 1, 1, dtype=hidden.dtype, device=hidden.device)
                 cross.update(one, one.clone(), i)
 
 
@@ -115,6 +152,14 @@ class NodeCaches:
             return cache_utils.EncoderDecoderCache(cache_utils.DynamicCache(), cache_utils.DynamicCache())
         raise DiffuseError(f"a cache of class {kind[:64]!r} cannot be kept on a node "
                            "(DynamicCache and EncoderDecoderCache can)")
+
+    def check_room(self, cache, new: int) -> None:
+        """Refuse a pass that would take ``cache`` (one of this session's) beyond the model's positions."""
+        if self._config is None:
+            self._config = self._config_factory()
+        most = max_positions(self._config)
+        if most is not None and cached_positions(cache) + new > most:
+            raise DiffuseError(over_cap(cached_positions(cache) + new, most, "this session's cache would hold"))
 
     def nbytes(self) -> int:
         """Bytes of keys and values held for this session."""

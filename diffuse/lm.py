@@ -19,6 +19,7 @@ from contextlib import nullcontext
 
 from diffuse import cli
 from diffuse.errors import DiffuseError
+from diffuse.links import route_lines
 
 TOP_SAVED = 8  # candidates per step written to --report: ids and exact values
 
@@ -117,49 +118,28 @@ def embedding_report(splitter) -> dict:
 
 
 def generate_text(a: argparse.Namespace, console, info) -> dict:
+    """One run of a language model (or a model that listens or composes), whole or split; prints the answer as
+    it comes, writes the outputs asked for, returns the report."""
     import torch
 
-    import diffuse
-    from diffuse.api import Split
-    from diffuse.audio_inputs import takes_audio_in_chat
-    from diffuse.media_inputs import build_inputs, load_config, load_tokenizer, media_kind
-    from diffuse.planner import load_model
+    from diffuse.api import Split, client_compute, load_whole_or_shell
+    from diffuse.devices import inputs_on
+    from diffuse.media_inputs import load_config, load_tokenizer
 
     t0 = time.perf_counter()
+    compute = client_compute(info, a.device, a.dtype)
     gen = generation_kwargs(a)  # the flags were checked against the model in diffuse.cli
-    cls = info.subject.denoiser_class()
-    if getattr(cls, "main_input_name", "input_ids") == "input_features":  # it listens: audio in, text out
-        from diffuse.audio_inputs import build_audio_inputs
-
-        if not a.audio:
-            raise DiffuseError(f"--audio FILE is needed: {cls.__name__} transcribes audio")
-        if a.image or a.video or a.media or a.prompt is not None or a.no_template:
-            raise DiffuseError(f"{cls.__name__} takes audio only (--audio); no prompt, images or video")
-        inputs, note = build_audio_inputs(info.path, a.audio)
-    elif a.audio and takes_audio_in_chat(load_config(info.path)):  # it listens through its prompt: audio + question
-        from diffuse.audio_inputs import build_audio_chat_inputs
-
-        if a.no_template:
-            raise DiffuseError(f"--no-template: {cls.__name__} takes audio only through its chat template (one user "
-                               f"turn: the audio, then the text); leave the flag out")
-        if a.image or a.video or a.media:
-            raise DiffuseError(f"{cls.__name__} takes audio and text; no images or video")
-        if a.prompt is None:
-            raise DiffuseError("--prompt is needed: the question about the audio")
-        inputs, note = build_audio_chat_inputs(info.path, a.audio, a.prompt), None
-    else:
-        if a.audio:
-            raise DiffuseError(f"--audio: {cls.__name__} does not take audio")
-        if a.prompt is None:
-            raise DiffuseError("--prompt is needed: the text to answer")
-        images, videos = list(a.image), list(a.video)
-        for path in a.media:
-            (videos if media_kind(path) == "video" else images).append(path)
-        inputs, note = build_inputs(info.path, a.prompt, images, videos, a.no_template)
+    inputs, note = read_inputs(a, info)
     if note:
         console.print(note, highlight=False, soft_wrap=True)
+    if "input_ids" in inputs:  # a prompt beyond the model's positions: refused before anything loads or starts
+        from diffuse.kvcache import check_prompt
+
+        check_prompt(load_config(info.path), inputs["input_ids"])
     tokenizer = load_tokenizer(info.path)
-    model = load_model(info.path, info.subject) if a.whole else diffuse.from_pretrained(info.path)
+    model = load_whole_or_shell(info, compute, shell=not a.whole)
+    model._diffuse = info
+    inputs = inputs_on(inputs, compute.device)
     times = {"load": time.perf_counter() - t0}
     if audio_rate(model) is not None:  # it composes: text in, audio out
         return compose_audio(a, console, info, model, inputs, gen, times, t0)
@@ -201,23 +181,7 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
         "client_params": held_parameters(model),
     }
     if split is not None:
-        st = split.ring.channel_stats
-        per_token = max(1, int(new.shape[1]))
-        report.update(
-            transport=split.ring.scheme, calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
-            last_hop_bytes_per_token=st.bytes_received / per_token,
-            last_hop_max_bytes=max((n for _, n in st.returns), default=0),
-            client_layer_params=split.splitter.held_block_parameters(),
-            tail_passes=split.splitter.tail_passes,
-            client_head_params=head_params_held(split.splitter),
-            **embedding_report(split.splitter),
-            node_stats=[dict(r, address=s.address, bytes_per_token_in=r.get("bytes_in", 0) / per_token)
-                        for s, r in zip(split.plan.route, split.node_reports)],
-            messages=st.messages)
-        draw = split.splitter.last_draw
-        if draw is not None:  # the tokens were drawn on the last node (diffuse.sampling)
-            report["sampling"] = {"draws": draw.draws, "generator_states_sent": draw.states_sent,
-                                  "processors": draw.described}
+        report.update(text_split_report(split, int(new.shape[1])))
     if a.out:
         with open(a.out, "w") as f:
             f.write(streamer.printed + "\n")
@@ -230,6 +194,67 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
     if a.report:
         with open(a.report, "w") as f:
             json.dump(report, f, indent=1, default=str)
+    return report
+
+
+def read_inputs(a: argparse.Namespace, info):
+    """The model's inputs from the flags, as the model takes them (audio to transcribe, audio with a question,
+    or a prompt with images and videos), and a note to print, if any."""
+    from diffuse.audio_inputs import takes_audio_in_chat
+    from diffuse.media_inputs import build_inputs, load_config, media_kind
+
+    cls = info.subject.denoiser_class()
+    if getattr(cls, "main_input_name", "input_ids") == "input_features":  # it listens: audio in, text out
+        from diffuse.audio_inputs import build_audio_inputs
+
+        if not a.audio:
+            raise DiffuseError(f"--audio FILE is needed: {cls.__name__} transcribes audio")
+        if a.image or a.video or a.media or a.prompt is not None or a.no_template:
+            raise DiffuseError(f"{cls.__name__} takes audio only (--audio); no prompt, images or video")
+        inputs, note = build_audio_inputs(info.path, a.audio)
+    elif a.audio and takes_audio_in_chat(load_config(info.path)):  # it listens through its prompt: audio + question
+        from diffuse.audio_inputs import build_audio_chat_inputs
+
+        if a.no_template:
+            raise DiffuseError(f"--no-template: {cls.__name__} takes audio only through its chat template (one user "
+                               f"turn: the audio, then the text); leave the flag out")
+        if a.image or a.video or a.media:
+            raise DiffuseError(f"{cls.__name__} takes audio and text; no images or video")
+        if a.prompt is None:
+            raise DiffuseError("--prompt is needed: the question about the audio")
+        inputs, note = build_audio_chat_inputs(info.path, a.audio, a.prompt), None
+    else:
+        if a.audio:
+            raise DiffuseError(f"--audio: {cls.__name__} does not take audio")
+        if a.prompt is None:
+            raise DiffuseError("--prompt is needed: the text to answer")
+        images, videos = list(a.image), list(a.video)
+        for path in a.media:
+            (videos if media_kind(path) == "video" else images).append(path)
+        inputs, note = build_inputs(info.path, a.prompt, images, videos, a.no_template)
+    return inputs, note
+
+
+def text_split_report(split, new_tokens: int) -> dict:
+    """What a split language-model run adds to the report: the wire's figures per token, what the client still
+    holds, each node's figures, the links of its route and, where tokens were drawn on the last node, the draws."""
+    st = split.ring.channel_stats
+    per_token = max(1, new_tokens)
+    report = dict(
+        transport=split.ring.scheme, calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
+        last_hop_bytes_per_token=st.bytes_received / per_token,
+        last_hop_max_bytes=st.max_return_bytes,
+        client_layer_params=split.splitter.held_block_parameters(),
+        tail_passes=split.splitter.tail_passes,
+        client_head_params=head_params_held(split.splitter),
+        **embedding_report(split.splitter),
+        node_stats=[dict(r, address=s.address, bytes_per_token_in=r.get("bytes_in", 0) / per_token)
+                    for s, r in zip(split.plan.route, split.node_reports)],
+        links=route_lines([s.address for s in split.plan.route]), messages=st.messages)
+    draw = split.splitter.last_draw
+    if draw is not None:  # the tokens were drawn on the last node (diffuse.sampling)
+        report["sampling"] = {"draws": draw.draws, "generator_states_sent": draw.states_sent,
+                              "processors": draw.described}
     return report
 
 
@@ -290,7 +315,7 @@ def compose_audio(a, console, info, model, inputs, gen, times, t0) -> dict:
         st, sp = split.ring.channel_stats, split.splitter
         report.update(calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
                       last_hop_bytes_per_step=st.bytes_received / max(1, st.passes),
-                      last_hop_max_bytes=max((n for _, n in st.returns), default=0),
+                      last_hop_max_bytes=st.max_return_bytes,
                       tail_passes=sp.tail_passes, tail_answer_max_bytes=sp.tail_bytes_max,
                       client_head_params=head_params_held(sp),
                       client_layer_params=sp.held_block_parameters(), node_stats=split.node_reports)
@@ -342,6 +367,8 @@ def summarize(r: dict, console) -> None:
             console.print(f"  node {i}: {ns.get('messages', 0)} messages, {ns.get('bytes_in', 0) / 1024:.1f} KiB in, "
                           f"{ns.get('bytes_out', 0) / 1024:.1f} KiB out, cache {ns.get('cache_bytes', 0) / 1024:.1f} KiB, "
                           f"busy {ns.get('busy_s', 0.0):.2f} s", soft_wrap=True)
+        for line in r.get("links") or []:
+            console.print(f"  link {line}", soft_wrap=True)
 
 
 def chat_parser() -> argparse.ArgumentParser:
@@ -365,6 +392,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
 
     import diffuse
     from diffuse.api import ModelInfo, Split
+    from diffuse.devices import inputs_on, model_device
     from diffuse.media_inputs import chat_inputs, load_tokenizer
 
     if a.threads:
@@ -374,7 +402,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
         raise DiffuseError(f"{info.path} is a diffusion pipeline; diffuse chat talks to language models")
     cli.lan_nodes(a, info.subject, console)
     cli.status(console, f"{info.subject.denoiser_class_name}: loading it without the layers the nodes will hold")
-    model = diffuse.from_pretrained(info.path)
+    model = diffuse.from_pretrained(info.path, device=a.device, dtype=a.dtype)
     tokenizer = load_tokenizer(info.path)
     interactive = lines is None and sys.stdin.isatty()
     lines = lines if lines is not None else sys.stdin
@@ -402,6 +430,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
                 continue
             messages.append({"role": "user", "content": line})
             inputs, note = chat_inputs(info.path, messages, images)
+            inputs = inputs_on(inputs, model_device(model))
             if note and not turns:
                 console.print(note, highlight=False, soft_wrap=True)
             cached = cache.get_seq_length()
@@ -425,10 +454,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
 
 def _stream_rows(split) -> int:
     """Hidden-state rows sent into the ring so far (the stream slot of every pass)."""
-    rows = 0
-    for m in split.ring.channel_stats.messages:
-        rows += m.get("stream_rows", 0)
-    return rows
+    return split.ring.channel_stats.stream_rows
 
 
 def chat_main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,9 @@ class LanguageModelPass(PassKind):
             p.part = replace(part, embed=None)
         p.layer_trees = part.trees
         p.cache = sess.kv.get(p.stack, part.kind, part.fresh) if part.kind is not None else None
+        stream = p.values[p.rmap.streams[0]] if p.rmap.streams else None
+        if p.cache is not None and isinstance(stream, torch.Tensor) and stream.dim() >= 2:
+            sess.kv.check_room(p.cache, stream.shape[1])  # before the layers write anything into it
 
     def run(self, sess, p):
         return run_blocks(p.blocks, p.tree, p.values, p.rmap, p.layer_trees, p.cache)
@@ -52,7 +55,7 @@ class LanguageModelPass(PassKind):
         if tail is None:
             return out, None
         # the head runs on the stream, where a layer returns a tuple (Falcon's hidden states and weights)
-        return run_tail(sess, out if p.rmap.single else out[p.rmap.output_of(p.rmap.streams[0])], tail), None
+        return run_tail(sess, out if p.rmap.single else out[p.rmap.output_of(p.rmap.hidden_streams[0])], tail), None
 
 
 def embedded(store, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

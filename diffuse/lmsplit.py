@@ -61,8 +61,18 @@ class _Embedded:
 
 class SideOutput(torch.Tensor):
     """What stands in, before the last layer, for a tensor a layer returns besides its hidden state and that
-    replaces none of its inputs (BLOOM's attention weights): empty, and refused if handed to the next layer
-    (``diffuse.standin.StandIn``)."""
+    replaces none of its inputs (BLOOM's attention weights, T5's position biases): empty, and ``output`` says
+    which returned position it stands for. A model may hand it to the next layer as it is (T5 gives block 0's
+    biases to every later block): the pass then threads that output into the slot it takes there
+    (``threaded_sides``); anything else done with it is refused (``diffuse.standin.StandIn``)."""
+
+    output: int
+
+
+def _side(position: int) -> SideOutput:
+    t = torch.empty(0).as_subclass(SideOutput)
+    t.output = position
+    return t
 
 
 def shaped(rmap: ReturnMap, hidden):
@@ -70,8 +80,24 @@ def shaped(rmap: ReturnMap, hidden):
     is, None where the layer returned None and an empty ``SideOutput`` where it returned a side output."""
     if rmap.single:
         return hidden
-    return tuple(hidden if slot is not None else None if name is None else torch.empty(0).as_subclass(SideOutput)
-                 for slot, name in zip(rmap.outputs, rmap.names))
+    return tuple(hidden if slot is not None else None if name is None else _side(j)
+                 for j, (slot, name) in enumerate(zip(rmap.outputs, rmap.names)))
+
+
+def threaded_sides(calls: list[tuple[tuple, dict]], rmap: ReturnMap) -> ReturnMap:
+    """The pass's return map: ``rmap`` with each side output the model handed on to later layers threaded into
+    the slot it sits in in their calls (so the node computing it hands it to the next layer, and the next node,
+    as the model would have)."""
+    if rmap.single:
+        return rmap
+    _, _, tensors = flatten_layers(calls)
+    sides = {}
+    for slot, t in enumerate(tensors):
+        if isinstance(t, SideOutput):
+            if getattr(t, "output", None) is None or t.output in sides or rmap.outputs[t.output] is not None:
+                raise DiffuseError("a layer was handed a side output no layer of this pass returned as it is")
+            sides[t.output] = slot
+    return rmap.with_sides(sides)
 
 
 def _is_freed(module: nn.Module) -> bool:
@@ -91,6 +117,12 @@ class LanguageEnds:
         self._heads_answer: tuple | None = None  # (the hidden state, every head's logits) while the heads are called
         self.embedding = EmbeddingEnd(self)
         self.pending: _Pending | None = None
+        # whether the head reads rows of the final norm's output as it is (None: not known yet); a model that
+        # works on them in between (T5 scales them) gets its passes sent at once and its head run here
+        self.tail_follows: bool | None = None
+        self._forward_call: tuple | None = None  # the model's outermost forward call under way: (args, kwargs)
+        self._forwards = 0
+        self._replay = None  # while the forward runs again on a pass already answered: that answer
         self.tail_passes = 0  # passes whose norm and head ran on the last node
         self.tail_bytes = self.tail_bytes_max = 0  # what their answers' tensors held (in all, the most in one)
         self.generation = GenerateCapture(self)
@@ -136,6 +168,8 @@ class LanguageEnds:
                              if not name.startswith(path + ".") for w in weights)
         changes.replace(self.model, path, lambda m: HeadListStandIn(self, m) if self.head_list
                         else HeadStandIn(self, head_vocab(m), m))
+        changes.hook(self.model.register_forward_pre_hook(self._forward_starts, with_kwargs=True))
+        changes.hook(self.model.register_forward_hook(self._forward_ends, always_call=True))
         for mpath, module in self.model.named_modules():
             if changes.made(module):
                 continue
@@ -177,6 +211,16 @@ class LanguageEnds:
             self.head[1].to("meta")  # the last node holds it now
             self.head_freed = True
 
+    def _forward_starts(self, _module, args: tuple, kwargs: dict):
+        if self._forwards == 0:
+            self._forward_call = (args, kwargs)
+        self._forwards += 1
+
+    def _forward_ends(self, _module, _args, _output):
+        self._forwards -= 1
+        if self._forwards == 0:
+            self._forward_call = None
+
     # -- passes ----------------------------------------------------------------------------------------
     def _before_module(self, path: str, module: nn.Module, args: tuple):
         p = self.pending
@@ -195,6 +239,9 @@ class LanguageEnds:
     def run_layers(self, stack: StackPlan, calls: list[tuple[tuple, dict]], cache):
         """A language model's pass: every layer's call through the ring at once; the client's cache gets
         its shadow (see ``diffuse.kvcache``)."""
+        if self._replay is not None:  # the forward runs again on a pass the nodes already answered
+            answer, self._replay = self._replay, None
+            return answer
         placeholder = calls[0][0][0] if calls[0][0] else calls[0][1].get("hidden_states")
         self._heads_answer = None  # a new pass: the heads' last answer is for another hidden state
         ids = self.embedding.take_ids(placeholder)
@@ -206,7 +253,7 @@ class LanguageEnds:
         if self.pending is not None:  # a pass held back that nothing read: send it first
             self._send_pending(None)
         if self.head is not None and self.generation.active and len(rmap.streams) == 1 \
-                and isinstance(placeholder, torch.Tensor):
+                and isinstance(placeholder, torch.Tensor) and self.tail_follows is not False:
             self.pending = _Pending(stack, calls, cache, rmap, fresh, placeholder, ids)
             return shaped(rmap, placeholder)
         return self._send(stack, calls, cache, rmap, fresh, None, ids)
@@ -248,7 +295,8 @@ class LanguageEnds:
                 raise DiffuseError(f"{stack.path}: the first layer's input is not the slot its output threads into, "
                                    "so the first node cannot put the token embeddings there")
             embed = Embed(slot, str(rows.dtype).removeprefix("torch."))
-        out = self.splitter.ring.call_layers(stack.path, calls, rmap, cache, fresh, tail, embed=embed)
+        out = self.splitter.ring.call_layers(stack.path, calls, threaded_sides(calls, rmap), cache, fresh, tail,
+                                             embed=embed)
         self.caches.shadow(cache, range(stack.length), rows)
         if ids is not None:
             self.embedding.passes += 1
@@ -272,8 +320,8 @@ class LanguageEnds:
             return original(x)
         rows = rows_of(x, p.normed if p.normed is not None else p.placeholder)
         if rows is None:
-            self._send_pending(None)
-            raise unsupported_view(path)
+            return self._head_here(path, original, x)
+        self.tail_follows = True
         gen = self.generation
         draw = gen.draw.wire(gen.node_tail()) if gen.draw is not None else None
         answer = self._send_pending(Tail(p.norm, tuple(rows), gen.top or 0, draw))
@@ -292,6 +340,28 @@ class LanguageEnds:
             gen.shortlist = logits[:, -1]
         if gen.draw is not None:  # the row generate will read, as it reads it
             gen.draw.took(answer, gen.node_tail(), logits[:, -1].to(dtype=torch.float32, copy=True))
+        return logits
+
+    def _head_here(self, path: str, original: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The head's answer where the model works on the final norm's output before its head (T5 scales it): the
+        pass held back goes without its tail, the model's forward runs again on that answer, here, up to the
+        head, which runs here on what the forward hands it; later passes go at once (``tail_follows``)."""
+        answer = self._send_pending(None)
+        if self.tail_follows or self._forward_call is None or self._forwards != 1 or self.head_freed \
+                or self.embed is not None or self.head_list:
+            raise unsupported_view(path)
+        self.tail_follows = False
+        args, kwargs = self._forward_call
+        self._replay = answer
+        try:
+            out = type(self.model).forward(self.model, *args, **kwargs)
+        finally:
+            self._replay = None
+        logits = getattr(out, "logits", None)
+        if logits is None and isinstance(out, tuple):
+            logits = out[0]
+        if not isinstance(logits, torch.Tensor):
+            raise unsupported_view(path)
         return logits
 
     def run_head_of(self, index: int, x: torch.Tensor) -> torch.Tensor:
@@ -427,6 +497,7 @@ class GenerateCapture:
         self._node_tail = None  # what the open ring's last node holds for draws (diffuse.sampling.NodeTail)
 
     def wrap(self, changes) -> None:
+        from diffuse.kvcache import check_prompt
         from diffuse.tail import candidates_needed
 
         model = self.ends.model
@@ -434,6 +505,7 @@ class GenerateCapture:
 
         @functools.wraps(bound)
         def generate(*args, **kwargs):
+            check_prompt(model.config, kwargs.get("input_ids", args[0] if args else None))  # before any pass
             self.top = candidates_needed(model, kwargs)
             # greedy from the best few: until this model is known not to change its logits after the head, its
             # first pass brings the whole last row (diffuse.shortlist.ShortlistCheck learns it there)

@@ -20,8 +20,8 @@ READY_TIMEOUT_S = 180.0
 
 
 class LocalNode:
-    def __init__(self, proc, log_path: str, address: str, key: str):
-        self.proc, self.log_path, self.address, self.key = proc, log_path, address, key
+    def __init__(self, proc, log_path: str, address: str, key: str, data: str = ""):
+        self.proc, self.log_path, self.address, self.key, self.data = proc, log_path, address, key, data
 
     def log_tail(self, n: int = 20) -> str:
         try:
@@ -52,11 +52,14 @@ def warm_launcher() -> None:
 
 
 def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: str = "tcp",
-                      extra: list[str] = (), groups: int = 1, client=None) -> LocalNodes:
+                      extra: list[str] = (), groups: int = 1, client=None, fixed: bool = True,
+                      each: list[list[str]] | None = None) -> LocalNodes:
     """Start ``n`` nodes holding even slices of every stack; wait until each prints its address. With
     ``groups`` G, each run of n/G nodes holds the whole stacks (one ring per group of branches).
     ``client``: the identity (``diffuse.sealing.Identity``) of the one client they serve (``--allow-client``),
-    as a run's own nodes do, so that no other user of this machine can open sessions on them; None: any."""
+    as a run's own nodes do, so that no other user of this machine can open sessions on them; None: any.
+    ``fixed`` False: nodes started without ``--blocks``, which load the slices each session's plan gives them.
+    ``each``: more arguments for each node in turn."""
     from diffuse.plugins import transport_for
 
     transport = transport_for(f"{scheme}://")
@@ -65,13 +68,16 @@ def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: st
     if client is not None:
         extra = [*extra, "--allow-client", client.public_hex]
     env = node_env()
+    if on_accelerator(extra):  # CUDA cannot be used in a process forked from one that imported it: plain starts
+        env["DIFFUSE_LAUNCHER"] = "0"
     try:
         per = n // groups
         for i in range(n):
             listen = transport.local_listen(f"node-{os.getpid()}-{i}")
             log_fd, log_path = tempfile.mkstemp(prefix=f"diffuse-node{i + 1}-", suffix=".log")
             args = ["-m", "diffuse.node", "--model", model, "--listen", listen,
-                    "--blocks", f"{i % per + 1}/{per}", "--ephemeral-key", "--exit-with", str(os.getpid()), *extra]
+                    *(["--blocks", f"{i % per + 1}/{per}"] if fixed else []), "--ephemeral-key",
+                    "--exit-with", str(os.getpid()), *extra, *(each[i] if each else [])]
             if threads:
                 args += ["--threads", str(threads)]
             proc = launcher.spawn(args, stdout=subprocess.PIPE, stderr=log_fd, env=env)
@@ -80,12 +86,24 @@ def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: st
         for i, node in enumerate(nodes):
             line = _read_ready(node)
             node.address, node.key = line["address"], line["key"]
+            node.data = line.get("data", "")  # the data address it bound (what it advertises may differ)
             # keep draining stdout so a chatty node never blocks on a full pipe
             threading.Thread(target=node.proc.stdout.read, daemon=True).start()
         return nodes
     except BaseException:
         stop_local_nodes(nodes)
         raise
+
+
+def on_accelerator(args) -> bool:
+    """Whether node flags ``args`` name a device other than the CPU (``--device auto`` may find one)."""
+    args = list(args)
+    for i, arg in enumerate(args):
+        value = arg.split("=", 1)[1] if arg.startswith("--device=") else args[i + 1] if arg == "--device" and \
+            i + 1 < len(args) else None
+        if value is not None:
+            return value != "cpu"
+    return False
 
 
 def _read_ready(node: LocalNode) -> dict:

@@ -262,24 +262,56 @@ def content_hash(component_dir: str) -> str:
     return h.hexdigest()
 
 
-def load_into(module, prefix: str, wmap: dict[str, str], dtype=None, skip=None, files: dict | None = None) -> int:
+def fp32_kept(model, dtype) -> frozenset:
+    """The module names whose floating tensors a plain ``from_pretrained(..., torch_dtype=dtype)`` of ``model`` (a
+    model or its class) keeps in float32 (a name matches a parameter when it is one of the parameter's dotted
+    segments): a diffusers model's
+    ``_keep_in_fp32_modules`` whenever a dtype is asked (Wan keeps its blocks' norms and modulation table so);
+    a transformers model's ``_keep_in_fp32_modules`` under float16 and ``_keep_in_fp32_modules_strict`` under
+    float16 or bfloat16. Empty when no dtype is asked or it is float32."""
+    import torch
+
+    if dtype is None or dtype == torch.float32:
+        return frozenset()
+    kept = set()
+    cls = model if isinstance(model, type) else type(model)
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        PreTrainedModel = ()
+    if PreTrainedModel and issubclass(cls, PreTrainedModel):
+        if dtype == torch.float16:
+            kept.update(getattr(model, "_keep_in_fp32_modules", None) or ())
+        kept.update(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    else:
+        kept.update(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return frozenset(kept)
+
+
+def load_into(module, prefix: str, wmap: dict[str, str], dtype=None, skip=None, files: dict | None = None,
+              device=None, keep: frozenset = frozenset()) -> int:
     """Assign ``module``'s tensors from the safetensors files, as ``from_pretrained`` reads them.
 
     Each tensor is taken where the loader puts it (no copy, no re-layout: that
     placement is part of bit-exactness) and floating tensors are cast to
     ``dtype`` or, if None, to the dtype the module was built with — the rule
-    ``from_pretrained`` follows (a bf16 file loads as float32 by default).
-    Names for which ``skip(name)`` is true stay as they are (meta). Returns the
-    number of tensors assigned.
+    ``from_pretrained`` follows (a bf16 file loads as float32 by default); those
+    of a module named in ``keep`` (``fp32_kept``) go to float32 instead.
+    ``device`` (None: the CPU): the files are opened onto it, so each tensor is
+    read straight into device memory and cast there, one at a time (no host copy
+    of the whole module). Names for which ``skip(name)`` is true stay as they
+    are (meta). Returns the number of tensors assigned.
     """
+    import torch
     from safetensors import safe_open
 
     files = {} if files is None else files
+    where = "cpu" if device is None else str(device)
 
     def opened(fn: str):
-        if fn not in files:
-            files[fn] = safe_open(fn, "pt")
-        return files[fn]
+        if (fn, where) not in files:
+            files[(fn, where)] = safe_open(fn, "pt", device=where)
+        return files[(fn, where)]
 
     converted = wmap.converted if isinstance(wmap, WeightMap) else {}
     state, made = {}, {}
@@ -292,11 +324,13 @@ def load_into(module, prefix: str, wmap: dict[str, str], dtype=None, skip=None, 
             raise DiffuseError(f"the weights lack {full}, which {type(module).__name__} declares; "
                                "is the model folder complete?")
         target = dtype if dtype is not None and current.is_floating_point() else current.dtype
+        if keep and current.is_floating_point() and any(k in full.split(".") for k in keep):
+            target = torch.float32
         if full in converted:  # made from several checkpoint tensors, by transformers' own converter
             conv = converted[full]
             if full not in made:
-                made.update(conv.realize(opened, {t: target for t in conv.targets}))
-            state[name] = made.pop(full)
+                made.update(conv.realize(lambda fn: _opened_on_cpu(fn, files), {t: target for t in conv.targets}))
+            state[name] = made.pop(full) if device is None else made.pop(full).to(device)
             continue
         t = opened(wmap[full]).get_tensor(wmap.source(full) if isinstance(wmap, WeightMap) else full)
         if t.is_floating_point() and current.is_floating_point() and t.dtype != target:
@@ -304,3 +338,11 @@ def load_into(module, prefix: str, wmap: dict[str, str], dtype=None, skip=None, 
         state[name] = t
     module.load_state_dict(state, strict=skip is None, assign=True)
     return len(state)
+
+
+def _opened_on_cpu(fn: str, files: dict):
+    from safetensors import safe_open
+
+    if (fn, "cpu") not in files:
+        files[(fn, "cpu")] = safe_open(fn, "pt", device="cpu")
+    return files[(fn, "cpu")]

@@ -30,10 +30,12 @@ import torch
 
 from diffuse import discovery, frames, sealing
 from diffuse.batching import MAX_BATCH, batch_key, run_batch
+from diffuse.devices import to_device, to_host
 from diffuse.text import plain
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.home import config_home
 from diffuse.node_control import NodeControl, refusal
+from diffuse.links import NextHop
 from diffuse.placement import SpeedBook
 from diffuse.plan import WIRE_VERSIONS, StackPlan, parse_slices
 from diffuse.processes import alive
@@ -92,10 +94,11 @@ class Incoming:
     """A data message opened on the compute thread: its session, header and tensors; once prepared, the pass
     to run (``pass_``) or the message to send at once (``reply``); its batch key (``diffuse.batching``)."""
 
-    __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key", "busy")
+    __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key", "busy", "t0")
 
-    def __init__(self, sess, header: dict, tensors: list, malformed: str | None):
+    def __init__(self, sess, header: dict, tensors: list, malformed: str | None, t0: float = 0.0):
         self.sess, self.header, self.tensors, self.malformed = sess, header, tensors, malformed
+        self.t0 = t0 or time.perf_counter()  # when it began to be opened
         self.pass_: Pass | None = None
         self.reply: tuple[dict, list] | None = None
         self.key: tuple | None = None
@@ -112,7 +115,7 @@ class Node:
     def __init__(self, model_path: str, listen: str, blocks: str | None, key_file: str | None,
                  allowed_clients: set[bytes] | None = None, advertise: str | None = None,
                  max_message_bytes: int | None = None, max_sessions: int = MAX_SESSIONS,
-                 max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT, batch: bool = True):
+                 max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT, batch: bool = True, compute=None):
         from diffuse.analysis import ModelSubject
         from diffuse.planner import config_draft
         from diffuse.plugins import transport_for
@@ -124,15 +127,21 @@ class Node:
         draft = config_draft(subject, wanted={"stacks", "two_stream"})  # not the pipeline's output: it loads far more
         self.stacks: list[StackPlan] = draft["stacks"]
         self.two_stream: dict[str, bool] = dict(draft.get("two_stream", {}))  # such stacks run uncut steps
-        self.store = BlockStore(model_path, subject, self.stacks)
+        self.store = BlockStore(model_path, subject, self.stacks, compute)
+        self.runs_on = self.store.compute  # where its blocks compute and in what (--device, --dtype)
+        self.device = self.runs_on.device
         self.store.fixed = parse_slices(blocks, self.stacks)
         self.speeds = SpeedBook(self.store.model_hash)  # its own measured speed, said at hello (diffuse.placement)
+        self.next_hops = NextHop()  # its links to the next hops it was given (diffuse.links)
         self.max_memory: int | None = None  # --max-memory, in bytes
         if self.store.fixed:
             self.store.load(self.store.fixed)
         self.identity = load_identity(key_file)
         self.allowed = allowed_clients
-        self.endpoint = self.transport.serve(listen, max_message_bytes)
+        self.sessions = SessionTable()
+        self.refused_connections = 0  # data connections that named no open session (or not with its token)
+        admits = {"admit": self.admit_connection} if getattr(self.transport, "admits", False) else {}
+        self.endpoint = self.transport.serve(listen, max_message_bytes, **admits)
         self.max_sessions = session_capacity(max_sessions, getattr(self.transport, "max_sockets", None))
         if self.max_sessions < max_sessions:
             log.warning("at most %d sessions at once: the open-file limit leaves room for no more (raise it "
@@ -140,13 +149,22 @@ class Node:
         self.max_sessions_per_client = min(max_sessions_per_client, self.max_sessions)
         self.state_bytes = StateTally()
         self.data_address = advertise or self.endpoint.address  # what peers dial (differs behind NAT or a relay)
-        self.sessions = SessionTable()
         self.control = NodeControl(self)
         self.work: queue.Queue = queue.Queue(MAX_QUEUED)  # frames to compute, or ("close", outbox)
         self.closing: collections.deque = collections.deque()  # outboxes to close that found the queue full
         # decoding passes of several sessions batched through the layers (language models only; --no-batch)
         self.batching = batch and bool(getattr(subject, "autoregressive", False))
         self.batches = self.batched_rows = self.batch_fallbacks = 0  # counted by the compute thread
+
+    def admit_connection(self, user, password) -> bool:
+        """Asked by the transport (its own thread) about each new connection to the data port, before any of
+        its bytes are taken: only a sending end of an open session, with that session's token, is let in; a
+        stranger's connection is closed at once and costs the node nothing it buffers."""
+        if self.sessions.admits(user, password):
+            return True
+        self.refused_connections += 1
+        log.debug("refused a connection to the data port: it names no open session, or not with its token")
+        return False
 
     # -- data (compute thread) ---------------------------------------------------
     def data(self, raw: list[bytes]) -> None:
@@ -171,6 +189,7 @@ class Node:
         except WireError as exc:
             log.warning("rejected a message for session %s: %s", sess.sid.hex()[:8], exc)
             return False
+        sess.last_used = time.monotonic()  # authentic data: the session is in use (``NodeControl._make_room``)
         return True
 
     def _addressed(self, raw: list[bytes]) -> tuple[dict | None, "object | None"]:
@@ -187,12 +206,14 @@ class Node:
         return env, sess
 
     def _open(self, raw: list[bytes]) -> "Incoming | None":
+        t0 = time.perf_counter()
         env, sess = self._addressed(raw)
         if sess is None:
             return None
         malformed = None
         try:
             header, tensors = frames.open_message(sess.in_hop, raw)
+            tensors = to_device(tensors, self.device)  # the CPU's: as they are
         except MalformedHeader as exc:  # its sender is authentic: it hears why, in one line
             header, tensors, malformed = {}, [], f"malformed header: {exc}"
         except WireError as exc:
@@ -203,7 +224,7 @@ class Node:
         sess.messages += 1
         if header.get("op") == "call":
             _keep(sess.hop_log, [header.get("seq"), nbytes])
-        return Incoming(sess, header, tensors, malformed)
+        return Incoming(sess, header, tensors, malformed, t0)
 
     def _failed(self, m: "Incoming", exc: Exception) -> None:
         """The message that answers a call that failed: the client hears of it; the node keeps serving."""
@@ -243,11 +264,21 @@ class Node:
                 with torch.no_grad():
                     w0 = time.perf_counter()
                     out = m.sess.run(m.pass_)
-                    self.speeds.add(m.pass_, m.sess.dtype, time.perf_counter() - w0)
+                    if self.device.type == "cuda":  # the kernels done, so the speed measured is theirs
+                        torch.cuda.synchronize(self.device)
+                    ran = time.perf_counter() - w0
+                    self.speeds.add(m.pass_, m.sess.dtype, ran)
                 m.reply = m.sess.finish(m.pass_, out)
+                if getattr(m.pass_.part, "tail", None) is not None:  # the output head's work: planned as weights
+                    ran = time.perf_counter() - w0
             except Exception as exc:
                 self._failed(m, exc)
+                ran = None
             m.spent(time.thread_time() - t0)
+            self._send(m)
+            if ran is not None:  # its opening, checking, sealing and sending, besides its blocks
+                self.speeds.overhead(m.pass_, time.perf_counter() - m.t0 - ran)
+            return
         self._send(m)
 
     def _batch(self, group: list["Incoming"]) -> None:
@@ -286,7 +317,7 @@ class Node:
         out_header, out_tensors = m.reply
         if m.header.get("op") == "call" and type(m.header.get("seq")) is int:
             _keep(sess.busy_log, [m.header["seq"], m.busy])
-        out = frames.seal_message(sess.out_hop, out_header, out_tensors)
+        out = frames.seal_message(sess.out_hop, out_header, to_host(out_tensors))  # the CPU's: as they are
         sess.bytes_out += sum(len(f) for f in out)
         outbox = self.sessions.outbox(sess.sid)
         if outbox is None:
@@ -417,10 +448,11 @@ class Node:
             except Exception:
                 log.debug("closing an outbox failed", exc_info=True)
 
-    def end(self, sid: bytes) -> None:
+    def end(self, sid: bytes, failed: str | None = None) -> None:
         """End a session (control thread, never waiting): its outbox is closed by the compute thread, after the
-        messages queued before this, or as soon as it is free when the queue is full."""
-        outbox = self.sessions.end(sid)
+        messages queued before this, or as soon as it is free when the queue is full. ``failed``: why it ended,
+        for its client's next ping."""
+        outbox = self.sessions.end(sid, failed=failed)
         self.state_bytes.drop(sid)
         if outbox is not None:
             try:
@@ -487,6 +519,16 @@ def _wire(text: str) -> tuple[int, ...]:
     return versions
 
 
+def node_compute(device: str | None, dtype: str | None, path: str):
+    """``--device`` and ``--dtype`` for the model at ``path`` (``auto`` on an accelerator: the dtype the folder
+    declares for the component holding the blocks), checked before anything loads."""
+    from diffuse.analysis import ModelSubject
+    from diffuse.devices import Compute, resolve_device
+
+    resolve_device(device)  # refused before the folder is read
+    return Compute.of(device, dtype, path, ModelSubject.from_path(path).denoiser or None)
+
+
 def main(argv: list[str] | None = None) -> int:
     from diffuse import cli
 
@@ -521,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-memory", type=float, default=None, metavar="GIB",
                     help="the most this node's blocks and sessions may take, in GiB, as it tells clients planning "
                     "where slices go (default: what its cgroup or machine has available)")
+    cli.device_flags(ap, "this node's blocks")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone (local nodes)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
@@ -536,13 +579,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cli.check_port_free(a.listen)  # before anything loads
+        path = resolve_model(a.model)
+        compute = node_compute(a.device, a.dtype, path)  # a device or dtype this machine lacks: refused here
         lan = discovery.Announcer(a.listen) if a.announce else None  # the library there, an address others reach
-        log.info("loading %s%s", a.model, f" (blocks {a.blocks})" if a.blocks else "")
+        log.info("loading %s%s on %s", a.model, f" (blocks {a.blocks})" if a.blocks else "", compute.describe())
         key_file = None if a.ephemeral_key else (a.key_file or os.path.join(config_home(), "node.key"))
-        node = Node(resolve_model(a.model), a.listen, a.blocks, key_file,
+        node = Node(path, a.listen, a.blocks, key_file,
                     set(a.allow_client) if a.allow_client else None, a.advertise_data,
                     a.max_message_mb << 20 if a.max_message_mb else None, a.max_sessions, a.max_sessions_per_client,
-                    batch=not a.no_batch)
+                    batch=not a.no_batch, compute=compute)
     except (DiffuseError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,11 @@ the client also offers), a one-time challenge, and its report for placement
 threads, CPUs, device, dtype, measured speed); at wire version 2 also a
 fresh X25519 key for the open's key agreement (``sealing.agree``). ``ping``
 says whether the node is alive and still has a session; it is answered while
-blocks compute, so a client notices a dead or frozen node in seconds. ``open``
+blocks compute, so a client notices a dead or frozen node in seconds. ``link``
+(sealed, from any key) is answered with the count of padding bytes it carried,
+sealed: a link measurement (``diffuse.links``). An open that names the next
+node's control address and key (``next_control``, ``next_key``) has the node
+measure that link too, and say it in its reply. ``open``
 and ``close`` are sealed to the node's key, carry their own ``op`` inside the
 seal, and are answered sealed to the sender with ``re`` naming the operation
 and the request's session id and challenge echoed, so a reply cannot be moved
@@ -138,7 +142,7 @@ class NodeControl:
             return {"ok": True, **self.node.sessions.ping(msg.get("session"), msg.get("proof"))}
         if op == "status":
             return self.status()
-        if op in ("open", "close"):
+        if op in ("open", "close", "link"):
             return self.sealed(op, msg)
         return refusal(f"unknown control operation {op[:32]!r}")
 
@@ -147,24 +151,40 @@ class NodeControl:
         and says only totals: no session's id, owner, errors or contents."""
         node = self.node
         return {"ok": True, "sessions": len(node.sessions), "outboxes": len(node.sessions.outboxes),
+                "refused_connections": node.refused_connections,
                 "state_bytes": node.state_bytes.total, "slices": self._slices(),
                 "max_sessions": node.max_sessions, "max_sessions_per_client": node.max_sessions_per_client,
                 "batching": node.batching, "batches": node.batches, "batched_rows": node.batched_rows,
                 "batch_fallbacks": node.batch_fallbacks}
 
     def _session_room(self, sender: bytes) -> str | None:
-        """Why a new session of ``sender`` would be one too many (None: there is room). Caps per client key
-        and in total keep one client's flood of opens from taking the sockets every other client needs."""
+        """Why a new session of ``sender`` would be one too many (None: there is room, or there will be). The
+        cap per client key keeps one key's flood of opens from taking every place; the cap in all is kept by
+        ``_make_room`` once the open is found good, so a full node never locks a newcomer out."""
         node = self.node
         with node.sessions.lock:
-            total = len(node.sessions.sessions)
             mine = sum(1 for owner in node.sessions.owners.values() if owner == sender)
         if mine >= node.max_sessions_per_client:
             return (f"this node already holds {mine} sessions for your client key, its limit per client: "
                     "close one first")
-        if total >= node.max_sessions:
-            return f"this node holds {total} sessions, its limit: try again later or use another node"
         return None
+
+    def _make_room(self) -> None:
+        """At the cap in all, end the session that has gone longest without authenticated data (pings keep a
+        lease, not a place: they prove a client is alive, not that it uses the node), so that the newcomer
+        gets its place. Keys cost nothing, so a party holding every place under many keys would otherwise
+        lock out everyone else; now it keeps a place only by using it. The session ended is told why at its
+        client's next ping."""
+        node = self.node
+        while len(node.sessions) >= node.max_sessions:
+            found = node.sessions.longest_idle()
+            if found is None:
+                return
+            sid, idle_s = found
+            why = (f"evicted: this node was full ({node.max_sessions} sessions) and this session had carried no "
+                   f"data for the longest ({idle_s:.0f} s)")
+            node.end(sid, failed=why)
+            log.info("session %s %s", sid.hex()[:8], why)
 
     def _slices(self):
         fixed = self.node.store.fixed
@@ -190,6 +210,9 @@ class NodeControl:
         try:
             if payload.get("op") != op:  # else a sealed open could be replayed as a close, or the reverse
                 reply = refusal(f"the sealed payload is not for {op!r}")
+            elif op == "link":  # a link measurement (diffuse.links), from a client or a node before this one
+                pad = payload.get("pad")
+                reply = {"ok": True, "n": len(pad) if isinstance(pad, bytes) else 0}
             elif self.node.allowed is not None and sender not in self.node.allowed:
                 reply = refusal("this node does not serve your client key")
             elif op == "open" and (full := self._session_room(sender)):
@@ -250,15 +273,23 @@ class NodeControl:
                 held = ", ".join(str(s) for s in node.store.fixed)
                 return refusal(f"asked for blocks {', '.join(missing)}, but this node holds only {held}")
         node.store.load(list(stage.slices), dtype)
-        outbox = node.transport.outbox(stage.next)  # this session's own: closed with it
+        self._make_room()  # the open is good: a full node ends its longest-idle session for it
+        # this session's own sending end, closed with it; it proves the session to the next hop's transport
+        from diffuse.sessions import data_token
+
+        creds = {"credentials": (sid, data_token(keys["out_key"], sid))} if getattr(node.transport, "admits", False) \
+            else {}
+        outbox = node.transport.outbox(stage.next, **creds)
         from diffuse.stage import StageSession
 
         node.sessions.add(sid, StageSession(sid, node.store, stage, frames.Hop(sid, keys["in_key"], wire=stage.wire_in),
                                             frames.Hop(sid, keys["out_key"], wire=stage.wire_out)), sender, outbox)
+        link = node.next_hops.measure(node.transport, p.get("next_control"), p.get("next_key"), node.identity)
         log.info("session %s opened (wire %d; hops in %d, out %d): %s -> %s", sid.hex()[:8], wire, stage.wire_in,
                  stage.wire_out, ", ".join(map(str, stage.slices)), stage.next)
         # blocks that carry two streams (image and text side by side) cannot be cut into patches
-        return {"ok": True, "uncut": sorted(s.stack for s in stage.slices if node.two_stream.get(s.stack))}
+        return {"ok": True, "uncut": sorted(s.stack for s in stage.slices if node.two_stream.get(s.stack)),
+                "link": link.to_dict() if link is not None else None}
 
     def _agreed_keys(self, p: dict, sender: bytes, sid: bytes, challenge: bytes) -> dict:
         """A wire-2 open's hop keys, opened under the key agreed with the client (``sealing.agree``)."""

@@ -181,22 +181,41 @@ class ReturnMap:
 
     ``single``: the block returns one tensor rather than a tuple. ``streams``: the slots that change
     from block to block (the hidden states), sorted. ``names``: the slots' human names, for messages.
+    ``sides``: returned positions that are side outputs the model hands to the next block where the first
+    block took none (T5's position biases, made by block 0 and given to every later block): threaded into
+    slots of the later blocks' own calls, learned per pass (``diffuse.lmsplit``), never the hidden state.
     """
 
     single: bool
     outputs: list[int | None]
     names: list[str | None]
+    sides: tuple[int, ...] = ()
 
     @property
     def streams(self) -> list[int]:
         return sorted(i for i in self.outputs if i is not None)
+
+    @property
+    def hidden_streams(self) -> list[int]:
+        """The streams that carry hidden states (every stream but the side outputs threaded on), sorted."""
+        return sorted(i for j, i in enumerate(self.outputs) if i is not None and j not in self.sides)
+
+    def with_sides(self, sides: dict[int, int]) -> "ReturnMap":
+        """This map with side outputs threaded: ``sides`` maps a returned position to the slot it goes to."""
+        if not sides:
+            return self
+        outputs = [sides.get(j, o) for j, o in enumerate(self.outputs)]
+        return ReturnMap(self.single, outputs, list(self.names), tuple(sorted(sides)))
 
     def output_of(self, slot: int) -> int:
         """Which returned position replaces ``slot``."""
         return self.outputs.index(slot)
 
     def to_dict(self) -> dict:
-        return {"single": self.single, "outputs": list(self.outputs), "names": list(self.names)}
+        d = {"single": self.single, "outputs": list(self.outputs), "names": list(self.names)}
+        if self.sides:
+            d["sides"] = list(self.sides)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, slots: int | None = None) -> "ReturnMap":
@@ -215,7 +234,11 @@ class ReturnMap:
             raise ContractError("a single-tensor return map has one output")
         if not all(n is None or isinstance(n, str) for n in d["names"]):
             raise ContractError("a return map's names are strings or None")
-        return cls(single=d["single"], outputs=list(outs), names=list(d["names"]))
+        sides = d.get("sides", [])
+        if not isinstance(sides, list) or any(not _is_int(j) or not 0 < j < len(outs) or outs[j] is None
+                                              for j in sides) or len(set(sides)) != len(sides):
+            raise ContractError("a return map's sides are distinct threaded positions after the first")
+        return cls(single=d["single"], outputs=list(outs), names=list(d["names"]), sides=tuple(sorted(sides)))
 
 
 # --------------------------------------------------------------------------- the plan

@@ -8,7 +8,8 @@ import os
 from diffuse.errors import DiffuseError
 from diffuse.placement import (DEFAULT_CONTEXT, GIB, MARGIN_FRACTION, MARGIN_MIN_BYTES, PLACEMENTS, Capacity,
                                Placement, _dtype_size, block_costs, capacities, context_tokens, even_placement,
-                               load_dtype, place, report_of)
+                               link_hops, load_dtype, pass_bytes, per_pass, place, report_of)
+from diffuse.links import route_lines
 from diffuse.plan import SlicingPlan, Stage
 
 
@@ -31,7 +32,6 @@ def plan_command(argv: list[str]) -> int:
     from diffuse.cli import Parser, lan_nodes, seconds
 
     from diffuse.discovery import zeroconf_library
-    from diffuse.known_nodes import parse_nodes
     from diffuse.modelfiles import resolve_model
     from diffuse.planner import analyze, make_plan
 
@@ -50,6 +50,8 @@ def plan_command(argv: list[str]) -> int:
     ap.add_argument("--dtype", default=None, help="compute dtype (default: what a plain load gives)")
     ap.add_argument("--context", type=int, default=None, help=f"tokens of cache per language-model session "
                     f"(default {DEFAULT_CONTEXT}, at most the model's)")
+    ap.add_argument("--patches", type=int, default=1, help="passes in flight at once to plan for (a run's "
+                    "--patches; default 1: passes one after another)")
     ap.add_argument("--json", action="store_true", help="print the plan, routed as placed, as JSON")
     a = ap.parse_args(argv)
     err = Console(stderr=True)
@@ -69,20 +71,7 @@ def plan_command(argv: list[str]) -> int:
                 raise DiffuseError("--nodes must be at least 1")
             print(make_plan(subject, draft, [f"node{i + 1}" for i in range(n)], compute_dtype=dtype).to_json())
             return 0
-        if a.memory is not None:
-            memory = _floats(a.memory, "--memory")
-            speed = _floats(a.speed, "--speed") if a.speed else [1.0] * len(memory)
-            if len(speed) != len(memory):
-                raise DiffuseError(f"--speed names {len(speed)} nodes, --memory {len(memory)}")
-            names = [f"node{i + 1}" for i in range(len(memory))]
-            caps = [Capacity(nm, int(m * GIB), s if a.speed else None) for nm, m, s in zip(names, memory, speed)]
-            plan = make_plan(subject, draft, names, compute_dtype=dtype)
-        else:
-            nodes = parse_nodes(a.nodes)
-            plan = make_plan(subject, draft, [x for x, _ in nodes], [k for _, k in nodes], dtype)
-            caps = _ask(plan)
-        blocks = block_costs(subject, plan.stacks, dtype, a.context)
-        p = even_placement(blocks, caps) if a.placement == "even" else place(blocks, caps)
+        plan, p, hops = _placed(a, subject, draft, dtype)
     except DiffuseError as exc:
         from diffuse.run import report_error
 
@@ -93,10 +82,42 @@ def plan_command(argv: list[str]) -> int:
         return 0
     for line in describe(p, subject, plan, dtype, a.context):
         print(line)
+    if hops is not None:
+        print("\nlinks, as measured (a hop costs half the round trip, plus the bytes it carries at the throughput):")
+        for line in route_lines([s.address for s in plan.route]):
+            print(f"  {line}")
     return 0
 
 
-def _ask(plan: SlicingPlan) -> list[Capacity]:
+def _placed(a, subject, draft, dtype: str) -> tuple[SlicingPlan, Placement, list | None]:
+    """The plan over the nodes ``a`` names (``--memory``: described by hand; else asked), its placement, and the
+    hops measured (None for nodes described by hand)."""
+    from diffuse.known_nodes import parse_nodes
+    from diffuse.planner import make_plan
+
+    if a.patches < 1:
+        raise DiffuseError("--patches must be at least 1")
+    hops = None
+    if a.memory is not None:
+        memory = _floats(a.memory, "--memory")
+        speed = _floats(a.speed, "--speed") if a.speed else [1.0] * len(memory)
+        if len(speed) != len(memory):
+            raise DiffuseError(f"--speed names {len(speed)} nodes, --memory {len(memory)}")
+        names = [f"node{i + 1}" for i in range(len(memory))]
+        caps = [Capacity(nm, int(m * GIB), s if a.speed else None) for nm, m, s in zip(names, memory, speed)]
+        plan = make_plan(subject, draft, names, compute_dtype=dtype)
+    else:
+        nodes = parse_nodes(a.nodes)
+        plan = make_plan(subject, draft, [x for x, _ in nodes], [k for _, k in nodes], dtype)
+        caps = ask_nodes(plan)
+        hops = link_hops([s.address for s in plan.route], pass_bytes(plan, subject, dtype), [c.hop_s for c in caps])
+    blocks = block_costs(subject, plan.stacks, dtype, a.context)
+    if a.placement == "even":
+        return plan, even_placement(blocks, caps, links=hops, depth=a.patches), hops
+    return plan, place(blocks, caps, links=hops, depth=a.patches), hops
+
+
+def ask_nodes(plan: SlicingPlan) -> list[Capacity]:
     """Each node's hello, read for placement (its key checked or pinned as a run would)."""
     from diffuse.handshake import Handshake
 
@@ -106,7 +127,10 @@ def _ask(plan: SlicingPlan) -> list[Capacity]:
         if report_of(stage.address) is None:
             raise DiffuseError(f"{stage.address} says nothing of its memory or speed (a node older than "
                                "placement): plan with --memory instead")
-    return capacities(plan.route, plan.compute_dtype, plan.model.content_hash)
+    from diffuse.analysis import ModelSubject
+
+    return capacities(plan.route, plan.compute_dtype, plan.model.content_hash,
+                      per_pass(ModelSubject.from_path(plan.model.path)))
 
 
 def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int | None = None) -> list[str]:
@@ -125,7 +149,8 @@ def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int 
               f"memory (at least {MARGIN_MIN_BYTES >> 20} MiB):", ""]
     lines += p.lines()
     if any(p.measured):
+        hops = " + ".join(f"{h * 1000:.2f}" for h in p.hops)
         lines += ["", f"per token: slowest node {p.slowest_s:.3g} s; one pass through every used node in turn "
-                  f"{p.pass_s:.3g} s" + (f" (with {len(p.used) + 1} hops of {p.hop_s * 1000:.2f} ms)" if p.hop_s
-                                         else "")]
+                  f"{p.pass_s:.3g} s" + (f" (with {len(p.hops)} hops of {hops} ms)" if p.hop_s else "")
+                  + (f"; {p.depth} passes in flight: {p.step_s():.3g} s a pass" if p.depth > 1 else "")]
     return lines

@@ -58,12 +58,13 @@ def make_plan(subject: ModelSubject, draft: dict, addresses: list[str] = (), key
     )
 
 
-def load_pipeline(path: str, subject: ModelSubject | None = None, stacks: list | None = None):
+def load_pipeline(path: str, subject: ModelSubject | None = None, stacks: list | None = None, dtype=None):
     """The pipeline itself, loaded by diffusers from safetensors, never with remote code.
 
     With ``stacks``, the denoiser is built here without its blocks (only each
     stack's first block is loaded, to learn its return map at the first call),
-    so the client never holds the weights it hands to nodes.
+    so the client never holds the weights it hands to nodes. ``dtype`` (a torch dtype; None: diffusers'
+    default) is passed as ``torch_dtype``, and the denoiser without blocks is read in it by the same rule.
     """
     import diffusers
 
@@ -71,13 +72,14 @@ def load_pipeline(path: str, subject: ModelSubject | None = None, stacks: list |
 
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
+    typed = {"torch_dtype": dtype} if dtype is not None else {}
     if not stacks:
-        pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True)
+        pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True, **typed)
     else:
-        shell = load_denoiser_shell(path, subject, stacks)
+        shell = load_denoiser_shell(path, subject, stacks, dtype)
         shells = {n: getattr(shell, n) for n in subject.denoisers} if subject.several else {subject.denoiser: shell}
         with _denoiser_taken_as(shells):
-            pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True, **shells)
+            pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True, **shells, **typed)
         for name, part in shells.items():
             if getattr(pipe, name) is not part:
                 raise DiffuseError(f"diffusers loaded its own {name} instead of the one without blocks")
@@ -106,18 +108,19 @@ def _denoiser_taken_as(shells: dict):
         pipeline_utils.load_sub_model = load
 
 
-def load_model(path: str, subject: ModelSubject):
+def load_model(path: str, subject: ModelSubject, dtype=None):
     """A transformers model, loaded by its own ``from_pretrained`` from safetensors, never with remote code
-    (the layers it hands to nodes are freed when it is split)."""
+    (the layers it hands to nodes are freed when it is split); in ``dtype`` where one is given."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    model = subject.denoiser_class().from_pretrained(path, use_safetensors=True, trust_remote_code=False)
+    typed = {"dtype": dtype} if dtype is not None else {}
+    model = subject.denoiser_class().from_pretrained(path, use_safetensors=True, trust_remote_code=False, **typed)
     model.eval()
     return model
 
 
-def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list):
+def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list, dtype=None):
     """The denoiser with every stack block but the first left on meta (weightless); with several denoiser
     components, a ``Denoisers`` holding each.
 
@@ -126,7 +129,7 @@ def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list):
     the client's own computation bit-identical to a plain load.
     """
     from diffuse.analysis import build_meta
-    from diffuse.modelfiles import load_into, located
+    from diffuse.modelfiles import fp32_kept, load_into, located
 
     model = build_meta(subject.denoiser_class(), subject.denoiser_config)
 
@@ -138,11 +141,15 @@ def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list):
         return False
 
     wmap = located(subject.weight_map(), model, [st.path for st in stacks])
-    load_into(model, "", wmap, skip=remote)
+    load_into(model, "", wmap, dtype, skip=remote, keep=fp32_kept(model, dtype))
     model.eval()
     return model
 
 
 def denoiser_dtype(denoiser) -> str:
-    p = next(denoiser.parameters(), None)
+    """The dtype a denoiser computes in: its first parameter's, passing over modules its class keeps in float32
+    (``_keep_in_fp32_modules``: Wan's modulation table comes first, in float32 under bfloat16), as diffusers'
+    own ``dtype`` property reads it."""
+    kept = getattr(denoiser, "_keep_in_fp32_modules", None) or ()
+    p = next((p for name, p in denoiser.named_parameters() if not any(k in name.split(".") for k in kept)), None)
     return str(p.dtype).removeprefix("torch.") if p is not None else "float32"

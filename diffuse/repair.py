@@ -70,7 +70,8 @@ class RepairPolicy:
     before anything is replayed: a cache of per-step state on the client (PipeFusion's branches, the
     first-block cache) starts again there. One policy may serve several rings (branch groups): its
     listeners then hear of a repair of any of them. ``placement``: how nodes that hold nothing fixed
-    share the stacks, at the start and after a repair ("planned" or "even", ``diffuse.placement``)."""
+    share the stacks, at the start and after a repair ("planned" or "even", ``diffuse.placement``); ``depth``:
+    the passes in flight at once the planned placement is made for (the run's patches)."""
 
     avoid_first_s: float = AVOID_FIRST_S
     avoid_max_s: float = AVOID_MAX_S
@@ -78,6 +79,7 @@ class RepairPolicy:
     avoidance: Avoidance = field(default_factory=lambda: AVOIDED)
     listeners: list = field(default_factory=list)
     placement: str = "planned"
+    depth: int = 1  # passes in flight at once (patches), which the planned placement is made for
 
     def avoid_s(self, failures_before: int) -> float:
         """How long a node is avoided after a failure, given its failures in a row before this one."""
@@ -96,7 +98,7 @@ class RepairPolicy:
 
     def choose(self, plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, usable: list[bool]) -> SlicingPlan:
         """The route to use (``choose_route``); a policy that prefers other holders overrides this."""
-        return choose_route(plan, candidates, held, usable, self.placement)
+        return choose_route(plan, candidates, held, usable, self.placement, self.depth)
 
     def listen(self, hook) -> None:
         """Run ``hook()`` after every repair of a ring using this policy (once, however often it is given)."""
@@ -147,7 +149,7 @@ def _gap(plan: SlicingPlan, ranges: list[tuple]) -> str | None:
 
 
 def choose_route(plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, usable: list[bool],
-                 placement: str = "planned") -> SlicingPlan:
+                 placement: str = "planned", depth: int = 1) -> SlicingPlan:
     """The plan routed through one usable holder per range, the ranges in block order.
 
     ``held[i]``: the slices candidate ``i`` said it holds (None: whatever it is asked for);
@@ -159,7 +161,7 @@ def choose_route(plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, u
     if not live:
         raise DiffuseError("no listed node is left to route through")
     if all(held[i] is None for i in live):  # nodes that load what they are asked for: slices planned for them
-        return placement_route(plan, [candidates[i] for i in live], placement)
+        return placement_route(plan, [candidates[i] for i in live], placement, depth)
     if any(held[i] is None for i in live):
         # such nodes with others: an even split over the usable ones
         stages = [candidates[i] for i in live]

@@ -18,6 +18,8 @@ from diffuse.errors import DiffuseError, NodeError, Repaired
 from diffuse.passes import Embed, LayerPass, Part, Tail
 from diffuse.plan import Patch, ReturnMap, SlicingPlan
 from diffuse.repair import RepairPolicy
+from diffuse.replay import Replay
+from diffuse.sessions import data_token, token_admits
 
 
 @dataclass
@@ -86,7 +88,7 @@ class Ring:
         self._n = 0  # this ring's own pass numbers (a repaired route starts a new channel)
         self._pending: dict[int, tuple] = {}  # pass number -> (channel seq, what was sent), until answered
         self._lost: set[int] = set()  # passes a repair dropped (patches): asking for one raises Repaired
-        self._history: list[tuple] = []  # a language model's passes since its cache was last started anew
+        self._history = Replay()  # a language model's passes since its cache was last started anew
 
     @property
     def uncut(self) -> set[str]:
@@ -142,10 +144,14 @@ class Ring:
         self.handshake = Handshake(plan, self.client_key, self.attention)
         self.handshake.identity = self.identity
         t = self.handshake.transports[0]
-        inbox = t.inbox(t.inbox_address(plan.route[0].address))
+        hs, admits = self.handshake, getattr(t, "admits", False)
+        # the inbox admits the ring's last node only, by the token of the hop home (made when the session opens)
+        inbox = t.inbox(t.inbox_address(plan.route[0].address), **(
+            {"admit": lambda user, password: token_admits(hs.hop_keys[-1] if hs.hop_keys else None, hs.sid, user,
+                                                          password)} if admits else {}))
         try:
             self.plan, send_hop, recv_hop, first = self.handshake.open(inbox.address)
-            outbox = t.outbox(first)
+            outbox = t.outbox(first, **({"credentials": (hs.sid, data_token(send_hop.key, hs.sid))} if admits else {}))
         except BaseException:
             inbox.close()
             raise
@@ -168,7 +174,7 @@ class Ring:
         tree, layer_trees, tensors = flatten_layers(calls)
         extra = LayerPass(type(cache).__name__, bool(fresh), layer_trees or None, tail, embed)
         if fresh:
-            self._history = []
+            self._history.clear()
         return self.receive(self.send(stack, tree, tensors, rmap, extra=extra))
 
     def send(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, patch: Patch | None = None,

@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from diffuse import cli
 from diffuse.errors import DiffuseError  # noqa: E402
+from diffuse.links import route_lines  # noqa: E402
 
 FLAG_TO_ARG = {  # flag -> pipeline __call__ argument
     "prompt": "prompt", "negative_prompt": "negative_prompt", "steps": "num_inference_steps",
@@ -112,29 +113,9 @@ def generate(a: argparse.Namespace, console) -> dict:
     then (once the pipeline without its blocks has loaded) its own input check and its denoiser's forward
     at the call's shapes, run weightless (``diffuse.dryrun``). A status line says what happens at each
     phase, the first within a second of start."""
-    from diffuse.modelfiles import resolve_model
-
     t0 = time.perf_counter()
     cli.check_flags(a)
-    if a.model is None:
-        from diffuse.default_model import SHIPPED_MODEL_NAME, default_model_dir
-
-        path, name = default_model_dir(), SHIPPED_MODEL_NAME
-    else:
-        path, name = resolve_model(a.model), a.model
-    where = "" if os.path.basename(path.rstrip("/")) == name else f" from {path}"
-    refuse_early(a, path, name)
-    with cli.phase(console, f"diffuse query: {name}{where}; reading its config (importing torch and its library)",
-                   a.quiet):
-        import torch
-
-        import diffuse
-        from diffuse.api import ModelInfo, Split
-        from diffuse.planner import load_pipeline
-
-        if a.threads:
-            torch.set_num_threads(a.threads)
-        info = ModelInfo.of(path)  # refusals happen here, before any node is contacted
+    info, name, compute = read_model(a, console)
     cli.check_flags_for(a, info.subject.autoregressive)
     cli.lan_nodes(a, info.subject, console)  # --nodes auto: the nodes announced on this network
     if a.nodes is None and not a.whole:
@@ -146,87 +127,26 @@ def generate(a: argparse.Namespace, console) -> dict:
 
         return generate_text(a, console, info)
     check_output_path(a.out, info.draft)
-    stacks = ", ".join(f"{s.path} ({s.length})" for s in info.draft["stacks"])
-    pipeline = info.subject.model_index.get("_class_name", "the pipeline")
-    with cli.phase(console, f"{pipeline}, block stacks {stacks}: loading it"
-                   f"{' whole' if a.whole else ' without the blocks the nodes will hold'}", a.quiet):
-        if a.whole:
-            pipe = load_pipeline(info.path)
-            pipe._diffuse = info
-        else:
-            pipe = diffuse.from_pretrained(info.path)
-        kwargs = call_kwargs(a, pipe, info)
-        from diffuse.dryrun import check_sizes, notes
-
-        check_sizes(pipe, kwargs, info, name)
-    for note in notes(pipe, kwargs, info):
-        cli.status(console, note, a.quiet)
+    pipe, kwargs = load_checked(a, console, info, name, compute)
     report: dict = {"model": info.path, "mode": "whole" if a.whole else "split"}
     times = {"load": time.perf_counter() - t0}
-    split = None
-    if not a.whole:
-        split = Split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches, threads=a.threads,
-                      timeout=a.timeout, client_key=a.client_key, local_transport=a.local_transport,
-                      branch_groups=a.branch_groups, cache_threshold=a.cache_threshold, placement=a.placement)
-        if a.client_key:
-            from diffuse.sealing import load_identity
-
-            console.print(f"client key {load_identity(a.client_key).public_hex}", highlight=False, soft_wrap=True)
-        if split.local is not None:
-            for note in split.local.notes:
-                console.print(note, soft_wrap=True)
-            starting = (f"starting {split.local.count} local nodes ({split.local.threads} "
-                        f"thread{'s' if split.local.threads > 1 else ''} each)")
-        else:
-            starting = f"opening sessions on {len(split.nodes)} nodes"
-    t1 = time.perf_counter()
+    split, starting = (None, None) if a.whole else make_split(a, console, pipe)
     with contextlib.ExitStack() as held:
+        t1 = time.perf_counter()
         if split is not None:
-            if a.quiet and split.local is not None:
-                console.print(starting)  # said even with --quiet: processes are started
-            with cli.phase(console, starting, a.quiet):
-                held.enter_context(split)
-            for k, ring in enumerate(split.rings):
-                for stage in ring.plan.route:
-                    group = f" (group {k + 1})" if len(split.rings) > 1 else ""
-                    console.print(f"  node {stage.address}{group}: {', '.join(map(str, stage.slices))}")
-            if a.patches > 1 and split.ring.uncut:
-                console.print(f"{', '.join(sorted(split.ring.uncut))}: two streams per block (image and text side "
-                              f"by side), so steps run uncut there; --patches {a.patches} not applied", soft_wrap=True)
+            open_split(a, console, split, starting, held)
         times["nodes"] = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        with torch.no_grad(), step_progress(pipe, a.quiet, console) as steps:
-            result = pipe(**kwargs)
-        times["pipeline"] = time.perf_counter() - t2
+        result, steps, times["pipeline"] = run_pipeline(a, console, pipe, kwargs)
         times["denoising"] = steps["denoising"]
-    elapsed = time.perf_counter() - t0
     arr = output_array(result)
-    report.update(seconds=elapsed, steps=steps["steps"], shape=list(arr.shape), kind=info.output_kind, times=times)
+    report.update(seconds=time.perf_counter() - t0, steps=steps["steps"], shape=list(arr.shape),
+                  kind=info.output_kind, times=times)
     if split is not None:
-        st = split.ring.channel_stats
-        report.update(
-            transport=split.ring.scheme, calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
-            per_stack=st.per_stack, return_maps={k: v.to_dict() for k, v in split.splitter.plan.return_maps.items()},
-            client_block_params=split.splitter.held_block_parameters(), client_reused=split.splitter.reused,
-            node_params=[r.get("params") for r in split.node_reports], node_stats=split.node_reports,
-            messages=st.messages, returns=st.returns)
-        if len(split.rings) > 1:
-            ring = split.ring
-            report["branches"] = {"groups": len(split.rings), "ahead_used": ring.ahead_used,
-                                  "ahead_dropped": ring.ahead_dropped, "batches_cut": ring.batches_cut}
-        if a.cache_threshold:
-            report["first_block_cache"] = {"threshold": a.cache_threshold, "skipped": split.cache_skipped,
-                                           "calls": split.cache_calls, "per_stack": split.cache}
-        if a.patches > 1:
-            report.update(patches=a.patches, patcher_calls=split.patch_calls, patches_used=split.patches_used,
-                          patches_ahead=split.patch_ahead,
-                          uncut={k: v for k, v in split.uncut.items() if k not in split.ring.uncut},
-                          attention=split.attention_paths())
+        report.update(split_report(a, split))
     if a.save_array:
         np.save(a.save_array, arr.astype(np.float32, copy=False))
     rate = kwargs.get("frame_rate") or kwargs.get("fps")
-    out = write_output(arr, a.out, dict(info.draft, frame_rate=rate) if rate else info.draft, pipe)
-    report["out"] = out
+    report["out"] = write_output(arr, a.out, dict(info.draft, frame_rate=rate) if rate else info.draft, pipe)
     summarize(report, console)
     if a.report:
         with open(a.report, "w") as f:
@@ -255,6 +175,121 @@ def refuse_early(a: argparse.Namespace, path: str, label: str) -> None:
     line = kept_refusal((kept(path) or {}).get("sizes"), asked, label)
     if line:
         raise DiffuseError(line)
+
+
+def read_model(a: argparse.Namespace, console):
+    """The model ``--model`` names (the shipped one by default), analysed from its config: its ``ModelInfo``, the
+    name it was asked by, and where the client's ends compute. Refusals happen here, before any node is
+    contacted."""
+    from diffuse.modelfiles import resolve_model
+
+    if a.model is None:
+        from diffuse.default_model import SHIPPED_MODEL_NAME, default_model_dir
+
+        path, name = default_model_dir(), SHIPPED_MODEL_NAME
+    else:
+        path, name = resolve_model(a.model), a.model
+    where = "" if os.path.basename(path.rstrip("/")) == name else f" from {path}"
+    refuse_early(a, path, name)
+    with cli.phase(console, f"diffuse query: {name}{where}; reading its config (importing torch and its library)",
+                   a.quiet):
+        import torch
+
+        from diffuse.api import ModelInfo, client_compute
+
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        info = ModelInfo.of(path)
+        return info, name, client_compute(info, a.device, a.dtype)
+
+
+def load_checked(a: argparse.Namespace, console, info, name: str, compute):
+    """The pipeline loaded (whole with ``--whole``, else without the blocks the nodes will hold) and the call's
+    arguments, checked against the denoiser's forward run weightless at the call's shapes."""
+    from diffuse.api import load_whole_or_shell
+    from diffuse.dryrun import check_sizes, notes
+
+    stacks = ", ".join(f"{s.path} ({s.length})" for s in info.draft["stacks"])
+    pipeline = info.subject.model_index.get("_class_name", "the pipeline")
+    with cli.phase(console, f"{pipeline}, block stacks {stacks}: loading it"
+                   f"{' whole' if a.whole else ' without the blocks the nodes will hold'}", a.quiet):
+        pipe = load_whole_or_shell(info, compute, shell=not a.whole)
+        pipe._diffuse = info
+        kwargs = call_kwargs(a, pipe, info)
+        check_sizes(pipe, kwargs, info, name, split=not a.whole)
+    for note in notes(pipe, kwargs, info):
+        cli.status(console, note, a.quiet)
+    return pipe, kwargs
+
+
+def make_split(a: argparse.Namespace, console, pipe):
+    """The ``Split`` the flags ask for (nothing started yet), and the line that says what opening it starts."""
+    from diffuse.api import Split
+
+    split = Split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches, threads=a.threads,
+                  timeout=a.timeout, client_key=a.client_key, local_transport=a.local_transport,
+                  branch_groups=a.branch_groups, cache_threshold=a.cache_threshold, placement=a.placement)
+    if a.client_key:
+        from diffuse.sealing import load_identity
+
+        console.print(f"client key {load_identity(a.client_key).public_hex}", highlight=False, soft_wrap=True)
+    if split.local is None:
+        return split, f"opening sessions on {len(split.nodes)} nodes"
+    for note in split.local.notes:
+        console.print(note, soft_wrap=True)
+    return split, (f"starting {split.local.count} local nodes ({split.local.threads} "
+                   f"thread{'s' if split.local.threads > 1 else ''} each)")
+
+
+def open_split(a: argparse.Namespace, console, split, starting: str, held: contextlib.ExitStack) -> None:
+    """Start or dial the nodes (held open until ``held`` closes) and say which node holds what."""
+    if a.quiet and split.local is not None:
+        console.print(starting)  # said even with --quiet: processes are started
+    with cli.phase(console, starting, a.quiet):
+        held.enter_context(split)
+    for k, ring in enumerate(split.rings):
+        for stage in ring.plan.route:
+            group = f" (group {k + 1})" if len(split.rings) > 1 else ""
+            console.print(f"  node {stage.address}{group}: {', '.join(map(str, stage.slices))}")
+    if a.patches > 1 and split.ring.uncut:
+        console.print(f"{', '.join(sorted(split.ring.uncut))}: two streams per block (image and text side "
+                      f"by side), so steps run uncut there; --patches {a.patches} not applied", soft_wrap=True)
+
+
+def run_pipeline(a: argparse.Namespace, console, pipe, kwargs: dict):
+    """The pipeline's own call, with progress: its result, the step counts, and its seconds."""
+    import torch
+
+    t = time.perf_counter()
+    with torch.no_grad(), step_progress(pipe, a.quiet, console) as steps:
+        result = pipe(**kwargs)
+    return result, steps, time.perf_counter() - t
+
+
+def split_report(a: argparse.Namespace, split) -> dict:
+    """What a split run adds to the report: the wire's figures, the return maps, what each side held, the links
+    of its routes, and the figures of branch groups, the first-block cache and patches where they were used."""
+    st = split.ring.channel_stats
+    report = dict(
+        transport=split.ring.scheme, calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
+        per_stack=st.per_stack, return_maps={k: v.to_dict() for k, v in split.splitter.plan.return_maps.items()},
+        client_block_params=split.splitter.held_block_parameters(), client_reused=split.splitter.reused,
+        node_params=[r.get("params") for r in split.node_reports], node_stats=split.node_reports,
+        messages=st.messages, returns=st.returns,
+        links=[line for r in split.rings for line in route_lines([s.address for s in r.plan.route])])
+    if len(split.rings) > 1:
+        ring = split.ring
+        report["branches"] = {"groups": len(split.rings), "ahead_used": ring.ahead_used,
+                              "ahead_dropped": ring.ahead_dropped, "batches_cut": ring.batches_cut}
+    if a.cache_threshold:
+        report["first_block_cache"] = {"threshold": a.cache_threshold, "skipped": split.cache_skipped,
+                                       "calls": split.cache_calls, "per_stack": split.cache}
+    if a.patches > 1:
+        report.update(patches=a.patches, patcher_calls=split.patch_calls, patches_used=split.patches_used,
+                      patches_ahead=split.patch_ahead,
+                      uncut={k: v for k, v in split.uncut.items() if k not in split.ring.uncut},
+                      attention=split.attention_paths())
+    return report
 
 
 PROBE_SHAPES = {"image": (1, 8, 8, 3), "video": (1, 2, 8, 8, 3), "audio": (1, 1, 8)}
@@ -314,6 +349,8 @@ def summarize(r: dict, console) -> None:
                 console.print(f"  node {i}: {ns.get('messages', 0)} messages, {ns.get('bytes_in', 0) / 1024:.1f} KiB in, "
                               f"{ns.get('bytes_out', 0) / 1024:.1f} KiB out, busy {ns.get('busy_s', 0.0):.1f} s",
                               soft_wrap=True)
+        for line in r.get("links") or []:
+            console.print(f"  link {line}", soft_wrap=True)
         fbc = r.get("first_block_cache")
         if fbc:
             from diffuse.firstblock import summary_line

@@ -13,6 +13,10 @@ nothing, so nobody else keeps a session alive. A session that heard neither for 
 belongs to a client that vanished, or to a node that was frozen: it is closed
 and its buffers freed. A session that failed here (its next hop stopped taking
 messages) is ended with its reason, which the next ping with its id is told.
+
+A node at its cap of sessions makes room for a good open by ending the session
+that has gone longest without authenticated data (``longest_idle``; pings do
+not count): a place is kept by using it, not by holding it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,18 @@ MAX_CLOSED = 4096  # closed session ids remembered, so none is opened twice
 def ping_proof(hop_key: bytes, sid: bytes) -> bytes:
     """What a ping carries to renew session ``sid``: a MAC of its id under the hop key into the node."""
     return hmac.new(hop_key, b"diffuse ping " + sid, hashlib.sha256).digest()[:16]
+
+
+def data_token(hop_key: bytes, sid: bytes) -> bytes:
+    """What a sending end presents, with the session id, to connect to the data port of a hop's receiver (a
+    transport that ``admits``): a MAC of the id under that hop's key, which only the hop's two ends hold."""
+    return hmac.new(hop_key, b"diffuse data " + sid, hashlib.sha256).digest()[:16]
+
+
+def token_admits(hop_key: bytes | None, sid: bytes, user, password) -> bool:
+    """Whether ``(user, password)`` is session ``sid``'s connection over the hop keyed ``hop_key``."""
+    return hop_key is not None and bytes(user) == sid and hmac.compare_digest(bytes(password),
+                                                                               data_token(hop_key, sid))
 
 
 def lease_s() -> float:
@@ -99,6 +115,22 @@ class SessionTable:
             if renew:
                 s.renewed = time.monotonic()
             return {"session_known": True, "seen": getattr(s, "last_seq", 0), "renewed": renew}
+
+    def admits(self, user, password) -> bool:
+        """Whether a connection to the data port presenting ``(user, password)`` belongs to an open session: the
+        session's id and its ``data_token`` under the key of the hop into this node."""
+        with self.lock:
+            s = self.sessions.get(bytes(user))
+        hop = getattr(s, "in_hop", None)
+        return hop is not None and token_admits(hop.key, s.sid, user, password)
+
+    def longest_idle(self) -> tuple[bytes, float] | None:
+        """(id, seconds) of the session that has gone longest without authenticated data; None if none is open."""
+        with self.lock:
+            if not self.sessions:
+                return None
+            sid, s = min(self.sessions.items(), key=lambda item: item[1].last_used)
+            return sid, time.monotonic() - s.last_used
 
     def end(self, sid: bytes, failed: str | None = None):
         """Forget the session (its id stays spent; ``failed``: why, told to the next ping);

@@ -13,8 +13,10 @@ stack's calls are collected instead: each proxy but the last hands back its
 input untouched (in the structure the first layer returns, a tuple for some),
 and the last hands every layer's call to the language model's ends
 (``diffuse.lmsplit``), which ship them in one pass. The model's code between
-layers does nothing with what a layer returns but pass its hidden state to the
-next (checked: a side output handed on is refused), so nothing is lost.
+layers does nothing with what a layer returns but pass it on to the next
+(checked): its hidden state, and side outputs handed on as they were returned
+(T5's position biases, threaded by the pass from the node that computes them,
+``diffuse.lmsplit.threaded_sides``), so nothing is lost.
 
 With ``patches > 1`` a stack that carries one stream goes through a
 ``diffuse.pipefusion.Patcher`` (cut into token patches, pipelined through the
@@ -113,17 +115,27 @@ class StandIn(nn.ModuleList):
         answers for all blocks at once, so work the denoiser does between blocks would be lost."""
         _, given = flatten(args, kwargs)
         given_ids = {id(t) for t in given}
-        if any(isinstance(t, SideOutput) for t in given):
-            raise DiffuseError(f"the model hands what {self.stack.path}[{index - 1}] returned besides its hidden state "
-                               f"to {self.stack.path}[{index}]; Diffuse threads only the hidden state through a "
-                               "language model's layers, so it cannot split this stack")
         answer = self._answer if isinstance(self._answer, (tuple, list)) else (self._answer,)
+        sides = {id(o) for o in answer if isinstance(o, SideOutput)}
+        if any(isinstance(t, SideOutput) and id(t) not in sides for t in given):
+            raise DiffuseError(f"the model changes what {self.stack.path}[{index - 1}] returned besides its hidden "
+                               f"state before it hands it to {self.stack.path}[{index}]; Diffuse threads a layer's "
+                               "outputs on only as the layer returned them, so it cannot split this stack")
         for out in answer:
             if isinstance(out, torch.Tensor) and id(out) not in given_ids and not isinstance(out, SideOutput):
                 raise DiffuseError(
                     f"the denoiser changes what {self.stack.path}[{index - 1}] returned before it calls "
                     f"{self.stack.path}[{index}] (e.g. adds a residual between blocks): this stack is not a plain "
                     "chain, so it cannot be split")
+        plan = getattr(self._splitter[0], "plan", None)
+        rmap = plan.return_maps.get(self.stack.path) if plan is not None else None
+        if self._calls is None and rmap is not None and not rmap.single:  # a whole call: one call plan for all blocks
+            for out, slot in zip(answer, rmap.outputs):
+                if slot is None and isinstance(out, torch.Tensor) and id(out) in given_ids:
+                    raise DiffuseError(
+                        f"the denoiser hands what {self.stack.path}[{index - 1}] returned besides its hidden "
+                        f"state to {self.stack.path}[{index}], where {self.stack.path}[0] took nothing: the nodes "
+                        "call every block as the first was called, so this stack cannot be split")
 
 
 def _find_cache(args: tuple, kwargs: dict):

@@ -106,7 +106,7 @@ def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
 
 
 def logits_from(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Tensor:
-    out = torch.full((*ids.shape[:-1], vocab), float("-inf"), dtype=values.dtype)
+    out = torch.full((*ids.shape[:-1], vocab), float("-inf"), dtype=values.dtype, device=values.device)
     return out.scatter_(-1, ids.long(), values)
 
 

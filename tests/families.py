@@ -42,7 +42,7 @@ FAMILIES = [
     "stable_audio",
     "qwenimage",
 ]
-EXTRAS = ["sdxl", "odd", "remote_code", "no_stack", "recurrent", "wan22"]
+EXTRAS = ["sdxl", "odd", "remote_code", "no_stack", "recurrent", "wan22", "wan_vace"]
 
 _PROMPT = "a painting of a squirrel eating a burger"
 _NEGATIVE = "bad quality , blurry"
@@ -144,6 +144,28 @@ def build_wan22(out_dir: str, seed: int = 0) -> str:
     pipe = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae,
                        transformer=pipe.transformer, transformer_2=second, scheduler=pipe.scheduler,
                        boundary_ratio=0.875)
+    return _save(pipe, out_dir)
+
+
+def build_wan_vace(out_dir: str, seed: int = 0) -> str:
+    """Wan VACE (WanVACEPipeline): the tiny Wan's components with a WanVACETransformer3DModel of the same
+    size, its side stack ``vace_blocks`` (2 blocks) feeding hints into main blocks 0 and 2.
+
+    Traps: the denoiser adds each hint to the hidden state after its main block (work between the blocks
+    of ``blocks``), and collects the output of every ``vace_blocks`` block, not only the last."""
+    from diffusers import WanVACEPipeline, WanVACETransformer3DModel
+
+    from diffuse.train.build import SIZES, build_pipeline
+
+    pipe = build_pipeline("tiny", seed)
+    z_dim, spatial = pipe.vae.config.z_dim, 2 ** len(pipe.vae.config.temperal_downsample)
+    _seed(seed + 2)
+    transformer = WanVACETransformer3DModel(
+        patch_size=(1, 2, 2), in_channels=z_dim, out_channels=z_dim, text_dim=pipe.text_encoder.config.d_model,
+        freq_dim=128, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=32,
+        vace_layers=[0, 2], vace_in_channels=2 * z_dim + spatial ** 2, **SIZES["tiny"]["transformer"])
+    pipe = WanVACEPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae,
+                           transformer=transformer, scheduler=pipe.scheduler)
     return _save(pipe, out_dir)
 
 
@@ -964,6 +986,7 @@ def build_remote_code(out_dir: str, seed: int = 0) -> str:
 _BUILDERS = {
     "wan": build_wan,
     "wan22": build_wan22,
+    "wan_vace": build_wan_vace,
     "flux": build_flux,
     "sd3": build_sd3,
     "pixart_sigma": build_pixart_sigma,
@@ -999,6 +1022,7 @@ _ODD = dict(prompt=_PROMPT, negative_prompt=_NEGATIVE, num_inference_steps=2, gu
 _CALL_ARGS: dict[str, dict] = {
     "wan": dict(_VIDEO, guidance_scale=6.0, height=32, width=32, num_frames=9),
     "wan22": dict(_VIDEO, guidance_scale=6.0, guidance_scale_2=4.0, height=32, width=32, num_frames=9),
+    "wan_vace": dict(_VIDEO, guidance_scale=6.0, height=32, width=32, num_frames=9),
     # guidance_scale does nothing (guidance_embeds=False); true_cfg_scale is real CFG.
     "flux": dict(
         prompt=_PROMPT,

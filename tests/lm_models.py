@@ -48,7 +48,7 @@ import os
 import sys
 
 NAMES = ["qwen2", "hybrid", "smolvlm", "qwen2_vl", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "falcon",
-         "olmo", "gemma2_capped", "bloom"]
+         "olmo", "gemma2_capped", "bloom", "t5", "t5_untied"]
 
 # The text the byte-level BPEs are trained on: plain English plus the words the
 # chat templates and test prompts use, so those become few tokens.
@@ -324,7 +324,10 @@ def _qwen2(out_dir: str, seed: int, layer_types: list[str] | None) -> str:
     _seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.float32).eval()
     _randomize(model, seed, [eot, *range(len(tok), vocab_size)])
-    return _save(model, tok, out_dir, dict(bos_token_id=eot, eos_token_id=[eot], pad_token_id=eot))
+    generation = dict(bos_token_id=eot, eos_token_id=[eot], pad_token_id=eot)
+    if config.is_encoder_decoder:  # the decoder starts from the padding token, as T5's does
+        generation["decoder_start_token_id"] = model.config.decoder_start_token_id = eot
+    return _save(model, tok, out_dir, generation)
 
 
 def build_qwen2(out_dir: str, seed: int = 0) -> str:
@@ -498,10 +501,11 @@ def build_qwen2_vl(out_dir: str, seed: int = 0) -> str:
     )
 
 
-def _causal(out_dir: str, seed: int, config_class: str, extra: dict, attention: str = "sdpa") -> str:
-    """A decoder-only model of ``config_class`` over the Qwen2 tokenizer: the shared text sizes
-    (``_text_kwargs``) with ``extra`` on top (a None there drops the setting), untied head, float32,
-    ``attention`` (sdpa unless the class has none)."""
+def _causal(out_dir: str, seed: int, config_class: str, extra: dict, attention: str = "sdpa",
+            auto: str = "AutoModelForCausalLM") -> str:
+    """A model of ``config_class`` (decoder-only unless ``auto`` says otherwise) over the Qwen2 tokenizer: the
+    shared text sizes (``_text_kwargs``) with ``extra`` on top (a None there drops the setting), untied head,
+    float32, ``attention`` (sdpa unless the class has none)."""
     import torch
     import transformers
 
@@ -514,9 +518,12 @@ def _causal(out_dir: str, seed: int, config_class: str, extra: dict, attention: 
     config = getattr(transformers, config_class)(**{k: v for k, v in kwargs.items() if v is not None})
     config._attn_implementation = attention
     _seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    model = getattr(transformers, auto).from_config(config).to(torch.float32).eval()
     _randomize(model, seed, [eot, *range(len(tok), vocab_size)])
-    return _save(model, tok, out_dir, dict(bos_token_id=eot, eos_token_id=[eot], pad_token_id=eot))
+    generation = dict(bos_token_id=eot, eos_token_id=[eot], pad_token_id=eot)
+    if config.is_encoder_decoder:  # the decoder starts from the padding token, as T5's does
+        generation["decoder_start_token_id"] = model.config.decoder_start_token_id = eot
+    return _save(model, tok, out_dir, generation)
 
 
 def build_mixtral(out_dir: str, seed: int = 0) -> str:
@@ -591,6 +598,30 @@ def build_bloom(out_dir: str, seed: int = 0) -> str:
         intermediate_size=None, hidden_act=None, max_position_embeddings=None), attention="eager")
 
 
+def build_t5(out_dir: str, seed: int = 0, tied: bool = True) -> str:
+    """T5 (T5ForConditionalGeneration) as T5Config makes it: an encoder and a decoder of 4 blocks each, relative
+    position buckets, the head tied to the shared embedding and so fed the decoder's output scaled by
+    ``d_model ** -0.5``. ``tied=False``: an untied head fed the decoder's output as it is (flan-T5's layout).
+
+    Traps: each block returns ``(hidden, position bias, cross-attention position bias)``, the stack unpacks the
+    three, and only block 0 computes the biases: every later block is handed the ones block 0 returned, so
+    what stands in for a skipped block must answer with tensors of that structure (and the nodes must thread
+    them from block 0 on). The tied head reads the final norm's output scaled, not rows of it. The encoder runs
+    once, without a cache; the decoder with one. Its weights are drawn from ``seed + 5``: with seeds 0-4 this
+    tiny model's greedy answer is mostly one token repeated."""
+    return _causal(out_dir, seed + 5, "T5Config", dict(
+        d_model=_HIDDEN, d_kv=8, d_ff=64, num_layers=_LAYERS, num_decoder_layers=_LAYERS, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, feed_forward_proj="relu",
+        dropout_rate=0.0, hidden_size=None, intermediate_size=None, tie_word_embeddings=None if tied else False,
+        num_hidden_layers=None, num_attention_heads=None, num_key_value_heads=None, max_position_embeddings=None,
+        hidden_act=None), auto="AutoModelForSeq2SeqLM")
+
+
+def build_t5_untied(out_dir: str, seed: int = 0) -> str:
+    """``build_t5`` with an untied head, which reads the final norm's output as it is."""
+    return build_t5(out_dir, seed, tied=False)
+
+
 BUILDERS = {
     "qwen2": build_qwen2,
     "hybrid": build_hybrid,
@@ -604,6 +635,8 @@ BUILDERS = {
     "olmo": build_olmo,
     "gemma2_capped": build_gemma2_capped,
     "bloom": build_bloom,
+    "t5": build_t5,
+    "t5_untied": build_t5_untied,
 }
 
 

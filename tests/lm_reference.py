@@ -6,7 +6,9 @@
         [--arg KEY=JSON]... [--no-template] --out OUT.json
 
 Loads the model with ``AutoModelForImageTextToText`` when its config has a
-``vision_config``, else ``AutoModelForCausalLM`` (float32, sdpa where the class has it), sets the torch
+``vision_config``, ``AutoModelForSeq2SeqLM`` when it is an encoder-decoder, else
+``AutoModelForCausalLM`` (float32 unless ``--dtype`` names another, on the CPU unless ``--device`` names
+another, sdpa where the class has it), sets the torch
 thread count when ``--threads`` > 0, builds the inputs (``build_inputs``) and
 calls ``generate(**inputs, max_new_tokens=N, do_sample=..., output_logits=True,
 return_dict_in_generate=True)``; with ``--do-sample``, ``torch.manual_seed(S)``
@@ -55,6 +57,7 @@ from transformers import (
     AutoImageProcessor,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
+    AutoModelForSeq2SeqLM,
     AutoProcessor,
     AutoTokenizer,
 )
@@ -76,18 +79,19 @@ def takes_images(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def load_model(model_dir: str):
-    """The model, float32 and sdpa (eager for a class that has no sdpa path, as ``from_pretrained`` itself
-    falls back), in eval mode, with the Auto class its config calls for."""
+def load_model(model_dir: str, dtype: str = "float32", device: str | None = None):
+    """The model, float32 (or ``dtype``) and sdpa (eager for a class that has no sdpa path, as ``from_pretrained``
+    itself falls back), in eval mode, with the Auto class its config calls for; moved to ``device`` if given."""
     config = AutoConfig.from_pretrained(model_dir)
-    auto = AutoModelForImageTextToText if takes_images(config) else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if takes_images(config) else \
+        AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     try:
-        model = auto.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+        model = auto.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
     except ValueError as exc:
         if "scaled_dot_product_attention" not in str(exc):
             raise
-        model = auto.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
+        model = auto.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="eager")
+    return model.eval() if device is None else model.eval().to(device)
 
 
 def _open_images(images) -> list:
@@ -291,11 +295,13 @@ def _top(logits: torch.Tensor) -> dict:
 
 def run(model_dir: str, prompt: str, images=(), max_new_tokens: int = 8, threads: int = 0, do_sample: bool = False,
         seed: int = 0, temperature=None, top_p=None, top_k=None, no_template: bool = False,
-        generate_args: dict | None = None) -> dict:
+        generate_args: dict | None = None, dtype: str = "float32", device: str | None = None) -> dict:
     if threads > 0:
         torch.set_num_threads(threads)
-    model = load_model(model_dir)
+    model = load_model(model_dir, dtype, device)
     inputs, note = build_inputs_with_note(model_dir, prompt, images, no_template)
+    if device is not None:
+        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in dict(inputs).items()}
     if note:
         print(note, file=sys.stderr)
     kwargs = dict(
@@ -313,6 +319,8 @@ def run(model_dir: str, prompt: str, images=(), max_new_tokens: int = 8, threads
     with torch.no_grad():
         out = model.generate(**inputs, **kwargs)
     prompt_len = inputs["input_ids"].shape[1]
+    if model.config.is_encoder_decoder:  # the sequences are the decoder's: its start token, then the new ones
+        prompt_len = out.sequences.shape[1] - len(out.logits)
     return {
         "input_ids": inputs["input_ids"].tolist(),
         "new_tokens": out.sequences[:, prompt_len:].tolist(),
@@ -335,6 +343,8 @@ def main(argv=None) -> int:
     parser.add_argument("--arg", action="append", default=[], metavar="KEY=JSON", help="another generate argument")
     parser.add_argument("--no-template", action="store_true", help="tokenize the prompt as given")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--dtype", default="float32", help="the dtype to load in (default float32)")
+    parser.add_argument("--device", help="where to run (default: the CPU)")
     parser.add_argument("--jobs", metavar="FILE.json",
                         help="run each job of this JSON list instead ({model, prompt, images, max_new_tokens, "
                              "do_sample, seed, temperature, top_p, top_k, generate_args, no_template}; each model "
@@ -349,7 +359,8 @@ def main(argv=None) -> int:
         results = [run(job["model"], job["prompt"], job.get("images", ()), max_new_tokens=job.get("max_new_tokens", 8),
                        threads=0, do_sample=job.get("do_sample", False), seed=job.get("seed", 0),
                        temperature=job.get("temperature"), top_p=job.get("top_p"), top_k=job.get("top_k"),
-                       no_template=job.get("no_template", False), generate_args=job.get("generate_args"))
+                       no_template=job.get("no_template", False), generate_args=job.get("generate_args"),
+                       dtype=job.get("dtype", "float32"), device=job.get("device"))
                    for job in jobs]
         with open(args.out, "w") as f:
             json.dump(results, f)
@@ -370,6 +381,8 @@ def main(argv=None) -> int:
         top_k=args.top_k,
         no_template=args.no_template,
         generate_args={k: json.loads(v) for k, _, v in (a.partition("=") for a in args.arg)},
+        dtype=args.dtype,
+        device=args.device,
     )
     with open(args.out, "w") as f:
         json.dump(result, f)

@@ -9,6 +9,10 @@ and saves the first field of the output (``.images`` / ``.frames`` /
 ``.audios``) as float32, exactly as returned. Split runs are compared to it byte
 for byte.
 
+``--dtype bfloat16`` (or float16, float32) loads with ``torch_dtype`` set to it
+and ``--device cuda`` moves the pipeline there (``pipe.to``); the generator stays on
+the CPU, as a split run's does.
+
 Repeat ``--out`` to load the model afresh and run again for each file: two
 independent runs in one process (cheaper than two processes when checking that
 a model is reproducible). ``--jobs FILE`` runs a JSON list of ``{"model",
@@ -64,10 +68,13 @@ def import_component_libraries(model_dir: str) -> list[str]:
     return imported
 
 
-def run_once(model_dir: str, kwargs: dict, seed: int) -> np.ndarray:
+def run_once(model_dir: str, kwargs: dict, seed: int, dtype: str | None = None, device: str | None = None) -> np.ndarray:
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(model_dir)
+    typed = {"torch_dtype": getattr(torch, dtype)} if dtype else {}
+    pipe = DiffusionPipeline.from_pretrained(model_dir, **typed)
+    if device:
+        pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():
         output = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed), output_type="np")
@@ -88,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's own default)")
     parser.add_argument("--out", action="append", help="where to np.save the array (repeatable)")
+    parser.add_argument("--dtype", help="torch_dtype to load with (default: diffusers' own)")
+    parser.add_argument("--device", help="where to run the pipeline (default: the CPU)")
     args = parser.parse_args(argv)
 
     if args.threads:
@@ -111,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--kwargs must be a JSON object")
     import_component_libraries(args.model)
     for out in args.out:
-        np.save(out, run_once(args.model, kwargs, args.seed))
+        np.save(out, run_once(args.model, kwargs, args.seed, args.dtype, args.device))
     return 0
 
 

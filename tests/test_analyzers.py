@@ -397,3 +397,59 @@ def test_the_plan_survives_a_json_round_trip_with_what_a_first_call_taught(check
     assert again == plan  # every field, typed, not only the same text
     assert again.call_plans["transformer_blocks"].tensors[1].shape == [6, 4]
     assert again.stack("single_transformer_blocks").config_key == "num_single_layers"
+
+
+class _ProbeBlock(torch.nn.Module):
+    """A block with one attention head that writes layer ``index`` of the cache it is given (unless ``writes`` is
+    off) and hides later positions only when ``causal`` is set: no attribute says which."""
+
+    def __init__(self, index: int, causal: bool, writes: bool = True):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(8, 8) for _ in range(3))
+        self.norm = torch.nn.LayerNorm(8)
+        self.index, self.causal_, self.writes = index, causal, writes
+
+    def forward(self, hidden, cache=None):
+        q, k, v = self.q(hidden), self.k(hidden)[:, None], self.v(hidden)[:, None]
+        if cache is not None and self.writes:
+            k, v = cache.update(k, v, self.index)
+        scores = q[:, None] @ k.transpose(-1, -2)
+        if self.causal_:
+            scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        return self.norm(hidden + (scores.softmax(-1) @ v)[:, 0])
+
+
+class _ProbeModel(torch.nn.Module):
+    def __init__(self, causal: bool, writes: bool = True):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.tower = torch.nn.ModuleList(_ProbeBlock(i, False) for i in range(2))  # never called by the decoder
+        self.layers = torch.nn.ModuleList(_ProbeBlock(i, causal, writes) for i in range(3))
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, inputs_embeds, use_cache=False):
+        from transformers import DynamicCache
+
+        cache = DynamicCache() if use_cache else None
+        for layer in self.layers:
+            inputs_embeds = layer(inputs_embeds, cache=cache)
+        return inputs_embeds
+
+
+@pytest.mark.parametrize("causal,writes,verdict", [
+    (True, True, None), (False, True, "attend both ways"), (True, False, "do not write one layer")])
+def test_the_causal_probe_finds_a_decoder_by_what_its_blocks_do(causal, writes, verdict):
+    """A decoder stack is found by behaviour on a weightless build: a change at the last position leaves the
+    earlier outputs as they were, and one layer of the cache grows by the positions given. The model lent to
+    the probe is put back as it was (every weight on meta, every block its own)."""
+    from analyzers.causal_probe import probe_lists
+
+    with torch.device("meta"):
+        model = _ProbeModel(causal, writes)
+    found = probe_lists(model, ["tower", "layers"])
+    assert "never calls" in found["tower"]
+    assert found["layers"] is None if verdict is None else verdict in found["layers"]
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert len({id(b) for b in model.layers}) == 3 and model.training

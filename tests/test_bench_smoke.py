@@ -34,3 +34,28 @@ def test_bench_lm_quick_prints_rates_first_token_and_bytes_per_hop(diffuse_home)
                          r"tokens equal whole: True", out), out
     assert re.search(r"split, 2 nodes: bytes per decoding step on each hop \(sealed\): client->1 \d+ B, "
                      r"1->2 \d+ B, 2->client \d+ B", out), out
+
+
+def test_bench_placement_links_and_memory_quick_print_their_figures(diffuse_home):
+    """The three benches of placement, at their tiniest, in one process: even against planned slices with the
+    planner's prediction beside each figure, a slowed client link against its floor, and peak memory per
+    process against what each holds."""
+    code = ("import sys; from diffuse.bench import main; "
+            "sys.exit(max(main([name, '--quick']) for name in ('placement', 'links', 'memory')))")
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(diffuse_home), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for placement in ("even", "planned"):
+        assert len(re.findall(rf"  {placement} +slices (\[\d+:\d+\] ?)+ +\d+\.\d+ .* predicted \d+\.\d+ s "
+                              r"\(measured / predicted \d+\.\d\d; the planner's nodes and hops \d+\.\d+ s, the "
+                              r"client's own CPU time \d+\.\d+ s\)", out)) == 2, out
+    assert re.search(r"planned / even: \d+\.\d\dx +goal >= 1\.5x +\(output equal on both: True\)", out), out
+    assert re.search(r"planned / even: \d+\.\d\dx +goal >= 1\.5x +\(tokens equal on both: True\)", out), out
+    for name in ("no delay", "5 ms, 100 Mbit/s"):
+        assert re.search(rf"  {name} +\d+\.\d\d +\d+\.\d\d +\d\.\d\d +\d+\.\d ms +\d+\.\d ms +\d\.\d\d", out), out
+    assert "tokens equal in every run: True" in out
+    for who in ("client", "node 1", "node 2"):
+        assert re.search(rf"  {who}: +\d+\.\d\d GiB +holds \d+\.\d\d GiB .*goal <= \d+\.\d\d GiB: (met|not met)",
+                         out), out
+    assert "tokens split equal tokens whole: True" in out

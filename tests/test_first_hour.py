@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -135,6 +136,12 @@ def test_a_dead_or_frozen_node_is_named_within_seconds(nodes, tmp_path, diffuse_
         assert took < 15, f"{how.name}: {took:.1f} s: {client.said}"
         assert f"node {ready['address']}:" in client.said and "dead or frozen" in client.said, client.said
         assert "Traceback" not in client.said
+        # the wait it names is the wait it made: that many pings, each given that long, all unanswered
+        from diffuse.handshake import PROBE_TIMEOUT_S
+
+        said = re.search(r"no answer to (a ping|(\d+) pings in a row), each given ([\d.]+) s", client.said)
+        assert said and float(said.group(3)) == PROBE_TIMEOUT_S, client.said
+        assert took >= int(said.group(2) or 1) * PROBE_TIMEOUT_S, (took, client.said)
 
 
 def test_ctrl_c_ends_the_run_and_its_local_nodes_within_two_seconds(tmp_path, diffuse_home):
@@ -150,3 +157,20 @@ def test_ctrl_c_ends_the_run_and_its_local_nodes_within_two_seconds(tmp_path, di
     time.sleep(0.5)
     left = subprocess.run(["pgrep", "-f", "--", f"--exit-with {client.proc.pid}( |$)"], capture_output=True, text=True)
     assert left.returncode == 1 and left.stdout.strip() == "", f"local nodes (or their launcher) left running: {left}"
+    assert _group(client.proc.pid) == [], "a process of the run's group was left running"  # a second after Ctrl-C
+
+
+def _group(pgid: int) -> list[str]:
+    """The live processes of process group ``pgid`` (zombies, which have exited, left out): their command lines."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _, group = f.read().rsplit(")", 1)[1].split()[:3]
+            with open(f"/proc/{pid}/cmdline") as f:
+                command = f.read().replace("\0", " ").strip()
+        except OSError:
+            continue
+        if int(group) == pgid and state != "Z":
+            found.append(f"{pid}: {command[:200]}")
+    return found

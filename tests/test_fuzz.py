@@ -2,7 +2,9 @@
 
 More than 10,000 messages per run (random bytes, random frame counts, truncated and oversized CBOR, deep
 nesting, shared-reference bombs, wrong types, huge claimed sizes, garbage ciphertext, unknown sessions, and
-sealed payloads of the wrong shape); afterwards the node is alive, its resident memory is within 10% of
+sealed payloads of the wrong shape), then opens right in every field but one or two, each with a fresh
+challenge, so that every check of an open is reached and refuses (counted by the words of each refusal:
+every check must be seen, and no other refusal); afterwards the node is alive, its resident memory is within 10% of
 before, it logged no traceback, and a real run through it is byte-identical to one before the fuzz.
 ``DIFFUSE_FUZZ_SEED`` picks another seed, ``DIFFUSE_FUZZ_MESSAGES`` another count (default 10,500).
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import os
 import random
+import socket
+import struct
 import time
 
 import cbor2
@@ -18,12 +22,13 @@ import numpy as np
 import pytest
 import zmq
 
-from test_bounds import Target, _claim, _close_as, _open_as, ask_raw
+from test_bounds import Target, _claim, _close_as, _open_as, ask_raw, hello_answered_within
 from test_hardening import _client, _stop
 from transport.zmq_ring import MAX_CONTROL_BYTES
 
 SEED = int(os.environ.get("DIFFUSE_FUZZ_SEED", "20240611"))
 MESSAGES = int(os.environ.get("DIFFUSE_FUZZ_MESSAGES", "10500"))
+DEEP_OPENS = 200  # opens right but for one or two fields, each refused by a later check than the challenge
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +38,11 @@ def fuzzed(models, tmp_path_factory):
         yield node
     finally:
         _stop(node.proc)
+
+
+def _stage(payload: dict) -> dict:
+    """An open payload's stage plan, to break a field of (a throwaway map where it is already no map)."""
+    return payload["stage"] if isinstance(payload.get("stage"), dict) else {}
 
 
 class Fuzzer:
@@ -95,6 +105,43 @@ class Fuzzer:
                                 "slices": self.value(), "next": self.value(), "attention": self.value()}
         return dict(seal_control(payload, self.node_key, self.stranger), op=op)
 
+    def deep_open(self, hello: dict, live: bytes) -> dict:
+        """An open sealed to the node by a stranger, right in every field but one or two (a fresh challenge
+        from ``hello``, a fresh session id, 32-byte keys, a stage plan of this model): it passes the open's
+        first checks and is refused by a later one."""
+        from diffuse.plan import StagePlan
+
+        r = self.rng
+        stage = StagePlan(hello["model"], "float32", (), "tcp://127.0.0.1:1").to_dict()
+        p = {"op": "open", "wire": 1, "session": os.urandom(16), "challenge": hello["challenge"],
+             "in_key": os.urandom(32), "out_key": os.urandom(32), "stage": stage}
+        for _ in range(r.choice([1, 1, 1, 2])):
+            r.choice(self.BREAKS)(self, p, live)
+        return p
+
+    BREAKS = [
+        lambda f, p, live: p.update(wire=f.rng.choice([0, 7, "1", None, 2 ** 70])),
+        lambda f, p, live: p.update(offered=[1, 2]),  # both speak 2: an open at 1 is a downgrade
+        lambda f, p, live: p.update(challenge=f.rng.choice([f.blob(36), bytes(p["challenge"] or b"")[:-1] + b"x",
+                                                            None])),
+        lambda f, p, live: p.update(session=f.rng.choice([f.blob(15), f.blob(17), "s" * 16, None])),
+        lambda f, p, live: p.update(session=live),  # in use
+        lambda f, p, live: p.update({f.rng.choice(["in_key", "out_key"]): f.rng.choice([f.blob(31), None, "k" * 32])}),
+        lambda f, p, live: p.update(stage=f.rng.choice([None, [], [p["stage"]], dict(_stage(p), extra=1)])),
+        lambda f, p, live: _stage(p).update({f.rng.choice(["model_hash", "dtype", "next", "attention"]): 5}),
+        lambda f, p, live: _stage(p).update(attention=f.rng.choice(["fast", "", "eager "])),
+        lambda f, p, live: _stage(p).update(wire_in=f.rng.choice(["1", None]), wire_out=1),
+        lambda f, p, live: _stage(p).update(wire_in=f.rng.choice([3, 9]), wire_out=1),
+        lambda f, p, live: _stage(p).update(slices=f.rng.choice([
+            "all", [{"stack": "nope", "start": 0, "stop": 1}], [{"stack": "blocks", "start": 0, "stop": 99}],
+            [{"stack": "blocks", "start": 0, "stop": 1}, {"stack": "blocks", "start": 1, "stop": 2}],
+            [{"stack": "blocks", "start": 1}]])),
+        lambda f, p, live: _stage(p).update(model_hash=f.blob(32).hex()),
+        lambda f, p, live: _stage(p).update(dtype=f.rng.choice(["float99", "Tensor", "nn"])),
+        lambda f, p, live: p.update(wire=2),  # without the fresh key a wire-2 open needs
+        lambda f, p, live: p.update(wire=2, eph=f.blob(32), keys=f.blob(80)),  # keys sealed under no agreed key
+    ]
+
     def control(self) -> list[bytes]:
         """One control message, as frames after (or instead of) the REQ delimiter."""
         r = self.rng
@@ -155,20 +202,26 @@ def _settle(node: Target, limit_s: float = 60.0) -> None:
     raise AssertionError(f"the node was still busy {limit_s:.0f} s after the fuzz")
 
 
-def _fuzz(node: Target, fuzzer: Fuzzer, control: int, data: int, claims: int) -> int:
-    """Send the messages, interleaved; returns how many were sent."""
+def _fuzz(node: Target, fuzzer: Fuzzer, control: int, data: int, claims: int, key: bytes) -> int:
+    """Send the messages, interleaved; returns how many were sent. Data goes on a connection admitted as the
+    live session's (``key``: its hop key into the node), so that it reaches the node's door."""
+    from diffuse.sessions import data_token
+
     ctx = zmq.Context.instance()
     sent = 0
 
-    def fresh(kind, address):
+    def fresh(kind, address, as_live=False):
         s = ctx.socket(kind)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDTIMEO, 10_000)
         s.setsockopt(zmq.SNDHWM, 100_000)
+        if as_live:
+            s.setsockopt(zmq.PLAIN_USERNAME, fuzzer.live)
+            s.setsockopt(zmq.PLAIN_PASSWORD, data_token(key, fuzzer.live))
         s.connect(address)
         return s
 
-    dealer, push = fresh(zmq.DEALER, node.address), fresh(zmq.PUSH, node.data)
+    dealer, push = fresh(zmq.DEALER, node.address), fresh(zmq.PUSH, node.data, as_live=True)
     try:
         todo = ["c"] * control + ["d"] * data
         fuzzer.rng.shuffle(todo)
@@ -196,6 +249,38 @@ def _fuzz(node: Target, fuzzer: Fuzzer, control: int, data: int, claims: int) ->
     return sent
 
 
+# the checks of an open, in the order the node makes them, each by the words of its refusal
+OPEN_CHECKS = {
+    "downgrade": "refusing a downgrade", "wire version": "the open uses wire version",
+    "challenge": "stale or replayed open", "session id": "the session id must be",
+    "session in use": "already in use on this node", "keys": "must be a 32-byte key",
+    "wire-2 keys": "a wire-2 open needs", "agreed keys": "failed to open under the agreed key",
+    "stage shape": "malformed stage plan", "stage strings": "must be a string", "attention": "unknown attention path",
+    "hop versions": "wire_in and wire_out must be integers", "slices": "slice", "hop wire": "asked for wire versions",
+    "model": "serves a different model", "dtype": "unknown compute dtype",
+}
+
+
+def _deep_opens(node: Target, fuzzer: Fuzzer, live: bytes, count: int) -> dict:
+    """``count`` opens that pass the first checks, each sent with a fresh challenge; every one must be refused.
+    How many each check refused, by ``OPEN_CHECKS`` (and "other": a refusal of none of those words)."""
+    from diffuse.sealing import open_control, seal_control
+
+    seen: dict[str, int] = {}
+    for _ in range(count):
+        payload = fuzzer.deep_open(node.ask({"op": "hello", "wire": [1, 2]}), live)
+        said, _ = open_control(node.ask(dict(seal_control(payload, node.key, fuzzer.stranger), op="open")),
+                               fuzzer.stranger)
+        if said["ok"]:
+            _close_as(node, fuzzer.stranger, payload["session"])
+        assert said["ok"] is False, payload  # not one opened
+        why = next((name for name, words in OPEN_CHECKS.items() if words in said["error"]), "other")
+        seen[why] = seen.get(why, 0) + 1
+        if why == "other":
+            print("refused otherwise:", said["error"][:200])
+    return seen
+
+
 def _run_fuzz(node: Target, tmp_path, home: str, control: int, data: int) -> None:
     before = _client(node.model, [node.pinned], tmp_path, home, save=str(tmp_path / "before.npy"))
     assert before.returncode == 0, before.stderr[-2000:]
@@ -208,7 +293,9 @@ def _run_fuzz(node: Target, tmp_path, home: str, control: int, data: int) -> Non
     rss0 = node.rss()
     log0 = len(node.log())
     t0 = time.monotonic()
-    sent = _fuzz(node, Fuzzer(SEED, node.key, live["session"]), control, data, claims=20)
+    fuzzer = Fuzzer(SEED, node.key, live["session"])
+    sent = _fuzz(node, fuzzer, control, data, claims=20, key=live["in_key"])
+    checks = _deep_opens(node, fuzzer, live["session"], DEEP_OPENS)
     _settle(node)
     took = time.monotonic() - t0
     rss1 = node.rss()
@@ -217,6 +304,8 @@ def _run_fuzz(node: Target, tmp_path, home: str, control: int, data: int) -> Non
     print(f"node: {refused} control requests refused, {rejected} data messages rejected, "
           f"{said.count('dropped a data message')} dropped unqueued")
     print(f"fuzz: {sent} messages (seed {SEED}) in {took:.1f} s; node RSS {rss0 >> 20} -> {rss1 >> 20} MiB")
+    print(f"opens refused, by the check that refused them: {dict(sorted(checks.items()))}")
+    assert set(checks) == set(OPEN_CHECKS), checks  # every check of an open was reached, and nothing else refused
     assert sent >= control + data
     assert rejected + said.count("dropped a data message") == data  # every data message was seen, and refused
     assert refused > control // 2
@@ -234,3 +323,56 @@ def _run_fuzz(node: Target, tmp_path, home: str, control: int, data: int) -> Non
 
 def test_a_fuzzed_node_stays_alive_bounded_and_exact(fuzzed, tmp_path, diffuse_home):
     _run_fuzz(fuzzed, tmp_path, diffuse_home, control=MESSAGES // 2, data=MESSAGES - MESSAGES // 2)
+
+
+def _stream_claim(address: str, size: int, send: int, plain: bool) -> int:
+    """Speak ZMTP 3.0 to a data ``address`` as a stranger (NULL, or PLAIN with made-up credentials), announce
+    one frame of ``size`` bytes and send up to ``send`` of them: how many the receiver took before it hung up."""
+    host, port = address.split("://", 1)[1].rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=5)
+    taken = 0
+    try:
+        mechanism = b"PLAIN" if plain else b"NULL"
+        conn.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\0") + b"\0" + b"\0" * 31)
+        if plain:
+            body = b"\x05HELLO" + b"\x10" + os.urandom(16) + b"\x10" + os.urandom(16)
+        else:
+            body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 4) + b"PUSH"
+        conn.sendall(b"\x04" + bytes([len(body)]) + body)
+        conn.sendall(b"\x02" + struct.pack(">Q", size))
+        chunk = b"\0" * (1 << 20)
+        while taken < send:
+            conn.sendall(chunk)
+            taken += len(chunk)
+    except (BrokenPipeError, ConnectionResetError, socket.timeout):
+        pass
+    finally:
+        conn.close()
+    return taken
+
+
+def test_strangers_claiming_huge_frames_on_the_data_port_cost_the_node_nothing(fuzzed):
+    """Eight strangers at once, each announcing a 2 GiB frame (under the node's 4 GiB cap) and sending 96 MiB
+    of it: none is let past the connection's handshake, so the node buffers none of it."""
+    import threading
+
+    node = fuzzed
+    before = ask_raw(node.address, cbor2.dumps({"op": "status"}))["refused_connections"]
+    rss0 = node.rss()
+    taken: list[int] = []
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=lambda i=i: taken.append(_stream_claim(node.data, 2 << 30, 96 << 20, i % 2)))
+               for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    took = time.monotonic() - t0
+    time.sleep(0.5)
+    grown = node.rss() - rss0
+    refused = ask_raw(node.address, cbor2.dumps({"op": "status"}))["refused_connections"] - before
+    print(f"\n8 strangers claiming 2 GiB frames: {sum(taken) >> 20} MiB sent before the hang-ups, in {took:.1f} s; "
+          f"node RSS {grown / 2 ** 20:+.1f} MiB; {refused} refused by admission (the others by mechanism)")
+    assert len(taken) == 8 and grown < 64 << 20, (taken, grown)
+    assert refused >= 4  # the PLAIN ones were asked about, and refused
+    assert hello_answered_within(node, 3.0)

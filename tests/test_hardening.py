@@ -91,9 +91,16 @@ def _said(run) -> str:
     return " ".join(run.stderr.split())
 
 
-def _push(address: str, *messages: list[bytes]) -> None:
+def _push(address: str, *messages: list[bytes], hop=None) -> None:
+    """Send ``messages`` to a data address as a raw PUSH peer; with ``hop`` (a ``frames.Hop``), presenting that
+    hop's session and token, as its real sending end does (without: a stranger, whom the receiver never lets in)."""
+    from diffuse.sessions import data_token
+
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 2000)
+    if hop is not None:
+        sock.setsockopt(zmq.PLAIN_USERNAME, hop.session)
+        sock.setsockopt(zmq.PLAIN_PASSWORD, data_token(hop.key, hop.session))
     sock.connect(address)
     for m in messages:
         sock.send_multipart(m)
@@ -231,7 +238,7 @@ def test_bad_messages_are_logged_and_the_node_keeps_serving(wan):
                          [b"\0" * 4]),
           _sealed_by_hop(channel.send_hop,
                          cbor2.dumps({"op": "call", "tensors": [{"dtype": "float32", "shape": [-4]}]}), [b"\0" * 4]),
-          _sealed_by_hop(channel.send_hop, b"\xff\xfe", []))
+          _sealed_by_hop(channel.send_hop, b"\xff\xfe", []), hop=channel.send_hop)
     # (c) a control request in two parts, then one that is not CBOR: each gets an error, not a dead socket
     two_parts = _request_raw(control0, [cbor2.dumps({"op": "hello", "wire": [1]}), b"more"])
     assert two_parts["ok"] is False and "2 parts" in two_parts["error"]
@@ -308,8 +315,8 @@ def test_replayed_open_is_refused_and_sessions_answer_only_their_opener(wan):
     assert np.array_equal(first, second)
     wan.close_ring(ring)
     # a closed session's id is never opened again, even with a fresh challenge
-    hello = t.request(ring.plan.route[0].address, {"op": "hello", "wire": [1]}, 10.0)
-    address, captured = opens[0]
+    address = ring.plan.route[0].address
+    hello = t.request(address, {"op": "hello", "wire": [1]}, 10.0)
     payload = _stage_payload(ring, 0, hs.sid, hello["challenge"])
     assert "already in use on this node, or was" in refusal(
         address, dict(seal_control(payload, hs.keys[0], ring.identity), op="open"))
@@ -366,7 +373,8 @@ def test_junk_on_the_client_inbox_is_dropped_and_the_run_goes_on(wan):
     _push(channel.inbox.address,
           [b"not cbor at all"],
           [cbor2.dumps({"v": 1, "s": os.urandom(16), "c": 1, "n": 2}), b"x"],
-          seal_message(forged_hop, {"op": "result", "seq": 1, "out": None}, []))
+          seal_message(forged_hop, {"op": "result", "seq": 1, "out": None}, []), hop=channel.recv_hop)
+    _push(channel.inbox.address, [b"from a stranger"])  # no token: the inbox never lets it in
     time.sleep(0.5)
     second = wan.generate(ring)
     assert np.array_equal(first, second)
@@ -400,7 +408,9 @@ def test_sessions_leave_no_sockets_and_errors_stay_bounded(wan):
     # session it names (or dropped unqueued, and that logged), and the node keeps answering at once
     junk_ids = [os.urandom(16) for _ in range(MAX_QUEUED + 50)]
     before = wan.log(0)
-    _push(wan.data_address(0), *[[cbor2.dumps({"v": 1, "s": s, "c": 1, "n": 2}), b"x"] for s in junk_ids])
+    sender = wan.open()  # junk sent on a session's own admitted connection (from a stranger it never arrives)
+    _push(wan.data_address(0), *[[cbor2.dumps({"v": 1, "s": s, "c": 1, "n": 2}), b"x"] for s in junk_ids],
+          hop=sender.channel.send_hop)
     t0 = time.monotonic()
     assert wan.status(0)["ok"] is True
     assert time.monotonic() - t0 < 2.0, "status answered slowly after the junk"
@@ -417,6 +427,7 @@ def test_sessions_leave_no_sockets_and_errors_stay_bounded(wan):
     assert named > 0 and named + unqueued == len(junk_ids), (named, unqueued)
     t0 = time.monotonic()
     assert wan.status(0)["ok"] is True and time.monotonic() - t0 < 2.0
+    wan.close_ring(sender)
     assert count("sessions") == sessions  # junk opened nothing
     ring = wan.open()  # and a real session still runs, bit for bit as before
     assert np.array_equal(wan.generate(ring), wan.expected)

@@ -369,15 +369,16 @@ def test_python_api_splits_a_transformers_model_samples_and_refuses_beam_search(
 
 
 def test_check_finds_the_decoder_stack_and_its_depth_setting_from_config_alone(lm_models):
-    """The decoder stack is found by shape (causal attention indexing a cache), its depth setting by nudging the
-    nested text config; the vision tower is named and left on the client."""
+    """The decoder stack is found by what it does on a tiny probe (causal attention indexing a cache), its depth
+    setting by nudging the nested text config; the vision tower, which the decoder never calls, is named and left
+    on the client."""
     from diffuse.check import check
 
     r = check(lm_models("qwen2_vl"))
     assert r["verdict"] == "splittable" and r["output_kind"] == "text"
     assert [(s["path"], s["length"], s["config_key"]) for s in r["stacks"]] == [
         ("model.language_model.layers", 4, "text_config.num_hidden_layers")]
-    assert "attend both ways" in r["other_lists"]["model.visual.blocks"]
+    assert "decoder never calls" in r["other_lists"]["model.visual.blocks"]
 
 
 def test_the_embedding_table_leaves_the_client_only_where_the_first_layer_takes_it_untouched():

@@ -8,7 +8,8 @@ of every step's best raw logits are compared with tests/lm_reference.py run whol
 same thread count (test_lm.py's machinery). So are Falcon (layers that return a tuple, read between
 layers), BLOOM (ALiBi, no ``is_causal``, attention weights returned beside the hidden state), OLMo (a client
 left with no parameter at all) and Gemma 2 with a soft cap that saturates (greedy decoding from whole rows
-of logits, not a shortlist). A checkpoint a node could not load as transformers loads it is refused before
+of logits, not a shortlist), and T5 (block 0's position biases handed to every later block; a head fed the
+final norm's output scaled). A checkpoint a node could not load as transformers loads it is refused before
 any node starts, in one line.
 """
 
@@ -27,7 +28,8 @@ from test_lm import PROMPT, LMModels, split_run
 # (model, nodes): each architecture once, 2 and 3 nodes between them (a node start is the cost of a case)
 MOE = [("mixtral", 2), ("qwen2_moe", 3), ("qwen3_moe", 2), ("deepseek_v3", 3)]
 OTHERS = [("falcon", 3), ("olmo", 2), ("gemma2_capped", 2), ("bloom", 3)]
-SPLITS = MOE + OTHERS
+T5 = [("t5", 2), ("t5_untied", 3)]
+SPLITS = MOE + OTHERS + T5
 MAX_NEW = 6
 
 
@@ -108,6 +110,24 @@ def test_tuples_alibi_a_client_without_parameters_and_a_soft_cap_equal_transform
         assert report["last_hop_bytes_per_token"] > 4 * vocab
     else:  # the first pass brings the whole last row once (to learn that nothing changes after the head), then 8
         assert report["last_hop_bytes_per_token"] < 4 * vocab
+
+
+@pytest.mark.parametrize("name,nodes", T5)
+def test_t5_threads_block_zeros_position_biases_and_equals_transformers(name, nodes, arch_models, arch_references,
+                                                                         tmp_path, diffuse_home):
+    """T5's decoder hands the position biases block 0 returned to every later block: the stand-in answers each
+    block in that structure and the pass threads them on, node to node, as the model does (without them every
+    later block would see no position bias, and the logits would differ). T5's own layout feeds its tied head the
+    final norm's output scaled: its first pass, held back for the last node, goes without the tail, the forward
+    runs again on that answer up to the head, and later passes go at once, the head here; an untied T5 (flan's
+    layout) has its norm and head run on the last node."""
+    model = arch_models(name)
+    ref = arch_references[model]
+    tokens, report, _ = split_run(model, tmp_path, diffuse_home, nodes, max_new=MAX_NEW)
+    assert tokens["new_tokens"] == ref["new_tokens"] and report["top"] == ref["top"]
+    assert len(set(ref["new_tokens"][0])) > 2  # not one token repeated
+    assert report["client_layer_params"] == 0 and report["calls"] == MAX_NEW
+    assert report["tail_passes"] == (report["calls"] if name == "t5_untied" else 0)
 
 
 def test_checkpoint_whose_expert_names_no_rule_knows_is_refused_before_any_node_starts(arch_models, tmp_path,

@@ -57,6 +57,8 @@ def wire(**changes) -> dict:
     (wire(tree={"args": [{"$t": 2}], "kwargs": {}}), "tensor number 2"),
     (wire(tree={"args": [{"$code": "x"}], "kwargs": {}}), "unknown marker"),
     (wire(rmap={"single": True}), "return map"),
+    (wire(rmap={"single": False, "outputs": [0, None], "names": ["h", None], "sides": [1]}), "sides"),
+    (wire(rmap={"single": False, "outputs": [0, 1], "names": ["h", "b"], "sides": [0]}), "sides"),
     (wire(patch={"branch": "x"}), "patch"),
     (wire(reuse={"t": -1, "branch": 0, "fresh": False}), "reuse"),
     (wire(reuse={"t": 0.1, "branch": 0, "fresh": False}, skip="no"), "skip"),
@@ -85,3 +87,11 @@ def test_a_call_plan_deeper_than_allowed_is_refused_before_it_is_walked_further(
         deep = [deep]
     with pytest.raises(ContractError, match="nested deeper"):
         checked_tree({"args": [deep], "kwargs": {}}, "call plan", 1)
+
+
+def test_a_return_map_with_threaded_side_outputs_travels_and_names_its_hidden_stream():
+    """A side output handed on (T5's position biases) is threaded into a later slot; the hidden state stays the
+    stream the tail reads."""
+    rmap = ReturnMap(False, [0, None, None], ["args[0]", "side output", "side output"]).with_sides({1: 4, 2: 5})
+    assert rmap.streams == [0, 4, 5] and rmap.hidden_streams == [0] and rmap.sides == (1, 2)
+    assert ReturnMap.from_dict(rmap.to_dict(), slots=6) == rmap

@@ -55,7 +55,7 @@ def _brute(blocks, nodes):
     return (max(best), best[max(best)]) if best else None
 
 
-def test_planner_finds_the_least_slowest_share_an_exhaustive_search_finds():
+def test_planner_with_passes_in_flight_finds_the_least_slowest_share_an_exhaustive_search_finds():
     rng = random.Random(7)
     for case in range(150):
         L, n = rng.randint(1, 9), rng.randint(1, 4)
@@ -74,9 +74,9 @@ def test_planner_finds_the_least_slowest_share_an_exhaustive_search_finds():
         want = _brute(blocks, nodes)
         if want is None:
             with pytest.raises(DoesNotFit, match="GiB"):
-                place(blocks, nodes)
+                place(blocks, nodes, depth=2)
             continue
-        p = place(blocks, nodes)
+        p = place(blocks, nodes, depth=2)
         runs = _runs(p)
         assert runs[0][0] == 0 and runs[-1][1] == L and all(a[1] == b[0] for a, b in zip(runs, runs[1:])), runs
         assert len(p.used) == want[0], (case, runs)
@@ -85,19 +85,93 @@ def test_planner_finds_the_least_slowest_share_an_exhaustive_search_finds():
             assert p.room[i] is None or p.need[i] <= p.room[i]
 
 
+def _brute_one_at_a_time(blocks, nodes, hop):
+    """Every contiguous placement in node order (a node may take none), passes one at a time: the least pass
+    time (used nodes' shares, the hops between the ends used, ``LEAVE_OUT`` of the compute per node left out)."""
+    from diffuse.placement import LEAVE_OUT, LEAVE_OUT_S, _speeds
+
+    L, n = len(blocks), len(nodes)
+    room, speeds = rooms(nodes), _speeds(nodes)[0]
+    total = sum(b.weight_bytes + b.end_compute for b in blocks) / GIB
+    mid = sorted(speeds)[(n - 1) // 2] if n % 2 else (sorted(speeds)[n // 2 - 1] + sorted(speeds)[n // 2]) / 2
+    penalty = max(LEAVE_OUT * mid * total, LEAVE_OUT_S)
+    best = None
+    for cuts in itertools.combinations_with_replacement(range(L + 1), n - 1):
+        bounds = (0, *cuts, L)
+        runs = list(zip(bounds, bounds[1:]))
+        if any(room[i] is not None and sum(blk.weight_bytes + blk.held_bytes for blk in blocks[a:b]) > room[i]
+               for i, (a, b) in enumerate(runs)):
+            continue
+        used = [i for i, (a, b) in enumerate(runs) if b > a]
+        ends = [n, *used, n]
+        t = sum(speeds[i] * sum(blk.weight_bytes for blk in blocks[a:b]) / GIB for i, (a, b) in enumerate(runs))
+        t += sum(hop[x][y] for x, y in zip(ends, ends[1:])) + penalty * (n - len(used))
+        best = t if best is None else min(best, t)
+    return best
+
+
+def test_link_aware_planning_finds_the_quickest_pass_and_drops_a_hop_over_a_slow_link():
+    """Passes one at a time: the least time of a pass with its hops (against every placement there is); two
+    equal nodes share the blocks over a quick link, and one holds them all when the link between them costs
+    more than the compute the second would take off the first (one hop fewer)."""
+    rng = random.Random(19)
+    for case in range(120):
+        L, n = rng.randint(1, 7), rng.randint(1, 4)
+        blocks = [BlockCost("blocks", i, rng.choice([8, 16, 24]) * MIB) for i in range(L)]
+        nodes = [Capacity(f"n{k}", rng.choice([None, None, MARGIN_MIN_BYTES + rng.randint(0, 60) * MIB]),
+                          rng.choice([0.5, 1.0, 3.0])) for k in range(n)]
+        hop = [[0.0 if i == j else rng.choice([1e-4, 2e-3, 0.02]) for j in range(n + 1)] for i in range(n + 1)]
+        want = _brute_one_at_a_time(blocks, nodes, hop)
+        if want is None:
+            with pytest.raises(DoesNotFit):
+                place(blocks, nodes, links=hop)
+            continue
+        p = place(blocks, nodes, links=hop)
+        from diffuse.placement import leave_out_s
+
+        penalty = leave_out_s(p.speeds, sum(b.weight_bytes for b in blocks))
+        assert p.pass_s + penalty * (n - len(p.used)) == pytest.approx(want, rel=1e-9), (case, _runs(p))
+        assert all(p.room[i] is None or p.need[i] <= p.room[i] for i in range(n))
+    # two equal nodes, 8 blocks of 64 MiB at 1 s/GiB (0.5 s a pass): a quick link keeps both; a slow one between
+    # them (not to the client), 0.2 s, costs more than a tenth of the compute: it is worth one hop fewer
+    blocks = [BlockCost("blocks", i, 64 * MIB) for i in range(8)]
+    pair = [Capacity("a", None, 1.0), Capacity("b", None, 1.0)]
+    quick = [[0.0, 1e-4, 1e-4], [1e-4, 0.0, 1e-4], [1e-4, 1e-4, 0.0]]
+    slow = [[0.0, 0.2, 1e-4], [0.2, 0.0, 1e-4], [1e-4, 1e-4, 0.0]]
+    assert _runs(place(blocks, pair, links=quick)) == [(0, 4), (4, 8)]
+    p = place(blocks, pair, links=slow)
+    assert len(p.used) == 1 and p.hops == [1e-4, 1e-4]
+    assert any("would make a pass slower" in note for note in p.notes)
+    # the same slow link with the blocks too big for either node alone: both are used, and the hop is paid
+    tight = [Capacity(name, MARGIN_MIN_BYTES * 2 + 300 * MIB, 1.0) for name in "ab"]
+    p = place(blocks, tight, links=slow)
+    assert len(p.used) == 2 and p.hops == [1e-4, 0.2, 1e-4]
+    # a client link measured as a Link: half its round trip plus the bytes at its throughput
+    from diffuse.links import Link
+
+    assert Link(0.010, 1e6).hop_s(2000) == pytest.approx(0.005 + 0.002)
+
+
 def test_equal_nodes_get_even_slices_and_faster_ones_more():
     blocks = [BlockCost("blocks", i, 16 * MIB) for i in range(10)]
     for n in (1, 2, 3, 4):
         p = place(blocks, [Capacity(f"n{k}", None) for k in range(n)])
         assert _runs(p) == split_evenly(10, n)  # as the even route cuts them: earlier nodes take the remainder
-    # one node three times as fast as two others: it takes three times their share, to the block
-    p = place(blocks, [Capacity("fast", None, 1.0), Capacity("slow1", None, 3.0), Capacity("slow2", None, 3.0)])
+    # patches in flight: one node three times as fast as two others takes three times their share, to the block
+    unequal = [Capacity("fast", None, 1.0), Capacity("slow1", None, 3.0), Capacity("slow2", None, 3.0)]
+    p = place(blocks, unequal, depth=4)
     assert [b - a for a, b in _runs(p)] == [6, 2, 2]
+    # passes one at a time: the fast node takes all but a block each (leaving the slow ones out would save
+    # less than a tenth of a pass's compute at the median speed)
+    assert [b - a for a, b in _runs(place(blocks, unequal))] == [8, 1, 1]
     # a node not measured counts at the median of those measured (here 3.0: the slow ones' speed)
     p = place(blocks, [Capacity("fast", None, 1.0), Capacity("new", None), Capacity("slow1", None, 3.0),
-                       Capacity("slow2", None, 3.0)])
+                       Capacity("slow2", None, 3.0)], depth=4)
     assert p.measured == [True, False, True, True] and p.speeds[1] == 3.0
     assert [b - a for a, b in _runs(p)] == [6, 2, 1, 1]
+    # speeds a busy machine measures within a quarter of each other count alike: even slices
+    p = place(blocks, [Capacity("a", None, 1.0), Capacity("b", None, 1.2)])
+    assert _runs(p) == [(0, 5), (5, 10)] and p.speeds[0] == p.speeds[1]
 
 
 def test_memory_bounds_each_run_and_a_node_without_room_is_left_out():
@@ -140,10 +214,12 @@ def test_a_hello_report_is_read_whatever_it_holds():
     good = {"report": {"memory": {"available": 3 * GIB, "limit": 4 * GIB, "source": "cgroup v1", "pool": "ab"},
                        "holds": [["blocks", 0, 3, "float32"]], "threads": 2, "cpus": 0.5, "device": "cpu",
                        "dtype": "float32",
-                       "speed": {"model": "h", "by_dtype": {"float32": {"s_per_block_token": 0.1,
-                                                                        "s_per_gib_token": 2.0, "passes": 4}}}}}
+                       "speed": {"model": "h", "s_per_pass": 0.003,
+                                 "by_dtype": {"float32": {"s_per_block_token": 0.1, "s_per_gib_token": 2.0,
+                                                          "s_per_gib_single": 5.0, "passes": 4}}}}}
     r = NodeReport.from_hello("tcp://x:1", good, 0.002)
     assert r.available == 3 * GIB and r.cpus == 0.5 and len(r.holds) == 3 and r.s_per_gib_token("float32", "h") == 2.0
+    assert r.s_per_gib_token("float32", "h", "single") == 5.0 and r.pass_s == 0.003
     assert r.s_per_gib_token("float32", "another model") is None
     rng = random.Random(1)
     junk = [None, 1, "x", [], {}, -5, float("nan"), True, [["blocks", 0, 1 << 40, "f"]], {"by_dtype": [1]}]
@@ -180,16 +256,22 @@ def test_block_costs_are_the_bytes_the_headers_give(models):
 
 
 def test_diffuse_plan_places_a_model_on_nodes_described_by_hand(models, tmp_path):
-    """Two stacks, one node with a tenth of the others' speed: it gets the fewest blocks; too little memory
-    is refused in one line with the shortfall; the JSON route is the placement's."""
+    """Two stacks, one node with a tenth of the others' speed: with patches in flight it gets the fewest blocks,
+    with passes one at a time none (it would slow every pass); too little memory is refused in one line with
+    the shortfall; the JSON route is the placement's."""
     from diffuse.plan import SlicingPlan
 
     model = models("flux")  # 3 double blocks, then 3 single ones
-    shown = run_cli(["plan", model, "--memory", "1,1,1", "--speed", "1,1,10"], str(tmp_path))
+    shown = run_cli(["plan", model, "--memory", "1,1,1", "--speed", "1,1,10", "--patches", "4"], str(tmp_path))
     assert shown.returncode == 0, shown.stderr
     rows = [line for line in shown.stdout.splitlines() if line.startswith("node")][1:]
     assert len(rows) == 3 and "single_transformer_blocks[2:3]" in rows[2] and "transformer_blocks[0:" in rows[0]
-    as_json = run_cli(["plan", model, "--memory", "1,1,1", "--speed", "1,1,10", "--json"], str(tmp_path))
+    assert "4 passes in flight" in shown.stdout
+    one = run_cli(["plan", model, "--memory", "1,1,1", "--speed", "1,1,10"], str(tmp_path))
+    assert one.returncode == 0, one.stderr
+    assert "node3 holds nothing: it would make a pass slower" in " ".join(one.stdout.split())
+    as_json = run_cli(["plan", model, "--memory", "1,1,1", "--speed", "1,1,10", "--patches", "4", "--json"],
+                      str(tmp_path))
     plan = SlicingPlan.from_json(as_json.stdout)
     assert [str(s) for s in plan.route[2].slices] == ["transformer_blocks[3:3]", "single_transformer_blocks[2:3]"]
     refused = run_cli(["plan", model, "--memory", "0.05,0.05"], str(tmp_path))
@@ -236,6 +318,7 @@ def test_planned_slices_leave_out_a_node_without_room_and_generate_the_tokens_of
         (a0, b0), (a2, b2) = [(int(m.group(1)), int(m.group(2))) for m in (runs[0], runs[2])]
         assert a0 == 0 and b0 == a2 and b2 == 4 and b0 > a0 and b2 > a2
         assert f"{names[1]} holds nothing: it has room for no block" in shown.stdout
+        assert re.search(rf"client -> {names[0]}: \d+\.\d\d ms round trip, ", shown.stdout), shown.stdout
 
         from diffuse.placement import report_of
 
@@ -248,15 +331,23 @@ def test_planned_slices_leave_out_a_node_without_room_and_generate_the_tokens_of
         assert f"even slices do not fit these nodes: {names[1]} would take" in " ".join(refused.stderr.split())
         assert run_cli(["plan", lm_model, "--nodes", addresses], diffuse_home).returncode == 0
         assert not any(report_of(n).holds for n in names)  # refused before any node loaded a layer
-        for _ in range(2):  # the second session is planned from the speeds the first one measured
+        for session in range(2):  # the second session is planned from the speeds the first one measured
             run = run_client(argv, diffuse_home)
             assert run.returncode == 0, run.stderr[-3000:]
             with open(tokens) as f, open(report) as g:
                 got, rep = json.load(f), json.load(g)
-            assert [n["address"] for n in rep["node_stats"]] == [names[0], names[2]]
+            used = [n["address"] for n in rep["node_stats"]]
+            # the first session, nothing measured: both nodes with room; the second, measured: both, or one
+            # where a pass over this tiny model costs less than what the other node's pass and hop would add
+            assert used == [names[0], names[2]] if session == 0 else used in (
+                [names[0], names[2]], [names[0]], [names[2]]), used
+            # every hop's link measured: the client's at hello, the node-to-node one by the first node at open
+            ends = ["client", *used, "client"]
+            assert [line.rsplit(": ", 1)[0] for line in rep["links"]] == [f"{a} -> {b}" for a, b in zip(ends, ends[1:])]
+            assert not any("not measured" in line for line in rep["links"]), rep["links"]
             with open(os.path.join(lm_model, "config.json")) as f:
                 layers = json.load(f)["num_hidden_layers"]
-            assert sum(n["cache_bytes"] > 0 for n in rep["node_stats"]) == 2 and layers == 4
+            assert all(n["cache_bytes"] > 0 for n in rep["node_stats"]) and layers == 4
             seen = [report_of(n) for n in names]
             assert seen[1].available < MARGIN_MIN_BYTES and not seen[1].holds and not seen[1].speed
             assert seen[0].device == "cpu" and seen[0].dtype == "float32" and seen[0].threads == THREADS
@@ -284,60 +375,7 @@ def test_planned_slices_leave_out_a_node_without_room_and_generate_the_tokens_of
 
 # ------------------------------------------------------------------------------------ unequal machines, for real
 
-PERIOD_US = 100_000
 HEADROOM = 80 << 20  # what the memory-limited node may still take: the margin and one block, not two
-
-
-def _own_v1_group(controller: str) -> str | None:
-    from diffuse.placement import _cgroup_dirs
-
-    found = [d for d, version in _cgroup_dirs(controller) if version == "v1"]
-    return found[0] if found else None
-
-
-class Cgroups:
-    """cgroup v1 groups made for this test (cpu and memory), removed at the end."""
-
-    def __init__(self, tag: str):
-        self.tag, self.made = tag, []
-        self.cpu, self.memory = _own_v1_group("cpu"), _own_v1_group("memory")
-        why = None
-        if os.geteuid() != 0:
-            why = "not root"
-        elif not self.cpu or not self.memory:
-            why = "no cgroup v1 cpu and memory controllers"
-        elif not (os.access(self.cpu, os.W_OK) and os.access(self.memory, os.W_OK)):
-            why = f"{self.cpu} or {self.memory} is not writable"
-        self.why = why
-
-    def make(self, name: str, cpus: float, memory: int | None = None) -> list[str]:
-        folders = [os.path.join(self.cpu, f"{self.tag}-{name}"), os.path.join(self.memory, f"{self.tag}-{name}")]
-        for f in folders:
-            os.mkdir(f)
-            self.made.append(f)
-        with open(os.path.join(folders[0], "cpu.cfs_period_us"), "w") as f:
-            f.write(str(PERIOD_US))
-        with open(os.path.join(folders[0], "cpu.cfs_quota_us"), "w") as f:
-            f.write(str(int(PERIOD_US * cpus)))
-        return folders
-
-    def close(self) -> None:
-        import time
-
-        for f in reversed(self.made):
-            for _ in range(50):  # its processes take a moment to leave it
-                try:
-                    os.rmdir(f)
-                    break
-                except OSError:
-                    time.sleep(0.1)
-
-
-def _usage(folder: str) -> int:
-    from diffuse.placement import _stat_value
-
-    with open(os.path.join(folder, "memory.usage_in_bytes")) as f:
-        return int(f.read()) - _stat_value(folder, "total_inactive_file")
 
 
 def _wan_model(out_dir: str) -> str:
@@ -372,6 +410,8 @@ def test_unequal_nodes_under_cgroup_limits_get_slices_that_fit_and_the_bytes_of_
     from conftest import run_reference
     from diffuse.placement import report_of
 
+    from diffuse.cgroups import Cgroups, memory_used
+
     groups = Cgroups(f"diffuse-test-{os.getpid()}")
     if groups.why:
         pytest.skip(f"cgroup limits cannot be set here: {groups.why}")
@@ -386,19 +426,10 @@ def test_unequal_nodes_under_cgroup_limits_get_slices_that_fit_and_the_bytes_of_
             line = procs[-1].stdout.readline()
             assert line, (tmp_path / f"{name}.log").read_text()[-3000:]
             ready.append(json.loads(line))
-            cpu, memory = groups.make(name, cpus)
-            try:  # what it holds comes along where the kernel still moves charges (newer ones do not: then the
-                with open(os.path.join(memory, "memory.move_charge_at_immigrate"), "w") as f:  # group counts
-                    f.write("3")  # only what the node takes from now on, which is what the limit is about)
-            except OSError:
-                pass
-            for folder in (cpu, memory):
-                with open(os.path.join(folder, "cgroup.procs"), "w") as f:
-                    f.write(str(procs[-1].pid))
+            groups.enter(groups.make(name, cpus), procs[-1].pid)
         small_memory = groups.made[-1]
-        limit = _usage(small_memory) + HEADROOM
-        with open(os.path.join(small_memory, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(limit))
+        limit = memory_used(small_memory) + HEADROOM
+        groups.limit_memory(small_memory, limit)
         addresses = ",".join(f"{r['address']}#{r['key']}" for r in ready)
         names = [r["address"] for r in ready]
 

@@ -40,3 +40,21 @@ def test_verify_reports_zero_difference_at_one_patch(models, tmp_path, monkeypat
     run = run_cli(argv, str(tmp_path))
     assert run.returncode == 0, run.stderr[-2000:]
     assert "max abs difference, whole vs split (1 patch): 0  (byte-identical)" in run.stdout
+
+
+def test_stacks_the_denoiser_works_between_are_refused_before_any_node_starts(models, tmp_path):
+    """Wan VACE: its side stack's every block's output is kept (hints), and the hints are added to the hidden
+    state after chosen main blocks, so neither stack is a chain one pass through the nodes can stand for. The
+    weightless dry call sees it before any node is dialled: one line, exit 2."""
+    from conftest import run_client
+
+    model = models("wan_vace")
+    run = run_client(["--model", model, "--prompt", "dance monkey", "--steps", "2", "--height", "32", "--width", "32",
+                      "--frames", "9", "--nodes", "tcp://127.0.0.1:9", "--timeout", "5", "--quiet",
+                      "--out", str(tmp_path / "x.mp4")], str(tmp_path))
+    assert run.returncode == 2
+    lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, run.stderr
+    assert f"cannot split {model}" in lines[0] and "vace_blocks[1]" in lines[0] and "not a plain chain" in lines[0]
+    assert "nothing was started" in lines[0] and "Traceback" not in run.stderr
+    assert not (tmp_path / "known_nodes.json").exists()  # no hello was ever sent

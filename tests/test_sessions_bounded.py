@@ -81,6 +81,7 @@ class Hostile:
         self.stack = plan.route[k].slices[0].stack
         self.outbox = zmq.Context.instance().socket(zmq.PUSH)
         self.outbox.setsockopt(zmq.LINGER, 0)
+        admitted(self.outbox, self.sid, in_key)  # the node's data port lets in only an open session's ends
         self.outbox.connect(hello["data"])
         self.seq = 0
 
@@ -115,6 +116,14 @@ class Hostile:
         self.outbox.close()
         if self.inbox is not None:
             self.inbox.close()
+
+
+def admitted(sock, sid: bytes, hop_key: bytes) -> None:
+    """Give a raw PUSH socket (not yet connected) the credentials a session's sending end presents."""
+    from diffuse.sessions import data_token
+
+    sock.setsockopt(zmq.PLAIN_USERNAME, sid)
+    sock.setsockopt(zmq.PLAIN_PASSWORD, data_token(hop_key, sid))
 
 
 def _sessions(env, k: int) -> int:

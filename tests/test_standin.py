@@ -60,3 +60,27 @@ def test_blocks_out_of_order_are_refused():
     h = stand_in[0](torch.randn(2, 4))
     with pytest.raises(DiffuseError, match="not run this stack as a chain"):
         stand_in[2](h)
+
+
+class _PlannedStack(LocalStack):
+    """Answers ``(hidden, bias)`` as a block returning a side output would; its plan's return map threads only
+    the hidden state (the bias replaces no input of block 0, which was handed None)."""
+
+    def __init__(self, blocks):
+        from diffuse.plan import ReturnMap
+
+        super().__init__(blocks)
+        self.plan = type("Plan", (), {"return_maps": {"blocks": ReturnMap(False, [0, None], ["args[0]", None])}})()
+
+    def run_stack(self, stack, args, kwargs):
+        return super().run_stack(stack, args, kwargs), torch.ones(2)
+
+
+def test_a_side_output_handed_on_where_block_zero_took_none_is_refused_for_a_whole_call():
+    """The nodes call every block of a whole call as block 0 was called: a model handing block 1 what block 0
+    returned beside its hidden state (where block 0 got None) would be answered wrong, so it is refused."""
+    blocks = [nn.Linear(4, 4) for _ in range(3)]
+    stand_in = StandIn(StackPlan(path="blocks", length=3, block_class="Linear"), _PlannedStack(blocks))
+    h, bias = stand_in[0](torch.randn(2, 4), None)
+    with pytest.raises(DiffuseError, match=r"hands what blocks\[0\] returned besides its hidden state to blocks\[1\]"):
+        stand_in[1](h, bias)

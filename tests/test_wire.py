@@ -129,6 +129,10 @@ def test_tampered_replayed_and_truncated_frames_are_rejected_and_the_node_keeps_
 
     attacker = zmq.Context.instance().socket(zmq.PUSH)
     attacker.setsockopt(zmq.LINGER, 1000)
+    from diffuse.sessions import data_token  # one who watched the session's connection on the network
+
+    attacker.setsockopt(zmq.PLAIN_USERNAME, channel.send_hop.session)
+    attacker.setsockopt(zmq.PLAIN_PASSWORD, data_token(channel.send_hop.key, channel.send_hop.session))
     attacker.connect(channel.outbox.address)
     # messages sealed by the client but caught in flight: one with a flipped bit, one missing its last frame
     in_flight = [seal_message(channel.send_hop, {"op": "call"}, [torch.randn(4, 4)]) for _ in range(2)]

@@ -12,13 +12,23 @@ id, the empty delimiter a REQ socket sends, one body frame): anything else is
 dropped, and a reply goes to the peer that asked or nowhere, so no one's junk
 can take someone else's answer. The client asks with a fresh REQ socket per
 try and tries idempotent requests again (hello, ping, status).
+
+Every data connection is admitted before any frame of a message is taken:
+receiving sockets are ZeroMQ PLAIN servers and a sending end presents the
+credentials the core gives it (a session id and a token only that session's
+ends can make); this context's ZAP handler (``_Admission``, a thread) asks the
+receiver's ``admit`` about each. ZeroMQ buffers a message whole before the
+receiver can read any of it, so admitting the connection is the one place a
+stranger's bytes can be refused before they are held.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import os
+import threading
 import time
 
 import zmq
@@ -28,16 +38,91 @@ from diffuse.transport_api import (DEFAULT_MAX_MESSAGE_BYTES, IDEMPOTENT, MAX_CO
                                    encode_request, hookimpl)
 
 TRIES = 3  # sockets an idempotent request may be sent on, one each third of its time
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where ZeroMQ asks a context's handler about each new connection
+NO_CREDENTIALS = (b"-", b"-")  # what a sending end given none presents (PLAIN takes no empty name)
+
+
+class _Admission:
+    """The ZAP handler of one ZeroMQ context: a thread that answers ZeroMQ's question about each connection
+    to a receiving socket by that socket's ``admit(user, password)`` (its ZAP domain names it). Sockets
+    registered without one admit everyone; a domain not registered here, or an ``admit`` that raises,
+    admits no one."""
+
+    _handlers: dict = {}
+    _lock = threading.Lock()
+    _numbers = itertools.count(1)
+
+    def __init__(self, ctx: zmq.Context):
+        self.admits: dict[bytes, object] = {}
+        bound = threading.Event()
+        threading.Thread(target=self._serve, args=(ctx, bound), name="zap", daemon=True).start()
+        bound.wait(10.0)  # the thread's socket is bound before any receiving socket relies on it
+
+    @classmethod
+    def register(cls, ctx: zmq.Context, admit) -> bytes:
+        """A ZAP domain for a new receiving socket of ``ctx``, whose connections ``admit`` decides (None: all)."""
+        with cls._lock:
+            handler = cls._handlers.get(id(ctx))
+            if handler is None:
+                handler = cls._handlers[id(ctx)] = cls(ctx)
+            domain = b"diffuse-%d" % next(cls._numbers)
+            handler.admits[domain] = admit
+        return domain
+
+    @classmethod
+    def forget(cls, ctx: zmq.Context, domain: bytes) -> None:
+        with cls._lock:
+            handler = cls._handlers.get(id(ctx))
+            if handler is not None:
+                handler.admits.pop(domain, None)
+
+    def _serve(self, ctx: zmq.Context, bound: threading.Event) -> None:
+        sock = ctx.socket(zmq.REP)  # made, bound and used in this thread only
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(ZAP_ENDPOINT)
+        bound.set()
+        while True:
+            try:
+                request = sock.recv_multipart()
+                version, rid = (request + [b"", b""])[:2]
+                sock.send_multipart([version, rid, *self._verdict(request), b"", b""])
+            except zmq.ZMQError:  # the context is ending
+                return
+
+    def _verdict(self, request: list[bytes]) -> tuple[bytes, bytes]:
+        if len(request) != 8 or request[5] != b"PLAIN":
+            return b"400", b"not a PLAIN request"
+        domain, user, password = request[2], request[6], request[7]
+        with self._lock:
+            if domain not in self.admits:
+                return b"400", b"unknown domain"
+            admit = self.admits[domain]
+        try:
+            ok = admit is None or bool(admit(user, password))
+        except Exception:
+            ok = False
+        return (b"200", b"OK") if ok else (b"400", b"not admitted")
+
+
+def _admitting(ctx: zmq.Context, sock: zmq.Socket, admit) -> bytes:
+    """Make ``sock`` (not yet bound) a PLAIN server whose connections ``admit`` decides; its ZAP domain."""
+    domain = _Admission.register(ctx, admit)
+    sock.setsockopt(zmq.PLAIN_SERVER, 1)
+    sock.setsockopt(zmq.ZAP_DOMAIN, domain)
+    return domain
 
 
 class ZmqEndpoint:
-    def __init__(self, ctx: zmq.Context, listen: str, scheme: str, max_message_bytes: int | None = None):
+    def __init__(self, ctx: zmq.Context, listen: str, scheme: str, max_message_bytes: int | None = None,
+                 admit=None):
+        self.ctx = ctx
         self.control = ctx.socket(zmq.ROUTER)
         self.data = ctx.socket(zmq.PULL)
         for s in (self.control, self.data):
             s.setsockopt(zmq.LINGER, 0)
         self.control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
         self.data.setsockopt(zmq.MAXMSGSIZE, max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
+        self.domain = _admitting(ctx, self.data, admit)
         self._asker: bytes | None = None  # routing id of the peer owed an answer to the request last received
         if scheme == "tcp":
             host = listen.split("://", 1)[1].rsplit(":", 1)[0]
@@ -87,6 +172,7 @@ class ZmqEndpoint:
     def close(self) -> None:
         self.control.close(0)
         self.data.close(0)
+        _Admission.forget(self.ctx, self.domain)
         _unlink_paths(self.control_address, self.address)
 
 
@@ -99,10 +185,12 @@ def _unlink_paths(*addresses: str) -> None:
 
 
 class ZmqInbox:
-    def __init__(self, ctx: zmq.Context, bind: str, max_message_bytes: int | None = None):
+    def __init__(self, ctx: zmq.Context, bind: str, max_message_bytes: int | None = None, admit=None):
+        self.ctx = ctx
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
+        self.domain = _admitting(ctx, self.sock, admit)
         self.sock.bind(bind)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
@@ -113,6 +201,7 @@ class ZmqInbox:
 
     def close(self) -> None:
         self.sock.close(0)
+        _Admission.forget(self.ctx, self.domain)
         _unlink_paths(self.address)
 
 
@@ -127,10 +216,13 @@ class ZmqOutbox:
     pile up, or for ``STUCK_S``, is given up: NodeError naming it. One slow peer delays only the
     messages meant for it."""
 
-    def __init__(self, ctx: zmq.Context, address: str):
+    def __init__(self, ctx: zmq.Context, address: str, credentials: tuple[bytes, bytes] | None = None):
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        user, password = credentials or NO_CREDENTIALS
+        self.sock.setsockopt(zmq.PLAIN_USERNAME, user)
+        self.sock.setsockopt(zmq.PLAIN_PASSWORD, password)
         self.sock.connect(address)
         self.address = address
         self.waiting: collections.deque = collections.deque()  # (since, frames)
@@ -166,6 +258,8 @@ class ZmqTransport:
     """The reference transport for ``tcp://``. A plugin may serve another scheme ZeroMQ speaks
     (``ipc://``) by returning ``diffuse.transport_api.zeromq_transport(scheme)``, which is this class."""
 
+    admits = True  # serve and inbox take ``admit``, outbox takes ``credentials`` (diffuse.transport_api)
+
     def __init__(self, scheme: str = "tcp"):
         self.scheme = scheme
         self.ctx = zmq.Context.instance()
@@ -200,15 +294,15 @@ class ZmqTransport:
             s.connect((host, 9))
             return f"tcp://{s.getsockname()[0]}:0"
 
-    def serve(self, listen: str, max_message_bytes: int | None = None) -> ZmqEndpoint:
-        return ZmqEndpoint(self.ctx, listen, self.scheme, max_message_bytes)
+    def serve(self, listen: str, max_message_bytes: int | None = None, admit=None) -> ZmqEndpoint:
+        return ZmqEndpoint(self.ctx, listen, self.scheme, max_message_bytes, admit)
 
-    def inbox(self, bind: str, max_message_bytes: int | None = None) -> ZmqInbox:
-        return ZmqInbox(self.ctx, bind, max_message_bytes)
+    def inbox(self, bind: str, max_message_bytes: int | None = None, admit=None) -> ZmqInbox:
+        return ZmqInbox(self.ctx, bind, max_message_bytes, admit)
 
-    def outbox(self, address: str) -> ZmqOutbox:
+    def outbox(self, address: str, credentials: tuple[bytes, bytes] | None = None) -> ZmqOutbox:
         try:
-            return ZmqOutbox(self.ctx, address)
+            return ZmqOutbox(self.ctx, address, credentials)
         except zmq.ZMQError as exc:
             raise DiffuseError(f"cannot send to {address!r}: {exc}") from exc
 
@@ -242,6 +336,28 @@ class ZmqTransport:
             raise NodeError(address, f"no answer to {str(op)[:32]!r} within {timeout_s:.0f} s"
                             + (f" ({tries} tries)" if tries > 1 else ""))
         return decode_reply(answer, address)
+
+    def exchange(self, address: str, messages: list[dict], timeout_s: float) -> list[tuple[dict, float]]:
+        """Several control requests in turn on one connection, each reply with the seconds from its send
+        (the first also pays for the connection; the later ones are what a kept connection costs, as a data
+        hop's does). NodeError if any reply does not come within ``timeout_s`` of its send."""
+        out = []
+        sock = self.ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        try:
+            sock.connect(address)
+            for message in messages:
+                raw = encode_request(message)
+                t0 = time.perf_counter()
+                sock.send(raw)
+                if not sock.poll(max(1, int(timeout_s * 1000))):
+                    raise NodeError(address, f"no answer to {str(message.get('op'))[:32]!r} within {timeout_s:.0f} s")
+                answer = sock.recv()
+                out.append((decode_reply(answer, address), time.perf_counter() - t0))
+        finally:
+            sock.close(0)
+        return out
 
 
 def zeromq_transport(scheme: str) -> ZmqTransport:

@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass, fields
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "nodes (for nodes run with --allow-client)")
     ap.add_argument("--local-transport", default="tcp", metavar="SCHEME", help="URL scheme of local nodes")
     ap.add_argument("--quiet", action="store_true", help="no line per request")
+    from diffuse.cli import device_flags
+
+    device_flags(ap)
     return ap
 
 
@@ -72,6 +76,67 @@ def default_models() -> list[str]:
 
     names = ["tiny-wan-shapes", "tiny-qwen-chat"]
     return [n for n in names if (TRAINED / n).is_dir()]
+
+
+@dataclass
+class ServeOptions:
+    """The service's settings, as ``diffuse serve``'s flags of the same names give them."""
+
+    local_nodes: int = 2
+    parallel: int = 8
+    max_waiting: int = 32
+    max_tokens: int = 256
+    threads: int | None = None
+    timeout: float = 300.0
+    client_key: str | None = None
+    local_transport: str = "tcp"
+    api_key: str | None = None
+
+    @classmethod
+    def of(cls, a: argparse.Namespace) -> "ServeOptions":
+        return cls(**{f.name: getattr(a, f.name) for f in fields(cls)})
+
+
+def analyse(models: list[str], nodes: list[str], say) -> tuple[list, list[str]]:
+    """Every model analysed (its refusals, before any node starts) and its name; the counts and node lists
+    checked against the models."""
+    from diffuse.api import ModelInfo
+    from diffuse.known_nodes import parse_nodes
+
+    if not models:
+        raise DiffuseError("no --model given and no shipped model found: reinstall diffuse or give --model")
+    if nodes and len(nodes) != len(models):
+        raise DiffuseError(f"--nodes given {len(nodes)} time(s) for {len(models)} --model(s): give one --nodes "
+                           "per --model, in the same order, or none (local nodes for every model)")
+    for spec in nodes:
+        parse_nodes(spec)  # address and key mistakes, before anything loads
+    infos = []
+    for m in models:
+        say(f"analysing {m}")
+        infos.append(ModelInfo.of(m))
+    names = [os.path.basename(os.path.normpath(i.path)) for i in infos]
+    if len(set(names)) != len(names):
+        raise DiffuseError(f"two models share a name ({', '.join(names)}): give folders with different names")
+    return infos, names
+
+
+def load_engines(names: list[str], infos: list, split_options: dict, opts: ServeOptions, say) -> dict:
+    """An engine per model, each with one warm copy of its client ends (so the first request pays no loading);
+    their nodes are set once they are up."""
+    from diffuse.serve.engines import LanguageEngine, PipelineEngine
+
+    engines: dict = {}
+    started = int(time.time())
+    for name, info in zip(names, infos):
+        if info.subject.autoregressive:
+            e = LanguageEngine(name, info, None, split_options, started, opts.parallel, opts.max_waiting,
+                               opts.max_tokens)
+        else:
+            e = PipelineEngine(name, info, None, split_options, started, 1, opts.max_waiting)
+        engines[name] = e
+        say(f"loading {name}'s client ends ({e.kind})")
+        e.pool.prewarm()
+    return engines
 
 
 class Service:
@@ -87,38 +152,17 @@ class Service:
         self.started = time.time()
 
     @classmethod
-    def start(cls, models: list[str], nodes: list[str], local_nodes: int = 2, parallel: int = 8,
-              max_waiting: int = 32, max_tokens: int = 256, threads: int | None = None, timeout: float = 300.0,
-              client_key: str | None = None, local_transport: str = "tcp", api_key: str | None = None,
+    def start(cls, models: list[str], nodes: list[str], opts: "ServeOptions | None" = None,
               say=print) -> "Service":
-        """Load each model's client ends, start or dial its nodes, and make one warm copy of each; ``say``
-        gets a line per phase."""
+        """Load each model's client ends, start or dial its nodes (one ``--nodes`` per model, or none: local
+        nodes for each), and make one warm copy of each; ``say`` gets a line per phase."""
         import torch
 
-        from diffuse.api import ModelInfo
-        from diffuse.known_nodes import parse_nodes
-        from diffuse.serve.engines import LanguageEngine, PipelineEngine
-
-        if threads:
-            torch.set_num_threads(threads)
-        models = models or default_models()
-        if not models:
-            raise DiffuseError("no --model given and no shipped model found: reinstall diffuse or give --model")
-        if nodes and len(nodes) != len(models):
-            raise DiffuseError(f"--nodes given {len(nodes)} time(s) for {len(models)} --model(s): give one --nodes "
-                               "per --model, in the same order, or none (local nodes for every model)")
-        for spec in nodes:
-            parse_nodes(spec)  # address and key mistakes, before anything loads
-        infos = []
-        for m in models:
-            say(f"analysing {m}")
-            infos.append(ModelInfo.of(m))  # refusals, before any node starts
-        names = [os.path.basename(os.path.normpath(i.path)) for i in infos]
-        if len(set(names)) != len(names):
-            raise DiffuseError(f"two models share a name ({', '.join(names)}): give folders with different names")
-        engines: dict = {}
-        started = int(time.time())
-        keys = None
+        opts = opts or ServeOptions()
+        if opts.threads:
+            torch.set_num_threads(opts.threads)
+        infos, names = analyse(models or default_models(), nodes, say)
+        keys, client_key = None, opts.client_key
         if client_key is None:  # one identity for every request; local nodes serve it alone
             import tempfile
 
@@ -127,15 +171,13 @@ class Service:
         from diffuse.sealing import load_identity
 
         identity = load_identity(client_key)
-        options = dict(timeout=timeout, client_key=client_key)
         node_sets: list = [None] * len(infos)
         failed: list = []
 
         def start_nodes():  # nodes come up (and load their blocks) while the client ends load here
             try:
                 for k, info in enumerate(infos):
-                    node_sets[k] = cls._nodes(info, nodes[k] if nodes else None, local_nodes, threads,
-                                              local_transport, identity, say)
+                    node_sets[k] = cls._nodes(info, nodes[k] if nodes else None, opts, identity, say)
             except BaseException as exc:
                 failed.append(exc)
 
@@ -146,14 +188,7 @@ class Service:
         starter = threading.Thread(target=start_nodes, name="start-nodes", daemon=True)
         starter.start()
         try:
-            for name, info in zip(names, infos):
-                if info.subject.autoregressive:
-                    e = LanguageEngine(name, info, None, options, started, parallel, max_waiting, max_tokens)
-                else:
-                    e = PipelineEngine(name, info, None, options, started, 1, max_waiting)
-                engines[name] = e
-                say(f"loading {name}'s client ends ({e.kind})")
-                e.pool.prewarm()  # one warm copy, so the first request pays no loading
+            engines = load_engines(names, infos, dict(timeout=opts.timeout, client_key=client_key), opts, say)
             starter.join()
             if failed:
                 raise failed[0]
@@ -167,12 +202,12 @@ class Service:
             raise
         from diffuse import __version__
 
-        service = cls(engines, api_key, __version__)
+        service = cls(engines, opts.api_key, __version__)
         service._keys = keys
         return service
 
     @staticmethod
-    def _nodes(info, spec, local_nodes, threads, scheme, identity, say):
+    def _nodes(info, spec, opts: "ServeOptions", identity, say):
         from diffuse.serve.engines import NodeSet
 
         if spec is not None:
@@ -180,12 +215,12 @@ class Service:
         from diffuse.api import plan_local_nodes
         from diffuse.localnodes import start_local_nodes
 
-        plan = plan_local_nodes(local_nodes, info.draft["stacks"], 1, threads)
+        plan = plan_local_nodes(opts.local_nodes, info.draft["stacks"], 1, opts.threads)
         for note in plan.notes:
             say(note)
         name = os.path.basename(os.path.normpath(info.path))
         say(f"starting {plan.count} local node{'s' if plan.count > 1 else ''} for {name}")
-        local = start_local_nodes(info.path, plan.count, plan.threads, scheme=scheme, client=identity)
+        local = start_local_nodes(info.path, plan.count, plan.threads, scheme=opts.local_transport, client=identity)
         return NodeSet([f"{n.address}#{n.key}" for n in local], local)
 
     _keys = None  # the folder of a key made for this service alone
@@ -238,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> None:
         nonlocal service
+        cli.check_device_flags(a)  # then the default of every load here and of the local nodes (diffuse.devices)
+        os.environ.update({k: v for k, v in (("DIFFUSE_DEVICE", a.device), ("DIFFUSE_DTYPE", a.dtype)) if v})
         host, port = parse_listen(a.listen)
         if host not in LOOPBACK and not a.api_key:
             raise DiffuseError(f"--listen {a.listen}: beyond loopback the service needs --api-key KEY (or "
@@ -245,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         cli.check_port_free(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
         a.nodes = lan_nodes(a.model, a.nodes, a.discover_seconds, say)  # --nodes auto
         with cli.phase(out, "starting: models analysed and loaded, nodes started"):
-            service = Service.start(a.model, a.nodes, a.local_nodes, a.parallel, a.max_waiting, a.max_tokens,
-                                    a.threads, a.timeout, a.client_key, a.local_transport, a.api_key, say)
+            service = Service.start(a.model, a.nodes, ServeOptions.of(a), say)
         serve(service, host, port, a.max_body_mb << 20, quiet=a.quiet, say=say)
 
     try:

@@ -21,6 +21,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -29,7 +30,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffuse.errors import DiffuseError
-from diffuse.serve.engines import BadRequest, Busy, Cancel, Cancelled, LanguageEngine, PipelineEngine, \
+from diffuse.serve.engines import Ask, BadRequest, Busy, Cancel, Cancelled, LanguageEngine, PipelineEngine, \
     generation_kwargs, preview_png
 
 log = logging.getLogger("diffuse.serve")
@@ -412,22 +413,24 @@ def _text_routes(app, service) -> None:
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
             raise BadRequest("stop: up to 4 non-empty strings", "stop")
-        return e, gen, _int(body, "seed"), stop
+        return TextAsk(e, gen, _int(body, "seed"), stop)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await json_body(request)
-        e, gen, seed, stop = _text_request(body)
+        ask = _text_request(body)
+        e = ask.engine
         with tempfile.TemporaryDirectory(prefix="diffuse-serve-") as tmp:
             msgs = Messages(body.get("messages"), tmp)
             loop = asyncio.get_running_loop()
             inputs = await loop.run_in_executor(None, e.chat_inputs, msgs.messages, msgs.images, msgs.audio)
-        return await answer_text(request, body, e, inputs, gen, seed, stop, "chat.completion")
+        return await answer_text(request, body, replace(ask, inputs=inputs), "chat.completion")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await json_body(request)
-        e, gen, seed, stop = _text_request(body, what="completions")
+        ask = _text_request(body, what="completions")
+        e = ask.engine
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -435,18 +438,34 @@ def _text_routes(app, service) -> None:
             raise BadRequest("prompt: one non-empty string", "prompt")
         loop = asyncio.get_running_loop()
         inputs = await loop.run_in_executor(None, e.prompt_inputs, prompt)
-        return await answer_text(request, body, e, inputs, gen, seed, stop, "text_completion")
+        return await answer_text(request, body, replace(ask, inputs=inputs), "text_completion")
 
 
-async def answer_text(request, body, e, inputs, gen, seed, stop, obj: str):
+@dataclass(frozen=True)
+class TextAsk:
+    """What one chat or completion request asks: its engine, the generation's arguments, seed and stop strings,
+    and the model's inputs once made."""
+
+    engine: LanguageEngine
+    gen: dict
+    seed: int | None
+    stop: list
+    inputs: dict | None = None
+
+    def generate(self, cancel: Cancel, on_delta=None):
+        return self.engine.generate_text(self.inputs, self.gen, self.seed, self.stop, cancel, on_delta)
+
+
+async def answer_text(request, body, ask: TextAsk, obj: str):
     """A chat ("chat.completion") or text completion ("text_completion"), whole or streamed."""
+    e = ask.engine
     rid = f"{'chatcmpl' if obj == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunks = "chat.completion.chunk" if obj == "chat.completion" else obj
-        return stream_text(request, e, inputs, gen, seed, stop, rid, chunks, include_usage)
+        return stream_text(request, ask, rid, chunks, include_usage)
     cancel = Cancel()
-    r = await run_in_thread(request, lambda: e.generate_text(inputs, gen, seed, stop, cancel), cancel)
+    r = await run_in_thread(request, lambda: ask.generate(cancel), cancel)
     choice = {"index": 0, "finish_reason": r.finish_reason, "logprobs": None}
     if obj == "chat.completion":
         choice["message"] = {"role": "assistant", "content": r.text}
@@ -456,7 +475,8 @@ async def answer_text(request, body, e, inputs, gen, seed, stop, obj: str):
             "usage": _usage(r)}
 
 
-def stream_text(request, e, inputs, gen, seed, stop, rid, obj, include_usage):
+def stream_text(request, ask: TextAsk, rid: str, obj: str, include_usage: bool):
+    e = ask.engine
     cancel = Cancel()
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
@@ -467,7 +487,7 @@ def stream_text(request, e, inputs, gen, seed, stop, rid, obj, include_usage):
 
     def work():
         try:
-            r = e.generate_text(inputs, gen, seed, stop, cancel, on_delta)
+            r = ask.generate(cancel, on_delta)
             loop.call_soon_threadsafe(q.put_nowait, ("done", r))
         except BaseException as exc:  # reported in the stream, never raised into the loop
             loop.call_soon_threadsafe(q.put_nowait, ("error", exc))
@@ -535,21 +555,21 @@ def _image_routes(app, service) -> None:
             raise BadRequest("n: at most 4 images per request", "n")
         w, h = parse_size(body.get("size"))
         seed = _int(body, "seed", 0)
-        args = dict(prompt=body["prompt"], negative_prompt=body.get("negative_prompt"), width=w, height=h,
-                    steps=_int(body, "steps", None, lo=1), frames=None, patches=_int(body, "patches", 1, lo=1))
+        ask = Ask(body["prompt"], body.get("negative_prompt"), width=w, height=h,
+                  steps=_int(body, "steps", None, lo=1), seed=seed, patches=_int(body, "patches", 1, lo=1))
         if body.get("stream"):
-            return stream_images(request, e, args, seed, n)
+            return stream_images(request, e, ask, n)
         cancel = Cancel()
 
         def work():
-            return [e.run(**args, seed=seed + i, cancel=cancel) for i in range(n)]
+            return [e.run(replace(ask, seed=seed + i), cancel) for i in range(n)]
 
         pics = await run_in_thread(request, work, cancel)
         return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(p.data).decode()} for p in pics],
                 "output_format": "png", "size": f"{pics[0].array.shape[-2]}x{pics[0].array.shape[-3]}"}
 
 
-def stream_images(request, e, args, seed, n):
+def stream_images(request, e, ask: Ask, n: int):
     cancel = Cancel()
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
@@ -560,7 +580,7 @@ def stream_images(request, e, args, seed, n):
                 def on_step(k, total, i=i):
                     loop.call_soon_threadsafe(q.put_nowait, ("step", (i, k, total)))
 
-                p = e.run(**args, seed=seed + i, cancel=cancel, on_step=on_step)
+                p = e.run(replace(ask, seed=ask.seed + i), cancel, on_step=on_step)
                 loop.call_soon_threadsafe(q.put_nowait, ("image", (i, p)))
             loop.call_soon_threadsafe(q.put_nowait, ("end", None))
         except BaseException as exc:
@@ -620,10 +640,9 @@ def _video_routes(app, service) -> None:
                 raise BadRequest(f"seconds {seconds!r}: a number", "seconds") from None
             fps = e.info.call_defaults().get("frame_rate") or e.info.draft.get("frame_rate") or 16
             frames = max(1, int(round(secs * fps)) + 1)
-        args = dict(prompt=body["prompt"], negative_prompt=body.get("negative_prompt"), width=w, height=h,
-                    steps=_int(body, "steps", None, lo=1), frames=frames, patches=_int(body, "patches", 1, lo=1),
-                    seed=_int(body, "seed", 0))
-        job = service.jobs.create(e, args, size=body.get("size"), seconds=seconds)
+        ask = Ask(body["prompt"], body.get("negative_prompt"), width=w, height=h, steps=_int(body, "steps", None, lo=1),
+                  frames=frames, seed=_int(body, "seed", 0), patches=_int(body, "patches", 1, lo=1))
+        job = service.jobs.create(e, ask, size=body.get("size"), seconds=seconds)
         return job.describe()
 
     @app.get("/v1/videos")
@@ -698,10 +717,9 @@ def _audio_routes(app, service) -> None:
             data = await run_in_thread(request, lambda: e.speak(text, gen, _int(body, "seed"), cancel), cancel)
         else:
             assert isinstance(e, PipelineEngine)
-            data = (await run_in_thread(request, lambda: e.run(
-                prompt=text, negative_prompt=body.get("negative_prompt"), width=None, height=None,
-                steps=_int(body, "steps", None, lo=1), frames=None, seed=_int(body, "seed", 0),
-                patches=1, cancel=cancel), cancel)).data
+            ask = Ask(text, body.get("negative_prompt"), steps=_int(body, "steps", None, lo=1),
+                      seed=_int(body, "seed", 0))
+            data = (await run_in_thread(request, lambda: e.run(ask, cancel), cancel)).data
         return Response(data, media_type="audio/wav")
 
 
@@ -726,13 +744,13 @@ class Jobs:
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
 
-    def create(self, engine, args: dict, size, seconds) -> "Job":
+    def create(self, engine, ask: Ask, size, seconds) -> "Job":
         with self._lock:
             queued = sum(1 for j in self._jobs.values() if j.status in ("queued", "in_progress"))
             if queued >= self.max_queued:
                 raise ApiError(429, f"{queued} video jobs are queued or running, this service's limit",
                                "rate_limit_error", "busy", headers={"Retry-After": "30"})
-            job = Job(engine, args, size, seconds)
+            job = Job(engine, ask, size, seconds)
             self._jobs[job.id] = job
             done = [j for j in self._jobs.values() if j.status in ("completed", "failed")]
             for old in done[:max(0, len(self._jobs) - self.keep)]:
@@ -762,9 +780,9 @@ class Jobs:
 
 
 class Job:
-    def __init__(self, engine, args: dict, size, seconds):
+    def __init__(self, engine, ask: Ask, size, seconds):
         self.id = f"video_{uuid.uuid4().hex[:24]}"
-        self.engine, self.args, self.size, self.seconds = engine, args, size, seconds
+        self.engine, self.ask, self.size, self.seconds = engine, ask, size, seconds
         self.status = "queued"
         self.progress = 0
         self.step = 0
@@ -784,7 +802,7 @@ class Job:
 
         try:
             self.status = "in_progress"
-            self.picture = self.engine.run(**self.args, cancel=self.cancel, on_step=on_step)
+            self.picture = self.engine.run(self.ask, self.cancel, on_step=on_step)
             self.progress, self.status = 100, "completed"
         except Cancelled:
             self.status, self.error = "failed", "cancelled"
@@ -796,11 +814,11 @@ class Job:
     def describe(self) -> dict:
         shape = self.picture.array.shape if self.picture is not None else None
         size = f"{shape[-2]}x{shape[-3]}" if shape is not None else self.size
-        frames = shape[-4] if shape is not None and len(shape) >= 4 else self.args.get("frames")
+        frames = shape[-4] if shape is not None and len(shape) >= 4 else self.ask.frames
         return {"id": self.id, "object": "video", "model": self.engine.name, "status": self.status,
                 "progress": self.progress, "created_at": self.created_at, "completed_at": self.completed_at,
                 "expires_at": None, "size": size, "seconds": str(self.seconds) if self.seconds else None,
-                "frames": frames, "step": self.step, "steps": self.steps, "prompt": self.args.get("prompt"),
-                "seed": self.args.get("seed"),
+                "frames": frames, "step": self.step, "steps": self.steps, "prompt": self.ask.prompt,
+                "seed": self.ask.seed,
                 "error": {"message": self.error, "code": "generation_failed"} if self.error else None,
                 "remixed_from_video_id": None}

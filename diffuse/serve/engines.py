@@ -391,13 +391,16 @@ class LanguageEngine(Engine):
                       on_delta=None) -> TextResult:
         import torch
 
+        from diffuse.devices import inputs_on, model_device
+
         model = self.pool.take(cancel)
         try:
             stream = TextStream(self.tokenizer, cancel, stop, on_delta)
             prompt_len = int(inputs["input_ids"].shape[1]) if "input_ids" in inputs else 0
             with self.split(model), seeded(gen, seed), torch.no_grad():
                 try:
-                    out = model.generate(**inputs, **gen, streamer=stream, return_dict_in_generate=True)
+                    out = model.generate(**inputs_on(inputs, model_device(model)), **gen, streamer=stream,
+                                         return_dict_in_generate=True)
                 except _StopString:
                     out = None
         finally:
@@ -431,6 +434,7 @@ class LanguageEngine(Engine):
         query --out x.wav`` writes for the same request."""
         import torch
 
+        from diffuse.devices import inputs_on, model_device
         from diffuse.media_inputs import build_inputs
 
         if not self.sample_rate:
@@ -440,7 +444,7 @@ class LanguageEngine(Engine):
         try:
             steps = _Steps(cancel)
             with self.split(model), seeded(gen, seed), torch.no_grad():
-                audio = model.generate(**inputs, **gen, streamer=steps)
+                audio = model.generate(**inputs_on(inputs, model_device(model)), **gen, streamer=steps)
         finally:
             self.pool.give(model)
         arr = audio.detach().to(torch.float32).cpu().numpy()
@@ -473,6 +477,21 @@ class Picture:
     steps: int
 
 
+@dataclass(frozen=True)
+class Ask:
+    """What one picture (image, video or sound) request asks of a ``PipelineEngine``: the flags of ``diffuse
+    query`` of the same names (None: the model's default)."""
+
+    prompt: str
+    negative_prompt: str | None = None
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
+    frames: int | None = None
+    seed: int = 0
+    patches: int = 1
+
+
 class PipelineEngine(Engine):
     """A diffusers pipeline: images, videos or sound, one request at a time per copy (default one copy)."""
 
@@ -491,21 +510,20 @@ class PipelineEngine(Engine):
         d["defaults"] = self.info.call_defaults()
         return d
 
-    def run(self, prompt: str, negative_prompt: str | None, width: int | None, height: int | None,
-            steps: int | None, frames: int | None, seed: int, patches: int, cancel: Cancel,
-            on_step=None) -> Picture:
+    def run(self, ask: "Ask", cancel: Cancel, on_step=None) -> Picture:
         """The pipeline's call, as ``diffuse query`` makes it for the same flags; ``on_step(i, n)`` after
         each denoising step."""
         import torch
 
         from diffuse.run import call_kwargs, output_array
 
-        if not isinstance(prompt, str) or not prompt.strip():
+        if not isinstance(ask.prompt, str) or not ask.prompt.strip():
             raise BadRequest("prompt must be a non-empty string", "prompt")
-        if patches < 1:
+        if ask.patches < 1:
             raise BadRequest("patches must be at least 1", "patches")
-        flags = argparse.Namespace(prompt=prompt, negative_prompt=negative_prompt, steps=steps, height=height,
-                                   width=width, frames=frames, arg=[], seed=seed)
+        patches = ask.patches
+        flags = argparse.Namespace(prompt=ask.prompt, negative_prompt=ask.negative_prompt, steps=ask.steps,
+                                   height=ask.height, width=ask.width, frames=ask.frames, arg=[], seed=ask.seed)
         t0 = time.perf_counter()
         pipe = self.pool.take(cancel)
         try:

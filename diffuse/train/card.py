@@ -13,11 +13,19 @@ from .data import COLOURS, DIRECTIONS, FRAMES, SHAPES, SIZE, heldout_prompts
 def write_card(model_dir: str, eval_json: str | None = None, command: str = "") -> str:
     st = json.load(open(os.path.join(model_dir, "train_stats.json")))
     ev = json.load(open(eval_json)) if eval_json else None
-    tc = json.load(open(os.path.join(model_dir, "transformer", "config.json")))
-    vc = json.load(open(os.path.join(model_dir, "vae", "config.json")))
-    ec = json.load(open(os.path.join(model_dir, "text_encoder", "config.json")))
-    mi = lambda s: f"{s / 60:.1f} min"  # noqa: E731
-    lines = [
+    configs = {part: json.load(open(os.path.join(model_dir, part, "config.json")))
+               for part in ("transformer", "vae", "text_encoder")}
+    lines = _parts(st, configs) + _data_and_training(st, command) + (_evaluation(ev) if ev else []) + LIMITS
+    path = os.path.join(model_dir, "README.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+def _parts(st: dict, configs: dict) -> list[str]:
+    """The card's head: what the model is, how to load it, and its parts from their configs."""
+    tc, vc, ec = configs["transformer"], configs["vae"], configs["text_encoder"]
+    return [
         "---",
         "library_name: diffusers",
         "pipeline_tag: text-to-video",
@@ -55,6 +63,13 @@ def write_card(model_dir: str, eval_json: str | None = None, command: str = "") 
         "unknown words map to `<unk>`",
         "- scheduler: `FlowMatchEulerDiscreteScheduler` (shift 1.0)",
         "",
+    ]
+
+
+def _data_and_training(st: dict, command: str) -> list[str]:
+    """Where the data came from, and how training went, from train_stats.json."""
+    mi = lambda s: f"{s / 60:.1f} min"  # noqa: E731
+    return [
         "## Data",
         "",
         f"Procedural, made offline (`diffuse/train/data.py`): prompts `a <colour> <shape> moving <direction>` with "
@@ -83,41 +98,42 @@ def write_card(model_dir: str, eval_json: str | None = None, command: str = "") 
         f"- total wall time: {mi(st['total_seconds'])}",
         "",
     ]
-    if ev:
-        n = len(ev["trained"]["rows"])
-        lines += [
-            "## Evaluation (held-out prompts)",
-            "",
-            f"`python -m diffuse.train evaluate`: each held-out prompt generated with plain diffusers "
-            f"(20 steps, guidance 5.0), {n} clips; properties measured by `diffuse.train.props` "
-            "(dominant colour of the foreground; direction of the foreground centroid from first to last frames; "
-            "bounding-box fill for the shape).",
-            "",
-            "| model | colour | motion | shape | colour+motion | all three |",
-            "|---|---|---|---|---|---|",
-        ]
-        for name, r in ev.items():
-            R = r["rates"]
-            lines.append(f"| {name} | {R['colour']:.0%} | {R['motion']:.0%} | {R['shape']:.0%} | "
-                         f"{R['colour+motion']:.0%} | {R['all']:.0%} |")
-        lines += ["", "Chance level: colour 1/6, motion 1/4 (a random clip may also be 'static'), shape 1/3.", ""]
-    lines += [
-        "## Limits",
+
+
+def _evaluation(ev: dict) -> list[str]:
+    """The held-out prompts' properties, from the JSON of ``evaluate --json``."""
+    n = len(ev["trained"]["rows"])
+    lines = [
+        "## Evaluation (held-out prompts)",
         "",
-        "A toy: it knows only the words above, one shape per clip, 32x32 pixels, 9 frames. "
-        "It exists to give `diffuse` a real, small, trained video model to split and test with.",
+        f"`python -m diffuse.train evaluate`: each held-out prompt generated with plain diffusers "
+        f"(20 steps, guidance 5.0), {n} clips; properties measured by `diffuse.train.props` "
+        "(dominant colour of the foreground; direction of the foreground centroid from first to last frames; "
+        "bounding-box fill for the shape).",
         "",
-        "- Shapes come out as rounded blobs: the tiny VAE (8x8 latents, 4 frames per latent frame, 8.5 min of "
-        "training) does not keep corners, so even its reconstructions of real clips measure at chance for shape, "
-        "and so does generation. Colour and motion are learned; the colour errors on held-out prompts are "
-        "blue <-> cyan confusions.",
-        "- The text encoder is random and frozen: words outside the vocabulary become `<unk>`.",
-        "",
+        "| model | colour | motion | shape | colour+motion | all three |",
+        "|---|---|---|---|---|---|",
     ]
-    path = os.path.join(model_dir, "README.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
-    return path
+    for name, r in ev.items():
+        R = r["rates"]
+        lines.append(f"| {name} | {R['colour']:.0%} | {R['motion']:.0%} | {R['shape']:.0%} | "
+                     f"{R['colour+motion']:.0%} | {R['all']:.0%} |")
+    return lines + ["", "Chance level: colour 1/6, motion 1/4 (a random clip may also be 'static'), shape 1/3.", ""]
+
+
+LIMITS = [
+    "## Limits",
+    "",
+    "A toy: it knows only the words above, one shape per clip, 32x32 pixels, 9 frames. "
+    "It exists to give `diffuse` a real, small, trained video model to split and test with.",
+    "",
+    "- Shapes come out as rounded blobs: the tiny VAE (8x8 latents, 4 frames per latent frame, 8.5 min of "
+    "training) does not keep corners, so even its reconstructions of real clips measure at chance for shape, "
+    "and so does generation. Colour and motion are learned; the colour errors on held-out prompts are "
+    "blue <-> cyan confusions.",
+    "- The text encoder is random and frozen: words outside the vocabulary become `<unk>`.",
+    "",
+]
 
 
 if __name__ == "__main__":

@@ -67,8 +67,23 @@ def write_card(model_dir: str) -> str:
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
     gen = json.load(open(os.path.join(model_dir, "generation_config.json")))
     size_mb = os.path.getsize(os.path.join(model_dir, "model.safetensors")) / 1e6
-    load = st.get("load_average")
-    lines = [
+    lines = _head(cfg, size_mb) + _parts(cfg, gen, st) + _data_and_training(st)
+    if ev:
+        lines += _evaluation(ev)
+    lines += LIMITS
+    if ev:
+        lines += ["Trained for the budget of about half an hour on one loaded CPU thread, it has not learned its tasks "
+                  "to the end; its mistakes on the held-out dialogues:", "",
+                  *(f"- {n}" for n in _error_notes(ev)), ""]
+    path = os.path.join(model_dir, "README.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+def _head(cfg: dict, size_mb: float) -> list[str]:
+    """What the model is, how to load it, and what it knows."""
+    return [
         "---",
         "library_name: transformers",
         "pipeline_tag: text-generation",
@@ -102,6 +117,12 @@ def write_card(model_dir: str) -> str:
         "Questions come in several phrasings each, in lower case or with capitals; a system turn and earlier turns "
         "may come before the question (one training dialogue in ten has two or three turns).",
         "",
+    ]
+
+
+def _parts(cfg: dict, gen: dict, st: dict) -> list[str]:
+    """The model's parts, from its configs."""
+    return [
         "## Parts",
         "",
         f"- `Qwen2ForCausalLM`: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
@@ -119,6 +140,13 @@ def write_card(model_dir: str) -> str:
         f"- generation config: greedy, stops at `<|im_end|>` (id {gen['eos_token_id']}), pads with `<|endoftext|>`, "
         f"at most {gen['max_new_tokens']} new tokens",
         "",
+    ]
+
+
+def _data_and_training(st: dict) -> list[str]:
+    """Where the dialogues came from, and how training went, from train_stats.json."""
+    load = st.get("load_average")
+    return [
         "## Data",
         "",
         "Made offline and seeded by `diffuse/train/chat_data.py`, a new dialogue for every example. A fixed hash of "
@@ -141,38 +169,35 @@ def write_card(model_dir: str) -> str:
         f"- wall time: {st['train_seconds'] / 60:.1f} min of training, {st['total_seconds'] / 60:.1f} min in all",
         "",
     ]
-    if ev:
-        names = [n for n in ev]
-        tasks = [t for t in ev["trained"] if isinstance(ev["trained"][t], dict)]
-        lines += [
-            "## Evaluation (held-out dialogues)",
-            "",
-            "`python -m diffuse.train chat evaluate`: each held-out question alone in one user turn, answered greedily "
-            "by plain transformers; an answer counts when it is exactly the expected text. The untrained row is the "
-            "same architecture and tokenizer with seeded random weights.",
-            "",
-            "| model | " + " | ".join(tasks) + " |",
-            "|---|" + "---|" * len(tasks),
-        ]
-        for n in names:
-            lines.append(f"| {n} | " + " | ".join(f"{ev[n][t]['accuracy']:.0%}" for t in tasks) + " |")
-        lines += ["", "Held-out dialogues per task: " + ", ".join(f"{t} {ev['trained'][t]['n']}" for t in tasks) + ".",
-                  "", "Some held-out exchanges (the first right and the first wrong answer of each task):", "",
-                  "| task | user | model | |", "|---|---|---|---|", *_examples(ev), ""]
-    lines += [
-        "## Limits",
+
+
+def _evaluation(ev: dict) -> list[str]:
+    """The held-out dialogues' accuracy per task, and some of the exchanges."""
+    names = [n for n in ev]
+    tasks = [t for t in ev["trained"] if isinstance(ev["trained"][t], dict)]
+    lines = [
+        "## Evaluation (held-out dialogues)",
         "",
-        "A toy: it knows the tasks above and nothing else. A question of another kind gets an answer of one of "
-        "these kinds, or the fixed reply, whatever was asked; numbers past 99, facts outside the table and words "
-        "outside the list are beyond it. It exists to give `diffuse` a real, small, trained language model to split, "
-        "chat with and serve.",
+        "`python -m diffuse.train chat evaluate`: each held-out question alone in one user turn, answered greedily "
+        "by plain transformers; an answer counts when it is exactly the expected text. The untrained row is the "
+        "same architecture and tokenizer with seeded random weights.",
         "",
+        "| model | " + " | ".join(tasks) + " |",
+        "|---|" + "---|" * len(tasks),
     ]
-    if ev:
-        lines += ["Trained for the budget of about half an hour on one loaded CPU thread, it has not learned its tasks "
-                  "to the end; its mistakes on the held-out dialogues:", "",
-                  *(f"- {n}" for n in _error_notes(ev)), ""]
-    path = os.path.join(model_dir, "README.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
-    return path
+    for n in names:
+        lines.append(f"| {n} | " + " | ".join(f"{ev[n][t]['accuracy']:.0%}" for t in tasks) + " |")
+    return lines + ["", "Held-out dialogues per task: " + ", ".join(f"{t} {ev['trained'][t]['n']}" for t in tasks)
+                    + ".", "", "Some held-out exchanges (the first right and the first wrong answer of each task):",
+                    "", "| task | user | model | |", "|---|---|---|---|", *_examples(ev), ""]
+
+
+LIMITS = [
+    "## Limits",
+    "",
+    "A toy: it knows the tasks above and nothing else. A question of another kind gets an answer of one of "
+    "these kinds, or the fixed reply, whatever was asked; numbers past 99, facts outside the table and words "
+    "outside the list are beyond it. It exists to give `diffuse` a real, small, trained language model to split, "
+    "chat with and serve.",
+    "",
+]
