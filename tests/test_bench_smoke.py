@@ -4,8 +4,10 @@ this process: a fresh interpreter would only add its start-up)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
-from conftest import run_cli
+from conftest import run_cli, subprocess_env
 
 
 def test_bench_quick_prints_overhead_speedups_wire_and_attention_paths(diffuse_home):
