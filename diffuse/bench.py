@@ -31,7 +31,9 @@ import sys
 import tempfile
 import time
 
-from diffuse.benchkit import GUIDANCE, inputs, mean_se, ratio
+from diffuse import bench_parts as parts
+from diffuse.bench_parts import step_ratios
+from diffuse.benchkit import GUIDANCE, inputs, mean_se
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -87,8 +89,10 @@ def denoise(transformer, x: dict, steps: int, on_step=None) -> tuple[list[float]
     return times, latent
 
 
-def split_run(path: str, nodes, x: dict, steps: int, patches: int, attention: str = "auto", groups: int = 1,
+def split_run(path: str, nodes, x: dict, steps: int, patches: int, whole_tr, groups: int = 1,
               ahead: bool = True) -> dict:
+    """One split configuration stepped in turn with the whole model (``diffuse.bench_parts.paired``): per step
+    both one's seconds, the processes' CPU, and what the client and each node spent per call in the timed steps."""
     import diffuse
 
     transformer = load_transformer(path)
@@ -96,29 +100,38 @@ def split_run(path: str, nodes, x: dict, steps: int, patches: int, attention: st
     per = len(addresses) // groups
     spec = ";".join(",".join(addresses[k * per:(k + 1) * per]) for k in range(groups))
     marks: list[int] = []  # per ring, the last pass number sent before the first timed step
+    before: dict = {}
 
     def mark(step: int) -> None:
         if step == TIMED_FROM:
             marks.extend(max((m["seq"] for m in r.channel_stats.messages), default=0) for r in split.rings)
+            before.update(parts.snapshot(split))
 
-    with diffuse.split(transformer, nodes=spec, patches=patches, attention=attention, timeout=600,
+    pids = [p for p in (getattr(n.proc, "pid", None) for n in nodes) if p]
+    with diffuse.split(transformer, nodes=spec, patches=patches, attention="auto", timeout=600,
                        model=path, ahead=ahead) as split:
-        times, out = denoise(transformer, x, steps, mark)
+        r = parts.paired(transformer, whole_tr, x, steps, GUIDANCE, mark, pids)
+        timed_calls = 2 * max(1, steps - TIMED_FROM)
+        r["client"] = parts.client_parts(before, parts.snapshot(split), timed_calls)
+    r["times"] = r["split"]
+    reports = split.node_reports
+    r["nodes"] = parts.node_parts(reports, marks, per)
     # what each node worked on during the timed steps (its own clock, per call it ran)
-    busy = [sum(b for seq, b in rep.get("busy_log", []) if seq > marks[k]) / max(1, steps - TIMED_FROM)
-            for k, r in enumerate(split.rings) for rep in r.node_reports]
+    r["busy"] = [sum(b for seq, b in rep.get("busy_log", []) if seq > marks[k // per]) / max(1, steps - TIMED_FROM)
+                 for k, rep in enumerate(reports)]
+    r["reused"] = split.splitter.reused
     if groups > 1:
-        return {"times": times, "out": out, "busy": busy, "ahead_used": split.ring.ahead_used,
-                "reused": split.splitter.reused}
-    st, reports = split.ring.channel_stats, split.node_reports
+        r["ahead_used"] = split.ring.ahead_used
+        return r
+    st = split.ring.channel_stats
     later = [m for m in st.messages if m.get("step", 2) > 1]
     seqs = {m["seq"] for m in later} if patches > 1 else {m["seq"] for m in st.messages[1:]}
     sent = sum(m["bytes_out"] for m in st.messages if m["seq"] in seqs)
     back = sum(n for seq, n in st.returns if seq in seqs)
-    hops = [sum(n for seq, n in r.get("hop_bytes", []) if seq in seqs) for r in reports[1:]]
-    return {"times": times, "out": out, "bytes_per_step": (sent + back + sum(hops)) / max(1, steps - 1),
-            "hops": 2 + len(hops), "paths": split.attention_paths(), "busy": busy,
-            "ahead": split.patch_ahead, "reused": split.splitter.reused}
+    hops = [sum(n for seq, n in rep.get("hop_bytes", []) if seq in seqs) for rep in reports[1:]]
+    r.update(bytes_per_step=(sent + back + sum(hops)) / max(1, steps - 1), hops=2 + len(hops),
+             paths=split.attention_paths(), ahead=split.patch_ahead)
+    return r
 
 
 def patch_times(path: str, cfg: dict, x: dict, patches: int, repeat: int = 3) -> dict:
@@ -201,104 +214,182 @@ def main(argv: list[str] | None = None) -> int:
                                         "against planned ones on unequal nodes; a slowed client link against its "
                                         "floor; peak memory per process at a real model's geometry")
     ap.add_argument("--quick", action="store_true", help="a small model, for a smoke test (well under a minute)")
-    ap.add_argument("--steps", type=int, help="denoising steps per configuration (the first is not timed)")
+    ap.add_argument("--steps", type=int, help="denoising steps per configuration (the first two are not timed)")
+    ap.add_argument("--only", metavar="NAME[,NAME]", help="run these configurations only (of: " +
+                    ", ".join(c[0] for c in CONFIGS) + "); P=1 always runs")
+    ap.add_argument("--compile", action="store_true", help="also P=1 on two nodes started with --compile "
+                    "(torch.compile, inductor), against the eager P=1; not exact, so its difference from whole is shown")
     ap.add_argument("--keep", metavar="DIR", help="build (or reuse) the model in DIR instead of a temp folder")
     a = ap.parse_args(argv)
     cfg = dict(QUICK if a.quick else FULL)
     if a.steps:
-        cfg["steps"] = max(2, a.steps)
+        cfg["steps"] = max(TIMED_FROM + 2, a.steps)
+    configs = [c for c in CONFIGS if c[0] == "P=1" or not a.only or c[0] in a.only.split(",")]
+    if a.compile:
+        configs.append(("P=1 compiled", 1, 1, True))
+    return run_bench(cfg, configs, a.keep)
 
+
+CONFIGS = (("P=1", 1, 1, True), ("P=2", 2, 1, True), ("P=4 one by one", 4, 1, False), ("P=4", 4, 1, True),
+           ("P=8", 8, 1, True), ("2 groups", 1, 2, True))
+IDEALS = {"P=2": (4 / 3, "2P/(P+1), one call at a time", None),
+          "P=4 one by one": (8 / 5, "2P/(P+1), one call at a time", 95),
+          "P=4": (16 / 9, "4P/(2P+1), both calls of a step back to back", 90),
+          "P=8": (32 / 17, "4P/(2P+1), both calls of a step back to back", None)}
+
+
+def run_bench(cfg: dict, configs: list, keep: str | None) -> int:
     import torch
 
     from diffuse.localnodes import start_local_nodes, stop_local_nodes
 
     torch.set_num_threads(1)
-    tmp = a.keep or tempfile.mkdtemp(prefix="diffuse-bench-")
-    nodes, group_nodes = [], []
+    tmp = keep or tempfile.mkdtemp(prefix="diffuse-bench-")
+    nodes, group_nodes, compiled_nodes = [], [], []
     try:
-        hidden = cfg["heads"] * cfg["head_dim"]
-        tokens = cfg["frames"] * (cfg["size"] // 2) ** 2
-        print(f"model: WanTransformer3DModel, {cfg['layers']} blocks, hidden {hidden} ({cfg['heads']} heads x "
-              f"{cfg['head_dim']}), FFN {cfg['ffn']}, random weights; {tokens} tokens "
-              f"(latent {cfg['frames']}x{cfg['size']}x{cfg['size']}, patch 1x2x2), text {cfg['text_len']} tokens",
-              flush=True)
-        print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}; client and each local node at 1 "
-              f"torch thread; {cfg['steps']} guided steps per run (two transformer calls each), the first "
-              f"{TIMED_FROM} not timed", flush=True)
+        print_setup(cfg)
         if not os.path.isfile(os.path.join(tmp, "model_index.json")):
             build_model(tmp, cfg)
         nodes = start_local_nodes(tmp, 2, threads=1, extra=["--log-level", "WARNING"])
-        group_nodes = start_local_nodes(tmp, 2, threads=1, extra=["--log-level", "WARNING"], groups=2)
+        if any(c[2] > 1 for c in configs):
+            group_nodes = start_local_nodes(tmp, 2, threads=1, extra=["--log-level", "WARNING"], groups=2)
+        if any(c[0] == "P=1 compiled" for c in configs):
+            compiled_nodes = start_local_nodes(tmp, 2, threads=1, extra=["--log-level", "WARNING", "--compile"])
         x = inputs(cfg)
-        steps = cfg["steps"]
-
+        whole_tr = load_transformer(tmp)
         load0 = os.getloadavg()
-        whole_times, whole_out = denoise(load_transformer(tmp), x, steps)
-        timed = whole_times[TIMED_FROM:]
-        whole = mean_se(timed)[0]
         runs = {}
-        for name, p, g, ahead in (("P=1", 1, 1, True), ("P=2", 2, 1, True), ("P=4 one by one", 4, 1, False),
-                                  ("P=4", 4, 1, True), ("2 groups", 1, 2, True)):
-            r = split_run(tmp, group_nodes if g > 1 else nodes, x, steps, p, "auto", g, ahead)
-            r["step"] = mean_se(r["times"][TIMED_FROM:])[0]
+        for name, p, g, ahead in configs:
+            before = os.getloadavg()[0]
+            on = compiled_nodes if name == "P=1 compiled" else group_nodes if g > 1 else nodes
+            r = split_run(tmp, on, x, cfg["steps"], p, whole_tr, g, ahead)
+            r["load"] = (before, os.getloadavg()[0])
             runs[name] = r
-            busy = ", ".join(f"{b:.2f}" for b in r["busy"])
-            print(f"  {name:14s} {r['step']:.3f} s per step (whole: {whole:.3f} s); steps: "
-                  f"{' '.join(f'{t:.2f}' for t in r['times'])} s; node busy per timed step: {busy} s", flush=True)
-        load1 = os.getloadavg()
-        exact = runs["P=1"]["out"]
-        latent_bytes = tokens * hidden * 4
-
-        print(f"\nresults on {os.cpu_count()} cores (seconds are a step's two transformer calls, mean of steps "
-              f"{TIMED_FROM + 1}..{steps} +- one standard error; load average {load0[0]:.2f} before, "
-              f"{load1[0]:.2f} after)")
-        mw, sw = mean_se(timed)
-        print(f"  whole, one process:       {mw:.3f} +- {sw:.3f} s/step")
-        o, so = ratio(runs["P=1"]["times"][TIMED_FROM:], timed)
-        print(f"  overhead (split P=1 / whole): {o:.3f} +- {so:.3f}   target <= 1.10   "
-              f"(P=1 output equals whole: {bool(torch.equal(exact, whole_out))}; the client reused "
-              f"{runs['P=1']['reused']} projections of repeated inputs)")
-        for name, p, ideal, what in (("P=2", 2, 4 / 3, "2P/(P+1), one call at a time"),
-                                     ("P=4 one by one", 4, 8 / 5, "2P/(P+1), one call at a time"),
-                                     ("P=4", 4, 16 / 9, "4P/(2P+1), both calls of a step back to back")):
-            r = runs[name]
-            sp, ss = ratio(timed, r["times"][TIMED_FROM:])
-            ahead = r["ahead"] or {}
-            print(f"  speedup {name}: {sp:.2f}x +- {ss:.2f}   ideal {ideal:.2f}x ({what})   "
-                  f"{100 * sp / ideal:.0f}% of ideal" + ("   target >= 95%" if name == "P=4 one by one" else "")
-                  + f"   calls sent ahead and used: {ahead.get('used', 0)}"
-                  + f"   max |out - exact| {float((r['out'] - exact).abs().max()):.2e}")
-        same = bool(torch.equal(runs["P=4"]["out"], runs["P=4 one by one"]["out"]))
-        print(f"  P=4 output with calls sent ahead equals P=4 one by one: {same}")
-        rg = runs["2 groups"]
-        sg, sgs = ratio(timed, rg["times"][TIMED_FROM:])
-        print(f"  speedup, branches side by side on 2 groups of 1 node: {sg:.2f}x +- {sgs:.2f}   ideal 2.00x   "
-              f"{50 * sg:.0f}% of ideal   target >= 1.80x   (calls answered by a pass sent ahead: "
-              f"{rg['ahead_used']}; output equals whole: {bool(torch.equal(rg['out'], whole_out))})")
-        busy = {name: sum(r["busy"]) for name, r in runs.items()}
-        print(f"  node busy per timed step, all nodes: P=1 {busy['P=1']:.2f} s, P=4 {busy['P=4']:.2f} s "
-              f"({100 * (busy['P=4'] / busy['P=1'] - 1):+.0f}%; target within 10%)")
-        for name in ("P=1", "P=2", "P=4"):
-            r = runs[name]
-            print(f"  wire {name}: {r['bytes_per_step'] / 2**20:.2f} MiB per step over {r['hops']} hops "
-                  f"(the whole latent on every hop of both calls: {2 * r['hops'] * latent_bytes / 2**20:.2f} MiB)")
-        for name, r in runs.items():
-            for stack, m in r.get("paths", {}).items():
-                agree = "" if m["agreement"] is None else f", agreement {m['agreement']:.1e}"
-                print(f"  attention {name}: {stack} {m['path']}{agree}")
+            print_run(name, r)
+        report(cfg, runs, load0, os.getloadavg())
         pt = patch_times(tmp, cfg, x, 4)
+        tokens = cfg["frames"] * (cfg["size"] // 2) ** 2
         print(f"  one block, one patch of {tokens // 4} tokens (P=4): quick {1000 * pt['quick']:.1f} ms, "
               f"plain {1000 * pt['plain']:.1f} ms ({pt['plain'] / pt['quick']:.2f}x); "
               f"quick vs plain agreement {pt['quick_agreement']:.1e}")
     finally:
         if nodes:
             stop_local_nodes(nodes)
-        if group_nodes:
-            stop_local_nodes(group_nodes)
-        if not a.keep:
+        for started in (group_nodes, compiled_nodes):
+            if started:
+                stop_local_nodes(started)
+        if not keep:
             shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
+
+def print_setup(cfg: dict) -> None:
+    import torch
+
+    hidden = cfg["heads"] * cfg["head_dim"]
+    tokens = cfg["frames"] * (cfg["size"] // 2) ** 2
+    print(f"model: WanTransformer3DModel, {cfg['layers']} blocks, hidden {hidden} ({cfg['heads']} heads x "
+          f"{cfg['head_dim']}), FFN {cfg['ffn']}, random weights; {tokens} tokens "
+          f"(latent {cfg['frames']}x{cfg['size']}x{cfg['size']}, patch 1x2x2), text {cfg['text_len']} tokens",
+          flush=True)
+    print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}; client and each local node at 1 "
+          f"torch thread; {cfg['steps']} guided steps per run (two transformer calls each), the first "
+          f"{TIMED_FROM} not timed; each split step is paired with a step of the whole model in the same process "
+          f"(the whole one first on odd steps), so that load hits both alike", flush=True)
+
+
+def print_run(name: str, r: dict) -> None:
+    busy = ", ".join(f"{b:.2f}" for b in r["busy"])
+    print(f"  {name:14s} {mean_se(r['split'][TIMED_FROM:])[0]:.3f} s per step (whole, paired: "
+          f"{mean_se(r['whole'][TIMED_FROM:])[0]:.3f} s); steps: {' '.join(f'{t:.2f}' for t in r['split'])} s; "
+          f"whole: {' '.join(f'{t:.2f}' for t in r['whole'])} s; node busy per timed step: {busy} s; "
+          f"load {r['load'][0]:.2f} -> {r['load'][1]:.2f}", flush=True)
+
+
+def report(cfg: dict, runs: dict, load0, load1) -> None:
+    """Every row of the table: each ratio with its spread, the goal beside it, the load around it."""
+    import torch
+
+    steps, T = cfg["steps"], TIMED_FROM
+    p1 = runs["P=1"]
+    print(f"\nresults on {os.cpu_count()} cores (seconds are a step's two transformer calls, mean of steps "
+          f"{T + 1}..{steps} +- one standard error; each ratio is the mean of per-step ratios against the whole "
+          f"model's paired step; load average {load0[0]:.2f} before, {load1[0]:.2f} after)")
+    mw, sw = mean_se(p1["whole"][T:])
+    print(f"  whole, one process:       {mw:.3f} +- {sw:.3f} s/step")
+    o, so = step_ratios(p1["split"][T:], p1["whole"][T:])
+    print(f"  overhead (split P=1 / whole): {o:.3f} +- {so:.3f}   goal <= 1.05   (load {p1['load'][0]:.2f} -> "
+          f"{p1['load'][1]:.2f}; P=1 output equals whole: {bool(torch.equal(p1['out'], p1['whole_out']))}; the "
+          f"client reused {p1['reused']} projections of repeated inputs)")
+    exact = p1["out"]
+    for name, (ideal, what, goal) in IDEALS.items():
+        if name not in runs:
+            continue
+        r = runs[name]
+        sp, ss = step_ratios(r["whole"][T:], r["split"][T:])
+        ahead = r["ahead"] or {}
+        print(f"  speedup {name}: {sp:.2f}x +- {ss:.2f}   ideal {ideal:.2f}x ({what})   "
+              f"{100 * sp / ideal:.0f}% of ideal" + (f"   goal >= {goal}%" if goal else "")
+              + f"   calls sent ahead and used: {ahead.get('used', 0)}"
+              + f"   max |out - exact| {float((r['out'] - exact).abs().max()):.2e}"
+              + f"   (load {r['load'][0]:.2f} -> {r['load'][1]:.2f})")
+        grown = sum(r["busy"]) / max(1e-9, sum(p1["busy"]))  # the nodes' CPU per step against P=1's
+        print(f"    ... the nodes' CPU per step is {grown:.2f}x P=1's (both computing at once on {os.cpu_count()} "
+              f"cores slow each other): the ideal with that work is {ideal / grown:.2f}x, reached "
+              f"{100 * sp * grown / ideal:.0f}%")
+    if "P=4" in runs and "P=4 one by one" in runs:
+        same = bool(torch.equal(runs["P=4"]["out"], runs["P=4 one by one"]["out"]))
+        print(f"  P=4 output with calls sent ahead equals P=4 one by one: {same}")
+    if "2 groups" in runs:
+        rg = runs["2 groups"]
+        sg, sgs = step_ratios(rg["whole"][T:], rg["split"][T:])
+        print(f"  speedup, branches side by side on 2 groups of 1 node: {sg:.2f}x +- {sgs:.2f}   ideal 2.00x   "
+              f"{50 * sg:.0f}% of ideal   goal >= 1.80x   (load {rg['load'][0]:.2f} -> {rg['load'][1]:.2f}; calls "
+              f"answered by a pass sent ahead: {rg['ahead_used']}; output equals whole: "
+              f"{bool(torch.equal(rg['out'], rg['whole_out']))})")
+    if "P=1 compiled" in runs:
+        rc = runs["P=1 compiled"]
+        c, sc = step_ratios(rc["split"][T:], rc["whole"][T:])
+        print(f"  compiled nodes (--compile, inductor), P=1 / whole: {c:.3f} +- {sc:.3f}, against eager's {o:.3f}: "
+              f"{o / c:.2f}x eager's speed   (load {rc['load'][0]:.2f} -> {rc['load'][1]:.2f}; not exact: max "
+              f"|out - whole| {float((rc['out'] - rc['whole_out']).abs().max()):.2e})")
+    report_busy(cfg, runs)
+    report_parts(runs, mw)
+
+
+def report_busy(cfg: dict, runs: dict) -> None:
+    """The nodes' own work against the same blocks run whole, and the wire's bytes."""
+    T = TIMED_FROM
+    p1 = runs["P=1"]
+    blocks, sb = mean_se(p1["whole_blocks_cpu"][T:])
+    nodes = sum(p1["busy"])
+    busy_blocks = sum(n["blocks_cpu"] * n["calls"] for n in p1["nodes"]) / max(1, len(p1["split"]) - T)
+    print(f"  node busy, all nodes, P=1 vs the same blocks whole: {nodes:.2f} s vs {blocks:.2f} +- {sb:.2f} s per step "
+          f"({100 * (nodes / blocks - 1):+.1f}%; goal <= +2%; CPU seconds of the compute threads, the whole "
+          f"model's blocks timed in its own process; of the nodes' time, blocks alone {busy_blocks:.2f} s, "
+          f"{100 * (busy_blocks / blocks - 1):+.1f}%)")
+    if "P=4" in runs:
+        b4 = sum(runs["P=4"]["busy"])
+        print(f"  node busy per timed step, all nodes: P=1 {nodes:.2f} s, P=4 {b4:.2f} s "
+              f"({100 * (b4 / nodes - 1):+.0f}%; target within 10%)")
+    latent_bytes = cfg["frames"] * (cfg["size"] // 2) ** 2 * cfg["heads"] * cfg["head_dim"] * 4
+    for name in ("P=1", "P=2", "P=4"):
+        if name in runs:
+            r = runs[name]
+            print(f"  wire {name}: {r['bytes_per_step'] / 2**20:.2f} MiB per step over {r['hops']} hops "
+                  f"(the whole latent on every hop of both calls: {2 * r['hops'] * latent_bytes / 2**20:.2f} MiB)")
+
+
+def report_parts(runs: dict, whole_step: float) -> None:
+    """Where each configuration's time went, per call; the CPU bound of two cores; the attention paths."""
+    for name, r in runs.items():
+        parts.print_breakdown(name, r, TIMED_FROM)
+    for name, r in runs.items():
+        parts.print_cpu(name, r, whole_step, TIMED_FROM)
+    for name, r in runs.items():
+        for stack, m in r.get("paths", {}).items():
+            agree = "" if m["agreement"] is None else f", agreement {m['agreement']:.1e}"
+            print(f"  attention {name}: {stack} {m['path']}{agree}")
 
 if __name__ == "__main__":
     sys.exit(main())

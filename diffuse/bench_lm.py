@@ -2,10 +2,14 @@
 
 A Qwen2-shaped causal model with seeded random weights is built offline and
 saved; the same greedy ``generate`` (a fixed prompt of token ids) runs whole in
-this process, then split over 1 and over 2 local nodes (every process at one
-torch thread). Printed: tokens per second after the first token, first-token
-latency, the bytes one decoding step puts on each hop (sealed, as measured on
-the wire), and whether the tokens are the same.
+this process and split over 1 and over 2 local nodes (every process at one
+torch thread), in turn for ``--rounds`` rounds so that the machine's load hits
+each alike. Printed: tokens per second after the first token against whole
+(the mean of the per-round ratios, with its spread), first-token latency, the
+bytes one decoding step puts on each hop (sealed, as measured on the wire),
+whether the tokens are the same, and where a token's time goes: the client's
+generate loop, hashing, sealing, waiting; on each node opening, checking and
+assembling, the layers, handing on, sealing; the hops.
 
 ``--sessions N``: N greedy sessions at once (prompts of different lengths),
 each its own client on a thread of this process (its own model copy and
@@ -24,6 +28,9 @@ import statistics
 import tempfile
 import threading
 import time
+
+from diffuse import bench_parts as parts
+from diffuse.bench_parts import mean_se
 
 FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, prompt=64, new=32)
 QUICK = dict(layers=4, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=512, prompt=16, new=8)
@@ -93,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     device_flags(ap, "the model whole, the client and the local nodes")
     ap.add_argument("--quick", action="store_true", help="a tiny model, for a smoke test")
     ap.add_argument("--new-tokens", type=int, help="tokens to generate per run")
+    ap.add_argument("--rounds", type=int, help="rounds of whole and split generation in turn (default 3; 2 with "
+                    "--quick)")
     ap.add_argument("--sessions", type=int, metavar="N",
                     help="N concurrent sessions, the nodes batching off and on, and a single stream on each")
     a = ap.parse_args(argv)
@@ -103,13 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         ap.error(str(exc))
     cfg = dict(QUICK if a.quick else FULL)
+    a.rounds = max(2, a.rounds or (2 if a.quick else 3))
     if a.new_tokens:
         cfg["new"] = max(2, a.new_tokens)
 
     import torch
-
-    import diffuse
-    from diffuse.api import ModelInfo, client_compute, load_whole_or_shell
 
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="diffuse-bench-lm-")
@@ -123,33 +130,99 @@ def main(argv: list[str] | None = None) -> int:
         if a.sessions:
             return sessions(tmp, cfg, a.sessions, a.device, a.dtype)
         ids = torch.randint(0, cfg["vocab"], (1, cfg["prompt"]), generator=torch.Generator().manual_seed(0))
-        info = ModelInfo.of(tmp)
-        compute = client_compute(info, a.device, a.dtype)
-        print(f"device: {compute.describe()} (client, whole model and local nodes)", flush=True)
-        ids = ids.to(compute.device)
-        whole_model = load_whole_or_shell(info, compute, shell=False)
-        generate(whole_model, ids, 2)  # warm-up
-        whole_tokens, whole = generate(whole_model, ids, cfg["new"])
-        del whole_model
-        rows = [("whole", whole, None, True)]
-        for n in (1, 2):
-            model = diffuse.from_pretrained(tmp, device=a.device, dtype=a.dtype)
-            with diffuse.split(model, local_nodes=n) as ring:
-                generate(model, ids, 2)  # warm-up: the session is open, the nodes' blocks are loaded
-                tokens, clock = generate(model, ids, cfg["new"])
-            rows.append((f"split, {n} node{'s' if n > 1 else ''}", clock, ring, bool(torch.equal(tokens, whole_tokens))))
-        print("\nresults")
-        for name, clock, ring, same in rows:
-            ratio = clock.per_second / whole.per_second if whole.per_second else 0.0
-            print(f"  {name:15s} {clock.per_second:7.1f} tokens/s ({ratio:.2f} of whole)   first token "
-                  f"{1000 * clock.first:7.1f} ms   tokens equal whole: {same}")
-        for name, clock, ring, _ in rows[1:]:
-            hops = per_token_hops(ring, cfg["new"])
+        rows = interleaved(tmp, cfg, ids, a.rounds, a.device, a.dtype)
+        print(f"\nresults ({a.rounds} rounds, whole and split in turn, each ratio the mean of the per-round ratios "
+              f"+- one standard error; load average {rows['load'][0]:.2f} before, {rows['load'][1]:.2f} after)")
+        goals = {"split, 2 nodes": "   goal >= 0.95"}
+        for name in ("whole", "split, 1 node", "split, 2 nodes"):
+            r = rows[name]
+            ratio, spread = mean_se([c.per_second / w.per_second for c, w in zip(r["clocks"], rows["whole"]["clocks"])])
+            rate = mean_se([c.per_second for c in r["clocks"]])[0]
+            first = mean_se([c.first for c in r["clocks"]])[0]
+            print(f"  {name:15s} {rate:7.1f} tokens/s ({ratio:.2f} of whole) +- {spread:.2f}   first token "
+                  f"{1000 * first:7.1f} ms   tokens equal whole: {r['same']}{goals.get(name, '')}")
+        for name in ("split, 1 node", "split, 2 nodes"):
+            r = rows[name]
             print(f"  {name}: bytes per decoding step on each hop (sealed): "
-                  + ", ".join(f"{h} {b:.0f} B" for h, b in hops))
+                  + ", ".join(f"{h} {b:.0f} B" for h, b in r["hops"]))
+        for name in ("split, 1 node", "split, 2 nodes"):
+            print_token_breakdown(name, rows[name], rows["whole"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def interleaved(tmp: str, cfg: dict, ids, rounds: int, device: str | None = None, dtype: str | None = None) -> dict:
+    """The whole model and splits over 1 and 2 local nodes (all open at once), generating in turn for ``rounds``
+    rounds (the order turning each round), so that the machine's load hits each alike. Per configuration: its
+    clocks, whether its tokens equal whole's, bytes per hop, and where its time went per pass."""
+    import contextlib
+
+    import torch
+
+    import diffuse
+    from diffuse.api import ModelInfo, client_compute, load_whole_or_shell
+
+    load0 = os.getloadavg()[0]
+    info = ModelInfo.of(tmp)
+    compute = client_compute(info, device, dtype)
+    print(f"device: {compute.describe()} (client, whole model and local nodes)", flush=True)
+    ids = ids.to(compute.device)
+    models = {"whole": load_whole_or_shell(info, compute, shell=False),
+              "split, 1 node": diffuse.from_pretrained(tmp, device=device, dtype=dtype),
+              "split, 2 nodes": diffuse.from_pretrained(tmp, device=device, dtype=dtype)}
+    rows = {name: {"clocks": [], "tokens": None, "client": {}, "marks": None} for name in models}
+    with contextlib.ExitStack() as stack:
+        rings = {name: stack.enter_context(diffuse.split(models[name], local_nodes=n))
+                 for name, n in (("split, 1 node", 1), ("split, 2 nodes", 2))}
+        for name, model in models.items():
+            generate(model, ids, 2)  # warm-up: sessions open, blocks loaded, call plans learnt
+            if name in rings:
+                rows[name]["marks"] = max((m["seq"] for m in rings[name].ring.channel_stats.messages), default=0)
+        names = list(models)
+        for k in range(rounds):
+            for name in names[k % 3:] + names[:k % 3]:
+                before = parts.snapshot(rings[name]) if name in rings else None
+                tokens, clock = generate(models[name], ids, cfg["new"])
+                row = rows[name]
+                row["clocks"].append(clock)
+                row["tokens"] = tokens if row["tokens"] is None else row["tokens"]
+                if before is not None:
+                    for key, v in parts.snapshot(rings[name]).items():
+                        row["client"][key] = row["client"].get(key, 0.0) + v - before[key]
+    for name, ring in rings.items():
+        row = rows[name]
+        row["hops"] = per_token_hops(ring, cfg["new"])
+        row["nodes"] = parts.node_parts(ring.node_reports, [row["marks"]], len(ring.node_reports))
+        row["same"] = bool(torch.equal(row["tokens"], rows["whole"]["tokens"]))
+        row["passes"] = rounds * cfg["new"]
+    rows["whole"]["same"] = True
+    rows["load"] = (load0, os.getloadavg()[0])
+    return rows
+
+
+def print_token_breakdown(name: str, row: dict, whole: dict) -> None:
+    """Where one token's time went (ms, means over every pass of the timed rounds, the prompt's included; a pass
+    is one token's trip round the ring)."""
+    per = 1000 / max(1, row["passes"])
+    token = per * sum(c.times[-1] for c in row["clocks"])  # the prompt's pass included, as in the parts below
+    whole_token = per * sum(c.times[-1] for c in whole["clocks"])
+    c = {k: v * per for k, v in row["client"].items()}
+    ring = c["hash"] + c["seal"] + c["send"] + c["wait"] + c["open"]
+    print(f"  breakdown {name}, per token (ms): {token:.2f} (whole {whole_token:.2f}) = client's generate loop and "
+          f"model code outside the layers' pass {token - c['stand_in']:.2f} + the pass {c['stand_in']:.2f} "
+          f"[hashing {c['hash']:.3f}, sealing {c['seal']:.3f}, handing to the transport {c['send']:.3f}, waiting "
+          f"{c['wait']:.2f}, opening {c['open']:.3f}, taking the call apart and the answer together "
+          f"{c['stand_in'] - ring:.3f}]")
+    work = 0.0
+    for k, p in enumerate(row["nodes"]):
+        node_work = p["open"] + p["prepare"] + p["blocks"] + p["finish"] + p["seal"]
+        work += node_work
+        print(f"    node {k + 1} per pass (ms): idle before it (median) {1000 * p['idle']:.2f}, opening {1000 * p['open']:.3f}, "
+              f"checking and assembling {1000 * p['prepare']:.3f}, layers {1000 * p['blocks']:.2f} (CPU "
+              f"{1000 * p['blocks_cpu']:.2f}), handing on {1000 * p['finish']:.3f}, sealing and sending "
+              f"{1000 * p['seal']:.3f}")
+    print(f"    hops and doors (waiting less the nodes' work): {c['wait'] - 1000 * work:.2f} ms per token")
 
 
 def per_token_hops(ring, new: int) -> list[tuple[str, float]]:
@@ -164,6 +237,48 @@ def per_token_hops(ring, new: int) -> list[tuple[str, float]]:
         hops.append((f"{i - 1}->{i}", statistics.median(into)))
     hops.append((f"{len(ring.node_reports)}->client", statistics.median(back)))
     return hops
+
+
+def print_sessions(rows: dict, n: int) -> None:
+    """``--sessions``' table: each mode's rate, latency and batches, the single streams, the CPU bound, the ratios."""
+    print("\nresults (tokens/s: all sessions together; latency: median time between two tokens of a session)")
+    for mode in ("off", "on"):
+        rate, latency, equal, batches, batched = rows[("sessions", mode)]
+        formed = f"   batches formed {batches} ({batched / batches:.1f} sessions each on average)" if batches else \
+            "   batches formed 0"
+        print(f"  {n} sessions, batching {mode:3s} {rate:7.1f} tokens/s   median latency {1000 * latency:7.1f} ms   "
+              f"tokens equal solo: {equal}{formed}   (load {rows[('load', mode)][0]:.2f} -> "
+              f"{rows[('load', mode)][1]:.2f})")
+    for mode in ("off", "on"):
+        rate, latency, equal = rows[("single", mode)]
+        print(f"  single stream, batching {mode:3s} {rate:7.1f} tokens/s   median latency {1000 * latency:7.1f} ms   "
+              f"tokens equal solo: {equal}")
+    print_cpu_bound(rows, n)
+    for mode in ("off", "on"):
+        for k, p in enumerate(rows[("nodes", mode)]):
+            print(f"    batching {mode:3s}, node {k + 1} per pass (ms): idle before it (median) {1000 * p['idle']:.2f}, "
+                  f"opening {1000 * p['open']:.3f}, checking and batch assembly {1000 * p['prepare']:.3f}, layers "
+                  f"(a batch's shared) {1000 * p['blocks']:.2f} (CPU {1000 * p['blocks_cpu']:.2f}), handing on "
+                  f"{1000 * p['finish']:.3f}, sealing and sending {1000 * p['seal']:.3f}")
+    on, off = rows[("sessions", "on")], rows[("sessions", "off")]
+    single_on, single_off = rows[("single", "on")], rows[("single", "off")]
+    print(f"  batching on / off: {n} sessions {on[0] / off[0]:.2f}x tokens/s (goal >= 1.9x at 8), latency "
+          f"{on[1] / off[1]:.2f}x; "
+          f"single stream {single_on[0] / single_off[0]:.2f}x tokens/s")
+
+
+def print_cpu_bound(rows: dict, n: int) -> None:
+    """Per batching mode, the CPU one token took in the client process and on the nodes, and the bound that puts on
+    tokens/s on this machine's cores."""
+    cores = min(2, os.cpu_count() or 1)
+    for mode in ("off", "on"):
+        client, node_cpu = rows[("cpu", mode)]
+        bound = min(1 / client, cores / (client + node_cpu))  # the client's Python holds one lock: one core at most
+        rate = rows[("sessions", mode)][0]
+        print(f"  CPU per token, batching {mode:3s}: client {1000 * client:.2f} ms (all {n} sessions' threads, "
+              f"one process) + nodes {1000 * node_cpu:.2f} ms; bound on {cores} cores {bound:.1f} tokens/s "
+              f"(the client's threads share one interpreter lock: at most one core), measured "
+              f"{100 * rate / bound:.0f}% of it")
 
 
 def gaps(clock: Clock) -> list[float]:
@@ -194,6 +309,7 @@ def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype
           "each), each its own client thread and split, over the same 2 local nodes", flush=True)
     rows, same = {}, True
     for mode, extra in (("off", ["--no-batch"]), ("on", [])):
+        load = os.getloadavg()[0]
         nodes = start_local_nodes(model_dir, 2, threads=1, extra=extra + on)
         try:
             spec = [f"{node.address}#{node.key}" for node in nodes]
@@ -206,13 +322,16 @@ def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype
             before = [transport_for(node.address).request(node.address, {"op": "status"}, 10.0) for node in nodes]
             ready = threading.Barrier(n + 1, timeout=600)
             out: dict[int, object] = {}
+            timed: dict[int, list] = {}  # per session, where each node's time went in its timed passes
 
             def session(i: int) -> None:
                 try:
-                    with diffuse.split(copies[i], nodes=spec):
+                    with diffuse.split(copies[i], nodes=spec) as sp:
                         generate(copies[i], prompts[i], 2)  # warm-up: the session is open, its call plans learnt
+                        mark = max(m["seq"] for m in sp.ring.channel_stats.messages)
                         ready.wait()
                         out[i] = generate(copies[i], prompts[i], cfg["new"])
+                    timed[i] = parts.node_parts(sp.node_reports, [mark], len(sp.node_reports))
                 except BaseException as exc:  # reported below
                     ready.abort()
                     out[i] = exc
@@ -220,11 +339,13 @@ def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype
             threads = [threading.Thread(target=session, args=(i,), daemon=True) for i in range(n)]
             for t in threads:
                 t.start()
+            pids = [p for p in (getattr(node.proc, "pid", None) for node in nodes) if p]
             ready.wait()
-            t0 = time.perf_counter()
+            t0, c0, n0 = time.perf_counter(), time.process_time(), parts.process_cpu(pids)
             for t in threads:
                 t.join(600)
             wall = time.perf_counter() - t0
+            cpu = (time.process_time() - c0, parts.process_cpu(pids) - n0)
             for i in range(n):
                 if not isinstance(out.get(i), tuple):
                     raise RuntimeError(f"session {i} failed: {out.get(i)!r}")
@@ -238,20 +359,9 @@ def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype
         rows[("sessions", mode)] = (n * cfg["new"] / wall,
                                     statistics.median(g for i in range(n) for g in gaps(out[i][1])), all(equal),
                                     batches, batched)
-    print("\nresults (tokens/s: all sessions together; latency: median time between two tokens of a session)")
-    for mode in ("off", "on"):
-        rate, latency, equal, batches, batched = rows[("sessions", mode)]
-        formed = f"   batches formed {batches} ({batched / batches:.1f} sessions each on average)" if batches else \
-            "   batches formed 0"
-        print(f"  {n} sessions, batching {mode:3s} {rate:7.1f} tokens/s   median latency {1000 * latency:7.1f} ms   "
-              f"tokens equal solo: {equal}{formed}")
-    for mode in ("off", "on"):
-        rate, latency, equal = rows[("single", mode)]
-        print(f"  single stream, batching {mode:3s} {rate:7.1f} tokens/s   median latency {1000 * latency:7.1f} ms   "
-              f"tokens equal solo: {equal}")
-    on, off = rows[("sessions", "on")], rows[("sessions", "off")]
-    single_on, single_off = rows[("single", "on")], rows[("single", "off")]
-    print(f"  batching on / off: {n} sessions {on[0] / off[0]:.2f}x tokens/s, latency {on[1] / off[1]:.2f}x; "
-          f"single stream {single_on[0] / single_off[0]:.2f}x tokens/s")
+        rows[("cpu", mode)] = tuple(c / (n * cfg["new"]) for c in cpu)
+        rows[("nodes", mode)] = parts.merged(list(timed.values()))
+        rows[("load", mode)] = (load, os.getloadavg()[0])
+    print_sessions(rows, n)
     print(f"  every session's tokens equal its solo run: {same}")
     return 0 if same else 1

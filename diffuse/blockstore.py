@@ -51,6 +51,7 @@ class BlockStore:
         self._tails: dict[tuple, tuple] = {}  # a language model's (final norm, output head), by norm path and dtype
         self._embeds: dict[torch.dtype, torch.nn.Module] = {}  # a language model's input embedding, by dtype
         self._loaded: weakref.WeakSet = weakref.WeakSet()  # every parameter read from the files, while alive
+        self.compiled = False  # --compile: blocks through torch.compile (inductor) as they load; not exact
 
     def _dtype(self, stack: str, i: int, dtype: torch.dtype | None) -> torch.dtype | None:
         return dtype if dtype is not None else self.native.get((stack, i))
@@ -99,6 +100,8 @@ class BlockStore:
                 place(block, self.device)  # what the files do not hold (buffers made at construction)
                 self._loaded.update(block.parameters())
                 block.eval()
+                if self.compiled:
+                    block.compile()  # traced at its first call of each shape; the same module object
                 p = next(block.parameters(), None)
                 actual = dtype or (p.dtype if p is not None else torch.float32)
                 if asked is None:

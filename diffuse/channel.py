@@ -63,6 +63,9 @@ class ChannelStats:
     max_return_bytes: int = 0  # the largest answer from the last node
     dropped: int = 0  # messages on the client's inbox that failed to open (junk, replays) and were dropped
     reuse: dict = field(default_factory=dict)  # stack -> [skipped, calls] of the first-block cache (diffuse.firstblock)
+    # where the client's time in this channel went, in seconds so far: hashing tensors it had no digest of,
+    # sealing, handing frames to the transport, waiting for answers, opening them (``python -m diffuse.bench``)
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(("hash", "seal", "send", "wait", "open"), 0.0))
 
 
 class Channel:
@@ -113,6 +116,8 @@ class Channel:
         streams = set(rmap.streams)
         mirror = self._mirror
         refs, sent, fresh = [], [], []
+        clock = self.stats.seconds
+        t0 = time.perf_counter()
         for i, t in enumerate(tensors):
             if i in streams:
                 refs.append(SlotRef(frame=len(sent)))
@@ -130,8 +135,13 @@ class Channel:
         part = patch if patch is not None else part if part is not None else WHOLE
         message = Pass(stack, self._seq, tuple(refs), part, sent_tree, sent_rmap,
                        self._mirror.max_bytes if self._seq == 1 else None)  # the nodes keep what the mirror assumes
+        t1 = time.perf_counter()
         out = frames.seal_message(self.send_hop, message.to_wire(), sent)
+        t2 = time.perf_counter()
         self.outbox.send(out)
+        clock["hash"] += t1 - t0
+        clock["seal"] += t2 - t1
+        clock["send"] += time.perf_counter() - t2
         n_out = sum(len(f) for f in out)
         self.stats.bytes_sent += n_out
         s = self.stats.per_stack.setdefault(stack, {"calls": 0, "bytes": []})
@@ -193,7 +203,10 @@ class Channel:
                 raise DiffuseError(f"the ring gave no answer within {self.timeout_s:.0f} s although every node "
                                    "still answers: a pass is slower than --timeout allows (raise --timeout)")
             queued = flush is not None and flush()  # True while some of what was sent still waits here
+            w0 = time.perf_counter()
             reply = self.inbox.recv(min(deadline, next_probe, now + 0.2 if queued else next_probe) - now)
+            opened = time.perf_counter()
+            self.stats.seconds["wait"] += opened - w0
             if reply is None:
                 if self.probe is not None and time.monotonic() >= next_probe:
                     self.probe()
@@ -205,6 +218,8 @@ class Channel:
             except WireError as exc:  # anyone can reach the inbox: junk costs itself, not the run
                 self.stats.dropped += 1
                 log.warning("dropped a message on the client's inbox: %s", exc)
+            finally:
+                self.stats.seconds["open"] += time.perf_counter() - opened
 
     def close(self) -> None:
         self._closed.set()

@@ -3,8 +3,10 @@
 Frame 0, the envelope, is CBOR ``{"v": the hop's wire version, "s": session id, "c": hop
 counter, "n": frame count}``; it is authenticated (as associated data of every
 other frame) but not secret, because a node must find the session's key before
-it can open anything. Tensors travel as raw bytes in their own dtype; received
-tensors are copied into fresh memory, as a locally computed one would be.
+it can open anything. Tensors travel as raw bytes in their own dtype, sealed
+straight from the tensor's memory; a received tensor is opened straight from
+the frame where the transport left it into fresh memory of its own, as a
+locally computed one would be (no other copy on either side).
 """
 
 from __future__ import annotations
@@ -66,16 +68,21 @@ def _check_meta(meta) -> tuple[torch.dtype, tuple[int, ...]]:
     return dtype, tuple(shape)
 
 
-def tensor_from(dtype: torch.dtype, shape: tuple[int, ...], raw: bytes) -> torch.Tensor:
-    """A received tensor (described by a checked header entry), copied into fresh memory."""
-    expected = math.prod(shape) * dtype.itemsize
-    if len(raw) != expected:
-        raise WireError(f"tensor frame holds {len(raw)} bytes, its header promises {expected} "
+def opened_tensor(hop, counter: int, index: int, raw_env: bytes, dtype: torch.dtype, shape: tuple[int, ...],
+                  sealed) -> torch.Tensor:
+    """A received tensor frame opened into fresh memory of its own (``sealing.open_frame_into``): the bytes the
+    sender's tensor held, in a tensor no frame buffer backs."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if len(sealed) != nbytes + seal.TAG_BYTES:  # authenticated first: a frame cut short says it was tampered with
+        got = len(seal.open_frame(hop.key, counter, index, raw_env, bytes(sealed)))
+        raise WireError(f"tensor frame holds {got} bytes, its header promises {nbytes} "
                         f"for {str(dtype).removeprefix('torch.')}{list(shape)}")
-    if expected == 0:
-        return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return flat.view(dtype).reshape(shape).clone()
+    out = torch.empty(shape, dtype=dtype)
+    if nbytes == 0:  # nothing to write: the frame is still authenticated
+        seal.open_frame(hop.key, counter, index, raw_env, bytes(sealed))
+    else:
+        seal.open_frame_into(hop.key, counter, index, raw_env, sealed, out.data_ptr(), nbytes)
+    return out
 
 
 def tensor_meta(t: torch.Tensor) -> dict:
@@ -112,7 +119,7 @@ def seal_message(hop, header: dict, tensors: list[torch.Tensor]) -> list[bytes]:
     env = cbor2.dumps({"v": hop.wire, "s": hop.session, "c": counter, "n": 2 + len(tensors)})
     frames = [env, seal.seal_frame(hop.key, counter, 1, env, cbor2.dumps(header))]
     for i, t in enumerate(tensors):
-        frames.append(seal.seal_frame(hop.key, counter, 2 + i, env, raw_bytes(t)))
+        frames.append(seal.seal_frame_from(hop.key, counter, 2 + i, env, raw_bytes(t)))
     return frames
 
 
@@ -148,9 +155,7 @@ def open_message(hop, frames: list[bytes]) -> tuple[dict, list[torch.Tensor]]:
     except WireError as exc:  # authentic, so its counter is spent; its sender is told what is wrong
         hop.seen = counter
         raise MalformedHeader(str(exc)) from None
-    tensors = [
-        tensor_from(dtype, shape, seal.open_frame(hop.key, counter, 2 + i, raw_env, bytes(f)))
-        for i, ((dtype, shape), f) in enumerate(zip(checked, frames[2:]))
-    ]
+    tensors = [opened_tensor(hop, counter, 2 + i, raw_env, dtype, shape, f)
+               for i, ((dtype, shape), f) in enumerate(zip(checked, frames[2:]))]
     hop.seen = counter  # only a message that opened completely moves the counter
     return header, tensors

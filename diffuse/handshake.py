@@ -21,6 +21,7 @@ recorded session cannot be opened later with the node's long-term key.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -69,6 +70,9 @@ def route_from_slices(plan: SlicingPlan, held: list[list[Slice] | None]) -> Slic
         if pos < st.length:
             raise refuse(f"{st.path}[{pos}:{st.length}] is held by no node")
     return plan.with_route(Stage(s.address, s.key, tuple(r)) for s, r in zip(plan.route, routes))
+
+
+_TOLD_COMPILED: set[str] = set()  # nodes this process has said run compiled blocks (said once each)
 
 
 def _speaks(hello: dict) -> list[int] | None:
@@ -159,6 +163,11 @@ class Handshake:
             except ContractError as exc:
                 raise NodeError(stage.address, f"says it holds what this model does not have: {exc}") from None
         hello["speaks"] = speaks
+        if hello.get("compiled") is True and stage.address not in _TOLD_COMPILED:
+            _TOLD_COMPILED.add(stage.address)
+            logging.getLogger("diffuse.ring").warning(
+                "node %s runs its blocks compiled (--compile): results are close to plain diffusers/transformers, "
+                "not byte-identical", stage.address[:200])
         note_hello(stage.address, hello, rtt)  # what it says of its memory and speed, for placement
         if expect_key is None:  # the link to it: a few sealed pings, unless measured in the last minutes
             links.measure_client_link(self.transports[k], stage.address, self.identity, key)

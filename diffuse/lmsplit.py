@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -283,6 +284,14 @@ class LanguageEnds:
         self.splitter.learned(stack, *learn_call(stack, args, kwargs, block))
 
     def _send(self, stack: StackPlan, calls, cache, rmap: ReturnMap, fresh: bool, tail: Tail | None,
+              ids: torch.Tensor | None = None):
+        t0 = time.perf_counter()
+        try:
+            return self._pass(stack, calls, cache, rmap, fresh, tail, ids)
+        finally:
+            self.splitter.stand_in_s += time.perf_counter() - t0
+
+    def _pass(self, stack: StackPlan, calls, cache, rmap: ReturnMap, fresh: bool, tail: Tail | None,
               ids: torch.Tensor | None = None):
         rows = calls[0][0][0] if calls[0][0] else calls[0][1].get("hidden_states")
         embed = None

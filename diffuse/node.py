@@ -46,6 +46,10 @@ from diffuse.transport_api import DEFAULT_MAX_MESSAGE_BYTES
 log = logging.getLogger("diffuse.node")
 
 MAX_QUEUED = 256  # data messages waiting for the compute thread; more are dropped (and logged)
+# where a call's time went on a node, in the order of its per-call record (after the sequence number): the
+# compute thread idle before it, opening its frames, checking it, its blocks (wall, then CPU), building what it
+# hands on, sealing and sending that, and the page faults its blocks took
+PARTS = ("idle", "open", "prepare", "blocks", "blocks_cpu", "finish", "seal", "faults")
 MAX_SESSIONS = 256  # open sessions in all (each holds a socket toward its next hop)
 MAX_PASS_LOG = 4096  # per-pass records a session keeps (bytes in, busy time): the latest, with running totals
 MAX_SESSIONS_PER_CLIENT = 16  # open sessions of one client key: one key's flood leaves room for the others
@@ -90,11 +94,49 @@ def session_capacity(wanted: int, max_sockets: int | None) -> int:
     return max(1, min(wanted, fit, (max_sockets or wanted + 16) - 16))
 
 
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory for reuse instead of handing it back: without this, every large activation a
+    block makes (tens of MiB) is a fresh mapping, page-faulted and zeroed by the kernel on every call, the more so
+    on the compute thread, whose own arena trims eagerly. Placement within a page is unchanged (torch aligns
+    every tensor itself), so results are the same bits. False where this is not glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
+    return bool(libc.mallopt(m_trim_threshold, 1 << 30) and libc.mallopt(m_mmap_threshold, 32 << 20)
+                and libc.mallopt(m_arena_max, 1))
+
+
+def compile_unavailable() -> str | None:
+    """Why ``--compile`` cannot work here (inductor missing, or no C compiler for its CPU kernels), or None."""
+    import shutil
+
+    try:
+        import torch._inductor  # noqa: F401
+    except Exception as exc:
+        return f"torch's inductor compiler is not available in this torch ({type(exc).__name__}: {exc})"
+    if not torch.cuda.is_available() and not any(shutil.which(c) for c in ("cc", "gcc", "clang", "g++")):
+        return "inductor compiles CPU kernels with a C compiler, and none is on PATH (install gcc)"
+    return None
+
+
+def _faults() -> int:
+    """Minor page faults of the calling thread so far (0 where the system does not count per thread)."""
+    import resource
+
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return resource.getrusage(who).ru_minflt if who is not None else 0
+
+
 class Incoming:
     """A data message opened on the compute thread: its session, header and tensors; once prepared, the pass
-    to run (``pass_``) or the message to send at once (``reply``); its batch key (``diffuse.batching``)."""
+    to run (``pass_``) or the message to send at once (``reply``); its batch key (``diffuse.batching``); where
+    its time went (``parts``: wall seconds of each stage, for ``python -m diffuse.bench``)."""
 
-    __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key", "busy", "t0")
+    __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key", "busy", "t0", "parts")
 
     def __init__(self, sess, header: dict, tensors: list, malformed: str | None, t0: float = 0.0):
         self.sess, self.header, self.tensors, self.malformed = sess, header, tensors, malformed
@@ -103,6 +145,13 @@ class Incoming:
         self.reply: tuple[dict, list] | None = None
         self.key: tuple | None = None
         self.busy = 0.0  # seconds its preparing and running took
+        self.parts = dict.fromkeys(PARTS, 0.0)
+
+    def timed(self, part: str, since: float) -> float:
+        """Add the wall time from ``since`` to ``part``; the time now."""
+        now = time.perf_counter()
+        self.parts[part] += now - since
+        return now
 
     def spent(self, seconds: float) -> None:
         """Count ``seconds`` of work on this message (the compute thread's own CPU time: waiting for a core
@@ -115,7 +164,8 @@ class Node:
     def __init__(self, model_path: str, listen: str, blocks: str | None, key_file: str | None,
                  allowed_clients: set[bytes] | None = None, advertise: str | None = None,
                  max_message_bytes: int | None = None, max_sessions: int = MAX_SESSIONS,
-                 max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT, batch: bool = True, compute=None):
+                 max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT, batch: bool = True, compute=None,
+                 compiled: bool = False):
         from diffuse.analysis import ModelSubject
         from diffuse.planner import config_draft
         from diffuse.plugins import transport_for
@@ -128,6 +178,7 @@ class Node:
         self.stacks: list[StackPlan] = draft["stacks"]
         self.two_stream: dict[str, bool] = dict(draft.get("two_stream", {}))  # such stacks run uncut steps
         self.store = BlockStore(model_path, subject, self.stacks, compute)
+        self.store.compiled = compiled  # --compile: each block through torch.compile as it loads (not exact)
         self.runs_on = self.store.compute  # where its blocks compute and in what (--device, --dtype)
         self.device = self.runs_on.device
         self.store.fixed = parse_slices(blocks, self.stacks)
@@ -155,6 +206,7 @@ class Node:
         # decoding passes of several sessions batched through the layers (language models only; --no-batch)
         self.batching = batch and bool(getattr(subject, "autoregressive", False))
         self.batches = self.batched_rows = self.batch_fallbacks = 0  # counted by the compute thread
+        self.idle_s = 0.0  # the compute thread's waits for work not yet counted in a call's record
 
     def admit_connection(self, user, password) -> bool:
         """Asked by the transport (its own thread) about each new connection to the data port, before any of
@@ -224,7 +276,9 @@ class Node:
         sess.messages += 1
         if header.get("op") == "call":
             _keep(sess.hop_log, [header.get("seq"), nbytes])
-        return Incoming(sess, header, tensors, malformed, t0)
+        m = Incoming(sess, header, tensors, malformed, t0)
+        m.timed("open", t0)
+        return m
 
     def _failed(self, m: "Incoming", exc: Exception) -> None:
         """The message that answers a call that failed: the client hears of it; the node keeps serving."""
@@ -241,7 +295,7 @@ class Node:
     def _prepare(self, m: "Incoming") -> None:
         """Check and take apart a message (``StageSession.prepare``): ``m.pass_`` to run, or ``m.reply`` at once."""
         sess = m.sess
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
         sess.room = NODE_BUFFER_BYTES - self.sessions.buffer_bytes(but=sess)  # what the other sessions left
         try:
             if m.malformed:
@@ -255,11 +309,12 @@ class Node:
             else:
                 m.reply = got
         m.spent(time.thread_time() - t0)
+        m.timed("prepare", w0)
 
     def _solo(self, m: "Incoming") -> None:
         """Run a prepared message alone, then send what it made."""
         if m.reply is None:
-            t0 = time.thread_time()
+            t0, f0 = time.thread_time(), _faults()
             try:
                 with torch.no_grad():
                     w0 = time.perf_counter()
@@ -268,7 +323,11 @@ class Node:
                         torch.cuda.synchronize(self.device)
                     ran = time.perf_counter() - w0
                     self.speeds.add(m.pass_, m.sess.dtype, ran)
+                w1 = m.timed("blocks", w0)
+                m.parts["blocks_cpu"] += time.thread_time() - t0
+                m.parts["faults"] += _faults() - f0
                 m.reply = m.sess.finish(m.pass_, out)
+                m.timed("finish", w1)
                 if getattr(m.pass_.part, "tail", None) is not None:  # the output head's work: planned as weights
                     ran = time.perf_counter() - w0
             except Exception as exc:
@@ -284,7 +343,7 @@ class Node:
     def _batch(self, group: list["Incoming"]) -> None:
         """Decoding passes of different sessions through the layers as one batch (``diffuse.batching``); each
         session's tail and message then as for a lone pass. What cannot be batched runs one by one."""
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
         try:
             outs = run_batch([m.pass_ for m in group])
         except Exception as exc:
@@ -297,14 +356,18 @@ class Node:
         self.batches += 1
         self.batched_rows += rows
         share = (time.thread_time() - t0) / len(group)
+        wall = (time.perf_counter() - w0) / len(group)
         for m, out in zip(group, outs):
-            t1 = time.thread_time()
+            m.parts["blocks"] += wall
+            m.parts["blocks_cpu"] += share
+            t1, w1 = time.thread_time(), time.perf_counter()
             m.sess.batched_passes += 1
             try:
                 m.reply = m.sess.finish(m.pass_, out)
             except Exception as exc:
                 self._failed(m, exc)
             m.spent(share + time.thread_time() - t1)
+            m.timed("finish", w1)
         for m in group:
             self._send(m)
 
@@ -315,8 +378,10 @@ class Node:
             if self.sessions.get(sess.sid) is not sess:  # closed while it computed: its state went with it
                 self.state_bytes.drop(sess.sid)
         out_header, out_tensors = m.reply
-        if m.header.get("op") == "call" and type(m.header.get("seq")) is int:
+        call = m.header.get("op") == "call" and type(m.header.get("seq")) is int
+        if call:
             _keep(sess.busy_log, [m.header["seq"], m.busy])
+        w0 = time.perf_counter()
         out = frames.seal_message(sess.out_hop, out_header, to_host(out_tensors))  # the CPU's: as they are
         sess.bytes_out += sum(len(f) for f in out)
         outbox = self.sessions.outbox(sess.sid)
@@ -326,6 +391,9 @@ class Node:
             outbox.send(out)
         except DiffuseError as exc:
             self._give_up(sess.sid, outbox, exc)
+        m.timed("seal", w0)
+        if call:
+            _keep(sess.parts_log, [m.header["seq"]] + [round(m.parts[k], 6) for k in PARTS])
 
     def serve_taken(self, items: list) -> None:
         """What the compute thread took from its queue at once, in arrival order, except that decoding passes
@@ -343,6 +411,7 @@ class Node:
                 log.debug("dropped", exc_info=True)
                 continue
             if m is not None:
+                m.parts["idle"], self.idle_s = self.idle_s, 0.0
                 entries.append(m)
         while entries:
             e = entries.pop(0)
@@ -409,10 +478,12 @@ class Node:
         torch.set_num_threads(threads)
         while True:
             stuck = self.sessions.waiting()
+            w0 = time.perf_counter()
             try:
                 item = self.work.get(timeout=0.1) if stuck else self.work.get()
             except queue.Empty:
                 item = ()
+            self.idle_s += time.perf_counter() - w0
             if item is None:
                 return
             items = [item]
@@ -529,7 +600,8 @@ def node_compute(device: str | None, dtype: str | None, path: str):
     return Compute.of(device, dtype, path, ModelSubject.from_path(path).denoiser or None)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser():
+    """The node's command line."""
     from diffuse import cli
 
     ap = cli.Parser(prog="diffuse node", description=plain(__doc__.split("\n")[0]))
@@ -560,6 +632,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-batch", action="store_true",
                     help="run every pass alone (default for a language model: decoding passes of several sessions "
                     "that wait together run through the layers as one batch)")
+    ap.add_argument("--compile", action="store_true",
+                    help="run the blocks through torch.compile (inductor; on CPU it needs a C compiler): each block "
+                    "is compiled as it loads and traced at its first call of each shape. NOT EXACT: results differ "
+                    "from plain diffusers/transformers in the last bits; without it a split is byte-identical")
     ap.add_argument("--max-memory", type=float, default=None, metavar="GIB",
                     help="the most this node's blocks and sessions may take, in GiB, as it tells clients planning "
                     "where slices go (default: what its cgroup or machine has available)")
@@ -569,14 +645,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
     ap.add_argument("--announce", action="store_true", help="advertise this node on the local network (mDNS) while "
                     "it serves, for clients given --nodes auto; needs a --listen others reach, and diffuse[lan]")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from diffuse import cli
+
+    a = _parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s node %(levelname)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    keep_freed_memory()
     if a.threads:
         torch.set_num_threads(a.threads)
     from diffuse.modelfiles import resolve_model
 
+    if a.compile and (why := compile_unavailable()):
+        print(f"error: --compile: {why}", file=sys.stderr)
+        return 2
     try:
         cli.check_port_free(a.listen)  # before anything loads
         path = resolve_model(a.model)
@@ -587,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         node = Node(path, a.listen, a.blocks, key_file,
                     set(a.allow_client) if a.allow_client else None, a.advertise_data,
                     a.max_message_mb << 20 if a.max_message_mb else None, a.max_sessions, a.max_sessions_per_client,
-                    batch=not a.no_batch, compute=compute)
+                    batch=not a.no_batch, compute=compute, compiled=a.compile)
     except (DiffuseError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

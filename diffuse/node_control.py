@@ -202,6 +202,8 @@ class NodeControl:
                  "challenge": challenge, "report": node_report(self.node)}
         if wire >= 2:
             reply["eph"] = self.challenges.ephemeral(challenge).public
+        if getattr(self.node.store, "compiled", False):
+            reply["compiled"] = True  # --compile: the client says its results are not exact
         return reply
 
     def sealed(self, op: str, msg: dict) -> dict:

@@ -21,6 +21,7 @@ secrets are dropped nobody can, whatever long-term secrets leak.
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import os
 import struct
@@ -161,6 +162,55 @@ def open_frame(key: bytes, counter: int, index: int, envelope: bytes, sealed: by
         )
     except ValueError as exc:
         raise WireError(f"frame {index} failed authentication (tampered, or sealed under another key)") from exc
+
+
+TAG_BYTES = pysodium.crypto_aead_xchacha20poly1305_ietf_ABYTES
+
+
+def _readable(buf):
+    """What ctypes can hand libsodium as a pointer to ``buf``'s bytes, without copying them where it can."""
+    if isinstance(buf, bytes):
+        return buf
+    mv = memoryview(buf).cast("B")
+    if mv.readonly:  # ctypes takes a pointer into writable buffers only
+        return mv.tobytes()
+    return (ctypes.c_char * len(mv)).from_buffer(mv) if len(mv) else b""
+
+
+def seal_frame_from(key: bytes, counter: int, index: int, envelope: bytes, plain) -> bytearray:
+    """``seal_frame`` read straight from ``plain``'s memory (a tensor's bytes) into the frame it returns:
+    the same bytes, without the copies in and out of the binding."""
+    if len(key) != KEY_BYTES:
+        raise WireError("a hop key is not 32 bytes")
+    src = _readable(plain)
+    n = len(src)
+    out = bytearray(n + TAG_BYTES)
+    ad = envelope + struct.pack(">I", index)
+    clen = ctypes.c_ulonglong(0)
+    rc = pysodium.sodium.crypto_aead_xchacha20poly1305_ietf_encrypt(
+        (ctypes.c_char * len(out)).from_buffer(out), ctypes.byref(clen), src, ctypes.c_ulonglong(n), ad,
+        ctypes.c_ulonglong(len(ad)), None, _nonce(counter, index), key)
+    if rc != 0 or clen.value != len(out):
+        raise WireError(f"frame {index} could not be sealed")
+    return out
+
+
+def open_frame_into(key: bytes, counter: int, index: int, envelope: bytes, sealed, out_address: int,
+                    out_bytes: int) -> None:
+    """``open_frame`` written straight into ``out_bytes`` bytes at ``out_address`` (a fresh tensor's memory),
+    read from the received frame where it lies; WireError, and nothing to use, if it does not open."""
+    if len(key) != KEY_BYTES:
+        raise WireError("a hop key is not 32 bytes")
+    src = _readable(sealed)
+    if len(src) != out_bytes + TAG_BYTES:
+        raise WireError(f"frame {index} holds {len(src) - TAG_BYTES} bytes, its header promises {out_bytes}")
+    ad = envelope + struct.pack(">I", index)
+    mlen = ctypes.c_ulonglong(0)
+    rc = pysodium.sodium.crypto_aead_xchacha20poly1305_ietf_decrypt(
+        ctypes.c_void_p(out_address), ctypes.byref(mlen), None, src, ctypes.c_ulonglong(len(src)), ad,
+        ctypes.c_ulonglong(len(ad)), _nonce(counter, index), key)
+    if rc != 0:
+        raise WireError(f"frame {index} failed authentication (tampered, or sealed under another key)")
 
 
 def seal_control(payload: dict, peer_public: bytes, own: Identity) -> dict:

@@ -91,6 +91,7 @@ class StageSession:
         self.hop_log: list[list[int]] = []  # [seq, bytes] of every message that arrived on this hop
         self.busy_s = 0.0  # CPU seconds spent preparing and running calls, for the benchmark's utilisation
         self.busy_log: list[list] = []  # [seq, seconds] of every call this node worked on, for the same
+        self.parts_log: list[list] = []  # [seq, seconds...] where each call's time went (diffuse.node.PARTS)
         self.batched_passes = 0  # passes of this session that ran in a batch with other sessions' (diffuse.batching)
         self.store = store
         self.in_hop, self.out_hop = in_hop, out_hop
@@ -195,6 +196,7 @@ class StageSession:
         return {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "messages": self.messages,
                 "cache_bytes": self.kv.nbytes(), "batched_passes": self.batched_passes,
                 "hop_bytes": self.hop_log, "busy_s": self.busy_s, "busy_log": self.busy_log,
+                "parts_log": self.parts_log,
                 "stale": {k: v.report() for k, v in self.stale.items()},
                 "first_block_cache": self.residuals.report()}
 

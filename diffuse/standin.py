@@ -33,6 +33,8 @@ loaded again; until then calling one says so.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -160,6 +162,7 @@ class Splitter:
         self.patcher = None
         self.memo: RepeatMemo | None = None  # projections of repeated inputs, while a ring is attached
         self.reused = 0  # projections answered from the memo by rings already detached
+        self.stand_in_s = 0.0  # wall seconds spent in stand-ins' stack calls, ring included (python -m diffuse.bench)
         self.tagger = None  # the first-block cache's (diffuse.firstblock), when a threshold is set
         self.uncut: dict[str, str] = {}  # stack -> why its steps run uncut although patches > 1
         self.lm = LanguageEnds(self)
@@ -258,6 +261,13 @@ class Splitter:
         self._first_blocks.pop(stack.path).to("meta")
 
     def run_stack(self, stack: StackPlan, args: tuple, kwargs: dict):
+        t0 = time.perf_counter()
+        try:
+            return self._run_stack(stack, args, kwargs)
+        finally:
+            self.stand_in_s += time.perf_counter() - t0
+
+    def _run_stack(self, stack: StackPlan, args: tuple, kwargs: dict):
         if self.ring is None:
             raise DiffuseError("this pipeline's blocks are held by nodes: call it inside `with diffuse.split(...)`")
         block = self.first_block(stack.path)
@@ -276,7 +286,7 @@ class Splitter:
         return self.ring.call(stack.path, args, kwargs, rmap)
 
     def run_layers(self, stack: StackPlan, calls: list[tuple[tuple, dict]], cache):
-        """A language model's pass (``diffuse.lmsplit``)."""
+        """A language model's pass (``diffuse.lmsplit``, which counts its time in ``stand_in_s``)."""
         if self.ring is None:
             raise DiffuseError("this model's layers are held by nodes: call it inside `with diffuse.split(...)`")
         if self.tagger is not None:

@@ -14,7 +14,12 @@ def test_bench_quick_prints_overhead_speedups_wire_and_attention_paths(diffuse_h
     proc = run_cli(["bench", "--quick"], diffuse_home)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert re.search(r"overhead \(split P=1 / whole\): \d+\.\d+", out), out
+    assert re.search(r"overhead \(split P=1 / whole\): \d+\.\d+ \+- \d+\.\d+ +goal <= 1\.05 +\(load \d", out), out
+    assert re.search(r"node busy, all nodes, P=1 vs the same blocks whole: \d+\.\d+ s vs \d+\.\d+", out), out
+    for name in ("P=1", "P=4", "P=8", "2 groups"):  # where each call's time went, client and every node
+        assert re.search(rf"breakdown {name}, per call .*hashing \d+\.\d+, sealing \d+\.\d+.*waiting", out), out
+        assert re.search(rf"CPU {name}: client \d+\.\d+ s \+ nodes \d+\.\d+ s per step", out), out
+    assert len(re.findall(r"    node \d: [1-9]\d* passes; per pass: idle .* blocks \d+\.\d+ \(CPU", out)) >= 2 * 5
     assert "P=1 output equals whole: True" in out
     for name, ideal in (("P=2", "1.33"), ("P=4 one by one", "1.60"), ("P=4", "1.78")):
         assert re.search(rf"speedup {name}: \d+\.\d+x \+- \d+\.\d+ +ideal {ideal}x \(.*\) +\d+% of ideal", out), out
@@ -32,8 +37,11 @@ def test_bench_lm_quick_prints_rates_first_token_and_bytes_per_hop(diffuse_home)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     for name in ("whole", "split, 1 node", "split, 2 nodes"):
-        assert re.search(rf"{name} +\d+\.\d tokens/s \(\d\.\d\d of whole\) +first token +\d+\.\d ms +"
+        assert re.search(rf"{name} +\d+\.\d tokens/s \(\d\.\d\d of whole\) \+- \d\.\d\d +first token +\d+\.\d ms +"
                          r"tokens equal whole: True", out), out
+        if name != "whole":  # where a token's time went: the client's loop, the pass, each node
+            assert re.search(rf"breakdown {name}, per token \(ms\): .*sealing \d+\.\d+.*waiting", out), out
+    assert len(re.findall(r"    node \d per pass \(ms\): idle .* layers \d+\.\d+", out)) == 3
     assert re.search(r"split, 2 nodes: bytes per decoding step on each hop \(sealed\): client->1 \d+ B, "
                      r"1->2 \d+ B, 2->client \d+ B", out), out
 

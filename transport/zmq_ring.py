@@ -167,7 +167,7 @@ class ZmqEndpoint:
             self.control.send_multipart([asker, b"", raw], zmq.NOBLOCK)
 
     def recv_data(self) -> list[bytes]:
-        return self.data.recv_multipart(copy=True)
+        return self.data.recv_multipart(copy=False)  # frames opened where ZeroMQ received them (diffuse.frames)
 
     def close(self) -> None:
         self.control.close(0)
@@ -197,7 +197,7 @@ class ZmqInbox:
     def recv(self, timeout_s: float) -> list[bytes] | None:
         if not self.sock.poll(int(timeout_s * 1000)):
             return None
-        return self.sock.recv_multipart(copy=True)
+        return self.sock.recv_multipart(copy=False)
 
     def close(self) -> None:
         self.sock.close(0)
@@ -208,12 +208,13 @@ class ZmqInbox:
 SEND_HWM = 8  # messages ZeroMQ queues toward one peer
 MAX_WAITING = 8  # messages more an outbox keeps while its peer takes none; one more and the peer is given up
 STUCK_S = 30.0  # a message still waiting this long: the peer is given up
+BEHIND_S = 1  # with MAX_WAITING waiting, a send waits this long for the peer to take one before giving it up
 
 
 class ZmqOutbox:
-    """A sending end that never blocks: what the peer cannot take yet waits here, a few messages at most,
+    """A sending end that does not block: what the peer cannot take yet waits here, a few messages at most,
     and goes out on the next ``send`` or ``flush``. A peer that takes nothing while ``MAX_WAITING`` more
-    pile up, or for ``STUCK_S``, is given up: NodeError naming it. One slow peer delays only the
+    pile up (and ``BEHIND_S`` more), or for ``STUCK_S``, is given up: NodeError naming it. One slow peer delays only the
     messages meant for it."""
 
     def __init__(self, ctx: zmq.Context, address: str, credentials: tuple[bytes, bytes] | None = None):
@@ -228,7 +229,8 @@ class ZmqOutbox:
         self.waiting: collections.deque = collections.deque()  # (since, frames)
 
     def send(self, frames: list[bytes]) -> None:
-        self.flush()
+        if self.flush() and len(self.waiting) >= MAX_WAITING and self.sock.poll(BEHIND_S * 1000, zmq.POLLOUT):
+            self.flush()  # a burst (many patches sent at once) outran ZeroMQ's own thread: it had a moment
         if len(self.waiting) >= MAX_WAITING:
             raise NodeError(self.address, f"takes no messages: {SEND_HWM + MAX_WAITING} wait for it (stuck or gone)")
         self.waiting.append((time.monotonic(), frames))
