@@ -93,15 +93,33 @@ def reference_loads(model: str, kwargs: dict, out: str, seed: int = 0, threads: 
     """The pipeline run whole by plain diffusers in a fresh process, loaded afresh twice (the second
     load shows the reference repeats itself); computed once per model and arguments for the whole
     session, so test_exact and test_families share it. ``threads`` 0: torch's own default."""
-    key = (model, json.dumps(kwargs, sort_keys=True), seed, threads)
-    if key not in _REFERENCES:
-        outs = [out, f"{os.path.splitext(out)[0]}.load2.npy"]
-        cmd = [sys.executable, os.path.join(TESTS, "reference.py"), "--model", model, "--kwargs", json.dumps(kwargs),
-               "--seed", str(seed), "--threads", str(threads), "--out", outs[0], "--out", outs[1]]
-        proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        _REFERENCES[key] = [np.load(o) for o in outs]
-    return [a.copy() for a in _REFERENCES[key]]
+    return Reference(model, kwargs, out, seed, threads).loads()
+
+
+class Reference:
+    """``reference_loads`` started now and read later: its process runs while the test runs the split side."""
+
+    def __init__(self, model: str, kwargs: dict, out: str, seed: int = 0, threads: int = THREADS):
+        self.key = (model, json.dumps(kwargs, sort_keys=True), seed, threads)
+        self.outs = [out, f"{os.path.splitext(out)[0]}.load2.npy"]
+        self.proc = None
+        if self.key not in _REFERENCES:
+            cmd = [sys.executable, os.path.join(TESTS, "reference.py"), "--model", model, "--kwargs",
+                   json.dumps(kwargs), "--seed", str(seed), "--threads", str(threads), "--out", self.outs[0],
+                   "--out", self.outs[1]]
+            self.proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         text=True)
+
+    def loads(self) -> list[np.ndarray]:
+        if self.key not in _REFERENCES:
+            _, err = self.proc.communicate(timeout=600)
+            assert self.proc.returncode == 0, err[-3000:]
+            _REFERENCES[self.key] = [np.load(o) for o in self.outs]
+        return [a.copy() for a in _REFERENCES[self.key]]
+
+    def result(self) -> np.ndarray:
+        """The reference array (the first load)."""
+        return self.loads()[0]
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,14 @@ code (a few seconds); the analysis itself takes milliseconds. So ``diffuse
 check`` keeps its verdicts (``cache=True``) under ``$DIFFUSE_HOME/cache/``, keyed
 by everything they rest on: a repeated check of an unchanged model with
 unchanged code imports neither.
+
+A model folder may also carry its verdict (``diffuse_verdict.json``, written by
+``python -m diffuse.check keep DIR``; the shipped models do): the check's answer
+and the largest sizes its denoiser takes (``diffuse.dryrun.largest_sizes``),
+keyed by the folder's files, the libraries' versions and the installed analyzer
+plugins (``model_key``; not by the code's file times, so it holds in a fresh install).
+A first check, or a refused size, then answers from it without importing torch.
+tests/test_quick_answers.py compares each shipped verdict with one made afresh.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ SPLITTABLE, REFUSED = "splittable", "refused"
 EXIT_CODES = {SPLITTABLE: 0, REFUSED: 2}
 _SMALL = 1 << 20  # bytes: configs and shipped code are small; a weights index is not read
 _LIBRARIES = ("diffusers", "transformers", "torch", "accelerate")
+VERDICT_FILE = "diffuse_verdict.json"  # a model folder's kept verdict: see the module's docstring
 
 
 def check(path: str, cache: bool = False) -> dict:
@@ -34,18 +43,16 @@ def check(path: str, cache: bool = False) -> dict:
     ``frame_rate``, ``sample_rate``, ``patches`` (how ``--patches P>1`` will run),
     ``other_lists`` and ``seconds``; for a transformers model, ``config``: what config.json alone says
     (``analyzers.config_reader.read_config``: decoder depth and its key, generates, media, encoder, recurrent
-    state). With ``cache``, a verdict found before for
-    the same model and code is reused (``cached``: its file) and a new one kept.
+    state). With ``cache``, a verdict found before for the same model and code, or the one the folder
+    carries (``kept``), is reused (``cached``: its file) and a new one kept.
     """
     start = time.perf_counter()
     if not cache:
         return _check(path, start)
     file = os.path.join(_cache_dir(), f"check-{cache_key(path)}.json")
-    try:
-        with open(file) as f:
-            return {**json.load(f), "model": path, "seconds": time.perf_counter() - start, "cached": file}
-    except (OSError, ValueError):  # none yet, or unreadable: check afresh
-        pass
+    found, verdict = stored(path, file)
+    if verdict:
+        return {**verdict, "model": path, "seconds": time.perf_counter() - start, "cached": found}
     result = _check(path, start)
     try:
         os.makedirs(os.path.dirname(file), exist_ok=True)
@@ -57,13 +64,74 @@ def check(path: str, cache: bool = False) -> dict:
     return result
 
 
+def _read(file: str) -> dict | None:
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except (OSError, ValueError):  # none yet, or unreadable: check afresh
+        return None
+
+
+def stored(path: str, file: str | None = None) -> tuple[str | None, dict | None]:
+    """(where, the check's verdict) kept for this model without working it out: under ``$DIFFUSE_HOME/cache/``
+    (``file``, else found by ``cache_key``) for this code, else in the folder (``kept``); (None, None) if neither."""
+    file = file or os.path.join(_cache_dir(), f"check-{cache_key(path)}.json")
+    verdict = _read(file)
+    if verdict:
+        return file, verdict
+    folder = kept(path)
+    return (os.path.join(path, VERDICT_FILE), folder["check"]) if folder else (None, None)
+
+
+def kept(path: str) -> dict | None:
+    """The verdict the folder carries (``VERDICT_FILE``: ``check``, the check's answer; ``sizes``, see
+    ``diffuse.dryrun.largest_sizes``), when it was made from these very files, libraries and plugins; else None."""
+    verdict = _read(os.path.join(path, VERDICT_FILE))
+    if not isinstance(verdict, dict) or verdict.get("key") != model_key(path):
+        return None
+    return verdict
+
+
+def keep(path: str) -> dict:
+    """Work out the folder's verdict afresh (the check, and for a pipeline the largest sizes its denoiser
+    takes, which loads the pipeline without its blocks) and write it into the folder as ``VERDICT_FILE``."""
+    result = _check(path, time.perf_counter())
+    verdict = {"key": model_key(path), "check": {k: v for k, v in result.items() if k not in ("model", "seconds")}}
+    if result["verdict"] == SPLITTABLE and result.get("output_kind") != "text":
+        from diffuse.dryrun import largest_sizes
+
+        verdict["sizes"] = largest_sizes(path)
+    with open(os.path.join(path, VERDICT_FILE), "w") as f:
+        json.dump(verdict, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return verdict
+
+
 def cache_key(path: str) -> str:
-    """A fingerprint of what a verdict rests on: the checkpoint's small files (model_index.json, every
-    config, any .py) and weight layouts (``content_hash``) in its top two levels, and the code that judges
-    it: library versions plus the size and time of every file of the installed plugins and of the
-    component libraries model_index.json names (an edited analyzer is new code)."""
-    from importlib.metadata import PackageNotFoundError, entry_points, version
+    """A fingerprint of what a verdict rests on: the model and libraries (``model_key``) and the code that
+    judges it: the size and time of every file of the installed plugins and of the component libraries
+    model_index.json names (an edited analyzer is new code)."""
+    from importlib.metadata import entry_points
     from importlib.util import find_spec
+
+    h = hashlib.blake2b(model_key(path).encode(), digest_size=16)
+    tops = {ep.value.split(".")[0].split(":")[0] for ep in entry_points(group="diffuse")} | set(_named_libraries(path))
+    for top in sorted(tops - {"", *_LIBRARIES}):
+        spec = find_spec(top)
+        roots = list(spec.submodule_search_locations or []) if spec else []
+        files = [spec.origin] if spec and spec.origin and not roots else []
+        files += [os.path.join(d, n) for r in roots for d, _, ns in os.walk(r) for n in ns if n.endswith(".py")]
+        for f in sorted(files):
+            st = os.stat(f)
+            h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def model_key(path: str) -> str:
+    """A fingerprint of the model and what reads it, not of the code's files: the checkpoint's small files
+    (model_index.json, every config, any .py; its kept verdict left out) and weight layouts (``content_hash``)
+    in its top two levels, the versions of the libraries, and the installed analyzer plugins by name."""
+    from importlib.metadata import PackageNotFoundError, entry_points, version
 
     from diffuse.modelfiles import content_hash
 
@@ -72,6 +140,8 @@ def cache_key(path: str) -> str:
         here = os.path.join(path, folder)
         for name in sorted(os.listdir(here)):
             full = os.path.join(here, name)
+            if not folder and name == VERDICT_FILE:
+                continue
             h.update(f"{folder}/{name}\0".encode())
             if name.endswith((".json", ".py")) and os.path.isfile(full) and os.path.getsize(full) <= _SMALL:
                 with open(full, "rb") as f:
@@ -83,21 +153,38 @@ def cache_key(path: str) -> str:
             h.update(f"{lib}={version(lib)}".encode())
         except PackageNotFoundError:
             pass
-    named = []
-    index = os.path.join(path, "model_index.json")
-    if os.path.isfile(index):  # a transformers model folder has none: its library is among _LIBRARIES
-        with open(index) as f:
-            named = [e[0] for e in json.load(f).values() if isinstance(e, list) and e and isinstance(e[0], str)]
-    tops = {ep.value.split(".")[0].split(":")[0] for ep in entry_points(group="diffuse")} | {n.split(".")[0] for n in named}
-    for top in sorted(tops - {"", *_LIBRARIES}):
-        spec = find_spec(top)
-        roots = list(spec.submodule_search_locations or []) if spec else []
-        files = [spec.origin] if spec and spec.origin and not roots else []
-        files += [os.path.join(d, n) for r in roots for d, _, ns in os.walk(r) for n in ns if n.endswith(".py")]
-        for f in sorted(files):
-            st = os.stat(f)
-            h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for ep in sorted(f"{e.name}={e.value}" for e in entry_points(group="diffuse") if _analyzes(e.value)):
+        h.update(f"plugin {ep}\0".encode())
     return h.hexdigest()
+
+
+def _analyzes(target: str) -> bool:
+    """Whether the plugin module an entry point names implements the analyzer hook, read from its source
+    without importing it (a transport or an output writer leaves every verdict as it is)."""
+    from importlib.util import find_spec
+
+    top, *rest = target.split(":")[0].split(".")
+    try:
+        spec = find_spec(top)  # a top-level name: found, not imported (a submodule's spec would import its package)
+        file = spec.origin
+        for part in rest:
+            folder = os.path.join(os.path.dirname(file), part)
+            file = os.path.join(folder, "__init__.py") if os.path.isdir(folder) else f"{folder}.py"
+        with open(file, encoding="utf-8") as f:
+            return "diffuse_analyzers" in f.read()
+    except Exception:  # no source to read: counted, to be safe
+        return True
+
+
+def _named_libraries(path: str) -> list[str]:
+    """The top-level packages of the component libraries model_index.json names (a transformers model folder has
+    none: its library is among ``_LIBRARIES``)."""
+    index = os.path.join(path, "model_index.json")
+    if not os.path.isfile(index):
+        return []
+    with open(index) as f:
+        named = [e[0] for e in json.load(f).values() if isinstance(e, list) and e and isinstance(e[0], str)]
+    return [n.split(".")[0] for n in named]
 
 
 def _cache_dir() -> str:
@@ -202,3 +289,25 @@ def _print_config(console, r: dict) -> None:
     console.print("from config.json:", highlight=False)
     for line in describe(r["config"]):
         console.print(f"  {line}", highlight=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m diffuse.check keep MODEL...``: write each model folder's kept verdict (``keep``)."""
+    import argparse
+
+    from diffuse.modelfiles import resolve_model
+
+    ap = argparse.ArgumentParser(prog="python -m diffuse.check", description=main.__doc__.split("\n")[0])
+    ap.add_argument("action", choices=["keep"])
+    ap.add_argument("models", nargs="+", metavar="MODEL", help="a model folder or a shipped model's name")
+    a = ap.parse_args(argv)
+    for model in a.models:
+        path = resolve_model(model)
+        verdict = keep(path)
+        print(f"{os.path.join(path, VERDICT_FILE)}: {verdict['check']['verdict']}"
+              f"{'; sizes ' + json.dumps(verdict['sizes']['largest']) if verdict.get('sizes') else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -20,6 +20,10 @@ the whole stack; a denoiser that adds to a block's output before the next block
 (Wan VACE adds its hints after chosen main blocks) or keeps each block's output
 (its side stack's hints) is refused here, in one line, before any node starts.
 
+``largest_sizes`` runs the same search once for a model folder (each size alone, up to
+``SEARCH_UP_TO``) for its kept verdict (``diffuse.check.keep``); ``kept_refusal`` then
+refuses a size above those bounds from the verdict alone, before torch is imported.
+
 ``notes`` gives one-line warnings where a run would go through but make little:
 a size other than the one a model folder declares it was made for
 (``diffuse_defaults.json``), words its tokenizer does not know, an empty prompt.
@@ -258,12 +262,65 @@ def hand_over(pipe, kept: tuple | None) -> None:
     pipe.encode_prompt = once
 
 
-def largest_taken(dry: DryPipeline, pipe, kwargs: dict, name: str, asked: int) -> int | None:
+SEARCH_UP_TO = {"height": 4096, "width": 4096, "num_frames": 1024}  # where ``largest_sizes`` looks for a bound
+PROBE_PROMPT = "a shape"
+
+
+def largest_sizes(path: str) -> dict | None:
+    """For a folder that declares the size it was made for (``diffuse_defaults.json``): that size
+    (``made_for``) and, for each of height, width and frame count alone (the others as made for), the largest
+    value the pipeline's input check and its denoiser's forward take, or None where nothing up to
+    ``SEARCH_UP_TO`` was refused (``largest``). Kept in the folder's verdict (``diffuse.check.keep``), so
+    ``kept_refusal`` can refuse a size before torch is imported. Loads the pipeline without its blocks."""
+    import diffuse
+
+    pipe = diffuse.from_pretrained(path)
+    info = pipe._diffuse
+    made_for = {k: v for k, v in info.call_defaults().items() if k in SIZE_ARGS}
+    if not made_for or not info.subject.denoiser:
+        return None
+    base = dict(info.call_defaults(), prompt=PROBE_PROMPT, output_type="np")
+    dry = DryPipeline(pipe, info.subject.denoiser)
+    dry.run(base)  # the size it was made for goes through (else the verdict has no ground to stand on)
+    largest = {}
+    for name in made_for:
+        top = SEARCH_UP_TO[name] + 1
+        best = largest_taken(dry, pipe, base, name, top, deadline_s=None)
+        taken_all = best is not None and not any(_input_check_takes(pipe, dict(base, **{name: v}))
+                                                 for v in range(best + 1, top))
+        largest[name] = None if best is None or taken_all else best
+    return {"made_for": made_for, "largest": largest, "prompt": PROBE_PROMPT}
+
+
+def kept_refusal(sizes: dict | None, asked: dict, label: str) -> str | None:
+    """The refusal of ``asked`` (size argument -> value) from a kept verdict's ``largest_sizes``, or None
+    where it does not decide: a call no smaller than the size made for in any of them, and above the largest
+    taken in one, is refused (a size that fits means every smaller one does: the rule ``largest_taken``
+    searches by)."""
+    if not sizes or not asked:
+        return None
+    made_for, largest = sizes["made_for"], sizes["largest"]
+    call = dict(made_for, **{k: v for k, v in asked.items() if k in made_for})
+    if any(call[k] < v for k, v in made_for.items()):
+        return None
+    over = [k for k, v in largest.items() if v is not None and call[k] > v]
+    if not over:
+        return None
+    what = ", ".join(f"{v} {SIZE_WORDS[k]}" for k, v in asked.items())
+    above = " and ".join(f"{k.replace('num_', '')} above {largest[k]}" for k in over)
+    takes = ", ".join(f"{k.replace('num_', '')} up to {largest[k]}" for k in over)
+    return (f"{label} cannot make {what}: the denoiser's own forward refuses {above} (the model's kept verdict, "
+            f"found by running it weightless); it takes {takes}; nothing was started")
+
+
+def largest_taken(dry: DryPipeline, pipe, kwargs: dict, name: str, asked: int,
+                  deadline_s: float | None = SEARCH_S) -> int | None:
     """The largest value of ``name`` below ``asked`` that the pipeline's input check and the dry call both
-    take, the other arguments as given (a binary search: a size that fits means every smaller one does)."""
+    take, the other arguments as given (a binary search: a size that fits means every smaller one does), or None
+    after ``deadline_s`` seconds (None: no limit)."""
     candidates = [v for v in range(1, asked) if _input_check_takes(pipe, dict(kwargs, **{name: v}))]
     lo, hi, best = 0, len(candidates) - 1, None
-    deadline = time.monotonic() + SEARCH_S
+    deadline = time.monotonic() + (deadline_s if deadline_s is not None else float("inf"))
     while lo <= hi:
         if time.monotonic() > deadline:
             return None  # a slow forward: the refusal stands without the bound

@@ -154,6 +154,29 @@ def generate(a: argparse.Namespace, console) -> dict:
     return report
 
 
+def refuse_early(a: argparse.Namespace, path: str, label: str) -> None:
+    """What can be refused before torch and the model's library are imported (most of a first run's
+    seconds): a folder that is no model, a model whose stored check refused it (``diffuse.check.stored``),
+    and a size above what its kept verdict says its denoiser takes (``diffuse.dryrun.kept_refusal``; not
+    with ``--arg``, which may change what the call's shapes are)."""
+    from diffuse.analysis import ModelSubject
+    from diffuse.check import REFUSED, kept, stored
+    from diffuse.dryrun import kept_refusal
+    from diffuse.errors import RefusedModel
+
+    ModelSubject.from_path(path)
+    _, verdict = stored(path)
+    if verdict and verdict["verdict"] == REFUSED:
+        raise RefusedModel(path, verdict["reason"])
+    if verdict is None or a.arg or verdict.get("output_kind") == "text":
+        return
+    asked = {arg: getattr(a, flag) for flag, arg in FLAG_TO_ARG.items()
+             if arg in ("height", "width", "num_frames") and getattr(a, flag) is not None}
+    line = kept_refusal((kept(path) or {}).get("sizes"), asked, label)
+    if line:
+        raise DiffuseError(line)
+
+
 def read_model(a: argparse.Namespace, console):
     """The model ``--model`` names (the shipped one by default), analysed from its config: its ``ModelInfo``, the
     name it was asked by, and where the client's ends compute. Refusals happen here, before any node is
@@ -167,6 +190,7 @@ def read_model(a: argparse.Namespace, console):
     else:
         path, name = resolve_model(a.model), a.model
     where = "" if os.path.basename(path.rstrip("/")) == name else f" from {path}"
+    refuse_early(a, path, name)
     with cli.phase(console, f"diffuse query: {name}{where}; reading its config (importing torch and its library)",
                    a.quiet):
         import torch

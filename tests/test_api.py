@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, THREADS, run_reference, subprocess_env
+from conftest import ROOT, THREADS, Reference, subprocess_env
 
 
 @pytest.fixture
@@ -37,12 +37,13 @@ def test_the_readme_snippet_is_byte_identical_to_plain_diffusers(family, models,
 
     model = models(family)
     kwargs = dict(families.call_args(family), prompt="a paper boat")
-    reference = run_reference(model, kwargs, str(tmp_path / "reference.npy"), seed=7)
+    reference = Reference(model, kwargs, str(tmp_path / "reference.npy"), seed=7)  # side by side with the split
 
     pipe = diffuse.from_pretrained(model)
     with diffuse.split(pipe, local_nodes=2) as ring:
         out = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(7), output_type="np")
     split = np.asarray(out[0])
+    reference = reference.result()
     assert split.tobytes() == reference.tobytes(), f"max abs diff {np.abs(split - reference).max()}"
     # the client held none of the blocks; the nodes did the passes and say how long they were busy
     held = [p for stack in ring.splitter.originals.values() for p in stack.parameters()]
@@ -60,7 +61,7 @@ def test_a_pipeline_from_diffusers_itself_splits_and_can_be_split_again(models, 
 
     model = models("wan")
     kwargs = families.call_args("wan")
-    reference = run_reference(model, kwargs, str(tmp_path / "reference.npy"))
+    reference = Reference(model, kwargs, str(tmp_path / "reference.npy"))  # side by side with the splits
     from test_release import hooks_of, model_layout, only_refusals_added, reloaded
 
     pipe = diffusers.DiffusionPipeline.from_pretrained(model)
@@ -73,6 +74,7 @@ def test_a_pipeline_from_diffusers_itself_splits_and_can_be_split_again(models, 
             runs.append(pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0), output_type="np")[0])
         # released: its own modules again, no hook left but the refusals of the blocks handed out
         assert model_layout(pipe.transformer) == layout and only_refusals_added(pipe.transformer, hooks)
+    reference = reference.result()
     assert runs[0].tobytes() == runs[1].tobytes() == reference.tobytes()
     # the blocks it handed out are freed here (meta), and outside a split the pipeline says why it cannot run
     assert all(p.device.type == "meta" for p in pipe.transformer.blocks.parameters())
@@ -97,11 +99,7 @@ def test_the_readme_example_runs_as_written_and_is_exact_at_default_threads(tmp_
     example = _readme_example()
     # the example as written, plus one line that saves what it made
     script = example + "\nimport numpy as np\nnp.save(%r, np.asarray(frames))\n" % str(tmp_path / "split.npy")
-    run = subprocess.run([sys.executable, "-c", script], env=subprocess_env(diffuse_home), capture_output=True,
-                         text=True, timeout=600, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "passes" in run.stdout  # print(ring.stats)
-    # the same call, whole, by plain diffusers in a fresh process at torch's default thread count
+    # the same call, whole, by plain diffusers in a fresh process at torch's default thread count, side by side
     call = next(n for n in ast.walk(ast.parse(example)) if isinstance(n, ast.Call)
                 and isinstance(n.func, ast.Name) and n.func.id == "pipe")
     kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg != "generator"}
@@ -109,7 +107,12 @@ def test_the_readme_example_runs_as_written_and_is_exact_at_default_threads(tmp_
                                   and getattr(n.func, "attr", "") == "from_pretrained").args[0])
     from diffuse.modelfiles import resolve_model
 
-    reference = run_reference(resolve_model(model), kwargs, str(tmp_path / "reference.npy"), seed=7, threads=0)
+    reference = Reference(resolve_model(model), kwargs, str(tmp_path / "reference.npy"), seed=7, threads=0)
+    run = subprocess.run([sys.executable, "-c", script], env=subprocess_env(diffuse_home), capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "passes" in run.stdout  # print(ring.stats)
+    reference = reference.result()
     split = np.load(tmp_path / "split.npy")
     assert split.tobytes() == reference.tobytes(), f"max abs diff {np.abs(split - reference).max()}"
 
@@ -123,9 +126,10 @@ def test_a_default_run_on_sana_equals_plain_diffusers_at_default_settings(models
            "--out", str(tmp_path / "out.png")]
     for k, v in kwargs.items():
         cmd += ["--arg", f"{k}={json.dumps(v)}"]
+    reference = Reference(model, kwargs, str(tmp_path / "reference.npy"), threads=0)  # side by side with the run
     run = subprocess.run(cmd, env=subprocess_env(diffuse_home), capture_output=True, text=True, timeout=600,
                          cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    reference = run_reference(model, kwargs, str(tmp_path / "reference.npy"), threads=0)
+    reference = reference.result()
     split = np.load(tmp_path / "split.npy")
     assert split.tobytes() == reference.tobytes(), f"max abs diff {np.abs(split - reference).max()}"

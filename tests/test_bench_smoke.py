@@ -1,4 +1,5 @@
-"""The benchmark command runs end to end on a small model and prints its ratios."""
+"""The benchmark command runs end to end on a small model and prints its ratios (the command's own code, run in
+this process: a fresh interpreter would only add its start-up)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,11 @@ import re
 import subprocess
 import sys
 
-from conftest import subprocess_env
+from conftest import run_cli, subprocess_env
 
 
 def test_bench_quick_prints_overhead_speedups_wire_and_attention_paths(diffuse_home):
-    proc = subprocess.run([sys.executable, "-m", "diffuse.bench", "--quick"], env=subprocess_env(diffuse_home),
-                          capture_output=True, text=True, timeout=240)
+    proc = run_cli(["bench", "--quick"], diffuse_home)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert re.search(r"overhead \(split P=1 / whole\): \d+\.\d+ \+- \d+\.\d+ +goal <= 1\.05 +\(load \d", out), out
@@ -33,8 +33,7 @@ def test_bench_quick_prints_overhead_speedups_wire_and_attention_paths(diffuse_h
 
 
 def test_bench_lm_quick_prints_rates_first_token_and_bytes_per_hop(diffuse_home):
-    proc = subprocess.run([sys.executable, "-m", "diffuse.bench", "lm", "--quick"], env=subprocess_env(diffuse_home),
-                          capture_output=True, text=True, timeout=240)
+    proc = run_cli(["bench", "lm", "--quick"], diffuse_home)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     for name in ("whole", "split, 1 node", "split, 2 nodes"):

@@ -12,7 +12,7 @@ import families
 import pytest
 import torch
 
-from conftest import THREADS, reference_loads, run_split
+from conftest import THREADS, Reference, run_split
 
 CASES = [("wan", ["--local-nodes", "2", "--branch-groups", "2"]),
          ("wan", ["--local-nodes", "4", "--branch-groups", "2"]),
@@ -24,8 +24,9 @@ def test_branches_on_two_groups_equal_the_whole_model(name, flags, models, tmp_p
     monkeypatch.setattr("diffuse.memo.MIN_ELEMENTS", 1)  # the client's memo on every projection (tiny inputs too)
     model = models(name)
     kwargs = dict(families.call_args(name), num_inference_steps=3)
-    whole = reference_loads(model, kwargs, str(tmp_path / "whole.npy"))[0]
+    whole = Reference(model, kwargs, str(tmp_path / "whole.npy"))  # side by side with the split run
     split, report = run_split(model, kwargs, tmp_path, nodes=int(flags[1]), extra=flags[2:], home=diffuse_home)
+    whole = whole.result()
     assert split.tobytes() == whole.tobytes()
     assert report["client_reused"] > 0  # the prompt's projections (and the second call's timestep) were reused
     branches = report["branches"]

@@ -57,38 +57,32 @@ def _fake_hub_cache(root, repo_id: str, source: str) -> str:
     return str(repo / "snapshots" / ("b" * 40))
 
 
-def _resolve_in(env: dict, model: str) -> subprocess.CompletedProcess:
-    """resolve_model and diffusers' own resolver (what from_pretrained loads from), in a fresh process:
-    huggingface_hub reads HF_HUB_CACHE once, at import."""
+def _resolve_in(env: dict, *models: str) -> subprocess.CompletedProcess:
+    """resolve_model for each model, and for a Hub id diffusers' own resolver too (what from_pretrained loads
+    from), in one fresh process: huggingface_hub reads HF_HUB_CACHE once, at import."""
     code = ("import sys; from diffusers import DiffusionPipeline; from diffuse.modelfiles import resolve_model\n"
-            "print(resolve_model(sys.argv[1])); print(DiffusionPipeline.download(sys.argv[1]))")
-    return subprocess.run([sys.executable, "-c", code, model], env=env, capture_output=True, text=True, timeout=180)
+            "for model in sys.argv[1:]:\n"
+            "    print(resolve_model(model))\n"
+            "    if '/' in model: print(DiffusionPipeline.download(model))\n")
+    return subprocess.run([sys.executable, "-c", code, *models], env=env, capture_output=True, text=True,
+                          timeout=180)
 
 
-def test_a_shipped_model_is_found_by_name(tmp_path):
+def test_a_shipped_model_by_name_and_a_hub_id_in_the_local_cache_resolve_offline(tmp_path):
+    """The shipped model by its name (a Hub cache beside it that does not hold it), and a Hub id in the local cache
+    where diffusers finds it; ``diffuse check`` takes both."""
     from diffuse.default_model import SHIPPED_MODEL_NAME, default_model_dir
-
-    env = dict(subprocess_env(str(tmp_path)), HF_HUB_CACHE=str(tmp_path / "empty-hub"), COLUMNS="400")
-    run = _resolve_in(env, SHIPPED_MODEL_NAME)
-    assert run.stdout.splitlines()[0] == default_model_dir(), run.stderr[-2000:]
-    check = subprocess.run([sys.executable, "-m", "diffuse.cli", "check", SHIPPED_MODEL_NAME], env=env,
-                           capture_output=True, text=True, timeout=180)
-    assert check.returncode == 0 and check.stdout.splitlines()[0] == "splittable", check.stderr[-2000:]
-    assert f"model {default_model_dir()} (transformer: WanTransformer3DModel)" in check.stdout
-
-
-def test_a_hub_id_in_the_local_cache_resolves_offline_where_diffusers_finds_it(tmp_path):
-    from diffuse.default_model import default_model_dir
 
     snapshot = _fake_hub_cache(tmp_path / "hub", "tiny-org/tiny-wan", default_model_dir())
     env = dict(subprocess_env(str(tmp_path)), HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1", COLUMNS="400")
-    run = _resolve_in(env, "tiny-org/tiny-wan")
+    run = _resolve_in(env, SHIPPED_MODEL_NAME, "tiny-org/tiny-wan")
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.splitlines()[-2:] == [snapshot, snapshot]
-    check = subprocess.run([sys.executable, "-m", "diffuse.cli", "check", "tiny-org/tiny-wan"], env=env,
-                           capture_output=True, text=True, timeout=180)
-    assert check.returncode == 0 and check.stdout.splitlines()[0] == "splittable", check.stderr[-2000:]
-    assert f"model {snapshot} (transformer:" in check.stdout
+    assert run.stdout.splitlines() == [default_model_dir(), snapshot, snapshot], run.stdout
+    for model, path in ((SHIPPED_MODEL_NAME, default_model_dir()), ("tiny-org/tiny-wan", snapshot)):
+        check = subprocess.run([sys.executable, "-m", "diffuse.cli", "check", model], env=env,
+                               capture_output=True, text=True, timeout=180)
+        assert check.returncode == 0 and check.stdout.splitlines()[0] == "splittable", check.stderr[-2000:]
+        assert f"model {path} (transformer: WanTransformer3DModel)" in check.stdout
 
 
 def test_an_unknown_model_names_what_was_tried_and_what_ships(tmp_path):

@@ -10,7 +10,7 @@ import families
 import numpy as np
 import pytest
 
-from conftest import run_reference, run_split
+from conftest import Reference, run_reference, run_split
 
 # (family, nodes): every family over 2 nodes; over 3 for models of other shapes (two stacks, so one node holds
 # nothing of the shorter one and passes it on; a nested stack with two streams; a video model)
@@ -77,6 +77,6 @@ def test_a_bf16_checkpoint_loads_on_nodes_as_from_pretrained_loads_it(models, tm
     weights = f"{model}/transformer/diffusion_pytorch_model.safetensors"
     save_file({k: v.to(torch.bfloat16) for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
     kwargs = families.call_args("wan")
-    reference = run_reference(model, kwargs, str(tmp_path / "reference.npy"))
+    reference = Reference(model, kwargs, str(tmp_path / "reference.npy"))  # side by side with the split run
     split, _ = run_split(model, kwargs, tmp_path, nodes=2, home=diffuse_home)
-    assert split.tobytes() == reference.tobytes()
+    assert split.tobytes() == reference.result().tobytes()

@@ -1,5 +1,5 @@
-"""What a newcomer meets first: mistakes refused in one line before anything starts, a dead or
-frozen node named within seconds, Ctrl-C that ends everything at once.
+"""What a newcomer meets first: mistakes refused in one line before anything starts, a wrong key, an address
+nothing answers at and a dead or frozen node each named within seconds, Ctrl-C that ends everything at once.
 
 Real client and node processes on loopback, the embedded model.
 """
@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -73,41 +74,67 @@ def test_bad_values_are_one_line_exit_2_and_nothing_starts(args, why, tmp_path, 
     assert "starting" not in run.stderr and not (tmp_path / "o.mp4").exists()
 
 
-def _nodes(shares, home: str):
-    """Nodes of the embedded model holding these shares, started together."""
+@pytest.fixture(scope="module")
+def nodes(diffuse_home):
+    """Three nodes of the embedded model, started together: A holds 1/2, B and C each hold 2/2 (A+B and A+C are
+    whole rings). Shared by the tests below in file order; the last one freezes B and kills C."""
     from diffuse.default_model import default_model_dir
 
     procs = [node_process(["--model", default_model_dir(), "--blocks", share, "--ephemeral-key", "--log-level",
-                           "WARNING"], env=subprocess_env(home)) for share in shares]
-    return [(proc, json.loads(proc.stdout.readline())) for proc in procs]
-
-
-def test_a_dead_or_frozen_node_is_named_within_seconds(tmp_path, diffuse_home):
-    """Node 2 frozen (SIGSTOP) under one run, then, thawed, killed (SIGKILL) under the next: each client exits
-    within 15 s naming that node."""
-    nodes = _nodes(("1/2", "2/2"), diffuse_home)
-    runs = []
+                           "WARNING"], env=subprocess_env(diffuse_home)) for share in ("1/2", "2/2", "2/2")]
     try:
-        addresses = ",".join(f"{r['address']}#{r['key']}" for _, r in nodes)
-        for how in (signal.SIGSTOP, signal.SIGKILL):
-            client = Client(["--prompt", "a red circle moving right", "--steps", "400", "--nodes", addresses,
-                             "--out", str(tmp_path / "o.mp4")], diffuse_home, tmp_path)
-            client.wait_for("node tcp://")  # the session is open: the pipeline is running
-            time.sleep(2.0)
-            nodes[1][0].send_signal(how)
-            runs.append((how, client, client.finish(timeout=60)))
-            if how == signal.SIGSTOP:
-                nodes[1][0].send_signal(signal.SIGCONT)  # thawed, it serves the next run until it is killed
+        yield [(proc, json.loads(proc.stdout.readline())) for proc in procs]
     finally:
-        for proc, _ in nodes:
+        for proc in procs:
             proc.send_signal(signal.SIGCONT)
             proc.kill()
             proc.wait(10)
-    assert [how for how, _, _ in runs] == [signal.SIGSTOP, signal.SIGKILL]
-    for how, client, took in runs:
+
+
+def _pinned(node) -> str:
+    return f"{node[1]['address']}#{node[1]['key']}"
+
+
+def test_a_wrong_key_and_a_dead_node_each_end_with_a_line_naming_that_node(nodes, tmp_path, diffuse_home):
+    """A+B with B listed under another key than its own, then in B's place an address nothing answers at. Each
+    run's last line names that node and the cause, not the route order."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
+    first, second = _pinned(nodes[0]), nodes[1][1]["address"]
+    cases = {second: f"{first},{second}#{'0' * 64}", dead: f"{first},{dead}"}
+    for named, pinned in cases.items():
+        run = run_client(["--prompt", "a red circle moving right", "--nodes", pinned, "--quiet", "--out",
+                          str(tmp_path / "o.gif")], diffuse_home)
+        last = run.stderr.strip().splitlines()[-1]
+        assert run.returncode == 2 and last.startswith(f"error: node {named}:"), run.stderr
+        assert "list the nodes in the order" not in last and "Traceback" not in run.stderr, run.stderr
+        assert ("was pinned" in last) if named != dead else ("answer" in last or "reach" in last), last
+
+
+def test_a_dead_or_frozen_node_is_named_within_seconds(nodes, tmp_path, diffuse_home):
+    """Two runs at once, A+B and A+C; B frozen (SIGSTOP) under the first and C killed (SIGKILL) under the second:
+    each client exits within 15 s naming its node."""
+    cases = [(signal.SIGSTOP, nodes[1]), (signal.SIGKILL, nodes[2])]
+    clients = [Client(["--prompt", "a red circle moving right", "--steps", "400", "--nodes",
+                       f"{_pinned(nodes[0])},{_pinned(node)}", "--out", str(tmp_path / f"o{k}.mp4")], diffuse_home,
+                      tmp_path) for k, (_, node) in enumerate(cases)]
+    for client in clients:
+        client.wait_for("node tcp://")  # the session is open: the pipeline is running
+    time.sleep(2.0)
+    for how, (proc, _) in cases:
+        proc.send_signal(how)
+    t0, ended = time.monotonic(), {}
+    while len(ended) < len(clients) and time.monotonic() < t0 + 60:
+        ended.update({k: time.monotonic() - t0 for k, c in enumerate(clients) if k not in ended and c.proc.poll()
+                      is not None})
+        time.sleep(0.05)
+    for k, ((how, (_, ready)), client) in enumerate(zip(cases, clients)):
+        client.finish(timeout=10)
+        took = ended.get(k, float("inf"))
         assert client.proc.returncode == 2, (how, client.said)
         assert took < 15, f"{how.name}: {took:.1f} s: {client.said}"
-        assert f"node {nodes[1][1]['address']}:" in client.said and "dead or frozen" in client.said, client.said
+        assert f"node {ready['address']}:" in client.said and "dead or frozen" in client.said, client.said
         assert "Traceback" not in client.said
         # the wait it names is the wait it made: that many pings, each given that long, all unanswered
         from diffuse.handshake import PROBE_TIMEOUT_S

@@ -22,7 +22,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import THREADS, node_process, run_client, run_reference, subprocess_env
+from conftest import THREADS, Reference, node_process, run_client, subprocess_env
 
 WAN_ARGS = families.call_args("wan")
 
@@ -669,7 +669,7 @@ def test_a_hello_with_slices_the_model_lacks_is_refused():
 
 def test_uneven_blocks_run_byte_identical_to_the_whole_model(models, tmp_path, diffuse_home):
     model = models("wan")
-    reference = run_reference(model, WAN_ARGS, str(tmp_path / "reference.npy"))
+    reference = Reference(model, WAN_ARGS, str(tmp_path / "reference.npy"))  # side by side with the split run
     (one, ready1), (three, ready3) = _nodes(model, ["blocks[0:1]", "blocks[1:4]"])
     try:
         run = _client(model, [f"{r['address']}#{r['key']}" for r in (ready1, ready3)], tmp_path, diffuse_home,
@@ -679,7 +679,7 @@ def test_uneven_blocks_run_byte_identical_to_the_whole_model(models, tmp_path, d
     assert run.returncode == 0, run.stderr[-2000:]
     said = _said(run)
     assert f"node {ready1['address']}: blocks[0:1]" in said and f"node {ready3['address']}: blocks[1:4]" in said
-    assert np.load(tmp_path / "uneven.npy").tobytes() == reference.tobytes()
+    assert np.load(tmp_path / "uneven.npy").tobytes() == reference.result().tobytes()
 
 
 # --------------------------------------------------------------------------- 10. what the first node learns

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import THREADS, node_process, run_client, run_reference, split_command
+from conftest import THREADS, Reference, node_process, run_client, split_command
 from diffuse.callplan import unflatten
 from diffuse.pipefusion import (PATHS, AttentionBuffer, BranchTracker, Pass, Patcher, QuickUnsupported, StaleStack,
                                 attention_scope, patch_ranges, token_axis, why_uncut)
@@ -385,8 +385,9 @@ def test_one_step_with_patches_is_the_whole_model_exactly(family, patches, calls
                                                           tmp_path):
     model = models(family)
     kwargs = args_for(family, steps=1)
-    reference = run_reference(model, kwargs, str(tmp_path / "reference.npy"))
+    reference = Reference(model, kwargs, str(tmp_path / "reference.npy"))  # side by side with the split run
     split, seen = split_run(model, kwargs, nodes(model, 2), patches)
+    reference = reference.result()
     # Wan runs guidance as two calls per step, PixArt as one batch of two: every call is a branch's first
     assert seen["calls"] == {"uncut": calls, "cut": 0}
     assert split.tobytes() == reference.tobytes(), f"max abs diff {np.abs(split - reference).max()}"
@@ -470,10 +471,11 @@ def test_stale_buffers_go_with_the_session(models, nodes, diffuse_home):
 def test_two_stream_model_runs_uncut_steps_and_says_so(family, stacks, models, diffuse_home, tmp_path):
     model = models(family)
     kwargs = args_for(family)
-    reference = run_reference(model, kwargs, str(tmp_path / "reference.npy"))
+    reference = Reference(model, kwargs, str(tmp_path / "reference.npy"))  # side by side with the split run
     save = tmp_path / "split.npy"
     cmd = split_command(model, kwargs, str(save), nodes=2, extra=["--patches", "3", "--out", str(tmp_path / "o.png")])
     proc = run_client(cmd[3:], diffuse_home)  # the command's own code, its client in this process
+    reference = reference.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [line for line in proc.stderr.splitlines() if "two streams" in line and "steps run uncut" in line]
     assert len(said) == 1, proc.stderr

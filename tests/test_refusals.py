@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from conftest import subprocess_env
+from conftest import run_cli, run_client
 
 REFUSALS = {
     "sdxl": "a multi-resolution U-Net whose skip connections cross resolutions is not a chain",
@@ -19,12 +16,11 @@ REFUSALS = {
 
 @pytest.mark.parametrize("name", sorted(REFUSALS))
 def test_unsplittable_model_is_refused_before_any_node_is_contacted(name, models, tmp_path):
+    """``python -m diffuse.run``'s own code (``run_client``), in this process."""
     model = models(name)
     # a node address where nothing listens: a refusal must come first, not a connection timeout
-    run = subprocess.run(
-        [sys.executable, "-m", "diffuse.run", "--model", model, "--prompt", "a cat",
-         "--nodes", "tcp://127.0.0.1:9", "--timeout", "5", "--out", str(tmp_path / "x.png")],
-        env=subprocess_env(str(tmp_path)), capture_output=True, text=True, timeout=120)
+    run = run_client(["--model", model, "--prompt", "a cat", "--nodes", "tcp://127.0.0.1:9", "--timeout", "5",
+                      "--out", str(tmp_path / "x.png")], str(tmp_path))
     assert run.returncode == 2
     assert f"cannot split {model}" in run.stderr
     assert REFUSALS[name] in run.stderr
@@ -32,15 +28,16 @@ def test_unsplittable_model_is_refused_before_any_node_is_contacted(name, models
     assert not (tmp_path / "known_nodes.json").exists()  # no hello was ever sent
 
 
-def test_verify_reports_zero_difference_at_one_patch(models, tmp_path):
+def test_verify_reports_zero_difference_at_one_patch(models, tmp_path, monkeypatch):
+    """``diffuse verify`` through the command's own code, in this process."""
     import families
 
     model = models("pixart_sigma")
-    cmd = [sys.executable, "-m", "diffuse.cli", "verify", model, "--threads", "1"]
+    argv = ["verify", model, "--threads", "1"]
     for k, v in families.call_args("pixart_sigma").items():
-        cmd += ["--arg", f"{k}={__import__('json').dumps(v)}"]
-    run = subprocess.run(cmd, env=subprocess_env(str(tmp_path)), capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
+        argv += ["--arg", f"{k}={__import__('json').dumps(v)}"]
+    monkeypatch.chdir(tmp_path)
+    run = run_cli(argv, str(tmp_path))
     assert run.returncode == 0, run.stderr[-2000:]
     assert "max abs difference, whole vs split (1 patch): 0  (byte-identical)" in run.stdout
 

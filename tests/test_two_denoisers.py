@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import families
 
-from conftest import run_reference, run_split
+from conftest import Reference, run_split
 
 
 def test_both_experts_are_split_and_the_output_is_byte_identical_to_plain_diffusers(models, tmp_path, diffuse_home):
@@ -19,8 +19,9 @@ def test_both_experts_are_split_and_the_output_is_byte_identical_to_plain_diffus
         index = json.load(f)
     assert index["transformer"] == index["transformer_2"] and index["boundary_ratio"]  # two experts, one class
     kwargs = families.call_args("wan22")
-    reference = run_reference(model, kwargs, str(tmp_path / "reference.npy"))
+    reference = Reference(model, kwargs, str(tmp_path / "reference.npy"))  # side by side with the split run
     split, report = run_split(model, kwargs, tmp_path, nodes=2, home=diffuse_home)
+    reference = reference.result()
     assert split.shape == reference.shape == families.expected_shape("wan22")
     assert split.tobytes() == reference.tobytes(), f"max abs diff {abs(split - reference).max()}"
     # each expert ran its own steps through the ring (step 1 the first, step 2 the second; cond and uncond each)
