@@ -96,7 +96,8 @@ def keep(path: str) -> dict:
     """Work out the folder's verdict afresh (the check, and for a pipeline the largest sizes its denoiser
     takes, which loads the pipeline without its blocks) and write it into the folder as ``VERDICT_FILE``."""
     result = _check(path, time.perf_counter())
-    verdict = {"key": model_key(path), "check": {k: v for k, v in result.items() if k not in ("model", "seconds")}}
+    verdict = {"key": model_key(path), "libraries": library_versions(),  # said for people: the key holds them
+               "check": {k: v for k, v in result.items() if k not in ("model", "seconds")}}
     if result["verdict"] == SPLITTABLE and result.get("output_kind") != "text":
         from diffuse.dryrun import largest_sizes
 
@@ -127,11 +128,24 @@ def cache_key(path: str) -> str:
     return h.hexdigest()
 
 
+def library_versions() -> dict[str, str]:
+    """The installed versions of the libraries a verdict rests on (those installed, by name)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for lib in _LIBRARIES:
+        try:
+            found[lib] = version(lib)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
 def model_key(path: str) -> str:
     """A fingerprint of the model and what reads it, not of the code's files: the checkpoint's small files
     (model_index.json, every config, any .py; its kept verdict left out) and weight layouts (``content_hash``)
     in its top two levels, the versions of the libraries, and the installed analyzer plugins by name."""
-    from importlib.metadata import PackageNotFoundError, entry_points, version
+    from importlib.metadata import entry_points
 
     from diffuse.modelfiles import content_hash
 
@@ -148,11 +162,8 @@ def model_key(path: str) -> str:
                     h.update(f.read())
         if folder and os.path.isfile(os.path.join(here, "config.json")):
             h.update(content_hash(here).encode())
-    for lib in _LIBRARIES:
-        try:
-            h.update(f"{lib}={version(lib)}".encode())
-        except PackageNotFoundError:
-            pass
+    for lib, v in library_versions().items():
+        h.update(f"{lib}={v}".encode())
     for ep in sorted(f"{e.name}={e.value}" for e in entry_points(group="diffuse") if _analyzes(e.value)):
         h.update(f"plugin {ep}\0".encode())
     return h.hexdigest()

@@ -66,7 +66,8 @@ def test_a_size_the_model_cannot_take_is_refused_in_one_line_before_anything_sta
     from diffuse.default_model import default_model_dir
     from diffuse.dryrun import kept_refusal
 
-    kept = diffuse.check.kept(default_model_dir())
+    with open(os.path.join(default_model_dir(), diffuse.check.VERDICT_FILE)) as f:
+        kept = json.load(f)  # as shipped, whatever libraries are installed
     monkeypatch.setattr(diffuse.check, "kept", lambda path: None)
     out = tmp_path / "boat.mp4"
     run = run_client([*README_CLIENT, "--out", str(out), "--quiet"], diffuse_home)
