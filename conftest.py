@@ -222,6 +222,19 @@ def _in_process(main, argv: list[str], home: str | None) -> ClientRun:
     return ClientRun(code, said.getvalue(), printed.getvalue())
 
 
+def reference_jobs(script: str, jobs: list[dict], root, timeout: float = 600) -> list[dict]:
+    """``tests/SCRIPT --jobs``: every job run whole by the plain library in one fresh interpreter, at the tests'
+    thread count (``root``: a folder for the jobs and results files); the results, in the jobs' order."""
+    jobs_file, out = os.path.join(root, "jobs.json"), os.path.join(root, "results.json")
+    with open(jobs_file, "w") as f:
+        json.dump(jobs, f)
+    cmd = [sys.executable, os.path.join(TESTS, script), "--jobs", jobs_file, "--threads", str(THREADS), "--out", out]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out) as f:
+        return json.load(f)
+
+
 def encdec_answer(model: str, clip: str, out: str, *args: str) -> dict:
     """What plain transformers' ``generate`` answers for ``model`` on ``clip`` (tests/encdec_reference.py in a fresh
     process, at the suite's thread count; ``args``: its further flags), read back from ``out``."""

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import TESTS, THREADS, encdec_answer, run_client, subprocess_env
+from conftest import THREADS, encdec_answer, reference_jobs, run_client
 
 
 @pytest.fixture(scope="session")
@@ -77,16 +75,10 @@ def musicgen(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("musicgen")
     model = encdec_models.build("musicgen", str(root / "model"))
-    jobs, out = root / "jobs.json", root / "reference.json"
     job = {"model": model, "prompt": "slow piano", "max_new_tokens": 8}
-    with open(jobs, "w") as f:
-        json.dump([dict(job, wav=str(root / "greedy.wav")), dict(job, seed=SEED, wav=str(root / "sampled.wav"))], f)
-    cmd = [sys.executable, os.path.join(TESTS, "encdec_reference.py"), "--jobs", str(jobs), "--threads", str(THREADS),
-           "--out", str(out)]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(out) as f:
-        greedy, sampled = json.load(f)
+    greedy, sampled = reference_jobs("encdec_reference.py", [dict(job, wav=str(root / "greedy.wav")),
+                                                             dict(job, seed=SEED, wav=str(root / "sampled.wav"))],
+                                     root, timeout=300)
     assert greedy["new_tokens"] != sampled["new_tokens"]  # the seeded draw is not the greedy path
     return {"model": model, "reference": greedy, "sampled": sampled,
             "wav": {"greedy": str(root / "greedy.wav"), "sampled": str(root / "sampled.wav")}}

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import TESTS, THREADS, run_client, subprocess_env
+from conftest import THREADS, reference_jobs, run_client, subprocess_env
 
 PROMPT = "Tell me a story about the moon."
 
@@ -57,14 +57,7 @@ def lm_references(lm_models, image_file, tmp_path_factory) -> dict:
                  do_sample=bool(sample), **{k: v for k, v in (sample or {}).items() if k in SAMPLING_FLAGS},
                  generate_args={k: v for k, v in (sample or {}).items() if k not in SAMPLING_FLAGS})
             for name, new, sample, image in REFERENCE_JOBS]
-    with open(root / "jobs.json", "w") as f:
-        json.dump(jobs, f)
-    cmd = [sys.executable, os.path.join(TESTS, "lm_reference.py"), "--jobs", str(root / "jobs.json"),
-           "--threads", str(THREADS), "--out", str(root / "results.json")]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(root / "results.json") as f:
-        results = json.load(f)
+    results = reference_jobs("lm_reference.py", jobs, root)
     return {(job["model"], job["max_new_tokens"], json.dumps(sample, sort_keys=True), bool(job["images"])): result
             for job, (_, _, sample, _), result in zip(jobs, REFERENCE_JOBS, results)}
 

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import TESTS, THREADS, run_client, subprocess_env
+from conftest import reference_jobs, run_client
 from test_lm import PROMPT, LMModels, split_run
 
 # (model, nodes): each architecture once, 2 and 3 nodes between them (a node start is the cost of a case)
@@ -45,14 +43,7 @@ def arch_references(arch_models, tmp_path_factory) -> dict:
     names = sorted({name for name, _ in SPLITS})
     jobs = [dict(model=arch_models(name), prompt=PROMPT, max_new_tokens=MAX_NEW, images=[], do_sample=False,
                  generate_args={}) for name in names]
-    with open(root / "jobs.json", "w") as f:
-        json.dump(jobs, f)
-    cmd = [sys.executable, os.path.join(TESTS, "lm_reference.py"), "--jobs", str(root / "jobs.json"),
-           "--threads", str(THREADS), "--out", str(root / "results.json")]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(root / "results.json") as f:
-        return {job["model"]: result for job, result in zip(jobs, json.load(f))}
+    return {job["model"]: result for job, result in zip(jobs, reference_jobs("lm_reference.py", jobs, root))}
 
 
 def node_side_params(model_dir: str, embedding: bool) -> int:
