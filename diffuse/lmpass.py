@@ -54,8 +54,10 @@ class LanguageModelPass(PassKind):
         tail = p.part.tail
         if tail is None:
             return out, None
+        if p.tail_answer is not None:  # run with the other passes of its batch (joint_tails)
+            return p.tail_answer, None
         # the head runs on the stream, where a layer returns a tuple (Falcon's hidden states and weights)
-        return run_tail(sess, out if p.rmap.single else out[p.rmap.output_of(p.rmap.hidden_streams[0])], tail), None
+        return run_tail(sess, _stream(p, out), tail), None
 
 
 def embedded(store, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -66,6 +68,49 @@ def embedded(store, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     ids = checked_ids(ids, table.weight.shape[0])
     with torch.no_grad():
         return table(ids)
+
+
+def _stream(p, out):
+    """The hidden state the head reads from a pass's output (``LanguageModelPass.answer``)."""
+    return out if p.rmap.single else out[p.rmap.output_of(p.rmap.hidden_streams[0])]
+
+
+def joint_tails(passes: list[tuple], outs: list) -> None:
+    """The tails of a batch's passes (``diffuse.batching``) that read one row each with the same final norm, head
+    and number of candidates, run together: each pass's norm alone, the head over all their rows in one product
+    (``diffuse.tail.JointHead``), each row's candidates and their bits as its tail alone gives them. Sets
+    ``tail_answer`` on each pass so answered; the others' tails run alone, as before. ``passes``: (session, pass)
+    pairs; ``outs``: each pass's last layer's output."""
+    from diffuse.tail import joint_head
+
+    groups: dict = {}
+    for (sess, p), out in zip(passes, outs):
+        tail = p.part.tail if p.sl.stop == sess.store.stacks[p.stack].length else None  # the stack's last node
+        hidden = _stream(p, out) if tail is not None else None
+        if tail is None or tail.draw is not None or tail.top <= 0 or not isinstance(hidden, torch.Tensor) \
+                or hidden.dim() != 3 or hidden.shape[0] != 1 or tail.rows[1] - tail.rows[0] != 1 \
+                or not 0 <= tail.rows[0] < hidden.shape[1]:
+            continue
+        key = (tail.norm, sess.tail_dtype, tail.top, id(sess.store))
+        groups.setdefault(key, (sess.store, []))[1].append((p, hidden))
+    for (norm_path, dtype, top, _), (store, members) in groups.items():
+        if len(members) < 2:
+            continue
+        norm, head = store.tail(norm_path, dtype)
+        joint = joint_head(head)
+        if joint is None or not 0 < top < head.weight.shape[0]:
+            continue
+        with torch.no_grad():
+            rows = []
+            for p, hidden in members:
+                h = norm(hidden) if norm is not None else hidden
+                start = p.part.tail.rows[0]
+                rows.append(h[:, start:start + 1])
+            if not joint.agrees(head, rows[0]):
+                continue
+            for (p, _), found in zip(members, joint.top(rows, top)):
+                if found is not None:
+                    p.tail_answer = {"ids": found[0], "values": found[1]}
 
 
 def run_tail(sess, hidden: torch.Tensor, tail: Tail) -> dict:

@@ -15,6 +15,7 @@ from diffuse import frames
 from diffuse.batching import MAX_BATCH, batch_key, run_batch
 from diffuse.devices import to_device, to_host
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
+from diffuse.lmpass import joint_tails
 from diffuse.stage import NODE_BUFFER_BYTES, Pass
 
 log = logging.getLogger("diffuse.node")
@@ -184,11 +185,20 @@ class ComputeThread:
         self.node.batched_rows += rows
         share = (time.thread_time() - t0) / len(group)
         wall = (time.perf_counter() - w0) / len(group)
+        t1, w1 = time.thread_time(), time.perf_counter()
+        try:
+            joint_tails([(m.sess, m.pass_) for m in group], outs)  # the head once over the batch's rows (last node)
+        except Exception as exc:  # each tail runs alone, as it would have
+            log.debug("a batch's tails ran one by one: %s", exc)
+        tails, tails_wall = (time.thread_time() - t1) / len(group), (time.perf_counter() - w1) / len(group)
         for m, out in zip(group, outs):
             m.parts["blocks"] += wall
             m.parts["blocks_cpu"] += share
+            m.parts["finish"] += tails_wall
+            m.spent(tails)
             t1, w1 = time.thread_time(), time.perf_counter()
             m.sess.batched_passes += 1
+            m.sess.joint_tails += m.pass_.tail_answer is not None
             try:
                 m.reply = m.sess.finish(m.pass_, out)
             except Exception as exc:

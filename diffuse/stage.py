@@ -72,6 +72,7 @@ class Prepared:
     cache: object | None  # the session's key/value cache of this stack (a language model's pass), or None
     blocks: list[tuple[int, torch.nn.Module]]
     part: object = None  # the message's part (diffuse.passes), once prepared
+    tail_answer: dict | None = None  # its tail's answer, when run with a batch's others (diffuse.lmpass)
 
     def __post_init__(self):
         if self.part is None:
@@ -93,6 +94,7 @@ class StageSession:
         self.busy_log: list[list] = []  # [seq, seconds] of every call this node worked on, for the same
         self.parts_log: list[list] = []  # [seq, seconds...] where each call's time went (diffuse.node.PARTS)
         self.batched_passes = 0  # passes of this session that ran in a batch with other sessions' (diffuse.batching)
+        self.joint_tails = 0  # ... whose tail ran with theirs too (diffuse.lmpass.joint_tails)
         self.store = store
         self.in_hop, self.out_hop = in_hop, out_hop
         self.trees: dict[str, dict] = {}
@@ -195,7 +197,7 @@ class StageSession:
         """What the session did, for the client's summary (sent at close, before the buffers go)."""
         return {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "messages": self.messages,
                 "cache_bytes": self.kv.nbytes(), "batched_passes": self.batched_passes,
-                "hop_bytes": self.hop_log, "busy_s": self.busy_s, "busy_log": self.busy_log,
+                "joint_tails": self.joint_tails, "hop_bytes": self.hop_log, "busy_s": self.busy_s, "busy_log": self.busy_log,
                 "parts_log": self.parts_log,
                 "stale": {k: v.report() for k, v in self.stale.items()},
                 "first_block_cache": self.residuals.report()}

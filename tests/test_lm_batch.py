@@ -234,3 +234,46 @@ def test_a_batch_that_cannot_run_leaves_every_cache_as_it_was(lm_dirs):
     assert batch_key(torch.float32, passes[0]) is None
     _, hybrid = decoding_passes(lm_dirs("hybrid"), [5])
     assert batch_key(torch.float32, hybrid[0]) is None
+
+
+def test_batched_tails_answer_each_row_as_its_tail_alone(lm_dirs):
+    """The last node's tails of a batch (norm, head over every row in one product, best candidates) answer each
+    session with the ids, order and value bits of its tail run alone; and the candidates, found by ``topk``, are
+    those a stable sort of the row puts first, ties and all."""
+    from types import SimpleNamespace
+
+    from diffuse.analysis import ModelSubject
+    from diffuse.batching import run_batch
+    from diffuse.blockstore import BlockStore
+    from diffuse.lmpass import joint_tails, run_tail
+    from diffuse.passes import LayerPass, Tail
+    from diffuse.planner import config_draft
+    from diffuse.tail import top_candidates
+
+    model_dir = lm_dirs("qwen2")
+    model, passes = decoding_passes(model_dir, [3, 9, 14])
+    outs = run_batch(passes)
+    subject = ModelSubject.from_path(model_dir)
+    store = BlockStore(model_dir, subject, config_draft(subject, wanted={"stacks"})["stacks"], None)
+    node = SimpleNamespace(store=store, tail_dtype=torch.float32)  # what a tail reads of its session
+    tail = Tail("model.norm", (0, 1), 8)
+    for p in passes:
+        p.part = LayerPass(kind="DynamicCache", tail=tail)
+    joint_tails([(node, p) for p in passes], outs)
+    for p, out in zip(passes, outs):
+        alone = run_tail(node, out, tail)
+        with torch.no_grad():
+            plain = top_candidates(model.lm_head(model.model.norm(out)), 8)  # the model's own modules
+        assert p.tail_answer is not None
+        for got in (alone, {"ids": plain[0], "values": plain[1]}):
+            assert torch.equal(p.tail_answer["ids"], got["ids"])
+            assert torch.equal(p.tail_answer["values"].view(torch.int32), got["values"].view(torch.int32))
+    # ties across the k-th value, infinities, signed zeros: as a stable descending sort, value bits included
+    rows = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 0.0, -0.0, float("inf")],
+                         [0.0, -0.0, 0.0, -0.0, float("-inf"), 5.0, 5.0, 5.0],
+                         [7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    for k in (1, 2, 3, 4, 7):
+        values, ids = torch.sort(rows, dim=-1, descending=True, stable=True)
+        got_ids, got_values = top_candidates(rows, k)
+        assert torch.equal(got_ids, ids[:, :k])
+        assert torch.equal(got_values.view(torch.int32), values[:, :k].view(torch.int32))
