@@ -243,9 +243,9 @@ def print_sessions(rows: dict, n: int) -> None:
     """``--sessions``' table: each mode's rate, latency and batches, the single streams, the CPU bound, the ratios."""
     print("\nresults (tokens/s: all sessions together; latency: median time between two tokens of a session)")
     for mode in ("off", "on"):
-        rate, latency, equal, batches, batched = rows[("sessions", mode)]
-        formed = f"   batches formed {batches} ({batched / batches:.1f} sessions each on average)" if batches else \
-            "   batches formed 0"
+        rate, latency, equal, batches, batched, joint = rows[("sessions", mode)]
+        formed = f"   batches formed {batches} ({batched / batches:.1f} sessions each on average; {joint} tails run " \
+            "with their batch's)" if batches else "   batches formed 0"
         print(f"  {n} sessions, batching {mode:3s} {rate:7.1f} tokens/s   median latency {1000 * latency:7.1f} ms   "
               f"tokens equal solo: {equal}{formed}   (load {rows[('load', mode)][0]:.2f} -> "
               f"{rows[('load', mode)][1]:.2f})")
@@ -323,6 +323,7 @@ def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype
             ready = threading.Barrier(n + 1, timeout=600)
             out: dict[int, object] = {}
             timed: dict[int, list] = {}  # per session, where each node's time went in its timed passes
+            joint: dict[int, int] = {}  # per session, passes whose tail ran with the rest of its batch's
 
             def session(i: int) -> None:
                 try:
@@ -332,6 +333,7 @@ def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype
                         ready.wait()
                         out[i] = generate(copies[i], prompts[i], cfg["new"])
                     timed[i] = parts.node_parts(sp.node_reports, [mark], len(sp.node_reports))
+                    joint[i] = sum(r.get("joint_tails", 0) for r in sp.node_reports)
                 except BaseException as exc:  # reported below
                     ready.abort()
                     out[i] = exc
@@ -358,7 +360,7 @@ def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype
         batched = sum(a["batched_rows"] - b["batched_rows"] for a, b in zip(after, before))
         rows[("sessions", mode)] = (n * cfg["new"] / wall,
                                     statistics.median(g for i in range(n) for g in gaps(out[i][1])), all(equal),
-                                    batches, batched)
+                                    batches, batched, sum(joint.values()))
         rows[("cpu", mode)] = tuple(c / (n * cfg["new"]) for c in cpu)
         rows[("nodes", mode)] = parts.merged(list(timed.values()))
         rows[("load", mode)] = (load, os.getloadavg()[0])

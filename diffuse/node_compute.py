@@ -275,6 +275,8 @@ class ComputeThread:
         a session other than ``e``'s (prepared here, in its session's order), with ``e``'s batch key."""
         if e.pass_ is None and e.reply is None:
             self._prepare(e)
+        if not any(not isinstance(f, tuple) and f.sess is not e.sess for f in entries):
+            return []  # nothing of another session waits (a single stream): no batch key to work out
         key = e.key = batch_key(e.sess.dtype, e.pass_) if e.pass_ is not None else None
         if key is None:
             return []
