@@ -322,8 +322,7 @@ def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype
             before = [transport_for(node.address).request(node.address, {"op": "status"}, 10.0) for node in nodes]
             ready = threading.Barrier(n + 1, timeout=600)
             out: dict[int, object] = {}
-            timed: dict[int, list] = {}  # per session, where each node's time went in its timed passes
-            joint: dict[int, int] = {}  # per session, passes whose tail ran with the rest of its batch's
+            timed: dict[int, tuple] = {}  # per session: its nodes' time per timed pass, tails run with its batch's
 
             def session(i: int) -> None:
                 try:
@@ -332,8 +331,8 @@ def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype
                         mark = max(m["seq"] for m in sp.ring.channel_stats.messages)
                         ready.wait()
                         out[i] = generate(copies[i], prompts[i], cfg["new"])
-                    timed[i] = parts.node_parts(sp.node_reports, [mark], len(sp.node_reports))
-                    joint[i] = sum(r.get("joint_tails", 0) for r in sp.node_reports)
+                    timed[i] = (parts.node_parts(sp.node_reports, [mark], len(sp.node_reports)),
+                                sum(r.get("joint_tails", 0) for r in sp.node_reports))
                 except BaseException as exc:  # reported below
                     ready.abort()
                     out[i] = exc
@@ -360,9 +359,9 @@ def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype
         batched = sum(a["batched_rows"] - b["batched_rows"] for a, b in zip(after, before))
         rows[("sessions", mode)] = (n * cfg["new"] / wall,
                                     statistics.median(g for i in range(n) for g in gaps(out[i][1])), all(equal),
-                                    batches, batched, sum(joint.values()))
+                                    batches, batched, sum(t[1] for t in timed.values()))
         rows[("cpu", mode)] = tuple(c / (n * cfg["new"]) for c in cpu)
-        rows[("nodes", mode)] = parts.merged(list(timed.values()))
+        rows[("nodes", mode)] = parts.merged([t[0] for t in timed.values()])
         rows[("load", mode)] = (load, os.getloadavg()[0])
     print_sessions(rows, n)
     print(f"  every session's tokens equal its solo run: {same}")
