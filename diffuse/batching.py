@@ -17,8 +17,11 @@ rows (``run_batch``):
   an additive attention mask hides the padding and keeps causality (the layer
   must take ``attention_mask``, and its own must be empty);
 - the last layer's output and the stream slots are cut back into each
-  session's rows, and each session's tail and message are made as for a lone
-  pass.
+  session's rows, and each session's message is made as for a lone pass; on
+  the stack's last node, the tails that read one row each run their output
+  head as one product over all those rows, each row still answered with the
+  candidates and value bits its tail alone gives (``diffuse.lmpass.joint_tails``,
+  ``diffuse.tail.JointHead``).
 
 Whatever does not fit (a cache layer other than a plain growing one, such as a
 sliding window; a prefill; a mask already present; a layer that asks the

@@ -1,6 +1,7 @@
 """What the node's compute thread took from its queue at once (``diffuse.node_compute``): run in arrival order,
 except that decoding passes of different sessions that fit together run through the layers as one batch
-(``diffuse.batching``); each session's tail and message then go as for a lone pass."""
+(``diffuse.batching``); the last node's tails of such a batch share one product of the output head
+(``diffuse.lmpass.joint_tails``); each session's message then goes as for a lone pass."""
 
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ class TakenItems:
 
     def _batch(self, group: list["Incoming"]) -> None:
         """Decoding passes of different sessions through the layers as one batch (``diffuse.batching``); each
-        session's tail and message then as for a lone pass. What cannot be batched runs one by one."""
+        session's tail (jointly where they fit) and message then as for a lone pass. What cannot be batched runs
+        one by one."""
         t0, w0 = time.thread_time(), time.perf_counter()
         try:
             outs = run_batch([m.pass_ for m in group])
