@@ -194,9 +194,10 @@ class JointHead:
             if len(ids) > MAX_JOINT_CANDIDATES:
                 out.append(None)
                 continue
-            tiles = (ids // TILE).tolist()
-            exact = {t: self._tile(x, t * TILE).reshape(-1) for t in dict.fromkeys(tiles)}
-            values = torch.stack([exact[t][i - t * TILE] for t, i in zip(tiles, ids.tolist())])
+            tiles, where = torch.unique_consecutive(ids // TILE, return_inverse=True)  # ids ascending: tiles too
+            # every tile but the vocabulary's last is TILE long, and the last comes last: id's place is found so
+            exact = torch.cat([self._tile(x, t * TILE).reshape(-1) for t in tiles.tolist()])
+            values = exact[where * TILE + ids % TILE]
             best, order = torch.sort(values, descending=True, stable=True)
             out.append((ids[order[:k]].view(1, 1, k), best[:k].reshape(1, 1, k).contiguous()))
         return out
