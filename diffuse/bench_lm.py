@@ -7,9 +7,10 @@ torch thread), in turn for ``--rounds`` rounds so that the machine's load hits
 each alike. Printed: tokens per second after the first token against whole
 (the mean of the per-round ratios, with its spread), first-token latency, the
 bytes one decoding step puts on each hop (sealed, as measured on the wire),
-whether the tokens are the same, and where a token's time goes: the client's
-generate loop, hashing, sealing, waiting; on each node opening, checking and
-assembling, the layers, handing on, sealing; the hops.
+whether the tokens are the same, the CPU per token of every process (the work a
+split adds, and the cap that work alone puts on its rate), and where a token's
+time goes: the client's generate loop, hashing, sealing, waiting; on each node
+opening, checking and assembling, the layers, handing on, sealing; the hops.
 
 ``--sessions N``: N greedy sessions at once (prompts of different lengths),
 each its own client on a thread of this process (its own model copy and
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             r = rows[name]
             print(f"  {name}: bytes per decoding step on each hop (sealed): "
                   + ", ".join(f"{h} {b:.0f} B" for h, b in r["hops"]))
+        print_cpu(rows, cfg["new"])
         for name in ("split, 1 node", "split, 2 nodes"):
             print_token_breakdown(name, rows[name], rows["whole"])
     finally:
@@ -171,7 +173,7 @@ def interleaved(tmp: str, cfg: dict, ids, rounds: int, device: str | None = None
     models = {"whole": load_whole_or_shell(info, compute, shell=False),
               "split, 1 node": diffuse.from_pretrained(tmp, device=device, dtype=dtype),
               "split, 2 nodes": diffuse.from_pretrained(tmp, device=device, dtype=dtype)}
-    rows = {name: {"clocks": [], "tokens": None, "client": {}, "marks": None} for name in models}
+    rows = {name: {"clocks": [], "tokens": None, "client": {}, "marks": None, "cpu": []} for name in models}
     with contextlib.ExitStack() as stack:
         rings = {name: stack.enter_context(diffuse.split(models[name], local_nodes=n))
                  for name, n in (("split, 1 node", 1), ("split, 2 nodes", 2))}
@@ -183,8 +185,11 @@ def interleaved(tmp: str, cfg: dict, ids, rounds: int, device: str | None = None
         for k in range(rounds):
             for name in names[k % 3:] + names[:k % 3]:
                 before = parts.snapshot(rings[name]) if name in rings else None
+                pids = [n.proc.pid for n in (rings[name].local_nodes or [])] if name in rings else []
+                c0, n0 = time.process_time(), parts.process_cpu(pids)
                 tokens, clock = generate(models[name], ids, cfg["new"])
                 row = rows[name]
+                row["cpu"].append((time.process_time() - c0, parts.process_cpu(pids) - n0))
                 row["clocks"].append(clock)
                 row["tokens"] = tokens if row["tokens"] is None else row["tokens"]
                 if before is not None:
@@ -199,6 +204,20 @@ def interleaved(tmp: str, cfg: dict, ids, rounds: int, device: str | None = None
     rows["whole"]["same"] = True
     rows["load"] = (load0, os.getloadavg()[0])
     return rows
+
+
+def print_cpu(rows: dict, new: int) -> None:
+    """CPU per token of every process (this one, and the local nodes), the best round of each configuration: what
+    a split adds in work, which load inflates far less than wall time; and the ceiling that work alone puts on
+    the split's rate against whole (hops that cost nothing, every core free)."""
+    whole = min(c + n for c, n in rows["whole"]["cpu"]) / new
+    print(f"  CPU per token, all processes (best round): whole {1000 * whole:.2f} ms", end="")
+    for name in ("split, 1 node", "split, 2 nodes"):
+        client, nodes = (x / new for x in min(rows[name]["cpu"], key=sum))
+        added = client + nodes - whole
+        print(f"; {name}: client {1000 * client:.2f} + nodes {1000 * nodes:.2f} ms, {1000 * added:+.2f} ms over whole "
+              f"(alone it caps the split at {whole / (whole + max(0.0, added)):.2f} of whole)", end="")
+    print()
 
 
 def print_token_breakdown(name: str, row: dict, whole: dict) -> None:
