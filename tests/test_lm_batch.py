@@ -268,6 +268,23 @@ def test_batched_tails_answer_each_row_as_its_tail_alone(lm_dirs):
         for got in (alone, {"ids": plain[0], "values": plain[1]}):
             assert torch.equal(p.tail_answer["ids"], got["ids"])
             assert torch.equal(p.tail_answer["values"].view(torch.int32), got["values"].view(torch.int32))
+    # a head with a bias and a vocabulary whose last tile is short, its best logits in that tile
+    from diffuse.tail import joint_head
+
+    head = torch.nn.Linear(96, 1000)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(1000, 96, generator=g) * 0.1)
+        head.bias.copy_(torch.randn(1000, generator=g))
+        head.weight[990:] *= 5
+    rows = [torch.randn(1, 1, 96, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    joint = joint_head(head)
+    with torch.no_grad():
+        assert joint.agrees(head, rows[0])
+        for (ids, values), row in zip(joint.top(rows, 8), rows):
+            alone = top_candidates(head(row), 8)
+            assert torch.equal(ids, alone[0]) and torch.equal(values.view(torch.int32), alone[1].view(torch.int32))
+            assert ids.max() >= 990
     # ties across the k-th value, infinities, signed zeros: as a stable descending sort, value bits included
     rows = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 0.0, -0.0, float("inf")],
                          [0.0, -0.0, 0.0, -0.0, float("-inf"), 5.0, 5.0, 5.0],
