@@ -17,6 +17,7 @@ import json
 import os
 import time
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import numpy as np
 
@@ -112,26 +113,35 @@ def generate(a: argparse.Namespace, console) -> dict:
     what happens at each phase, the first within a second of start."""
     t0 = time.perf_counter()
     q = cli.query_request(a)
-    info, name, compute = read_model(q.model, q.call, console, q.output.quiet)
-    q = cli.request_for(q, info.subject, console)  # --nodes auto: the nodes announced on this network
+    model = read_model(q.model, q.call, console, q.output.quiet)
+    q = cli.request_for(q, model.info.subject, console)  # --nodes auto: the nodes announced on this network
     if q.ring.nodes is None and not q.model.whole:
         from diffuse.localnodes import warm_launcher
 
         warm_launcher()  # its imports run while this process loads the model
-    if info.subject.autoregressive:
+    if model.info.subject.autoregressive:
         from diffuse.lm import generate_text
 
-        return generate_text(q, console, info)
-    return generate_pipeline(q, console, (info, name, compute), t0)
+        return generate_text(q, console, model.info)
+    return generate_pipeline(q, console, model, t0)
 
 
-def generate_pipeline(q: QueryRequest, console, model: tuple, t0: float) -> dict:
+class ModelRead(NamedTuple):
+    """What ``read_model`` found: the model's analysis (``diffuse.api.ModelInfo``), the name it was asked by,
+    and where the client's ends compute (``diffuse.devices.Compute``)."""
+
+    info: object
+    name: str
+    compute: object
+
+
+def generate_pipeline(q: QueryRequest, console, model: ModelRead, t0: float) -> dict:
     """A diffusion pipeline's run of request ``q``, its ``model`` read (``read_model``): loaded and checked,
     split, called, its output written and its report made."""
-    info, name, compute = model
+    info = model.info
     out = q.output
     check_output_path(out.out, info.draft)
-    pipe, kwargs = load_checked(q.model.whole, q.call, (info, name, compute), console, out.quiet)
+    pipe, kwargs = load_checked(q.model.whole, q.call, model, console, out.quiet)
     report: dict = {"model": info.path, "mode": "whole" if q.model.whole else "split"}
     times = {"load": time.perf_counter() - t0}
     split, starting = (None, None) if q.model.whole else make_split(q.ring, console, pipe)
@@ -179,7 +189,7 @@ def refuse_early(path: str, label: str, call: PipelineCall) -> None:
         raise DiffuseError(line)
 
 
-def read_model(ask: ModelAsk, call: PipelineCall, console, quiet: bool):
+def read_model(ask: ModelAsk, call: PipelineCall, console, quiet: bool) -> ModelRead:
     """The model ``ask`` names (the shipped one by default), analysed from its config: its ``ModelInfo``, the
     name it was asked by, and where the client's ends compute. Refusals happen here, before any node is
     contacted."""
@@ -202,10 +212,10 @@ def read_model(ask: ModelAsk, call: PipelineCall, console, quiet: bool):
         if ask.threads:
             torch.set_num_threads(ask.threads)
         info = ModelInfo.of(path)
-        return info, name, client_compute(info, ask.device, ask.dtype)
+        return ModelRead(info, name, client_compute(info, ask.device, ask.dtype))
 
 
-def load_checked(whole: bool, call: PipelineCall, model: tuple, console, quiet: bool):
+def load_checked(whole: bool, call: PipelineCall, model: ModelRead, console, quiet: bool):
     """The pipeline of ``model`` (its info, name and compute, from ``read_model``) loaded (``whole``, else
     without the blocks the nodes will hold) and the call's arguments, checked against the denoiser's forward
     run weightless at the call's shapes."""
