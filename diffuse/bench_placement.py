@@ -53,6 +53,7 @@ class Limits:
         self.groups = Cgroups(f"diffuse-bench-{os.getpid()}-{os.urandom(3).hex()}")
         self.why = self.groups.why
         self.count, self.period_us, self.shares = 0, period_us, shares
+        self.cpu_groups: dict[str, str] = {}  # node name -> its cpu group folder (of the nodes started last)
         if not self.why:
             self.groups.enter(self.groups.make("client", 1.0, DEFAULT_PERIOD_US, shares), os.getpid())
 
@@ -65,8 +66,13 @@ class Limits:
         self.count += 1
         for node, (name, cpus) in zip(nodes, limits):
             period = self.period_us if cpus < 1 else DEFAULT_PERIOD_US  # a whole core's quota: the same in any
-            self.groups.enter(self.groups.make(f"{name}-{self.count}", cpus, period, self.shares),  # period,
-                              node.proc.pid)  # and a short one would throttle its threads' short overlaps
+            folders = self.groups.make(f"{name}-{self.count}", cpus, period, self.shares)  # period, and a short
+            self.groups.enter(folders, node.proc.pid)  # one would throttle its threads' short overlaps
+            self.cpu_groups[name] = folders[0]
+
+    def throttling(self) -> dict[str, dict[str, int]]:
+        """Each node group's ``cpu.stat`` now (periods, periods throttled, nanoseconds throttled)."""
+        return {name: self.groups.cpu_stat(f) for name, f in self.cpu_groups.items()}
 
     def close(self) -> None:
         if not self.why:
@@ -109,6 +115,75 @@ def _slices(route) -> str:
     return " ".join("+".join(f"[{s.start}:{s.stop}]" for s in st.slices if not s.empty) for st in route)
 
 
+def _process_cpu(pid: int) -> float:
+    """CPU seconds process ``pid`` has used so far, all its threads (0 where it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """CPU seconds the machine's cores have been busy (user, nice, system, interrupts) and stolen by its host so
+    far (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / tick, v[7] / tick
+
+
+class Watch:
+    """The timed part of one run, read at its start and end: the load, the last pass sent before it, each node's
+    process CPU seconds and its group's ``cpu.stat``, the client's own CPU seconds."""
+
+    def __init__(self, limits: Limits, nodes):
+        self.limits, self.nodes, self.at, self.seq = limits, nodes, [], 0
+
+    def take(self, split=None) -> None:
+        if split is not None:
+            self.seq = max((m["seq"] for m in split.ring.channel_stats.messages), default=0)
+        self.at.append(dict(load=os.getloadavg()[0], client=time.process_time(), stat=self.limits.throttling(),
+                            cpu=[_process_cpu(n.proc.pid) for n in self.nodes], machine=_machine_cpu(),
+                            wall=time.perf_counter()))
+
+    def others(self) -> tuple[float, float]:
+        """Cores the machine's other work kept busy in the timed part (its busy CPU seconds less this process's and
+        the nodes', over the wall time), and cores its host stole."""
+        a, b = self.at[0], self.at[-1]
+        wall = max(1e-9, b["wall"] - a["wall"])
+        ours = b["client"] - a["client"] + sum(b["cpu"]) - sum(a["cpu"])
+        return (max(0.0, b["machine"][0] - a["machine"][0] - ours) / wall, (b["machine"][1] - a["machine"][1]) / wall)
+
+    def rows(self, split, p, passes: int) -> list[dict]:
+        """Per node (in ``NODES`` order) what the timed part measured against ``p``'s prediction: its slice, the
+        passes it ran, their mean busy, block wall and block CPU seconds, its process's CPU seconds a pass, and
+        its group's throttling."""
+        from diffuse.node_compute import PARTS
+
+        a, b = self.at[0], self.at[-1]
+        reports = {s.address: r for s, r in zip(split.plan.route, split.node_reports)}
+        slices = {s.address: _slices([s]) for s in split.plan.route}
+        order = [c.name for c in p.nodes]
+        out = []
+        for i, (node, (name, _)) in enumerate(zip(self.nodes, NODES)):
+            log = [r[1:] for r in reports.get(node.address, {}).get("parts_log", []) if r[0] > self.seq]
+            n = max(1, len(log))
+            col = {k: sum(r[j] for r in log) / n for j, k in enumerate(PARTS)}
+            t0, t1 = a["stat"].get(name, {}), b["stat"].get(name, {})
+            k = order.index(node.address) if node.address in order else None
+            out.append(dict(name=name, slices=slices.get(node.address) or "none", passes=len(log),
+                            busy=sum(col[x] for x in ("open", "prepare", "blocks", "finish", "seal")),
+                            blocks=col["blocks"], blocks_cpu=col["blocks_cpu"],
+                            predicted=p.shares[k] if k is not None else 0.0,
+                            cpu=(b["cpu"][i] - a["cpu"][i]) / max(1, passes),
+                            periods=t1.get("nr_periods", 0) - t0.get("nr_periods", 0),
+                            throttled=t1.get("nr_throttled", 0) - t0.get("nr_throttled", 0),
+                            throttled_s=(t1.get("throttled_time", 0) - t0.get("throttled_time", 0)) / 1e9))
+        return out
+
+
 def diffusion(tmp: str, cfg: dict, limits: Limits) -> dict:
     """Even, then planned, on the diffusion bench model: seconds per step, measured and predicted."""
     import torch
@@ -127,23 +202,26 @@ def diffusion(tmp: str, cfg: dict, limits: Limits) -> dict:
         spec = [f"{n.address}#{n.key}" for n in nodes]
         for placement in ("even", "planned"):
             transformer = bench.load_transformer(path)
-            cpu: list[float] = []  # this process's CPU seconds at the first timed step, and at the end
+            watch, held = Watch(limits, nodes), []
 
             def mark(step: int) -> None:
                 if step == bench.TIMED_FROM:
-                    cpu.append(time.process_time())
+                    watch.take(held[0])
 
             with diffuse.split(transformer, nodes=spec, placement=placement, timeout=600, model=path) as split:
+                held.append(split)
                 times, latent = bench.denoise(transformer, x, cfg["steps"], mark)
-                cpu.append(time.process_time())
+                watch.take()
                 route = split.plan.route
             if placement == "even":
                 plan = split.plan
                 caps = _speeds_now(plan)  # as the even run left them: what the planned run is planned from
             p = _prediction(caps, plan, path, route, 1, nbytes)  # speeds per pass, as a route is planned
-            client = (cpu[1] - cpu[0]) / max(1, cfg["steps"] - bench.TIMED_FROM)
-            out[placement] = dict(s=statistics.mean(times[bench.TIMED_FROM:]), nodes=2 * p.pass_s, client=client,
-                                  route=_slices(route), latent=latent, caps=caps)
+            steps = max(1, cfg["steps"] - bench.TIMED_FROM)
+            out[placement] = dict(s=statistics.mean(times[bench.TIMED_FROM:]), nodes=2 * p.pass_s,
+                                  client=(watch.at[1]["client"] - watch.at[0]["client"]) / steps,
+                                  route=_slices(route), latent=latent, caps=caps, rows=watch.rows(split, p, 2 * steps),
+                                  load=(watch.at[0]["load"], watch.at[1]["load"]), others=watch.others())
     finally:
         nodes.stop()
     out["same"] = bool(torch.equal(out["even"]["latent"], out["planned"]["latent"]))
@@ -166,18 +244,21 @@ def language_model(tmp: str, cfg: dict, limits: Limits) -> dict:
         spec = [f"{n.address}#{n.key}" for n in nodes]
         for placement in ("even", "planned"):
             model = diffuse.from_pretrained(path)
+            watch = Watch(limits, nodes)
             with diffuse.split(model, nodes=spec, placement=placement, timeout=600) as split:
                 bench_lm.generate(model, ids, 2)  # warm-up: the session open, the call plans learnt
-                cpu = time.process_time()
+                watch.take(split)
                 new, clock = bench_lm.generate(model, ids, cfg["new"])
-                cpu = (time.process_time() - cpu) / cfg["new"]
+                watch.take()
                 route = split.plan.route
             if placement == "even":
                 plan = split.plan
                 caps = _speeds_now(plan)
             p = _prediction(caps, plan, path, route, 1, cfg["hidden"] * 4)
-            out[placement] = dict(s=1 / clock.per_second, nodes=p.pass_s, client=cpu, route=_slices(route),
-                                  tokens=new, caps=caps)
+            out[placement] = dict(s=1 / clock.per_second, nodes=p.pass_s, route=_slices(route), tokens=new, caps=caps,
+                                  client=(watch.at[1]["client"] - watch.at[0]["client"]) / cfg["new"],
+                                  rows=watch.rows(split, p, cfg["new"]), load=(watch.at[0]["load"], watch.at[1]["load"]),
+                                  others=watch.others())
     finally:
         nodes.stop()
     out["same"] = bool(torch.equal(out["even"]["tokens"], out["planned"]["tokens"]))
@@ -197,8 +278,26 @@ def report(name: str, unit: str, r: dict, per_second: bool = False, per: str = "
         print(f"  {placement:8s} slices {m['route']:<28s} {shown}   predicted {predicted:.3f} s "
               f"(measured / predicted {m['s'] / predicted:.2f}; the planner's nodes and hops {m['nodes']:.3f} s, "
               f"the client's own CPU time {m['client']:.3f} s)")
+        print(f"    timed part: load average {m['load'][0]:.2f} at its start, {m['load'][1]:.2f} at its end; other work "
+              f"on the machine {m['others'][0]:.2f} cores, stolen by the host {m['others'][1]:.2f}")
+        for row in m["rows"]:
+            print(node_line(row, per))
     ratio = r["even"]["s"] / r["planned"]["s"]
     print(f"  planned / even: {ratio:.2f}x   goal >= 1.5x   ({unit} equal on both: {r['same']})")
+
+
+def node_line(row: dict, per: str) -> str:
+    """One node's timed part of a run: its busy time a pass against the planner's share, its blocks' wall time
+    against their CPU time (above 1: the thread waited for a core, or for its group's quota), and the
+    throttling its group's ``cpu.stat`` counted."""
+    if not row["passes"]:
+        return f"    {row['name']:<6} no block ({row['slices']})"
+    busy = row["busy"]
+    return (f"    {row['name']:<6} {row['slices']:<10} {row['passes']:3d} passes: busy {1000 * busy:7.1f} ms {per} "
+            f"(predicted {1000 * row['predicted']:.1f}, measured / predicted {busy / max(row['predicted'], 1e-9):.2f}); "
+            f"blocks {1000 * row['blocks']:.1f} ms wall / {1000 * row['blocks_cpu']:.1f} ms CPU "
+            f"({row['blocks'] / max(row['blocks_cpu'], 1e-9):.2f}); process CPU {1000 * row['cpu']:.1f} ms; "
+            f"throttled in {row['throttled']} of {row['periods']} periods, {1000 * row['throttled_s']:.0f} ms")
 
 
 def main(argv: list[str] | None = None) -> int:
