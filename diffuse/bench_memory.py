@@ -20,8 +20,8 @@ headers: each node its slice (its blocks; a language model's last node also the 
 embedding), the client the ends (all that is not a block); whole, everything; and whether the split run's output
 is the whole one's (the tokens; the latent, bit for bit). Goals: each node within its slice + 0.5 GiB, the client
 within the ends + 0.6 GiB. Every process at ``THREADS`` torch threads. ``--model`` runs one of the two.
-``--quick``: tiny geometries, for a smoke test (built and run whole in this process, whose peak then says
-nothing).
+``--quick``: tiny geometries, for a smoke test (built, run whole and the client run in this process, whose peak
+then says nothing).
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def measure(path: str, quick: bool, wan: bool) -> None:
     dtype = ["--device", "cpu", "--dtype", "bfloat16"] if wan else []  # Wan's float32 modules stay float32
     nodes = start_local_nodes(path, 2, threads=THREADS, extra=["--log-level", "WARNING", *dtype])
     try:
-        client = _run([pre + "client", path, *flag, ",".join(f"{n.address}#{n.key}" for n in nodes)])
+        client = one([pre + "client", path, *flag, ",".join(f"{n.address}#{n.key}" for n in nodes)])
         peaks = [_hwm(n.proc.pid) for n in nodes]
     finally:
         nodes.stop()
