@@ -12,9 +12,10 @@ import time
 import torch
 
 from diffuse import frames
-from diffuse.batching import MAX_BATCH, batch_key, run_batch
+from diffuse.batching import MAX_BATCH
 from diffuse.devices import to_device, to_host
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
+from diffuse.node_batches import TakenItems
 from diffuse.stage import NODE_BUFFER_BYTES, Pass
 
 log = logging.getLogger("diffuse.node")
@@ -76,15 +77,16 @@ class ComputeThread:
 
     def __init__(self, node):
         self.node = node
+        self.batches = TakenItems(self)  # what one turn of the loop took, batched where it can be
 
     def data(self, raw: list[bytes]) -> None:
         """One data message, alone: opened, handled, sealed and sent on."""
-        m = self._open(raw)
+        m = self.open(raw)
         if m is not None:
-            self._prepare(m)
-            self._solo(m)
+            self.prepare(m)
+            self.solo(m)
 
-    def _open(self, raw: list[bytes]) -> "Incoming | None":
+    def open(self, raw: list[bytes]) -> "Incoming | None":
         t0 = time.perf_counter()
         env, sess = self.node._addressed(raw)
         if sess is None:
@@ -107,7 +109,7 @@ class ComputeThread:
         m.timed("open", t0)
         return m
 
-    def _failed(self, m: "Incoming", exc: Exception) -> None:
+    def failed(self, m: "Incoming", exc: Exception) -> None:
         """The message that answers a call that failed: the client hears of it; the node keeps serving."""
         sid = m.sess.sid.hex()[:8]
         if isinstance(exc, DiffuseError):  # a malformed call: one line
@@ -119,7 +121,7 @@ class ComputeThread:
             log.debug("call failed", exc_info=True)
         m.reply = (self._error(m.header, text), [])
 
-    def _prepare(self, m: "Incoming") -> None:
+    def prepare(self, m: "Incoming") -> None:
         """Check and take apart a message (``StageSession.prepare``): ``m.pass_`` to run, or ``m.reply`` at once."""
         sess = m.sess
         t0, w0 = time.thread_time(), time.perf_counter()
@@ -129,7 +131,7 @@ class ComputeThread:
                 raise DiffuseError(m.malformed)
             got = sess.prepare(m.header, m.tensors)
         except Exception as exc:
-            self._failed(m, exc)
+            self.failed(m, exc)
         else:
             if isinstance(got, Pass):
                 m.pass_ = got
@@ -138,7 +140,7 @@ class ComputeThread:
         m.spent(time.thread_time() - t0)
         m.timed("prepare", w0)
 
-    def _solo(self, m: "Incoming") -> None:
+    def solo(self, m: "Incoming") -> None:
         """Run a prepared message alone, then send what it made."""
         if m.reply is None:
             t0, f0 = time.thread_time(), _faults()
@@ -158,47 +160,16 @@ class ComputeThread:
                 if getattr(m.pass_.part, "tail", None) is not None:  # the output head's work: planned as weights
                     ran = time.perf_counter() - w0
             except Exception as exc:
-                self._failed(m, exc)
+                self.failed(m, exc)
                 ran = None
             m.spent(time.thread_time() - t0)
-            self._send(m)
+            self.send(m)
             if ran is not None:  # its opening, checking, sealing and sending, besides its blocks
                 self.node.speeds.overhead(m.pass_, time.perf_counter() - m.t0 - ran)
             return
-        self._send(m)
+        self.send(m)
 
-    def _batch(self, group: list["Incoming"]) -> None:
-        """Decoding passes of different sessions through the layers as one batch (``diffuse.batching``); each
-        session's tail and message then as for a lone pass. What cannot be batched runs one by one."""
-        t0, w0 = time.thread_time(), time.perf_counter()
-        try:
-            outs = run_batch([m.pass_ for m in group])
-        except Exception as exc:
-            log.debug("a batch of %d passes ran one by one: %s", len(group), exc)
-            self.node.batch_fallbacks += 1
-            for m in group:
-                self._solo(m)
-            return
-        rows = sum(out.shape[0] if isinstance(out, torch.Tensor) else 1 for out in outs)
-        self.node.batches += 1
-        self.node.batched_rows += rows
-        share = (time.thread_time() - t0) / len(group)
-        wall = (time.perf_counter() - w0) / len(group)
-        for m, out in zip(group, outs):
-            m.parts["blocks"] += wall
-            m.parts["blocks_cpu"] += share
-            t1, w1 = time.thread_time(), time.perf_counter()
-            m.sess.batched_passes += 1
-            try:
-                m.reply = m.sess.finish(m.pass_, out)
-            except Exception as exc:
-                self._failed(m, exc)
-            m.spent(share + time.thread_time() - t1)
-            m.timed("finish", w1)
-        for m in group:
-            self._send(m)
-
-    def _send(self, m: "Incoming") -> None:
+    def send(self, m: "Incoming") -> None:
         sess = m.sess
         if hasattr(sess, "kv"):
             self.node.state_bytes.set(sess.sid, sess.kv.nbytes())
@@ -222,64 +193,6 @@ class ComputeThread:
         if call:
             _keep(sess.parts_log, [m.header["seq"]] + [round(m.parts[k], 6) for k in PARTS])
 
-    def serve_taken(self, items: list) -> None:
-        """What the compute thread took from its queue at once, in arrival order, except that decoding passes
-        of different sessions that fit together run as one batch when the first of them comes up (each
-        session's messages keep their order: only a session's earliest waiting message joins a batch)."""
-        entries: list = []
-        for item in items:
-            if isinstance(item, tuple):
-                entries.append(item)
-                continue
-            try:
-                m = self._open(item)
-            except Exception as exc:
-                log.warning("dropped a data message that failed unexpectedly (%s); still serving", type(exc).__name__)
-                log.debug("dropped", exc_info=True)
-                continue
-            if m is not None:
-                m.parts["idle"], self.node.idle_s = self.node.idle_s, 0.0
-                entries.append(m)
-        while entries:
-            e = entries.pop(0)
-            try:
-                if isinstance(e, tuple):
-                    if e:
-                        e[1].close()
-                    continue
-                group = [e] + self._partners(e, entries) if self.node.batching else [e]
-                if len(group) > 1:
-                    for f in group[1:]:
-                        entries.remove(f)
-                    self._batch(group)
-                else:
-                    if e.pass_ is None and e.reply is None:
-                        self._prepare(e)
-                    self._solo(e)
-            except Exception as exc:
-                log.warning("dropped a data message that failed unexpectedly (%s); still serving", type(exc).__name__)
-                log.debug("dropped", exc_info=True)
-
-    def _partners(self, e: "Incoming", entries: list) -> list["Incoming"]:
-        """Messages among ``entries`` that can run in one batch with ``e``: each the earliest waiting message of
-        a session other than ``e``'s (prepared here, in its session's order), with ``e``'s batch key."""
-        if e.pass_ is None and e.reply is None:
-            self._prepare(e)
-        key = e.key = batch_key(e.sess.dtype, e.pass_) if e.pass_ is not None else None
-        if key is None:
-            return []
-        found, seen = [], {id(e.sess)}
-        for f in entries:
-            if isinstance(f, tuple) or id(f.sess) in seen:
-                continue
-            seen.add(id(f.sess))
-            if f.pass_ is None and f.reply is None:
-                self._prepare(f)
-                f.key = batch_key(f.sess.dtype, f.pass_) if f.pass_ is not None else None
-            if f.key == key:
-                found.append(f)
-        return found
-
     def _give_up(self, sid: bytes, outbox, exc: Exception) -> None:
         """The session's next hop takes nothing: the session ends here, and its client's next ping is told
         why (naming that hop); other sessions never wait for it."""
@@ -298,7 +211,7 @@ class ComputeThread:
     def compute(self, threads: int) -> None:
         """The compute thread: data messages in arrival order; outboxes of ended sessions closed here. A
         language model's node takes everything already waiting (up to ``MAX_BATCH``) with the message it
-        waited for, so that decoding passes of several sessions can run as one batch (``serve_taken``); it
+        waited for, so that decoding passes of several sessions can run as one batch (``diffuse.node_batches``); it
         never waits for more to come. ``threads``: the process's torch thread count, set again here because a
         new thread's own count starts from the library's default, not from what the main thread set (and the
         count is part of the bits a block computes)."""
@@ -323,7 +236,7 @@ class ComputeThread:
                     break
             stop = items[-1] is None
             try:
-                self.serve_taken(items[:-1] if stop else items)
+                self.batches.serve_taken(items[:-1] if stop else items)
             except Exception as exc:
                 log.warning("dropped data messages that failed unexpectedly (%s); still serving",
                             type(exc).__name__)
