@@ -129,6 +129,10 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
     t0 = time.perf_counter()
     compute = client_compute(info, a.device, a.dtype)
     gen = generation_kwargs(a)  # the flags were checked against the model in diffuse.cli
+    if gen.get("do_sample") and not a.whole and not compute.on_cpu:  # before anything loads or starts
+        from diffuse.sampling import draw_on_device_refusal
+
+        raise DiffuseError(draw_on_device_refusal(compute.device))
     inputs, note = read_inputs(a, info)
     if note:
         console.print(note, highlight=False, soft_wrap=True)
