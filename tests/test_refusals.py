@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from conftest import run_cli, run_client
@@ -47,7 +50,7 @@ def test_stacks_the_denoiser_works_between_are_refused_before_any_node_starts(mo
     state after chosen main blocks, so neither stack is a chain one pass through the nodes can stand for. The
     analysis sees it from the config (``vace_layers`` sizes ``vace_blocks``, one position in ``blocks`` each): the
     run, ``diffuse check``, ``diffuse plan`` and ``diffuse.split`` all refuse it in the same one line, exit 2,
-    before any node is started or dialled."""
+    before any node is started or dialled; and so does the check with two such experts."""
     from diffusers import WanVACEPipeline
 
     import diffuse
@@ -74,3 +77,18 @@ def test_stacks_the_denoiser_works_between_are_refused_before_any_node_starts(mo
         diffuse.split(pipe, local_nodes=2)  # refused as it is made: no node started
     assert str(refused.value) == refusal
     assert not (tmp_path / "known_nodes.json").exists()  # no hello was ever sent
+    # two VACE experts (transformer and transformer_2, as Wan 2.2's VACE pipelines have): each is judged alike
+    two = tmp_path / "two-experts"
+    two.mkdir()
+    for name in os.listdir(model):
+        if name != "model_index.json":
+            os.symlink(os.path.join(model, name), two / name)
+    os.symlink(os.path.join(model, "transformer"), two / "transformer_2")
+    with open(os.path.join(model, "model_index.json")) as f:
+        index = json.load(f)
+    with open(two / "model_index.json", "w") as f:
+        json.dump({**index, "transformer_2": index["transformer"], "boundary_ratio": 0.875}, f)
+    check = run_cli(["check", str(two)], str(tmp_path))
+    assert check.returncode == 2 and check.stdout.startswith(
+        "refused: transformer.vace_blocks (2 blocks, one per entry of the config's transformer.vace_layers) feeds "
+        "hints into transformer.blocks"), check.stdout
