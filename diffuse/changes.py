@@ -64,6 +64,11 @@ class Changes:
         return bool(self._undo)
 
 
+def is_freed(module: nn.Module) -> bool:
+    """Whether any of ``module``'s weights is on the meta device (handed to a node)."""
+    return any(p.device.type == "meta" for p in module.parameters())
+
+
 def guard(module: nn.Module, why: str):
     """A hook that refuses to run ``module`` while any of its weights is on the meta device (handed to a
     node), saying ``why``; it removes itself at the first call after the weights are loaded again."""

@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 
 from diffuse import launcher
 from diffuse.errors import DiffuseError
@@ -51,17 +52,35 @@ def warm_launcher() -> None:
     launcher.warm(node_env())
 
 
-def start_local_nodes(model: str, n: int, threads: int | None = None, scheme: str = "tcp",
-                      extra: list[str] = (), groups: int = 1, client=None, fixed: bool = True,
-                      each: list[list[str]] | None = None) -> LocalNodes:
-    """Start ``n`` nodes holding even slices of every stack; wait until each prints its address. With
-    ``groups`` G, each run of n/G nodes holds the whole stacks (one ring per group of branches).
-    ``client``: the identity (``diffuse.sealing.Identity``) of the one client they serve (``--allow-client``),
-    as a run's own nodes do, so that no other user of this machine can open sessions on them; None: any.
-    ``fixed`` False: nodes started without ``--blocks``, which load the slices each session's plan gives them.
-    ``each``: more arguments for each node in turn."""
+@dataclass(frozen=True)
+class LocalStart:
+    """How local nodes start (``start_local_nodes``).
+
+    ``scheme``: the transport they listen on. ``extra``: more node flags for every node; ``each``: more for
+    each node in turn. ``groups`` G: each run of n/G nodes holds the whole stacks (one ring per group of
+    branches). ``client``: the identity (``diffuse.sealing.Identity``) of the one client they serve
+    (``--allow-client``), as a run's own nodes do, so that no other user of this machine can open sessions on
+    them; None: any. ``fixed`` False: nodes started without ``--blocks``, which load the slices each
+    session's plan gives them."""
+
+    scheme: str = "tcp"
+    extra: tuple[str, ...] | list[str] = ()
+    groups: int = 1
+    client: object = None
+    fixed: bool = True
+    each: list[list[str]] | None = None
+
+
+def start_local_nodes(model: str, n: int, threads: int | None = None, start: LocalStart | None = None,
+                      **given) -> LocalNodes:
+    """Start ``n`` nodes holding even slices of every stack; wait until each prints its address. How they
+    start: ``start``, or the ``LocalStart`` fields ``given`` by name (``scheme=``, ``extra=``, ``groups=``,
+    ``client=``, ``fixed=``, ``each=``)."""
     from diffuse.plugins import transport_for
 
+    start = start or LocalStart(**given)
+    scheme, extra, groups, client, fixed, each = (start.scheme, start.extra, start.groups, start.client,
+                                                  start.fixed, start.each)
     transport = transport_for(f"{scheme}://")
     nodes = LocalNodes()
     nodes.client = client

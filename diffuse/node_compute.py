@@ -12,9 +12,10 @@ import time
 import torch
 
 from diffuse import frames
-from diffuse.batching import MAX_BATCH, batch_key, run_batch
+from diffuse.batching import MAX_BATCH
 from diffuse.devices import Outgoing, PassClock, to_device
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
+from diffuse.node_batches import TakenItems
 from diffuse.stage import NODE_BUFFER_BYTES, Pass
 
 log = logging.getLogger("diffuse.node")
@@ -76,6 +77,7 @@ class ComputeThread:
 
     def __init__(self, node):
         self.node = node
+        self.batches = TakenItems(self)  # what one turn of the loop took, batched where it can be
         self.outgoing = Outgoing(node.device)  # answers to host memory (on CUDA: a copy stream of its own)
         self.pending: tuple | None = None  # (message, host tensors, ready): copying, sealed once the next is queued
         if self.outgoing.rehearse:
@@ -83,13 +85,13 @@ class ComputeThread:
 
     def data(self, raw: list[bytes]) -> None:
         """One data message, alone: opened, handled, sealed and sent on."""
-        m = self._open(raw)
+        m = self.open(raw)
         if m is not None:
-            self._prepare(m)
-            self._solo(m)
-            self._deliver_pending()
+            self.prepare(m)
+            self.solo(m)
+            self.deliver_pending()
 
-    def _open(self, raw: list[bytes]) -> "Incoming | None":
+    def open(self, raw: list[bytes]) -> "Incoming | None":
         t0 = time.perf_counter()
         env, sess = self.node._addressed(raw)
         if sess is None:
@@ -112,7 +114,7 @@ class ComputeThread:
         m.timed("open", t0)
         return m
 
-    def _failed(self, m: "Incoming", exc: Exception) -> None:
+    def failed(self, m: "Incoming", exc: Exception) -> None:
         """The message that answers a call that failed: the client hears of it; the node keeps serving."""
         sid = m.sess.sid.hex()[:8]
         if isinstance(exc, DiffuseError):  # a malformed call: one line
@@ -124,7 +126,7 @@ class ComputeThread:
             log.debug("call failed", exc_info=True)
         m.reply = (self._error(m.header, text), [])
 
-    def _prepare(self, m: "Incoming") -> None:
+    def prepare(self, m: "Incoming") -> None:
         """Check and take apart a message (``StageSession.prepare``): ``m.pass_`` to run, or ``m.reply`` at once."""
         sess = m.sess
         t0, w0 = time.thread_time(), time.perf_counter()
@@ -134,7 +136,7 @@ class ComputeThread:
                 raise DiffuseError(m.malformed)
             got = sess.prepare(m.header, m.tensors)
         except Exception as exc:
-            self._failed(m, exc)
+            self.failed(m, exc)
         else:
             if isinstance(got, Pass):
                 m.pass_ = got
@@ -143,7 +145,7 @@ class ComputeThread:
         m.spent(time.thread_time() - t0)
         m.timed("prepare", w0)
 
-    def _solo(self, m: "Incoming") -> None:
+    def solo(self, m: "Incoming") -> None:
         """Run a prepared message alone, then send what it made."""
         if m.reply is None:
             t0, f0 = time.thread_time(), _faults()
@@ -154,7 +156,7 @@ class ComputeThread:
                     out = m.sess.run(m.pass_)
                     if clock is not None:  # its kernels queued: the previous answer goes while they run
                         clock.stop()
-                        self._deliver_pending()
+                        self.deliver_pending()
                     ran = clock.seconds() if clock is not None else time.perf_counter() - w0
                     self.node.speeds.add(m.pass_, m.sess.dtype, ran)
                 w1 = m.timed("blocks", w0)
@@ -167,64 +169,28 @@ class ComputeThread:
                 if getattr(m.pass_.part, "tail", None) is not None:  # the output head's work: planned as weights
                     ran = time.perf_counter() - w0
             except Exception as exc:
-                self._failed(m, exc)
+                self.failed(m, exc)
                 ran = None
             m.spent(time.thread_time() - t0)
-            self._send(m)
+            self.send(m)
             if ran is not None:  # its opening, checking, sealing and sending, besides its blocks
                 self.node.speeds.overhead(m.pass_, time.perf_counter() - m.t0 - ran)
             return
-        self._send(m)
+        self.send(m)
 
-    def _batch(self, group: list["Incoming"]) -> None:
-        """Decoding passes of different sessions through the layers as one batch (``diffuse.batching``); each
-        session's tail and message then as for a lone pass. What cannot be batched runs one by one."""
-        t0, w0 = time.thread_time(), time.perf_counter()
-        clock = PassClock.start(self.node.device)
-        try:
-            outs = run_batch([m.pass_ for m in group])
-            if clock is not None:
-                clock.stop()
-                self._deliver_pending()
-                t0 = time.thread_time() - clock.seconds()  # busy: the device's time for the batch
-        except Exception as exc:
-            log.debug("a batch of %d passes ran one by one: %s", len(group), exc)
-            self.node.batch_fallbacks += 1
-            for m in group:
-                self._solo(m)
-            return
-        rows = sum(out.shape[0] if isinstance(out, torch.Tensor) else 1 for out in outs)
-        self.node.batches += 1
-        self.node.batched_rows += rows
-        share = (time.thread_time() - t0) / len(group)
-        wall = (time.perf_counter() - w0) / len(group)
-        for m, out in zip(group, outs):
-            m.parts["blocks"] += wall
-            m.parts["blocks_cpu"] += share
-            t1, w1 = time.thread_time(), time.perf_counter()
-            m.sess.batched_passes += 1
-            try:
-                m.reply = m.sess.finish(m.pass_, out)
-            except Exception as exc:
-                self._failed(m, exc)
-            m.spent(share + time.thread_time() - t1)
-            m.timed("finish", w1)
-        for m in group:
-            self._send(m)
-
-    def _send(self, m: "Incoming") -> None:
+    def send(self, m: "Incoming") -> None:
         """Send what ``m`` made: at once where its tensors are in host memory already (the CPU); on CUDA once
         their copy to host memory is done, which is waited for only after the next pass is queued (or when
         the compute thread has nothing else to do: ``compute``). Answers leave in the order they were made."""
         host, ready = self.outgoing.start(m.reply[1])
-        self._deliver_pending()
+        self.deliver_pending()
         if ready is None:
             self._deliver(m, host)
         else:
             self.pending = (m, host, ready)
 
-    def _deliver_pending(self) -> None:
-        """Seal and send the answer whose copy to host memory ``_send`` left going, once that copy is done."""
+    def deliver_pending(self) -> None:
+        """Seal and send the answer whose copy to host memory ``send`` left going, once that copy is done."""
         if self.pending is not None:
             m, host, ready = self.pending
             self.pending = None
@@ -258,64 +224,6 @@ class ComputeThread:
         if call:
             _keep(sess.parts_log, [m.header["seq"]] + [round(m.parts[k], 6) for k in PARTS])
 
-    def serve_taken(self, items: list) -> None:
-        """What the compute thread took from its queue at once, in arrival order, except that decoding passes
-        of different sessions that fit together run as one batch when the first of them comes up (each
-        session's messages keep their order: only a session's earliest waiting message joins a batch)."""
-        entries: list = []
-        for item in items:
-            if isinstance(item, tuple):
-                entries.append(item)
-                continue
-            try:
-                m = self._open(item)
-            except Exception as exc:
-                log.warning("dropped a data message that failed unexpectedly (%s); still serving", type(exc).__name__)
-                log.debug("dropped", exc_info=True)
-                continue
-            if m is not None:
-                m.parts["idle"], self.node.idle_s = self.node.idle_s, 0.0
-                entries.append(m)
-        while entries:
-            e = entries.pop(0)
-            try:
-                if isinstance(e, tuple):
-                    if e:
-                        e[1].close()
-                    continue
-                group = [e] + self._partners(e, entries) if self.node.batching else [e]
-                if len(group) > 1:
-                    for f in group[1:]:
-                        entries.remove(f)
-                    self._batch(group)
-                else:
-                    if e.pass_ is None and e.reply is None:
-                        self._prepare(e)
-                    self._solo(e)
-            except Exception as exc:
-                log.warning("dropped a data message that failed unexpectedly (%s); still serving", type(exc).__name__)
-                log.debug("dropped", exc_info=True)
-
-    def _partners(self, e: "Incoming", entries: list) -> list["Incoming"]:
-        """Messages among ``entries`` that can run in one batch with ``e``: each the earliest waiting message of
-        a session other than ``e``'s (prepared here, in its session's order), with ``e``'s batch key."""
-        if e.pass_ is None and e.reply is None:
-            self._prepare(e)
-        key = e.key = batch_key(e.sess.dtype, e.pass_) if e.pass_ is not None else None
-        if key is None:
-            return []
-        found, seen = [], {id(e.sess)}
-        for f in entries:
-            if isinstance(f, tuple) or id(f.sess) in seen:
-                continue
-            seen.add(id(f.sess))
-            if f.pass_ is None and f.reply is None:
-                self._prepare(f)
-                f.key = batch_key(f.sess.dtype, f.pass_) if f.pass_ is not None else None
-            if f.key == key:
-                found.append(f)
-        return found
-
     def _give_up(self, sid: bytes, outbox, exc: Exception) -> None:
         """The session's next hop takes nothing: the session ends here, and its client's next ping is told
         why (naming that hop); other sessions never wait for it."""
@@ -334,14 +242,14 @@ class ComputeThread:
     def compute(self, threads: int) -> None:
         """The compute thread: data messages in arrival order; outboxes of ended sessions closed here. A
         language model's node takes everything already waiting (up to ``MAX_BATCH``) with the message it
-        waited for, so that decoding passes of several sessions can run as one batch (``serve_taken``); it
+        waited for, so that decoding passes of several sessions can run as one batch (``diffuse.node_batches``); it
         never waits for more to come. ``threads``: the process's torch thread count, set again here because a
         new thread's own count starts from the library's default, not from what the main thread set (and the
         count is part of the bits a block computes)."""
         torch.set_num_threads(threads)
         while True:
             if self.pending is not None and self.node.work.empty():
-                self._deliver_pending()  # no next pass to overlap it with: it goes now
+                self.deliver_pending()  # no next pass to overlap it with: it goes now
             stuck = self.node.sessions.waiting()
             w0 = time.perf_counter()
             try:
@@ -350,7 +258,7 @@ class ComputeThread:
                 item = ()
             self.node.idle_s += time.perf_counter() - w0
             if item is None:
-                self._deliver_pending()
+                self.deliver_pending()
                 return
             items = [item]
             while self.node.batching and item != () and len(items) < MAX_BATCH:
@@ -362,7 +270,7 @@ class ComputeThread:
                     break
             stop = items[-1] is None
             try:
-                self.serve_taken(items[:-1] if stop else items)
+                self.batches.serve_taken(items[:-1] if stop else items)
             except Exception as exc:
                 log.warning("dropped data messages that failed unexpectedly (%s); still serving",
                             type(exc).__name__)
@@ -375,7 +283,7 @@ class ComputeThread:
                         self._give_up(sid, outbox, exc)
             self._close_handed_over()
             if stop:
-                self._deliver_pending()
+                self.deliver_pending()
                 return
 
     def _close_handed_over(self) -> None:

@@ -1,5 +1,7 @@
 """Arrows point down: read from the source with ``ast``, the core imports no plugin, no two of the project's
-modules import each other round a circle, and the transports use only the public transport contract."""
+modules import each other round a circle, and the transports use only the public transport contract. Sizes stay
+small: no function in ``diffuse/`` over 80 lines or 8 parameters, no class over 250 lines, and the client's
+stand-in (``standin.py``) and the node's stage (``stage.py``) each under 300 lines."""
 
 from __future__ import annotations
 
@@ -13,6 +15,13 @@ PACKAGES = ("diffuse", "analyzers", "transport")  # the distribution's packages 
 TRANSPORT_API = ("diffuse.transport_api",)
 # circles that exist today and have an open issue; any other circle fails. Remove an entry when its circle goes.
 KNOWN_CIRCLES: set[frozenset] = set()
+# the size limits: a function's lines and parameters (self and cls not counted), a class's lines, and the lines of
+# the two modules a newcomer reads first
+MAX_FUNCTION_LINES, MAX_PARAMETERS, MAX_CLASS_LINES, MAX_CORE_MODULE_LINES = 80, 8, 250, 300
+CORE_MODULES = ("standin.py", "stage.py")
+# functions and classes allowed over a limit, each with why it cannot be split: none today. An entry is
+# "path:name" (path from the repository root); remove it when the code gets under the limit.
+SIZE_EXCEPTIONS: dict[str, str] = {}
 
 
 def module_name(path: Path, base: Path) -> str:
@@ -36,10 +45,17 @@ class Import:
 
 
 @functools.lru_cache(maxsize=None)
+def parsed(path: Path) -> tuple[str, ast.Module]:
+    """A file's text and syntax tree, read once for every check here."""
+    text = path.read_text()
+    return text, ast.parse(text, str(path))
+
+
+@functools.lru_cache(maxsize=None)
 def imports(path: Path, name: str) -> list[Import]:
     """Every module ``path`` imports, wherever the import sits (module level, in a function, under
     ``TYPE_CHECKING``), relative imports resolved; ``importlib.import_module("x")`` with a literal counts."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parsed(path)[1]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in
                    ast.unparse(node.test) for stmt in node.body for n in ast.walk(stmt)}
@@ -191,3 +207,59 @@ def test_transports_import_only_the_public_transport_contract():
     wrong = [f"{path.relative_to(ROOT)}:{imp.line} imports {imp.target}" for own, path in files
              for imp in imports(path, "") if not public(imp.target, own)]
     assert not wrong, "a transport imports more of Diffuse than diffuse.transport_api:\n" + "\n".join(wrong)
+
+
+def oversized(files: list[Path], base: Path = ROOT) -> list[str]:
+    """Each function over ``MAX_FUNCTION_LINES`` lines or ``MAX_PARAMETERS`` parameters (``self``/``cls`` not
+    counted; ``*args`` and ``**kwargs`` count one each), each class over ``MAX_CLASS_LINES`` lines, and each of
+    ``CORE_MODULES`` with ``MAX_CORE_MODULE_LINES`` lines or more, in ``files``."""
+    found = []
+    for path in files:
+        where = path.relative_to(base)
+        text, tree = parsed(path)
+        if path.name in CORE_MODULES and path.parent.name == "diffuse" and \
+                len(text.splitlines()) >= MAX_CORE_MODULE_LINES:
+            found.append(f"{where}: {len(text.splitlines())} lines (under {MAX_CORE_MODULE_LINES} wanted)")
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            key, lines = f"{where}:{node.name}", node.end_lineno - node.lineno + 1
+            if key in SIZE_EXCEPTIONS:
+                continue
+            if isinstance(node, ast.ClassDef):
+                if lines > MAX_CLASS_LINES:
+                    found.append(f"{key} (line {node.lineno}): class of {lines} lines")
+                continue
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+            count = len(params) - (1 if (a.posonlyargs + a.args)[:1] and (a.posonlyargs + a.args)[0].arg in
+                                   ("self", "cls") else 0)
+            if lines > MAX_FUNCTION_LINES or count > MAX_PARAMETERS:
+                found.append(f"{key} (line {node.lineno}): {lines} lines, {count} parameters")
+    return found
+
+
+def test_the_size_check_sees_planted_oversized_code(tmp_path):
+    """The size reader on files of its own: a long function, one with too many parameters (self not counted,
+    ``*args``/``**kwargs`` counted), a long class, and a long ``stage.py``; code at the limits passes."""
+    pkg = tmp_path / "diffuse"
+    pkg.mkdir()
+    body = "    x = 1\n"
+    (pkg / "ok.py").write_text("class C:\n    def m(self, a, b, c, d, e, f, g, h):\n" + ("    " + body) * 78 + "\n"
+                               "def f(a, b, c, d, e, f, *g, **h):\n    pass\n")
+    (pkg / "big.py").write_text("def long():\n" + body * 80 + "def wide(a, b, c, d, e, f, g, *h, **i):\n"
+                                "    pass\nclass K:\n" + body * 250)
+    (pkg / "stage.py").write_text("x = 1\n" * 300)
+    found = oversized(sorted(pkg.glob("*.py")), tmp_path)
+    assert [f.split(" (")[0] for f in found] == ["diffuse/big.py:long", "diffuse/big.py:wide", "diffuse/big.py:K",
+                                                 "diffuse/stage.py: 300 lines"], found
+
+
+def test_functions_classes_and_the_core_modules_stay_small():
+    files = sorted((ROOT / "diffuse").rglob("*.py"))
+    assert len(files) > 60 and {"standin.py", "stage.py"} <= {p.name for p in files}  # the whole core was read
+    found = oversized(files)
+    assert not found, "over the size limits (split by responsibility, or list it in SIZE_EXCEPTIONS with why):\n" \
+        + "\n".join(found)
+    stale = [k for k in SIZE_EXCEPTIONS if not (ROOT / k.split(":")[0]).exists()]
+    assert not stale, f"size exceptions for files that are gone: {stale}"

@@ -13,7 +13,7 @@ from torch import nn
 
 from diffuse.errors import DiffuseError
 from diffuse.plan import StackPlan
-from diffuse.standin import StandIn
+from diffuse.proxies import StandIn
 
 
 class LocalStack:

@@ -16,7 +16,7 @@ two in one call is one branch whose buffers hold both rows, which never mix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -113,6 +113,18 @@ def reassemble(answers: list, axis: int, rmap: ReturnMap):
     return type(answers[0])(out)
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One call into a patchable stack, as the ring sends it: the stack, the call tree, its tensors, the
+    stack's return map, and every input's digest (the stream's left empty)."""
+
+    stack: str
+    tree: dict
+    tensors: list
+    rmap: ReturnMap
+    digests: list
+
+
 @dataclass
 class _Ahead:
     """The patches of a call sent before the pipeline made it: its branch, what it was sent with, the ring's
@@ -177,7 +189,7 @@ class Patcher:
             if ahead is not None:
                 if (ahead.branch, ahead.step, ahead.tree, ahead.digests) == (branch, step, tree, digests) and not first:
                     self.ahead["used"] += 1
-                    return self._cut(stack, tree, tensors, rmap, digests, tracker, branch, step, ahead)
+                    return self._cut(_Call(stack, tree, tensors, rmap, digests), tracker, branch, step, ahead)
                 self._drop(stack, ahead)
             ranges = patch_ranges(tokens, self.patches)
             if first or (stack, branch) in self._rerecord or len(ranges) < 2:
@@ -186,7 +198,7 @@ class Patcher:
                 self.calls["uncut"] += 1
                 patch = Patch(branch, step, axis, tokens, uncut=True)
                 return self.ring.receive(self.ring.send(stack, tree, tensors, rmap, patch, digests))
-            return self._cut(stack, tree, tensors, rmap, digests, tracker, branch, step)
+            return self._cut(_Call(stack, tree, tensors, rmap, digests), tracker, branch, step)
         except Repaired:  # a node was replaced mid-step (or a pass lost with the old route came up): every branch
             self.trackers.clear()  # starts again whole, this call first, on the repaired route
             return self.run(stack, tree, tensors, rmap)
@@ -218,10 +230,10 @@ class Patcher:
         self.ahead["dropped"] += 1
         self._rerecord.add((stack, ahead.branch))  # the nodes' buffers of that branch now hold the guess
 
-    def _cut(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, digests: list, tracker: BranchTracker,
-             branch: int, step: int, ahead: _Ahead | None = None):
+    def _cut(self, call: _Call, tracker: BranchTracker, branch: int, step: int, ahead: _Ahead | None = None):
         """A cut call: its patches sent (unless they were, ``ahead``), then the next branch's call sent ahead
         where one is expected, then this call's answers awaited (or taken as kept) and joined."""
+        stack, tensors, rmap = call.stack, call.tensors, call.rmap
         stream = rmap.streams[0]
         x = tensors[stream]
         axis = token_axis(x.shape)
@@ -230,25 +242,25 @@ class Patcher:
         self._note(stack, len(ranges), tokens, len(ranges))
         self.calls["cut"] += 1
         seqs = ahead.seqs if ahead is not None else \
-            self._send_cut(stack, tree, tensors, rmap, Patch(branch, step, axis, tokens), ranges, digests)
+            self._send_cut(call, Patch(branch, step, axis, tokens), ranges)
         nxt = tracker.expected_after(branch) if self.send_ahead else None
         if nxt is not None and (stack, nxt) not in self._rerecord:
-            guess, guess_digests = tracker.guess(nxt, tensors, digests)
-            sent = self._send_cut(stack, tree, guess, rmap, Patch(nxt, step, axis, tokens), ranges, guess_digests)
-            self._ahead[stack] = _Ahead(nxt, step, tree, guess_digests, sent)
+            guess, guess_digests = tracker.guess(nxt, tensors, call.digests)
+            sent = self._send_cut(replace(call, tensors=guess, digests=guess_digests), Patch(nxt, step, axis, tokens),
+                                  ranges)
+            self._ahead[stack] = _Ahead(nxt, step, call.tree, guess_digests, sent)
         answers = ahead.answers if ahead is not None and ahead.answers is not None else \
             [self.ring.receive(seq) for seq in seqs]
         return reassemble(answers, axis, rmap)
 
-    def _send_cut(self, stack: str, tree: dict, tensors: list, rmap: ReturnMap, patch: Patch, ranges: list,
-                  digests: list) -> list[int]:
-        stream = rmap.streams[0]
-        x = tensors[stream]
+    def _send_cut(self, call: _Call, patch: Patch, ranges: list) -> list[int]:
+        stream = call.rmap.streams[0]
+        x = call.tensors[stream]
         seqs = []
         for i, (lo, hi) in enumerate(ranges):
-            cut = list(tensors)
+            cut = list(call.tensors)
             cut[stream] = x.narrow(patch.axis, lo, hi - lo)
-            seqs.append(self.ring.send(stack, tree, cut, rmap, patch.cut(i, lo, hi), digests))
+            seqs.append(self.ring.send(call.stack, call.tree, cut, call.rmap, patch.cut(i, lo, hi), call.digests))
         return seqs
 
     def _note(self, stack: str, n: int, tokens: int, possible: int) -> None:

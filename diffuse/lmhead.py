@@ -1,0 +1,296 @@
+"""A language model's output head on a split client, and what ``generate`` tells the last node.
+
+Inside ``generate``, which always calls the output head, a pass is held back (``diffuse.lmsplit``) until the head
+is called, so that the last node runs the final norm and the head too and sends back only the candidates decoding
+reads (``diffuse.tail``); ``HeadEnd`` answers the head's stand-in from that pass, or runs the head here where the
+model works on the norm's output in between. ``GenerateCapture`` wraps ``generate``: it says how many candidates
+decoding needs, and captures generate's own logits processors and token history so that, when it samples, the
+last node applies them and draws (``diffuse.sampling``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from diffuse.changes import is_freed
+from diffuse.errors import DiffuseError
+from diffuse.passes import Tail
+from diffuse.shortlist import ShortlistCheck
+from diffuse.tail import (HeadListStandIn, HeadStandIn, head_path, head_vocab, is_head_list, is_norm, logits_from,
+                          rows_of, unsupported_view)
+
+if TYPE_CHECKING:
+    from diffuse.lmsplit import LanguageEnds
+
+
+class HeadEnd:
+    """A language model's output head, answered by the last node from the pass held back for it (``run_head``),
+    or here; its stand-in's hooks watch the model so that a module reading the held-back answer gets the real
+    one, and the model's outermost forward call is kept so that it can run again here (``_head_here``)."""
+
+    def __init__(self, ends: "LanguageEnds"):
+        self.ends = ends
+        self.head: tuple[str, nn.Module] | None = None  # the output head: (path, the original)
+        self.head_freed = self.head_tied = False
+        self.head_list = False  # the head is a list of heads side by side (diffuse.tail.HeadListStandIn)
+        self._heads_answer: tuple | None = None  # (the hidden state, every head's logits) while the heads are called
+        # whether the head reads rows of the final norm's output as it is (None: not known yet); a model that
+        # works on them in between (T5 scales them) gets its passes sent at once and its head run here
+        self.tail_follows: bool | None = None
+        self._forward_call: tuple | None = None  # the model's outermost forward call under way: (args, kwargs)
+        self._forwards = 0
+        self.replay = None  # while the forward runs again on a pass already answered: that answer
+        self.tail_passes = 0  # passes whose norm and head ran on the last node
+        self.tail_bytes = self.tail_bytes_max = 0  # what their answers' tensors held (in all, the most in one)
+
+    def forget_answer(self) -> None:
+        """A new pass, or the ring gone: the heads' last answer is for another hidden state."""
+        self._heads_answer = None
+
+    def install(self, changes) -> None:
+        """The output head becomes a stand-in answered by the last node (``diffuse.tail``); every other module is
+        watched, so that one reading the stack's held-back answer gets the real one."""
+        path = head_path(self.ends.model) if self.ends.splitter.plan.stacks else None
+        if path is None:
+            return
+        original = self.ends.model.get_submodule(path)
+        if is_head_list(original):
+            weights = [h.weight for h in original]
+            self.head_list = True
+        else:
+            weight = getattr(original, "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+                return
+            weights = [weight]
+        self.head = (path, original)
+        self.head_freed = is_freed(original)
+        # tied to the input embedding, which the client needs for the first layer's input: never freed here
+        self.head_tied = any(p is w for name, p in self.ends.model.named_parameters(remove_duplicate=False)
+                             if not name.startswith(path + ".") for w in weights)
+        changes.replace(self.ends.model, path, lambda m: HeadListStandIn(self, m) if self.head_list
+                        else HeadStandIn(self, head_vocab(m), m))
+        changes.hook(self.ends.model.register_forward_pre_hook(self._forward_starts, with_kwargs=True))
+        changes.hook(self.ends.model.register_forward_hook(self._forward_ends, always_call=True))
+        for mpath, module in self.ends.model.named_modules():
+            if changes.made(module):
+                continue
+            changes.hook(module.register_forward_pre_hook(functools.partial(self._before_module, mpath)))
+            changes.hook(module.register_forward_hook(functools.partial(self._after_module, mpath)))
+
+    def _forward_starts(self, _module, args: tuple, kwargs: dict):
+        if self._forwards == 0:
+            self._forward_call = (args, kwargs)
+        self._forwards += 1
+
+    def _forward_ends(self, _module, _args, _output):
+        self._forwards -= 1
+        if self._forwards == 0:
+            self._forward_call = None
+
+    def _before_module(self, path: str, module: nn.Module, args: tuple):
+        p = self.ends.pending
+        if p is None or not args or args[0] is not p.placeholder:
+            return None
+        if p.norm is None and p.normed is None and is_norm(module):
+            p.norm = path  # runs on the placeholder here; only its output's shape and view matter
+            return None
+        return (self.ends.send_pending(None), *args[1:])  # anything else reading the answer gets the real one now
+
+    def _after_module(self, path: str, module: nn.Module, args: tuple, output):
+        p = self.ends.pending
+        if p is not None and p.norm == path and args and args[0] is p.placeholder:
+            p.normed = output
+
+    def run_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The output head's answer for ``x``: from the last node when the pass is held back (norm, the rows
+        ``x`` takes, head, the candidates decoding needs), else from the head here."""
+        path, original = self.head
+        p = self.ends.pending
+        if p is None:
+            if self.head_freed:
+                raise DiffuseError(f"{path} was called on a hidden state the last node did not make, and its "
+                                   "weights are held by the nodes")
+            return original(x)
+        rows = rows_of(x, p.normed if p.normed is not None else p.placeholder)
+        if rows is None:
+            return self._head_here(path, original, x)
+        self.tail_follows = True
+        gen = self.ends.generation
+        draw = gen.draw.wire(gen.node_tail()) if gen.draw is not None else None
+        answer = self.ends.send_pending(Tail(p.norm, tuple(rows), gen.top or 0, draw))
+        self.tail_passes += 1
+        held = sum(t.numel() * t.element_size() for t in (answer.values() if isinstance(answer, dict) else ())
+                   if isinstance(t, torch.Tensor))
+        self.tail_bytes += held
+        self.tail_bytes_max = max(self.tail_bytes_max, held)
+        vocab = head_vocab(original)
+        self.ends.free_remote_weights()
+        if "logits" in answer:
+            logits = answer["logits"]
+            gen.shortlist, gen.whole_row = None, logits[:, -1]
+        else:
+            logits = logits_from(answer["ids"], answer["values"], vocab)
+            gen.shortlist = logits[:, -1]
+        if gen.draw is not None:  # the row generate will read, as it reads it
+            gen.draw.took(answer, gen.node_tail(), logits[:, -1].to(dtype=torch.float32, copy=True))
+        return logits
+
+    def _head_here(self, path: str, original: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The head's answer where the model works on the final norm's output before its head (T5 scales it): the
+        pass held back goes without its tail, the model's forward runs again on that answer, here, up to the
+        head, which runs here on what the forward hands it; later passes go at once (``tail_follows``)."""
+        answer = self.ends.send_pending(None)
+        if self.tail_follows or self._forward_call is None or self._forwards != 1 or self.head_freed \
+                or self.ends.embed is not None or self.head_list:
+            raise unsupported_view(path)
+        self.tail_follows = False
+        args, kwargs = self._forward_call
+        self.replay = answer
+        try:
+            out = type(self.ends.model).forward(self.ends.model, *args, **kwargs)
+        finally:
+            self.replay = None
+        logits = getattr(out, "logits", None)
+        if logits is None and isinstance(out, tuple):
+            logits = out[0]
+        if not isinstance(logits, torch.Tensor):
+            raise unsupported_view(path)
+        return logits
+
+    def run_head_of(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Head ``index`` of a list of heads, on ``x``: the first head called in a held-back pass sends it (every
+        head runs on the last node, ``diffuse.tail.stack_heads``), every head then answers its part of that answer;
+        each must read the same hidden state."""
+        path, original = self.head
+        heads = len(original)
+        if self.ends.pending is not None:
+            logits = self.run_head(x)  # (batch * heads) x rows x vocab
+            if logits.shape[0] % heads:
+                raise DiffuseError(f"the last node answered {logits.shape[0]} rows for {heads} heads")
+            self._heads_answer = (x, logits.reshape(-1, heads, *logits.shape[1:]))
+        if self._heads_answer is not None:
+            seen, logits = self._heads_answer
+            if x is not seen:
+                raise DiffuseError(f"{path}[{index}] reads another hidden state than the head called first; the "
+                                   "heads run side by side on the last node, so Diffuse cannot answer this call")
+            return logits[:, index]
+        if self.head_freed:
+            raise DiffuseError(f"{path}[{index}] was called on a hidden state the last node did not make, and its "
+                               "weights are held by the nodes")
+        return original[index](x)
+
+
+class GenerateCapture:
+    """While split, ``generate`` first says how many candidates its decoding reads (``diffuse.tail``); with
+    sampling, the last node applies generate's own processors and draws (``diffuse.sampling``)."""
+
+    def __init__(self, ends: "LanguageEnds"):
+        self.ends = ends
+        self.top: int | None = None  # candidates per row the head's answer needs (None: the whole row)
+        self.shortlist: torch.Tensor | None = None  # the last row the head answered from the best candidates only
+        self.whole_row: torch.Tensor | None = None  # ... or whole
+        self.greedy_top: int | None = None  # in a greedy generate call, the candidates a shortlist holds
+        self.logits_changed: bool | None = None  # whether the model changes its logits after the head (None: unknown)
+        self.active = False  # passes are held back for the head only inside generate, which always calls it
+        self.draw = None  # a generate call's draws on the last node (diffuse.sampling.Draw), while it runs
+        self.last_draw = None  # the last generate call's (None when it drew nothing on the node), for its report
+        self._node_tail = None  # what the open ring's last node holds for draws (diffuse.sampling.NodeTail)
+
+    def wrap(self, changes) -> None:
+        from diffuse.kvcache import check_prompt
+        from diffuse.tail import candidates_needed
+
+        model = self.ends.model
+        bound = type(model).generate.__get__(model)
+
+        @functools.wraps(bound)
+        def generate(*args, **kwargs):
+            check_prompt(model.config, kwargs.get("input_ids", args[0] if args else None))  # before any pass
+            self.top = candidates_needed(model, kwargs)
+            # greedy from the best few: until this model is known not to change its logits after the head, its
+            # first pass brings the whole last row (diffuse.shortlist.ShortlistCheck learns it there)
+            self.greedy_top = self.top if not self.ends.head_end.head_list else None
+            if self.greedy_top is not None and self.logits_changed is not False:
+                self.top = None
+            self.active = True
+            self.draw = None
+            restore = self._capture(model)
+            try:
+                return bound(*args, **kwargs)
+            finally:
+                restore()
+                self.top, self.greedy_top, self.active = None, None, False
+                self.shortlist = self.whole_row = None
+                self.last_draw, self.draw = self.draw, None
+                self.ends.pending = None  # a pass nothing read (cannot happen in generate): not left behind
+
+        changes.set(model, "generate", generate)
+
+    def node_tail(self):
+        """What the open ring's last node holds for draws; a new session starts with nothing."""
+        from diffuse.sampling import NodeTail
+
+        channel = self.ends.splitter.ring.channel
+        if self._node_tail is None or self._node_tail.channel is not channel:
+            self._node_tail = NodeTail(channel)
+        return self._node_tail
+
+    def _capture(self, model):
+        """For the length of one ``generate`` call: the logits processors it builds are captured (with sampling,
+        described for the last node and replaced by ``DrawnToken``), and so is the token history it runs each
+        forward with. Returns what undoes both."""
+        get_processors, prepare = model._get_logits_processor, model.prepare_inputs_for_generation
+
+        @functools.wraps(get_processors)
+        def get_logits_processor(*args, **kwargs):
+            built = get_processors(*args, **kwargs)
+            config = kwargs["generation_config"] if "generation_config" in kwargs else args[0]
+            return self._processors(built, config)
+
+        @functools.wraps(prepare)
+        def prepare_inputs_for_generation(input_ids, *args, **kwargs):
+            if self.draw is not None:
+                self.draw.ids = input_ids
+            return prepare(input_ids, *args, **kwargs)
+
+        model._get_logits_processor = get_logits_processor
+        model.prepare_inputs_for_generation = prepare_inputs_for_generation
+
+        def restore():
+            model.__dict__.pop("_get_logits_processor", None)
+            model.__dict__.pop("prepare_inputs_for_generation", None)
+
+        return restore
+
+    def _processors(self, built, config):
+        """What generate runs in place of the processors it ``built``: its own, or ``DrawnToken`` when the last
+        node applies them and draws."""
+        from transformers import LogitsProcessorList
+
+        from diffuse.sampling import Draw, DrawnToken
+        from diffuse.tail import GREEDY_TOP, LISTED_TOP
+
+        if getattr(config, "output_scores", False) or (getattr(config, "num_beams", 1) or 1) > 1:
+            return built  # output_scores asks for whole rows
+        if not getattr(config, "do_sample", False):
+            if self.greedy_top is not None:  # greedy reads the best few: checked first
+                return LogitsProcessorList([ShortlistCheck(self, self.greedy_top), *built])
+            if not self.ends.head_end.head_list or self.top is not None:
+                return built  # greedy reads the whole row
+            # a list of heads under processors (guidance): the last node applies them and takes the argmax
+            try:
+                self.draw = Draw(built, sample=False)
+            except DiffuseError:
+                return built  # a processor the node cannot rebuild: whole rows come home, processed here
+        else:
+            self.draw = Draw(built, sample=True)
+        # the raw best candidates still come home, for output_logits and the report
+        self.top = LISTED_TOP if self.ends.head_end.head_list else GREEDY_TOP
+        # each generate call's first draw carries everything (processors, whole history, generator state), so
+        # the passes of one call, replayed in order on a new node, rebuild its state exactly
+        self._node_tail = None
+        return LogitsProcessorList([DrawnToken(self.draw)])

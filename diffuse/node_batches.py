@@ -1,0 +1,121 @@
+"""What the node's compute thread took from its queue at once (``diffuse.node_compute``): run in arrival order,
+except that decoding passes of different sessions that fit together run through the layers as one batch
+(``diffuse.batching``); each session's tail and message then go as for a lone pass."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from diffuse.batching import batch_key, run_batch
+from diffuse.devices import PassClock
+
+if TYPE_CHECKING:
+    from diffuse.node_compute import ComputeThread, Incoming
+
+log = logging.getLogger("diffuse.node")
+
+
+class TakenItems:
+    """The batching side of ``thread`` (a ``diffuse.node_compute.ComputeThread``), on its node's counters."""
+
+    def __init__(self, thread: "ComputeThread"):
+        self.thread = thread
+        self.node = thread.node
+
+    def serve_taken(self, items: list) -> None:
+        """What the compute thread took from its queue at once, in arrival order, except that decoding passes
+        of different sessions that fit together run as one batch when the first of them comes up (each
+        session's messages keep their order: only a session's earliest waiting message joins a batch)."""
+        entries: list = []
+        for item in items:
+            if isinstance(item, tuple):
+                entries.append(item)
+                continue
+            try:
+                m = self.thread.open(item)
+            except Exception as exc:
+                log.warning("dropped a data message that failed unexpectedly (%s); still serving", type(exc).__name__)
+                log.debug("dropped", exc_info=True)
+                continue
+            if m is not None:
+                m.parts["idle"], self.node.idle_s = self.node.idle_s, 0.0
+                entries.append(m)
+        while entries:
+            e = entries.pop(0)
+            try:
+                if isinstance(e, tuple):
+                    if e:
+                        e[1].close()
+                    continue
+                group = [e] + self._partners(e, entries) if self.node.batching else [e]
+                if len(group) > 1:
+                    for f in group[1:]:
+                        entries.remove(f)
+                    self._batch(group)
+                else:
+                    if e.pass_ is None and e.reply is None:
+                        self.thread.prepare(e)
+                    self.thread.solo(e)
+            except Exception as exc:
+                log.warning("dropped a data message that failed unexpectedly (%s); still serving", type(exc).__name__)
+                log.debug("dropped", exc_info=True)
+
+    def _partners(self, e: "Incoming", entries: list) -> list["Incoming"]:
+        """Messages among ``entries`` that can run in one batch with ``e``: each the earliest waiting message of
+        a session other than ``e``'s (prepared here, in its session's order), with ``e``'s batch key."""
+        if e.pass_ is None and e.reply is None:
+            self.thread.prepare(e)
+        key = e.key = batch_key(e.sess.dtype, e.pass_) if e.pass_ is not None else None
+        if key is None:
+            return []
+        found, seen = [], {id(e.sess)}
+        for f in entries:
+            if isinstance(f, tuple) or id(f.sess) in seen:
+                continue
+            seen.add(id(f.sess))
+            if f.pass_ is None and f.reply is None:
+                self.thread.prepare(f)
+                f.key = batch_key(f.sess.dtype, f.pass_) if f.pass_ is not None else None
+            if f.key == key:
+                found.append(f)
+        return found
+
+    def _batch(self, group: list["Incoming"]) -> None:
+        """Decoding passes of different sessions through the layers as one batch (``diffuse.batching``); each
+        session's tail and message then as for a lone pass. What cannot be batched runs one by one."""
+        t0, w0 = time.thread_time(), time.perf_counter()
+        clock = PassClock.start(self.node.device)  # None on the CPU: the thread's own clocks tell
+        try:
+            outs = run_batch([m.pass_ for m in group])
+            if clock is not None:  # its kernels queued: the previous answer goes while they run
+                clock.stop()
+                self.thread.deliver_pending()
+                t0 = time.thread_time() - clock.seconds()  # busy: the device's time for the batch
+        except Exception as exc:
+            log.debug("a batch of %d passes ran one by one: %s", len(group), exc)
+            self.node.batch_fallbacks += 1
+            for m in group:
+                self.thread.solo(m)
+            return
+        rows = sum(out.shape[0] if isinstance(out, torch.Tensor) else 1 for out in outs)
+        self.node.batches += 1
+        self.node.batched_rows += rows
+        share = (time.thread_time() - t0) / len(group)
+        wall = (time.perf_counter() - w0) / len(group)
+        for m, out in zip(group, outs):
+            m.parts["blocks"] += wall
+            m.parts["blocks_cpu"] += share
+            t1, w1 = time.thread_time(), time.perf_counter()
+            m.sess.batched_passes += 1
+            try:
+                m.reply = m.sess.finish(m.pass_, out)
+            except Exception as exc:
+                self.thread.failed(m, exc)
+            m.spent(share + time.thread_time() - t1)
+            m.timed("finish", w1)
+        for m in group:
+            self.thread.send(m)

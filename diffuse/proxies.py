@@ -1,0 +1,134 @@
+"""The stand-in of one block stack: what the model's code calls where the stack's blocks used to be.
+
+A ``StandIn`` is an ordinary ``nn.ModuleList`` of parameterless ``BlockProxy``
+modules, one per block, so the denoiser's own loop (``for block in
+self.blocks``, ``enumerate``, ``len``) runs unchanged. The first proxy ships
+the call through the ring (``diffuse.standin.Splitter.run_stack``) and answers
+with what the stack's last block returned; the others, called in order with
+that answer threaded back in, hand the same answer on.
+
+A language model's stack is called with its key/value cache (``diffuse.kvcache``)
+and may hand each layer its own arguments (a mask per attention kind). Such a
+stack's calls are collected instead: each proxy but the last hands back its
+input untouched (in the structure the first layer returns, a tuple for some),
+and the last hands every layer's call to the language model's ends
+(``diffuse.lmsplit``), which ship them in one pass. The model's code between
+layers does nothing with what a layer returns but pass it on to the next
+(checked): its hidden state, and side outputs handed on as they were returned
+(T5's position biases, threaded by the pass from the node that computes them,
+``diffuse.lmsplit.threaded_sides``), so nothing is lost.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from diffuse.callplan import flatten
+from diffuse.errors import DiffuseError
+from diffuse.kvcache import is_cache
+from diffuse.lmsplit import SideOutput
+from diffuse.plan import StackPlan
+
+if TYPE_CHECKING:
+    from diffuse.standin import Splitter
+
+
+class BlockProxy(nn.Module):
+    def __init__(self, owner: "StandIn", index: int):
+        super().__init__()
+        self._owner = (owner,)  # a tuple, so the owner is not registered as a child (no cycle)
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        return self._owner[0].block_called(self.index, args, kwargs)
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}, remote"
+
+
+class StandIn(nn.ModuleList):
+    def __init__(self, stack: StackPlan, splitter: "Splitter"):
+        super().__init__([BlockProxy(self, i) for i in range(stack.length)])
+        self.stack = stack
+        self._splitter = (splitter,)
+        self._next = 0
+        self._answer = None
+        self._calls: list | None = None  # a language model's layer calls, collected until the last layer
+        self._cache = None
+
+    def __getitem__(self, idx):
+        """``self.layers[:n]`` (as language models loop) gives the same proxies in a plain ModuleList."""
+        if isinstance(idx, slice):
+            return nn.ModuleList(list(self._modules.values())[idx])
+        return super().__getitem__(idx)
+
+    def block_called(self, index: int, args: tuple, kwargs: dict):
+        if index == 0:
+            self._cache = _find_cache(args, kwargs)
+            self._next = 1
+            if self._cache is not None:
+                self._calls = [(args, kwargs)]
+                # handed on untouched until the last layer, in the structure the layer returns (a tuple, for a
+                # model that reads ``outputs[0]`` before it calls the next layer)
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                self._answer = self._splitter[0].lm.layer_answer(self.stack, hidden, (args, kwargs), self._cache)
+                if self.stack.length == 1:
+                    return self._finish()
+                return self._answer
+            self._calls = None
+            self._answer = self._splitter[0].run_stack(self.stack, args, kwargs)
+        elif index != self._next:
+            raise DiffuseError(
+                f"{self.stack.path}[{index}] was called after {self.stack.path}[{self._next - 1}]: "
+                "the denoiser does not run this stack as a chain in list order, so it cannot be split")
+        else:
+            self._check_threaded(index, args, kwargs)
+            self._next += 1
+            if self._calls is not None:
+                self._calls.append((args, kwargs))
+                if index == self.stack.length - 1:
+                    return self._finish()
+        return self._answer
+
+    def _finish(self):
+        calls, cache = self._calls, self._cache
+        self._calls = self._cache = None
+        self._answer = self._splitter[0].run_layers(self.stack, calls, cache)
+        return self._answer
+
+    def _check_threaded(self, index: int, args: tuple, kwargs: dict) -> None:
+        """Block ``index`` must receive what the stack answered, untouched: the stand-in
+        answers for all blocks at once, so work the denoiser does between blocks would be lost."""
+        _, given = flatten(args, kwargs)
+        given_ids = {id(t) for t in given}
+        answer = self._answer if isinstance(self._answer, (tuple, list)) else (self._answer,)
+        sides = {id(o) for o in answer if isinstance(o, SideOutput)}
+        if any(isinstance(t, SideOutput) and id(t) not in sides for t in given):
+            raise DiffuseError(f"the model changes what {self.stack.path}[{index - 1}] returned besides its hidden "
+                               f"state before it hands it to {self.stack.path}[{index}]; Diffuse threads a layer's "
+                               "outputs on only as the layer returned them, so it cannot split this stack")
+        for out in answer:
+            if isinstance(out, torch.Tensor) and id(out) not in given_ids and not isinstance(out, SideOutput):
+                raise DiffuseError(
+                    f"the denoiser changes what {self.stack.path}[{index - 1}] returned before it calls "
+                    f"{self.stack.path}[{index}] (e.g. adds a residual between blocks): this stack is not a plain "
+                    "chain, so it cannot be split")
+        plan = getattr(self._splitter[0], "plan", None)
+        rmap = plan.return_maps.get(self.stack.path) if plan is not None else None
+        if self._calls is None and rmap is not None and not rmap.single:  # a whole call: one call plan for all blocks
+            for out, slot in zip(answer, rmap.outputs):
+                if slot is None and isinstance(out, torch.Tensor) and id(out) in given_ids:
+                    raise DiffuseError(
+                        f"the denoiser hands what {self.stack.path}[{index - 1}] returned besides its hidden "
+                        f"state to {self.stack.path}[{index}], where {self.stack.path}[0] took nothing: the nodes "
+                        "call every block as the first was called, so this stack cannot be split")
+
+
+def _find_cache(args: tuple, kwargs: dict):
+    for x in (*args, *kwargs.values()):
+        if is_cache(x):
+            return x
+    return None
