@@ -117,6 +117,15 @@ def embedding_report(splitter) -> dict:
                                            if p.device.type != "meta")}
 
 
+def refuse_draws_on_device(gen: dict, whole: bool, device) -> None:
+    """A split sampled run whose client computes on an accelerator, refused before anything loads or starts:
+    the last node's draw would not be the one ``generate`` makes whole there (``diffuse.sampling``)."""
+    if gen.get("do_sample") and not whole and device.type != "cpu":
+        from diffuse.sampling import draw_on_device_refusal
+
+        raise DiffuseError(draw_on_device_refusal(device))
+
+
 def generate_text(a: argparse.Namespace, console, info) -> dict:
     """One run of a language model (or a model that listens or composes), whole or split; prints the answer as
     it comes, writes the outputs asked for, returns the report."""
@@ -129,10 +138,7 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
     t0 = time.perf_counter()
     compute = client_compute(info, a.device, a.dtype)
     gen = generation_kwargs(a)  # the flags were checked against the model in diffuse.cli
-    if gen.get("do_sample") and not a.whole and not compute.on_cpu:  # before anything loads or starts
-        from diffuse.sampling import draw_on_device_refusal
-
-        raise DiffuseError(draw_on_device_refusal(compute.device))
+    refuse_draws_on_device(gen, a.whole, compute.device)
     inputs, note = read_inputs(a, info)
     if note:
         console.print(note, highlight=False, soft_wrap=True)
