@@ -201,6 +201,7 @@ class SplitOptions:
     placement: str = "planned"
     device: str | None = None
     dtype: str | None = None
+    discover_seconds: float | None = None  # with nodes="auto": how long to listen (default 3)
 
 
 class Split:
@@ -209,17 +210,22 @@ class Split:
 
     def __init__(self, pipe_or_model, nodes=None, options: SplitOptions | None = None, **named):
         from diffuse.branches import parse_groups
+        from diffuse.discovery import auto_nodes, check_auto
         from diffuse.repair import RepairPolicy
         from diffuse.known_nodes import parse_nodes
         from diffuse.placement import PLACEMENTS
 
         o = replace(options or SplitOptions(), **named)
         check_options(o.patches, nodes is not None, o.local_nodes, o.branch_groups, o.cache_threshold)  # first
+        check_auto(nodes, o.discover_seconds)
         if o.placement not in PLACEMENTS:
             raise DiffuseError(f"--placement {o.placement}: choose {' or '.join(PLACEMENTS)}")
         self.placement = o.placement
         self.target = pipe_or_model
         self.info = model_info(pipe_or_model, o.model)
+        self.discovered: list[str] = []  # with nodes="auto": what was heard, a line a node
+        if nodes == "auto":
+            nodes = auto_nodes(self.info.subject.content_hash(), o.discover_seconds, self.discovered)
         self.groups = None  # node lists, one per group of branches, when there are several
         if nodes is not None:
             groups = [parse_nodes(g) for g in parse_groups(nodes)] if isinstance(nodes, str) and ";" in nodes \
@@ -415,8 +421,10 @@ class Split:
 
 
 def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: int = 1, **options) -> Split:
-    """Split ``pipe_or_model`` over ``nodes`` (addresses, each optionally ``#KEY``) or over
-    ``local_nodes`` started here (default 2); a context manager. ``patches > 1``: PipeFusion.
+    """Split ``pipe_or_model`` over ``nodes`` (addresses, each optionally ``#KEY``; ``"auto"``: the nodes
+    announced on the local network that serve the model, heard for ``discover_seconds``, default 3, as
+    ``--nodes auto`` finds them, ``diffuse.discovery``, needing ``diffuse[lan]``; ``split.discovered`` holds
+    what was heard) or over ``local_nodes`` started here (default 2); a context manager. ``patches > 1``: PipeFusion.
     ``nodes`` as ``"A,B;C,D"`` (or a list of lists) forms groups, each a whole ring; a model's guidance
     branches then run side by side, one group each (``diffuse.branches``); with local nodes,
     ``branch_groups=G`` shares them out. ``cache_threshold=T`` (> 0): the first-block cache skips steps whose

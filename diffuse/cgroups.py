@@ -85,6 +85,16 @@ class Cgroups:
             _write(os.path.join(folder, "cgroup.procs"), pid)
 
     @staticmethod
+    def cpu_stat(folder: str) -> dict[str, int]:
+        """A cpu group's ``cpu.stat``: ``nr_periods``, ``nr_throttled`` and ``throttled_time`` (ns) so far (empty
+        where it cannot be read)."""
+        try:
+            with open(os.path.join(folder, "cpu.stat")) as f:
+                return {k: int(v) for k, v in (line.split()[:2] for line in f if len(line.split()) >= 2)}
+        except (OSError, ValueError):
+            return {}
+
+    @staticmethod
     def limit_memory(folder: str, limit: int) -> None:
         _write(os.path.join(folder, "memory.limit_in_bytes"), limit)
 

@@ -4,7 +4,8 @@ One place for: the table of subcommands (``COMMANDS``: a new one is one entry), 
 argument parser (a mistake is one line, with "did you mean" where a flag, command or
 shipped model is near), value parsing (``positive``, ``--arg KEY=VALUE``), every flag
 check (``check_flags`` before anything loads, ``check_flags_for`` once the model's
-config is read), the error reporter (the root cause on the last line, exit status 2),
+config is read), the typed request ``diffuse query`` builds from its flags once
+(``query_request``, ``request_for``: ``diffuse.request``), the error reporter (the root cause on the last line, exit status 2),
 the first status line and the progress lines (a bar on a terminal, plain lines when
 output is piped or logged).
 
@@ -400,20 +401,23 @@ def check_flags(a: argparse.Namespace) -> None:
         raise DiffuseError(f"--temperature {a.temperature}: must be above 0 (leave it out for greedy decoding)")
     if getattr(a, "top_p", None) is not None and not 0 < a.top_p <= 1:
         raise DiffuseError(f"--top-p {a.top_p}: must be in (0, 1]")
-    if hasattr(a, "arg"):
-        key_values(a.arg)  # KEY=VALUE form
 
 
 def lan_nodes(a: argparse.Namespace, subject, out) -> None:
     """``--nodes auto``: replaced by the nodes announced on the local network that serve ``subject``'s model
-    (``diffuse.discovery``), one line said per node heard; from then on the run is the same as with those
-    addresses given by hand, keys checked at hello or trusted on first use."""
+    (``heard_nodes``)."""
     if getattr(a, "nodes", None) != "auto":
         return
+    a.nodes = heard_nodes(subject, getattr(a, "discover_seconds", None), out)
+
+
+def heard_nodes(subject, seconds: float | None, out) -> str:
+    """The nodes announced on the local network that serve ``subject``'s model (``diffuse.discovery``), heard
+    for ``seconds``, one line said per node heard; from then on the run is the same as with those addresses
+    given by hand, keys checked at hello or trusted on first use."""
     from diffuse.discovery import nodes_on_lan
 
-    a.nodes = nodes_on_lan([subject.content_hash()], getattr(a, "discover_seconds", None),
-                           lambda line: status(out, line))[0]
+    return nodes_on_lan([subject.content_hash()], seconds, lambda line: status(out, line))[0]
 
 
 def check_node_list(nodes: str) -> None:
@@ -428,21 +432,57 @@ def check_node_list(nodes: str) -> None:
         parse_nodes(group)
 
 
-def check_flags_for(a: argparse.Namespace, autoregressive: bool) -> None:
-    """The flags against what the model's config says it is: a language model (``autoregressive``) or a
-    diffusion pipeline. Checked after config.json is read, before the model loads."""
+def query_request(a: argparse.Namespace):
+    """The flags of ``diffuse query`` checked (``check_flags``: what they alone can tell) and built, once, into
+    the typed request whose pieces the run's parts take (``diffuse.request.QueryRequest``)."""
+    from diffuse.api import SplitOptions
+    from diffuse.request import ModelAsk, Output, PipelineCall, QueryRequest, RingAsk, TextCall
+
+    check_flags(a)
+    args = key_values(a.arg)  # KEY=VALUE form: checked last, as one of the flags
+    options = SplitOptions(local_nodes=a.local_nodes, patches=a.patches, threads=a.threads, timeout=a.timeout,
+                           client_key=a.client_key, local_transport=a.local_transport,
+                           branch_groups=a.branch_groups, cache_threshold=a.cache_threshold,
+                           embedding_on_node=a.embedding_on_node, placement=a.placement)
+    return QueryRequest(
+        model=ModelAsk(a.model, a.device, a.dtype, a.threads, a.whole),
+        ring=RingAsk(a.nodes, a.discover_seconds, options),
+        call=PipelineCall(a.prompt, a.negative_prompt, a.steps, a.height, a.width, a.frames, dict(args), a.seed),
+        text=TextCall(a.prompt, tuple(a.image), tuple(a.video), tuple(a.media), a.audio, a.no_template,
+                      a.max_new_tokens, a.temperature, a.top_p, a.top_k, dict(args), a.seed),
+        output=Output(a.out, a.save_array, a.save_tokens, a.report, a.quiet))
+
+
+def request_for(q, subject, out):
+    """The request ``q`` once the model's config is read: checked against what ``subject`` is
+    (``check_flags_for``), with ``--nodes auto`` replaced by the nodes heard on the network (``heard_nodes``)."""
+    from dataclasses import replace
+
+    check_flags_for(q, subject.autoregressive)
+    if q.ring.nodes != "auto":
+        return q
+    return replace(q, ring=replace(q.ring, nodes=heard_nodes(subject, q.ring.discover_seconds, out)))
+
+
+def check_flags_for(q, autoregressive: bool) -> None:
+    """The flags of request ``q`` (``diffuse.request.QueryRequest``) against what the model's config says it is:
+    a language model (``autoregressive``) or a diffusion pipeline. Checked after config.json is read, before the
+    model loads."""
+    from diffuse.api import check_options
     from diffuse.errors import DiffuseError
 
-    split_options(a, autoregressive)
+    o = q.ring.options
+    check_options(o.patches, q.ring.nodes is not None, o.local_nodes, o.branch_groups, o.cache_threshold,
+                  autoregressive)
     if autoregressive:
         for name in DIFFUSION_ONLY:
-            if getattr(a, name, None) not in (None, False):
+            if q.flag(name) not in (None, False):
                 raise DiffuseError(f"{flag(name)} applies to diffusion pipelines, not to a language model")
         return
     for name in LANGUAGE_ONLY:
-        if getattr(a, name, None) is not None:
+        if q.flag(name) is not None:
             raise DiffuseError(f"{flag(name)} applies to language models, not to a diffusion pipeline")
-    if any(getattr(a, name, None) for name in LANGUAGE_MEDIA):
+    if any(q.flag(name) for name in LANGUAGE_MEDIA):
         raise DiffuseError("--image, --video, --media, --no-template and --embedding-on-node apply to language "
                            "models")
 

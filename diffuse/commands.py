@@ -62,25 +62,24 @@ def verify_main(argv: list[str]) -> int:
         from diffuse.api import ModelInfo, client_compute, load_whole_or_shell
         from diffuse.run import call_kwargs, output_array
 
-        cli.check_flags(a)
+        q = cli.query_request(a)
         if a.threads:
             torch.set_num_threads(a.threads)
         info = ModelInfo.of(a.model)
-        cli.check_flags_for(a, info.subject.autoregressive)
-        cli.lan_nodes(a, info.subject, out)
+        q = cli.request_for(q, info.subject, out)
         compute = client_compute(info, a.device, a.dtype)
         with cli.phase(out, f"{os.path.basename(info.path)}: running it whole, in this process, on "
                        f"{compute.describe()}", a.quiet):
             whole = load_whole_or_shell(info, compute, shell=False)
             with torch.no_grad():
-                reference = output_array(whole(**call_kwargs(a, whole, info)))
+                reference = output_array(whole(**call_kwargs(q.call, whole, info)))
             del whole
         with cli.phase(out, f"{os.path.basename(info.path)}: running it split", a.quiet):
             pipe = diffuse.from_pretrained(info.path, device=a.device, dtype=a.dtype)
-            with diffuse.split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches,
+            with diffuse.split(pipe, nodes=q.ring.nodes, local_nodes=a.local_nodes, patches=a.patches,
                                threads=a.threads, timeout=a.timeout, local_transport=a.local_transport), \
                     torch.no_grad():
-                split = output_array(pipe(**call_kwargs(a, pipe, info)))
+                split = output_array(pipe(**call_kwargs(q.call, pipe, info)))
         result["diff"] = float(np.abs(reference.astype(np.float64) - split).max())
         result["same"] = reference.tobytes() == split.tobytes()
 

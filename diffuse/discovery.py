@@ -37,6 +37,7 @@ log = logging.getLogger("diffuse.discovery")
 SERVICE_TYPE = "_diffuse._tcp.local."
 TXT_VERSION = "1"  # the TXT record's own layout, told apart from the wire versions the node speaks
 DEFAULT_SECONDS = 3.0
+MAX_SECONDS = 600.0  # the longest listening window diffuse.split takes
 MAX_FOUND = 64  # announcements kept from one listening window; more are ignored, and said to be
 RESOLVE_S = 1.0  # a found service's records, when the browse did not already bring them in
 MAX_MODEL_NAME = 100
@@ -309,6 +310,30 @@ def nodes_on_lan(model_hashes: list[str], seconds: float | None, say) -> list[st
     for n in found:
         say(f"  found {n.line()}" + ("" if n.model_hash in model_hashes else "  -- another model: not used"))
     return [_serving(found, h, seconds) for h in model_hashes]
+
+
+def check_auto(nodes, seconds) -> None:
+    """``diffuse.split``'s ``nodes="auto"`` and ``discover_seconds``, checked before anything loads: the seconds
+    a number above 0 (at most ``MAX_SECONDS``), given only with ``nodes="auto"``, and the library there."""
+    if seconds is not None:
+        if nodes != "auto":
+            raise DiffuseError('discover_seconds applies with nodes="auto"')
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= MAX_SECONDS:
+            raise DiffuseError(f"discover_seconds={seconds!r}: a number of seconds above 0, at most {MAX_SECONDS:g}")
+    if nodes == "auto":
+        zeroconf_library()  # or how to install it, in one line
+
+
+def auto_nodes(model_hash: str, seconds: float | None, said: list[str]) -> str:
+    """``diffuse.split(..., nodes="auto")``: the nodes announced on the local network that serve the model of
+    ``model_hash``, as a ``nodes`` list (what ``--nodes auto`` finds); each line it says is logged and appended
+    to ``said``."""
+
+    def say(line: str) -> None:
+        log.info("%s", line)
+        said.append(line)
+
+    return nodes_on_lan([model_hash], seconds, say)[0]
 
 
 def _serving(found: list[Announced], model_hash: str, seconds: float) -> str:

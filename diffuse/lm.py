@@ -16,25 +16,27 @@ import json
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 
 from diffuse import cli
 from diffuse.errors import DiffuseError
 from diffuse.links import route_lines
+from diffuse.request import QueryRequest, TextCall
 
 TOP_SAVED = 8  # candidates per step written to --report: ids and exact values
 
 
-def generation_kwargs(a: argparse.Namespace) -> dict:
-    """``generate``'s arguments from the flags; sampling is on when a sampling flag is given (or
+def generation_kwargs(text: TextCall) -> dict:
+    """``generate``'s arguments from the request's ``text``; sampling is on when a sampling flag is given (or
     ``--arg do_sample=true``), and what is not given is left to the model's generation config."""
     kwargs: dict = {}
-    if a.max_new_tokens is not None:
-        kwargs["max_new_tokens"] = a.max_new_tokens
+    if text.max_new_tokens is not None:
+        kwargs["max_new_tokens"] = text.max_new_tokens
     for key in ("temperature", "top_p", "top_k"):
-        if getattr(a, key) is not None:
-            kwargs[key] = getattr(a, key)
+        if getattr(text, key) is not None:
+            kwargs[key] = getattr(text, key)
             kwargs["do_sample"] = True
-    kwargs.update(cli.key_values(a.arg))
+    kwargs.update(text.args)
     kwargs.setdefault("do_sample", False)
     for key in ("num_beams", "num_beam_groups", "assistant_model", "prompt_lookup_num_tokens"):
         if kwargs.get(key) not in (None, 1, False):
@@ -126,9 +128,10 @@ def refuse_draws_on_device(gen: dict, whole: bool, device) -> None:
         raise DiffuseError(draw_on_device_refusal(device))
 
 
-def generate_text(a: argparse.Namespace, console, info) -> dict:
-    """One run of a language model (or a model that listens or composes), whole or split; prints the answer as
-    it comes, writes the outputs asked for, returns the report."""
+def generate_text(q: QueryRequest, console, info) -> dict:
+    """One run of a language model (or a model that listens or composes), whole or split, as request ``q``
+    asks (``diffuse.request``); prints the answer as it comes, writes the outputs asked for, returns the
+    report."""
     import torch
 
     from diffuse.api import Split, client_compute, load_whole_or_shell
@@ -136,10 +139,10 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
     from diffuse.media_inputs import load_config, load_tokenizer
 
     t0 = time.perf_counter()
-    compute = client_compute(info, a.device, a.dtype)
-    gen = generation_kwargs(a)  # the flags were checked against the model in diffuse.cli
-    refuse_draws_on_device(gen, a.whole, compute.device)
-    inputs, note = read_inputs(a, info)
+    compute = client_compute(info, q.model.device, q.model.dtype)
+    gen = generation_kwargs(q.text)  # the flags were checked against the model in diffuse.cli
+    refuse_draws_on_device(gen, q.model.whole, compute.device)
+    inputs, note = read_inputs(q.text, info)
     if note:
         console.print(note, highlight=False, soft_wrap=True)
     if "input_ids" in inputs:  # a prompt beyond the model's positions: refused before anything loads or starts
@@ -147,18 +150,15 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
 
         check_prompt(load_config(info.path), inputs["input_ids"])
     tokenizer = load_tokenizer(info.path)
-    model = load_whole_or_shell(info, compute, shell=not a.whole)
+    model = load_whole_or_shell(info, compute, shell=not q.model.whole)
     model._diffuse = info
     inputs = inputs_on(inputs, compute.device)
     times = {"load": time.perf_counter() - t0}
     if audio_rate(model) is not None:  # it composes: text in, audio out
-        return compose_audio(a, console, info, model, inputs, gen, times, t0)
+        return compose_audio(q, console, info, model, inputs, gen, times, t0)
     split = None
-    if not a.whole:
-        split = Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
-                      client_key=a.client_key, local_transport=a.local_transport,
-                      embedding_on_node=getattr(a, "embedding_on_node", False),
-                      placement=a.placement)
+    if not q.model.whole:
+        split = Split(model, q.ring.nodes, q.ring.options)
         if split.local is not None:
             for n in split.local.notes:
                 console.print(n, soft_wrap=True)
@@ -176,7 +176,7 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
         t2 = time.perf_counter()
         streamer.started = t2
         if gen.get("do_sample"):
-            torch.manual_seed(a.seed)  # generate draws from torch's global generator
+            torch.manual_seed(q.text.seed)  # generate draws from torch's global generator
         with torch.no_grad():
             out = model.generate(**inputs, **gen, streamer=streamer, output_logits=True, return_dict_in_generate=True)
         times["generate"] = time.perf_counter() - t2
@@ -184,7 +184,7 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
     if model.config.is_encoder_decoder:  # the decoder prompt generate put in front is not part of the answer
         new = out.sequences[:, streamer.prompt_len:]
     report: dict = {
-        "model": info.path, "mode": "whole" if a.whole else "split", "seconds": time.perf_counter() - t0,
+        "model": info.path, "mode": "whole" if q.model.whole else "split", "seconds": time.perf_counter() - t0,
         "times": times, "prompt_tokens": prompt_len, "new_tokens": int(new.shape[1]),
         "first_token_s": streamer.first_token_s, "text": streamer.printed,
         "top": [top_candidates(step[0]) for step in out.logits],
@@ -192,24 +192,25 @@ def generate_text(a: argparse.Namespace, console, info) -> dict:
     }
     if split is not None:
         report.update(text_split_report(split, int(new.shape[1])))
-    if a.out:
-        with open(a.out, "w") as f:
+    out = q.output
+    if out.out:
+        with open(out.out, "w") as f:
             f.write(streamer.printed + "\n")
-        report["out"] = a.out
-    if a.save_tokens:
-        with open(a.save_tokens, "w") as f:
+        report["out"] = out.out
+    if out.save_tokens:
+        with open(out.save_tokens, "w") as f:
             json.dump({**({"input_ids": inputs["input_ids"].tolist()} if "input_ids" in inputs else {}),
                        "new_tokens": new.tolist()}, f)
     summarize(report, console)
-    if a.report:
-        with open(a.report, "w") as f:
+    if out.report:
+        with open(out.report, "w") as f:
             json.dump(report, f, indent=1, default=str)
     return report
 
 
-def read_inputs(a: argparse.Namespace, info):
-    """The model's inputs from the flags, as the model takes them (audio to transcribe, audio with a question,
-    or a prompt with images and videos), and a note to print, if any."""
+def read_inputs(text: TextCall, info):
+    """The model's inputs from the request's ``text``, as the model takes them (audio to transcribe, audio with a
+    question, or a prompt with images and videos), and a note to print, if any."""
     from diffuse.audio_inputs import takes_audio_in_chat
     from diffuse.media_inputs import build_inputs, load_config, media_kind
 
@@ -217,31 +218,31 @@ def read_inputs(a: argparse.Namespace, info):
     if getattr(cls, "main_input_name", "input_ids") == "input_features":  # it listens: audio in, text out
         from diffuse.audio_inputs import build_audio_inputs
 
-        if not a.audio:
+        if not text.audio:
             raise DiffuseError(f"--audio FILE is needed: {cls.__name__} transcribes audio")
-        if a.image or a.video or a.media or a.prompt is not None or a.no_template:
+        if text.image or text.video or text.media or text.prompt is not None or text.no_template:
             raise DiffuseError(f"{cls.__name__} takes audio only (--audio); no prompt, images or video")
-        inputs, note = build_audio_inputs(info.path, a.audio)
-    elif a.audio and takes_audio_in_chat(load_config(info.path)):  # it listens through its prompt: audio + question
+        inputs, note = build_audio_inputs(info.path, text.audio)
+    elif text.audio and takes_audio_in_chat(load_config(info.path)):  # it listens through its prompt: audio + question
         from diffuse.audio_inputs import build_audio_chat_inputs
 
-        if a.no_template:
+        if text.no_template:
             raise DiffuseError(f"--no-template: {cls.__name__} takes audio only through its chat template (one user "
                                f"turn: the audio, then the text); leave the flag out")
-        if a.image or a.video or a.media:
+        if text.image or text.video or text.media:
             raise DiffuseError(f"{cls.__name__} takes audio and text; no images or video")
-        if a.prompt is None:
+        if text.prompt is None:
             raise DiffuseError("--prompt is needed: the question about the audio")
-        inputs, note = build_audio_chat_inputs(info.path, a.audio, a.prompt), None
+        inputs, note = build_audio_chat_inputs(info.path, text.audio, text.prompt), None
     else:
-        if a.audio:
+        if text.audio:
             raise DiffuseError(f"--audio: {cls.__name__} does not take audio")
-        if a.prompt is None:
+        if text.prompt is None:
             raise DiffuseError("--prompt is needed: the text to answer")
-        images, videos = list(a.image), list(a.video)
-        for path in a.media:
+        images, videos = list(text.image), list(text.video)
+        for path in text.media:
             (videos if media_kind(path) == "video" else images).append(path)
-        inputs, note = build_inputs(info.path, a.prompt, images, videos, a.no_template)
+        inputs, note = build_inputs(info.path, text.prompt, images, videos, text.no_template)
     return inputs, note
 
 
@@ -275,7 +276,7 @@ def audio_rate(model) -> int | None:
     return int(rate) if rate else None
 
 
-def compose_audio(a, console, info, model, inputs, gen, times, t0) -> dict:
+def compose_audio(q: QueryRequest, console, info, model, inputs, gen, times, t0) -> dict:
     """A model that writes audio (MusicGen): ``generate`` returns the waveform its codec decoded; the codes it
     decoded (exactly as handed to the codec) are kept for ``--save-tokens``."""
     import torch
@@ -295,9 +296,9 @@ def compose_audio(a, console, info, model, inputs, gen, times, t0) -> dict:
     codec.decode = keep_codes
     split = None
     try:
-        if not a.whole:
-            split = Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
-                          client_key=a.client_key, local_transport=a.local_transport, placement=a.placement)
+        if not q.model.whole:
+            # the embedding stays here: a composing model's passes carry hidden states
+            split = Split(model, q.ring.nodes, replace(q.ring.options, embedding_on_node=False))
             if split.local is not None:
                 console.print(f"starting {split.local.count} local nodes ({split.local.threads} "
                               f"thread{'s' if split.local.threads > 1 else ''} each)")
@@ -306,7 +307,7 @@ def compose_audio(a, console, info, model, inputs, gen, times, t0) -> dict:
             times["nodes"] = time.perf_counter() - t1
             t2 = time.perf_counter()
             if gen.get("do_sample"):
-                torch.manual_seed(a.seed)
+                torch.manual_seed(q.text.seed)
             with torch.no_grad():
                 audio = model.generate(**inputs, **gen)
             times["generate"] = time.perf_counter() - t2
@@ -314,11 +315,11 @@ def compose_audio(a, console, info, model, inputs, gen, times, t0) -> dict:
         del codec.decode  # the class's own method shows through again
     rate = audio_rate(model)
     arr = audio.detach().to(torch.float32).cpu().numpy()
-    out = a.out or "out.wav"
+    out = q.output.out or "out.wav"
     written = call_hook("diffuse_write_output", result=arr, path=out, info=OutputInfo(kind="audio", sample_rate=rate))
     if written is None:
         raise DiffuseError(f"no output writer takes audio to {out!r}; use .wav")
-    report = {"model": info.path, "mode": "whole" if a.whole else "split", "seconds": time.perf_counter() - t0,
+    report = {"model": info.path, "mode": "whole" if q.model.whole else "split", "seconds": time.perf_counter() - t0,
               "times": times, "out": written, "sample_rate": rate, "shape": list(arr.shape),
               "codes_shape": list(codes[-1].shape) if codes else None}
     if split is not None:
@@ -333,8 +334,8 @@ def compose_audio(a, console, info, model, inputs, gen, times, t0) -> dict:
         if draw is not None:  # the codes were picked on the last node (diffuse.sampling)
             report["codes_picked"] = {"sample": draw.sample, "draws": draw.draws, "processors": draw.described,
                                       "generator_states_sent": draw.states_sent}
-    if a.save_tokens:
-        with open(a.save_tokens, "w") as f:
+    if q.output.save_tokens:
+        with open(q.output.save_tokens, "w") as f:
             json.dump({"input_ids": inputs["input_ids"].tolist(), "new_tokens": codes[-1].tolist() if codes else None}, f)
     console.print(f"[bold green]wrote[/] {written}  (audio, {arr.shape[-1] / rate:.2f} s at {rate} Hz) in "
                   f"{report['seconds']:.1f} s" + (f"; {report['calls']} ring passes" if split else ""))
@@ -345,8 +346,8 @@ def compose_audio(a, console, info, model, inputs, gen, times, t0) -> dict:
                else "picked here from the best candidates")
         console.print(f"  {report['tail_passes']} passes ended in the final norm and heads on the last node, codes "
                       f"{how}; last hop {report['last_hop_bytes_per_step']:.0f} B per step", soft_wrap=True)
-    if a.report:
-        with open(a.report, "w") as f:
+    if q.output.report:
+        with open(q.output.report, "w") as f:
             json.dump(report, f, indent=1, default=str)
     return report
 

@@ -17,6 +17,7 @@ import json
 import os
 import time
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,11 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from diffuse import cli
 from diffuse.errors import DiffuseError  # noqa: E402
 from diffuse.links import route_lines  # noqa: E402
-
-FLAG_TO_ARG = {  # flag -> pipeline __call__ argument
-    "prompt": "prompt", "negative_prompt": "negative_prompt", "steps": "num_inference_steps",
-    "height": "height", "width": "width", "frames": "num_frames",
-}
+from diffuse.request import ModelAsk, PipelineCall, QueryRequest, RingAsk  # noqa: E402
 
 
 def build_parser():
@@ -39,19 +36,19 @@ def build_parser():
     return query_parser()
 
 
-def call_kwargs(a: argparse.Namespace, pipe, info) -> dict:
+def call_kwargs(call: PipelineCall, pipe, info) -> dict:
+    """The pipeline's call arguments for ``call``: each flag given and each ``--arg`` checked against what its
+    ``__call__`` takes, the folder's declared defaults, the seeded generator; checked by the pipeline's own input
+    check (``diffuse.dryrun.check_inputs``)."""
     import torch
 
     params = inspect.signature(type(pipe).__call__).parameters
     kwargs = {}
-    for flag, name in FLAG_TO_ARG.items():
-        value = getattr(a, flag)
-        if value is None:
-            continue
+    for flag, (name, value) in call.named().items():
         if name not in params:
             raise DiffuseError(f"--{flag.replace('_', '-')} does not apply: {type(pipe).__name__} takes no {name!r}")
         kwargs[name] = value
-    for key, value in cli.key_values(a.arg).items():
+    for key, value in call.args.items():
         if key not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             raise DiffuseError(f"--arg {key}: {type(pipe).__name__}.__call__ has no such argument")
         kwargs[key] = value
@@ -63,7 +60,7 @@ def call_kwargs(a: argparse.Namespace, pipe, info) -> dict:
     for k, v in info.call_defaults().items():  # what the folder declares for its size (the embedded model does)
         if k in params:
             kwargs.setdefault(k, v)
-    kwargs["generator"] = torch.Generator("cpu").manual_seed(a.seed)
+    kwargs["generator"] = torch.Generator("cpu").manual_seed(call.seed)
     kwargs["output_type"] = "np"
     from diffuse.dryrun import check_inputs
 
@@ -109,52 +106,69 @@ def output_array(result) -> np.ndarray:
 
 def generate(a: argparse.Namespace, console) -> dict:
     """One run of the pipeline, whole (``--whole``) or split; writes the output; returns the report.
-    Everything that can be checked is checked before a node starts: the flags, then the model's config,
-    then (once the pipeline without its blocks has loaded) its own input check and its denoiser's forward
-    at the call's shapes, run weightless (``diffuse.dryrun``). A status line says what happens at each
-    phase, the first within a second of start."""
+    The flags become a typed request once, here at the top (``diffuse.cli.query_request``), and each part
+    takes only the piece of it it needs. Everything that can be checked is checked before a node starts: the
+    flags, then the model's config, then (once the pipeline without its blocks has loaded) its own input check
+    and its denoiser's forward at the call's shapes, run weightless (``diffuse.dryrun``). A status line says
+    what happens at each phase, the first within a second of start."""
     t0 = time.perf_counter()
-    cli.check_flags(a)
-    info, name, compute = read_model(a, console)
-    cli.check_flags_for(a, info.subject.autoregressive)
-    cli.lan_nodes(a, info.subject, console)  # --nodes auto: the nodes announced on this network
-    if a.nodes is None and not a.whole:
+    q = cli.query_request(a)
+    model = read_model(q.model, q.call, console, q.output.quiet)
+    q = cli.request_for(q, model.info.subject, console)  # --nodes auto: the nodes announced on this network
+    if q.ring.nodes is None and not q.model.whole:
         from diffuse.localnodes import warm_launcher
 
         warm_launcher()  # its imports run while this process loads the model
-    if info.subject.autoregressive:
+    if model.info.subject.autoregressive:
         from diffuse.lm import generate_text
 
-        return generate_text(a, console, info)
-    check_output_path(a.out, info.draft)
-    pipe, kwargs = load_checked(a, console, info, name, compute)
-    report: dict = {"model": info.path, "mode": "whole" if a.whole else "split"}
+        return generate_text(q, console, model.info)
+    return generate_pipeline(q, console, model, t0)
+
+
+class ModelRead(NamedTuple):
+    """What ``read_model`` found: the model's analysis (``diffuse.api.ModelInfo``), the name it was asked by,
+    and where the client's ends compute (``diffuse.devices.Compute``)."""
+
+    info: object
+    name: str
+    compute: object
+
+
+def generate_pipeline(q: QueryRequest, console, model: ModelRead, t0: float) -> dict:
+    """A diffusion pipeline's run of request ``q``, its ``model`` read (``read_model``): loaded and checked,
+    split, called, its output written and its report made."""
+    info = model.info
+    out = q.output
+    check_output_path(out.out, info.draft)
+    pipe, kwargs = load_checked(q.model.whole, q.call, model, console, out.quiet)
+    report: dict = {"model": info.path, "mode": "whole" if q.model.whole else "split"}
     times = {"load": time.perf_counter() - t0}
-    split, starting = (None, None) if a.whole else make_split(a, console, pipe)
+    split, starting = (None, None) if q.model.whole else make_split(q.ring, console, pipe)
     with contextlib.ExitStack() as held:
         t1 = time.perf_counter()
         if split is not None:
-            open_split(a, console, split, starting, held)
+            open_split(split, starting, held, q.ring.options.patches, console, out.quiet)
         times["nodes"] = time.perf_counter() - t1
-        result, steps, times["pipeline"] = run_pipeline(a, console, pipe, kwargs)
+        result, steps, times["pipeline"] = run_pipeline(pipe, kwargs, console, out.quiet)
         times["denoising"] = steps["denoising"]
     arr = output_array(result)
     report.update(seconds=time.perf_counter() - t0, steps=steps["steps"], shape=list(arr.shape),
                   kind=info.output_kind, times=times)
     if split is not None:
-        report.update(split_report(a, split))
-    if a.save_array:
-        np.save(a.save_array, arr.astype(np.float32, copy=False))
+        report.update(split_report(split, q.ring.options))
+    if out.save_array:
+        np.save(out.save_array, arr.astype(np.float32, copy=False))
     rate = kwargs.get("frame_rate") or kwargs.get("fps")
-    report["out"] = write_output(arr, a.out, dict(info.draft, frame_rate=rate) if rate else info.draft, pipe)
+    report["out"] = write_output(arr, out.out, dict(info.draft, frame_rate=rate) if rate else info.draft, pipe)
     summarize(report, console)
-    if a.report:
-        with open(a.report, "w") as f:
+    if out.report:
+        with open(out.report, "w") as f:
             json.dump(report, f, indent=1, default=str)
     return report
 
 
-def refuse_early(a: argparse.Namespace, path: str, label: str) -> None:
+def refuse_early(path: str, label: str, call: PipelineCall) -> None:
     """What can be refused before torch and the model's library are imported (most of a first run's
     seconds): a folder that is no model, a model whose stored check refused it (``diffuse.check.stored``),
     and a size above what its kept verdict says its denoiser takes (``diffuse.dryrun.kept_refusal``; not
@@ -168,71 +182,71 @@ def refuse_early(a: argparse.Namespace, path: str, label: str) -> None:
     _, verdict = stored(path)
     if verdict and verdict["verdict"] == REFUSED:
         raise RefusedModel(path, verdict["reason"])
-    if verdict is None or a.arg or verdict.get("output_kind") == "text":
+    if verdict is None or call.args or verdict.get("output_kind") == "text":
         return
-    asked = {arg: getattr(a, flag) for flag, arg in FLAG_TO_ARG.items()
-             if arg in ("height", "width", "num_frames") and getattr(a, flag) is not None}
-    line = kept_refusal((kept(path) or {}).get("sizes"), asked, label)
+    line = kept_refusal((kept(path) or {}).get("sizes"), call.sizes(), label)
     if line:
         raise DiffuseError(line)
 
 
-def read_model(a: argparse.Namespace, console):
-    """The model ``--model`` names (the shipped one by default), analysed from its config: its ``ModelInfo``, the
+def read_model(ask: ModelAsk, call: PipelineCall, console, quiet: bool) -> ModelRead:
+    """The model ``ask`` names (the shipped one by default), analysed from its config: its ``ModelInfo``, the
     name it was asked by, and where the client's ends compute. Refusals happen here, before any node is
     contacted."""
     from diffuse.modelfiles import resolve_model
 
-    if a.model is None:
+    if ask.model is None:
         from diffuse.default_model import SHIPPED_MODEL_NAME, default_model_dir
 
         path, name = default_model_dir(), SHIPPED_MODEL_NAME
     else:
-        path, name = resolve_model(a.model), a.model
+        path, name = resolve_model(ask.model), ask.model
     where = "" if os.path.basename(path.rstrip("/")) == name else f" from {path}"
-    refuse_early(a, path, name)
+    refuse_early(path, name, call)
     with cli.phase(console, f"diffuse query: {name}{where}; reading its config (importing torch and its library)",
-                   a.quiet):
+                   quiet):
         import torch
 
         from diffuse.api import ModelInfo, client_compute
 
-        if a.threads:
-            torch.set_num_threads(a.threads)
+        if ask.threads:
+            torch.set_num_threads(ask.threads)
         info = ModelInfo.of(path)
-        return info, name, client_compute(info, a.device, a.dtype)
+        return ModelRead(info, name, client_compute(info, ask.device, ask.dtype))
 
 
-def load_checked(a: argparse.Namespace, console, info, name: str, compute):
-    """The pipeline loaded (whole with ``--whole``, else without the blocks the nodes will hold) and the call's
-    arguments, checked against the denoiser's forward run weightless at the call's shapes."""
+def load_checked(whole: bool, call: PipelineCall, model: ModelRead, console, quiet: bool):
+    """The pipeline of ``model`` (its info, name and compute, from ``read_model``) loaded (``whole``, else
+    without the blocks the nodes will hold) and the call's arguments, checked against the denoiser's forward
+    run weightless at the call's shapes."""
     from diffuse.api import load_whole_or_shell
     from diffuse.dryrun import check_sizes, notes
 
+    info, name, compute = model
     stacks = ", ".join(f"{s.path} ({s.length})" for s in info.draft["stacks"])
     pipeline = info.subject.model_index.get("_class_name", "the pipeline")
     with cli.phase(console, f"{pipeline}, block stacks {stacks}: loading it"
-                   f"{' whole' if a.whole else ' without the blocks the nodes will hold'}", a.quiet):
-        pipe = load_whole_or_shell(info, compute, shell=not a.whole)
+                   f"{' whole' if whole else ' without the blocks the nodes will hold'}", quiet):
+        pipe = load_whole_or_shell(info, compute, shell=not whole)
         pipe._diffuse = info
-        kwargs = call_kwargs(a, pipe, info)
-        check_sizes(pipe, kwargs, info, name, split=not a.whole)
+        kwargs = call_kwargs(call, pipe, info)
+        check_sizes(pipe, kwargs, info, name, split=not whole)
     for note in notes(pipe, kwargs, info):
-        cli.status(console, note, a.quiet)
+        cli.status(console, note, quiet)
     return pipe, kwargs
 
 
-def make_split(a: argparse.Namespace, console, pipe):
-    """The ``Split`` the flags ask for (nothing started yet), and the line that says what opening it starts."""
+def make_split(ring: RingAsk, console, pipe):
+    """The ``Split`` the request's ``ring`` asks for (nothing started yet), and the line that says what opening
+    it starts."""
     from diffuse.api import Split
 
-    split = Split(pipe, nodes=a.nodes, local_nodes=a.local_nodes, patches=a.patches, threads=a.threads,
-                  timeout=a.timeout, client_key=a.client_key, local_transport=a.local_transport,
-                  branch_groups=a.branch_groups, cache_threshold=a.cache_threshold, placement=a.placement)
-    if a.client_key:
+    split = Split(pipe, ring.nodes, ring.options)
+    if ring.options.client_key:
         from diffuse.sealing import load_identity
 
-        console.print(f"client key {load_identity(a.client_key).public_hex}", highlight=False, soft_wrap=True)
+        console.print(f"client key {load_identity(ring.options.client_key).public_hex}", highlight=False,
+                      soft_wrap=True)
     if split.local is None:
         return split, f"opening sessions on {len(split.nodes)} nodes"
     for note in split.local.notes:
@@ -241,34 +255,35 @@ def make_split(a: argparse.Namespace, console, pipe):
                    f"thread{'s' if split.local.threads > 1 else ''} each)")
 
 
-def open_split(a: argparse.Namespace, console, split, starting: str, held: contextlib.ExitStack) -> None:
+def open_split(split, starting: str, held: contextlib.ExitStack, patches: int, console, quiet: bool) -> None:
     """Start or dial the nodes (held open until ``held`` closes) and say which node holds what."""
-    if a.quiet and split.local is not None:
+    if quiet and split.local is not None:
         console.print(starting)  # said even with --quiet: processes are started
-    with cli.phase(console, starting, a.quiet):
+    with cli.phase(console, starting, quiet):
         held.enter_context(split)
     for k, ring in enumerate(split.rings):
         for stage in ring.plan.route:
             group = f" (group {k + 1})" if len(split.rings) > 1 else ""
             console.print(f"  node {stage.address}{group}: {', '.join(map(str, stage.slices))}")
-    if a.patches > 1 and split.ring.uncut:
+    if patches > 1 and split.ring.uncut:
         console.print(f"{', '.join(sorted(split.ring.uncut))}: two streams per block (image and text side "
-                      f"by side), so steps run uncut there; --patches {a.patches} not applied", soft_wrap=True)
+                      f"by side), so steps run uncut there; --patches {patches} not applied", soft_wrap=True)
 
 
-def run_pipeline(a: argparse.Namespace, console, pipe, kwargs: dict):
+def run_pipeline(pipe, kwargs: dict, console, quiet: bool):
     """The pipeline's own call, with progress: its result, the step counts, and its seconds."""
     import torch
 
     t = time.perf_counter()
-    with torch.no_grad(), step_progress(pipe, a.quiet, console) as steps:
+    with torch.no_grad(), step_progress(pipe, quiet, console) as steps:
         result = pipe(**kwargs)
     return result, steps, time.perf_counter() - t
 
 
-def split_report(a: argparse.Namespace, split) -> dict:
+def split_report(split, options) -> dict:
     """What a split run adds to the report: the wire's figures, the return maps, what each side held, the links
-    of its routes, and the figures of branch groups, the first-block cache and patches where they were used."""
+    of its routes, and the figures of branch groups, the first-block cache and patches where ``options`` (the
+    split's ``SplitOptions``) used them."""
     st = split.ring.channel_stats
     report = dict(
         transport=split.ring.scheme, calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
@@ -281,11 +296,11 @@ def split_report(a: argparse.Namespace, split) -> dict:
         ring = split.ring
         report["branches"] = {"groups": len(split.rings), "ahead_used": ring.ahead_used,
                               "ahead_dropped": ring.ahead_dropped, "batches_cut": ring.batches_cut}
-    if a.cache_threshold:
-        report["first_block_cache"] = {"threshold": a.cache_threshold, "skipped": split.cache_skipped,
+    if options.cache_threshold:
+        report["first_block_cache"] = {"threshold": options.cache_threshold, "skipped": split.cache_skipped,
                                        "calls": split.cache_calls, "per_stack": split.cache}
-    if a.patches > 1:
-        report.update(patches=a.patches, patcher_calls=split.patch_calls, patches_used=split.patches_used,
+    if options.patches > 1:
+        report.update(patches=options.patches, patcher_calls=split.patch_calls, patches_used=split.patches_used,
                       patches_ahead=split.patch_ahead,
                       uncut={k: v for k, v in split.uncut.items() if k not in split.ring.uncut},
                       attention=split.attention_paths())

@@ -91,6 +91,8 @@ def test_an_announcement_goes_through_its_txt_record_and_back_and_a_bad_one_is_r
 
 
 def test_without_zeroconf_announcing_and_discovering_say_how_to_install_it(monkeypatch, capsys, diffuse_home):
+    """The flags, and ``diffuse.split(..., nodes="auto")`` with its ``discover_seconds``, each refused in one line
+    before anything loads."""
     from diffuse import node
 
     monkeypatch.setitem(sys.modules, "zeroconf", None)  # as where it is not installed
@@ -101,7 +103,21 @@ def test_without_zeroconf_announcing_and_discovering_say_how_to_install_it(monke
     assert queried.returncode == 2 and "pip install 'diffuse[lan]'" in queried.stderr, queried.stderr
     assert node.main(["--model", "tiny-wan-shapes", "--listen", "tcp://0.0.0.0:0", "--announce"]) == 2
     assert "pip install 'diffuse[lan]'" in capsys.readouterr().err
+    import diffuse
+    from diffuse.errors import DiffuseError
+
+    with pytest.raises(DiffuseError, match=r"needs the zeroconf library: pip install 'diffuse\[lan\]'"):
+        diffuse.split(object(), nodes="auto", model="tiny-wan-shapes")  # refused before the model is looked at
     monkeypatch.delitem(sys.modules, "zeroconf")
+    for nodes, seconds, said in ((None, 2, 'discover_seconds applies with nodes="auto"'),
+                                 ("tcp://10.213.0.1:7000", 2, 'applies with nodes="auto"'),
+                                 ("auto", 0, "discover_seconds=0: a number of seconds above 0"),
+                                 ("auto", True, "discover_seconds=True"), ("auto", "2", "discover_seconds='2'"),
+                                 ("auto", 601, "at most 600")):
+        with pytest.raises(DiffuseError, match=said):
+            diffuse.split(object(), nodes=nodes, discover_seconds=seconds, model="tiny-wan-shapes")
+    with pytest.raises(DiffuseError, match="--nodes and --local-nodes: give one"):
+        diffuse.split(object(), nodes="auto", local_nodes=2, model="tiny-wan-shapes")
     assert node.main(["--model", "tiny-wan-shapes", "--announce"]) == 2  # on loopback: nobody else reaches it
     assert "which no other machine reaches" in capsys.readouterr().err
 

@@ -11,7 +11,6 @@ token or step: its split closes, and with it its sessions on the nodes.
 
 from __future__ import annotations
 
-import argparse
 import os
 import queue
 import tempfile
@@ -515,6 +514,7 @@ class PipelineEngine(Engine):
         each denoising step."""
         import torch
 
+        from diffuse.request import PipelineCall
         from diffuse.run import call_kwargs, output_array
 
         if not isinstance(ask.prompt, str) or not ask.prompt.strip():
@@ -522,13 +522,13 @@ class PipelineEngine(Engine):
         if ask.patches < 1:
             raise BadRequest("patches must be at least 1", "patches")
         patches = ask.patches
-        flags = argparse.Namespace(prompt=ask.prompt, negative_prompt=ask.negative_prompt, steps=ask.steps,
-                                   height=ask.height, width=ask.width, frames=ask.frames, arg=[], seed=ask.seed)
+        call = PipelineCall(prompt=ask.prompt, negative_prompt=ask.negative_prompt, steps=ask.steps,
+                            height=ask.height, width=ask.width, frames=ask.frames, seed=ask.seed)
         t0 = time.perf_counter()
         pipe = self.pool.take(cancel)
         try:
             try:
-                kwargs = call_kwargs(flags, pipe, self.info)
+                kwargs = call_kwargs(call, pipe, self.info)
             except DiffuseError as exc:
                 raise BadRequest(str(exc)) from None
             counter = {"steps": 0}
