@@ -10,6 +10,8 @@ in the order their needs put them:
 - output_kind   image, video or audio (with frame and sample rate)
 - chain_check   refuses U-Nets, recurrent stacks and stackless denoisers
 - config_nudger the integer config setting that sizes each stack
+- side_stacks   refuses a stack sized by a config list of positions in another stack (Wan VACE's
+                hints), whose outputs the denoiser adds between that stack's blocks
 - two_stream    whether a stack's blocks carry two streams (forces whole steps)
 - weights_check every tensor of every stack's blocks loadable on a node as the library loads it
                 (renamed, converted), from the safetensors headers: refused before any node starts
@@ -25,15 +27,16 @@ from analyzers.config_reader import ConfigReader
 from analyzers.config_nudger import ConfigNudger
 from analyzers.output_kind import OutputKind
 from analyzers.remote_code import RemoteCode
+from analyzers.side_stacks import SideStacks
 from analyzers.stack_finder import StackFinder
 from analyzers.two_stream import TwoStream
 from analyzers.weights_check import WeightsCheck
 
-__all__ = ["ChainCheck", "ConfigNudger", "ConfigReader", "OutputKind", "RemoteCode", "StackFinder", "TwoStream", "WeightsCheck",
+__all__ = ["ChainCheck", "ConfigNudger", "ConfigReader", "OutputKind", "RemoteCode", "SideStacks", "StackFinder", "TwoStream", "WeightsCheck",
            "diffuse_analyzers"]
 
 
 @hookimpl
 def diffuse_analyzers():
-    return [RemoteCode(), ConfigReader(), StackFinder(), OutputKind(), ChainCheck(), ConfigNudger(), TwoStream(),
-            WeightsCheck()]
+    return [RemoteCode(), ConfigReader(), StackFinder(), OutputKind(), ChainCheck(), ConfigNudger(), SideStacks(),
+            TwoStream(), WeightsCheck()]

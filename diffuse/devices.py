@@ -10,12 +10,21 @@ in is refused likewise. Both run before anything loads.
 On the wire (``to_device``, ``to_host``): a received tensor goes through a pinned host buffer to a CUDA
 device without blocking; outgoing tensors come back to host memory once, all copies started before one
 wait. On the CPU both return their input untouched, so the bytes on the wire are those of a CPU run.
+
+A node's outgoing side (``Outgoing``, ``PassClock``): on CUDA a pass's answer is copied to pinned host
+memory on a stream of the node's own, after the pass's kernels, and waited for (an event) only when it is
+sealed, which the node does once it has queued the next pass's kernels: the copy and the sealing overlap
+the next pass's compute. The pass's time is read from CUDA events around its kernels, not from the CPU
+thread that queued them. On the CPU nothing of this runs (no copy, no event); ``DIFFUSE_REHEARSE_ASYNC=1``
+makes a CPU node take the same path anyway (a host copy and a wall clock stand in for the device's), to
+exercise its ordering where no accelerator is lent.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -207,6 +216,93 @@ def to_host(tensors: list) -> list:
     for dev in streams:
         torch.cuda.current_stream(dev).synchronize()
     return out
+
+
+REHEARSE = "DIFFUSE_REHEARSE_ASYNC"  # "1": a CPU node takes the accelerator's asynchronous path (see above)
+
+
+def rehearsing(device: torch.device) -> bool:
+    return device.type == "cpu" and os.environ.get(REHEARSE) == "1"
+
+
+class _Copied:
+    """A rehearsal's stand-in for a copy's event: the host copy was made at once."""
+
+    def synchronize(self) -> None:
+        return None
+
+
+class Outgoing:
+    """A node's answers on their way to host memory (see the module's docstring). ``start(tensors)`` gives
+    (host tensors, ready): ready is None where the host tensors can be read at once (the CPU: the very tensors
+    given), else what to ``synchronize()`` before reading them (on CUDA an event recorded on the node's copy
+    stream after its copies, which wait for the kernels queued so far on the compute stream)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.rehearse = rehearsing(device)
+
+    def start(self, tensors: list) -> tuple[list, object | None]:
+        if self.stream is not None and any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
+            return _start_to_host(tensors, self.stream)
+        if self.rehearse:
+            return [t.clone() if isinstance(t, torch.Tensor) else t for t in tensors], _Copied()
+        return to_host(tensors), None  # the CPU's: as they are (another accelerator: copied, waited for)
+
+
+def _start_to_host(tensors: list, stream) -> tuple[list, object]:
+    """Each CUDA tensor copied once into a pinned host buffer on ``stream``, after the work queued so far on
+    its compute stream, not waited for; the event that says the copies are done. The allocator is told that
+    ``stream`` still reads each tensor (``record_stream``), so its memory is not handed out before."""
+    compute = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(compute)
+    out = []
+    with torch.cuda.stream(stream):
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t.detach(), non_blocking=True)
+                t.record_stream(stream)
+                out.append(host)
+            else:
+                out.append(t.detach().to("cpu") if isinstance(t, torch.Tensor) else t)
+        ready = stream.record_event()
+    return out, ready
+
+
+class PassClock:
+    """How long a pass's blocks took, where the thread that queued them cannot tell: on CUDA between two
+    events recorded on the compute stream around the pass (``seconds`` waits for the second); in a rehearsal
+    (``DIFFUSE_REHEARSE_ASYNC``) the wall clock. ``start`` gives None on the CPU: the caller's own clocks
+    stand, as before."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.begin.record(torch.cuda.current_stream(device))
+        else:
+            self.t0 = time.perf_counter()
+        self.device = device
+
+    @classmethod
+    def start(cls, device: torch.device) -> "PassClock | None":
+        return cls(device) if device.type == "cuda" or rehearsing(device) else None
+
+    def stop(self) -> None:
+        """The pass's last kernel is queued (on CUDA: the second event recorded after it)."""
+        if self.cuda:
+            self.end.record(torch.cuda.current_stream(self.device))
+        else:
+            self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return self.begin.elapsed_time(self.end) / 1000.0
+        return self.t1 - self.t0
 
 
 def device_of(tensors) -> torch.device | None:

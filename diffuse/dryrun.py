@@ -17,8 +17,9 @@ The same dry call watches each block stack of the denoiser (``NotAChain``): its
 blocks must be called in list order, each handed every tensor the block before
 it returned, untouched. That is what lets one pass through the nodes stand for
 the whole stack; a denoiser that adds to a block's output before the next block
-(Wan VACE adds its hints after chosen main blocks) or keeps each block's output
-(its side stack's hints) is refused here, in one line, before any node starts.
+or keeps each block's output is refused here, in one line, before any node
+starts. (Wan VACE, which does both, says so in its config and is refused
+earlier, at analysis: ``analyzers/side_stacks.py``.)
 
 ``largest_sizes`` runs the same search once for a model folder (each size alone, up to
 ``SEARCH_UP_TO``) for its kept verdict (``diffuse.check.keep``); ``kept_refusal`` then

@@ -119,6 +119,15 @@ def embedding_report(splitter) -> dict:
                                            if p.device.type != "meta")}
 
 
+def refuse_draws_on_device(gen: dict, whole: bool, device) -> None:
+    """A split sampled run whose client computes on an accelerator, refused before anything loads or starts:
+    the last node's draw would not be the one ``generate`` makes whole there (``diffuse.sampling``)."""
+    if gen.get("do_sample") and not whole and device.type != "cpu":
+        from diffuse.sampling import draw_on_device_refusal
+
+        raise DiffuseError(draw_on_device_refusal(device))
+
+
 def generate_text(q: QueryRequest, console, info) -> dict:
     """One run of a language model (or a model that listens or composes), whole or split, as request ``q``
     asks (``diffuse.request``); prints the answer as it comes, writes the outputs asked for, returns the
@@ -132,6 +141,7 @@ def generate_text(q: QueryRequest, console, info) -> dict:
     t0 = time.perf_counter()
     compute = client_compute(info, q.model.device, q.model.dtype)
     gen = generation_kwargs(q.text)  # the flags were checked against the model in diffuse.cli
+    refuse_draws_on_device(gen, q.model.whole, compute.device)
     inputs, note = read_inputs(q.text, info)
     if note:
         console.print(note, highlight=False, soft_wrap=True)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from diffuse.batching import batch_key, run_batch
+from diffuse.devices import PassClock
 from diffuse.lmpass import joint_tails
 
 if TYPE_CHECKING:
@@ -92,8 +93,13 @@ class TakenItems:
         session's tail (jointly where they fit) and message then as for a lone pass. What cannot be batched runs
         one by one."""
         t0, w0 = time.thread_time(), time.perf_counter()
+        clock = PassClock.start(self.node.device)  # None on the CPU: the thread's own clocks tell
         try:
             outs = run_batch([m.pass_ for m in group])
+            if clock is not None:  # its kernels queued: the previous answer goes while they run
+                clock.stop()
+                self.thread.deliver_pending()
+                t0 = time.thread_time() - clock.seconds()  # busy: the device's time for the batch
         except Exception as exc:
             log.debug("a batch of %d passes ran one by one: %s", len(group), exc)
             self.node.batch_fallbacks += 1

@@ -13,7 +13,7 @@ import torch
 
 from diffuse import frames
 from diffuse.batching import MAX_BATCH
-from diffuse.devices import to_device, to_host
+from diffuse.devices import Outgoing, PassClock, to_device
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.node_batches import TakenItems
 from diffuse.stage import NODE_BUFFER_BYTES, Pass
@@ -78,6 +78,10 @@ class ComputeThread:
     def __init__(self, node):
         self.node = node
         self.batches = TakenItems(self)  # what one turn of the loop took, batched where it can be
+        self.outgoing = Outgoing(node.device)  # answers to host memory (on CUDA: a copy stream of its own)
+        self.pending: tuple | None = None  # (message, host tensors, ready): copying, sealed once the next is queued
+        if self.outgoing.rehearse:
+            log.warning("rehearsing an accelerator's asynchronous answers on the CPU (DIFFUSE_REHEARSE_ASYNC=1)")
 
     def data(self, raw: list[bytes]) -> None:
         """One data message, alone: opened, handled, sealed and sent on."""
@@ -85,6 +89,7 @@ class ComputeThread:
         if m is not None:
             self.prepare(m)
             self.solo(m)
+            self.deliver_pending()
 
     def open(self, raw: list[bytes]) -> "Incoming | None":
         t0 = time.perf_counter()
@@ -144,16 +149,20 @@ class ComputeThread:
         """Run a prepared message alone, then send what it made."""
         if m.reply is None:
             t0, f0 = time.thread_time(), _faults()
+            clock = PassClock.start(self.node.device)  # None on the CPU: the thread's own clocks tell
             try:
                 with torch.no_grad():
                     w0 = time.perf_counter()
                     out = m.sess.run(m.pass_)
-                    if self.node.device.type == "cuda":  # the kernels done, so the speed measured is theirs
-                        torch.cuda.synchronize(self.node.device)
-                    ran = time.perf_counter() - w0
+                    if clock is not None:  # its kernels queued: the previous answer goes while they run
+                        clock.stop()
+                        self.deliver_pending()
+                    ran = clock.seconds() if clock is not None else time.perf_counter() - w0
                     self.node.speeds.add(m.pass_, m.sess.dtype, ran)
                 w1 = m.timed("blocks", w0)
-                m.parts["blocks_cpu"] += time.thread_time() - t0
+                t1 = time.thread_time()
+                m.parts["blocks_cpu"] += t1 - t0
+                t0 = t1 - ran if clock is not None else t0  # busy: the device's time for the blocks, not the CPU's
                 m.parts["faults"] += _faults() - f0
                 m.reply = m.sess.finish(m.pass_, out)
                 m.timed("finish", w1)
@@ -170,17 +179,39 @@ class ComputeThread:
         self.send(m)
 
     def send(self, m: "Incoming") -> None:
+        """Send what ``m`` made: at once where its tensors are in host memory already (the CPU); on CUDA once
+        their copy to host memory is done, which is waited for only after the next pass is queued (or when
+        the compute thread has nothing else to do: ``compute``). Answers leave in the order they were made."""
+        host, ready = self.outgoing.start(m.reply[1])
+        self.deliver_pending()
+        if ready is None:
+            self._deliver(m, host)
+        else:
+            self.pending = (m, host, ready)
+
+    def deliver_pending(self) -> None:
+        """Seal and send the answer whose copy to host memory ``send`` left going, once that copy is done."""
+        if self.pending is not None:
+            m, host, ready = self.pending
+            self.pending = None
+            try:
+                ready.synchronize()
+                self._deliver(m, host)
+            except Exception as exc:
+                log.warning("dropped an answer that failed unexpectedly (%s); still serving", type(exc).__name__)
+                log.debug("dropped", exc_info=True)
+
+    def _deliver(self, m: "Incoming", host: list) -> None:
         sess = m.sess
         if hasattr(sess, "kv"):
             self.node.state_bytes.set(sess.sid, sess.kv.nbytes())
             if self.node.sessions.get(sess.sid) is not sess:  # closed while it computed: its state went with it
                 self.node.state_bytes.drop(sess.sid)
-        out_header, out_tensors = m.reply
         call = m.header.get("op") == "call" and type(m.header.get("seq")) is int
         if call:
             _keep(sess.busy_log, [m.header["seq"], m.busy])
         w0 = time.perf_counter()
-        out = frames.seal_message(sess.out_hop, out_header, to_host(out_tensors))  # the CPU's: as they are
+        out = frames.seal_message(sess.out_hop, m.reply[0], host)
         sess.bytes_out += sum(len(f) for f in out)
         outbox = self.node.sessions.outbox(sess.sid)
         if outbox is None:
@@ -217,6 +248,8 @@ class ComputeThread:
         count is part of the bits a block computes)."""
         torch.set_num_threads(threads)
         while True:
+            if self.pending is not None and self.node.work.empty():
+                self.deliver_pending()  # no next pass to overlap it with: it goes now
             stuck = self.node.sessions.waiting()
             w0 = time.perf_counter()
             try:
@@ -225,6 +258,7 @@ class ComputeThread:
                 item = ()
             self.node.idle_s += time.perf_counter() - w0
             if item is None:
+                self.deliver_pending()
                 return
             items = [item]
             while self.node.batching and item != () and len(items) < MAX_BATCH:
@@ -249,6 +283,7 @@ class ComputeThread:
                         self._give_up(sid, outbox, exc)
             self._close_handed_over()
             if stop:
+                self.deliver_pending()
                 return
 
     def _close_handed_over(self) -> None:

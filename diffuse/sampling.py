@@ -172,6 +172,13 @@ def rebuild(described) -> list:
     return built
 
 
+def draw_on_device_refusal(device) -> str:
+    """Why a seeded draw is refused for a client on an accelerator (``diffuse.lm`` says it before any node starts)."""
+    return (f"sampling with the client on {device}: generate run whole there draws from {device}'s own generator, "
+            "while the last node draws on the CPU from the client's CPU generator state, so the tokens would differ; "
+            "sample with the client on the CPU (--device cpu), or decode greedily (exact on any device)")
+
+
 def rng_digest(state: torch.Tensor) -> str:
     """A short fingerprint of a torch generator's state, as hex (both ends compute it the same way)."""
     return hashlib.blake2b(state.contiguous().numpy().tobytes(), digest_size=8).hexdigest()
@@ -268,8 +275,7 @@ class Draw:
         if ids is None:
             raise DiffuseError("generate ran its model without the token history it draws after")
         if ids.device.type != "cpu":
-            raise DiffuseError("sampling on the last node draws as generate does on the CPU; this client's "
-                               f"tokens are on {ids.device}")
+            raise DiffuseError(draw_on_device_refusal(ids.device))
         ids = ids.detach().to(torch.long)
         processors = rng = None
         if node.processors != self.described:

@@ -20,9 +20,9 @@ PROMPT = "Tell me a story about the moon."
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device: nothing to refuse")
 
 
-def _start(model: str, extra: list[str]) -> tuple:
+def _start(model: str, extra: list[str], env: dict | None = None, stderr=subprocess.DEVNULL) -> tuple:
     proc = node_process(["--model", model, "--ephemeral-key", "--threads", str(THREADS), "--log-level", "WARNING",
-                         *extra])
+                         *extra], env=env, stderr=stderr)
     ready = json.loads(proc.stdout.readline())
     return proc, f"{ready['address']}#{ready['key']}"
 
@@ -75,14 +75,18 @@ def test_bf16_ring_on_cpu_nodes_explicit_and_auto_equals_plain_diffusers_whole_i
     """Two nodes, one started with --device cpu, one with --device auto (the CPU here), both --dtype bfloat16:
     they say so at hello and hold their blocks in bfloat16; the client in bfloat16 makes the bytes plain
     diffusers makes whole with torch_dtype=bfloat16 (Wan keeps its norms and modulation table in float32
-    there, and so do the nodes)."""
+    there, and so do the nodes). The second node rehearses a GPU node's asynchronous answers
+    (``DIFFUSE_REHEARSE_ASYNC``: each answer copied, and sealed only once the next pass has run or the node
+    has nothing else to do), so their order and bytes are checked here too."""
     from diffuse.placement import report_of
 
     wan = models("wan")
     kwargs = families.call_args("wan")
     ref = tmp_path / "ref.npy"
+    log = open(tmp_path / "node2.log", "w")
     nodes = [_start(wan, ["--device", "cpu", "--dtype", "bfloat16", "--blocks", "1/2"]),
-             _start(wan, ["--device", "auto", "--dtype", "bfloat16", "--blocks", "2/2"])]
+             _start(wan, ["--device", "auto", "--dtype", "bfloat16", "--blocks", "2/2"],
+                    env=dict(subprocess_env(), DIFFUSE_REHEARSE_ASYNC="1"), stderr=log)]
     try:
         _reference("reference.py", ["--model", wan, "--kwargs", json.dumps(kwargs), "--seed", "0", "--threads",
                                     str(THREADS), "--dtype", "bfloat16", "--out", str(ref)])
@@ -105,6 +109,8 @@ def test_bf16_ring_on_cpu_nodes_explicit_and_auto_equals_plain_diffusers_whole_i
             proc.terminate()
         for proc, _ in nodes:
             proc.wait(10)
+        log.close()
+    assert "rehearsing an accelerator's asynchronous answers" in (tmp_path / "node2.log").read_text()
 
 
 def test_bf16_language_model_split_over_local_nodes_gives_the_tokens_of_plain_transformers_in_bf16(

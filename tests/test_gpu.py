@@ -3,8 +3,12 @@ and Qwen2 (tiny) split over 2 local nodes on the GPU against the same model run 
 diffusers / transformers in a subprocess: bytes and tokens equal. Then a mixed ring, one node on the GPU and
 one on the CPU: its difference from the whole GPU run is measured and printed (``diffuse verify``), not
 assumed. cuBLAS is asked for its deterministic workspace (``CUBLAS_WORKSPACE_CONFIG``) in every process.
-``scripts/gpu-check.sh`` runs this file from a fresh clone. ``DIFFUSE_TEST_GPU_DEVICE=cpu`` rehearses the
-file on the CPU (every "GPU" end on the CPU), to check the tests themselves where no GPU is lent."""
+The GPU nodes send their answers through the device's asynchronous path (``diffuse.devices.Outgoing``: a copy
+stream, sealed once the next pass is queued; pass times from CUDA events), so the equalities cover it. A
+sampled run with the client on the GPU is refused in one line before any node starts (its draws would differ
+from a whole GPU run's). ``scripts/gpu-check.sh`` runs this file from a fresh clone.
+``DIFFUSE_TEST_GPU_DEVICE=cpu`` rehearses the file on the CPU (every "GPU" end on the CPU, the nodes taking
+the asynchronous path with ``DIFFUSE_REHEARSE_ASYNC=1``), to check the tests themselves where no GPU is lent."""
 
 from __future__ import annotations
 
@@ -31,14 +35,17 @@ PROMPT = "Tell me a story about the moon."
 
 @pytest.fixture(scope="module", autouse=True)
 def deterministic_cublas():
-    """Every process this module starts (references, nodes) and this one: cuBLAS's deterministic workspace."""
-    before = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    """Every process this module starts (references, nodes) and this one: cuBLAS's deterministic workspace; in
+    a rehearsal on the CPU, nodes on the asynchronous path a GPU node takes."""
+    said = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **({"DIFFUSE_REHEARSE_ASYNC": "1"} if DEVICE == "cpu" else {})}
+    before = {k: os.environ.get(k) for k in said}
+    os.environ.update(said)
     yield
-    if before is None:
-        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    else:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = before
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def _whole_on_gpu(model: str, kwargs: dict, out) -> np.ndarray:
@@ -89,6 +96,12 @@ def test_qwen2_split_over_two_gpu_nodes_gives_the_tokens_of_plain_transformers_o
         want, got, rep = json.load(f), json.load(g), json.load(h)
     assert got["new_tokens"] == want["new_tokens"]
     assert rep["top"] == want["top"]
+    if DEVICE != "cpu":  # a seeded draw with the client on the GPU: refused before any node starts
+        sampled = run_client(["--model", model, "--prompt", PROMPT, "--max-new-tokens", "8", "--temperature", "0.8",
+                              "--local-nodes", "2", "--device", DEVICE, "--quiet"], diffuse_home)
+        lines = [ln for ln in sampled.stderr.splitlines() if ln.strip()]
+        assert sampled.returncode == 2 and len(lines) == 1, sampled.stderr[-2000:]
+        assert "generate run whole there draws from" in lines[0] and "decode greedily" in lines[0], lines[0]
 
 
 def test_a_mixed_ring_one_gpu_node_one_cpu_node_runs_and_its_difference_is_measured(models, tmp_path,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from conftest import run_cli, run_client
@@ -45,8 +48,13 @@ def test_verify_reports_zero_difference_at_one_patch(models, tmp_path, monkeypat
 def test_stacks_the_denoiser_works_between_are_refused_before_any_node_starts(models, tmp_path):
     """Wan VACE: its side stack's every block's output is kept (hints), and the hints are added to the hidden
     state after chosen main blocks, so neither stack is a chain one pass through the nodes can stand for. The
-    weightless dry call sees it before any node is dialled: one line, exit 2."""
-    from conftest import run_client
+    analysis sees it from the config (``vace_layers`` sizes ``vace_blocks``, one position in ``blocks`` each): the
+    run, ``diffuse check``, ``diffuse plan`` and ``diffuse.split`` all refuse it in the same one line, exit 2,
+    before any node is started or dialled; and so does the check with two such experts."""
+    from diffusers import WanVACEPipeline
+
+    import diffuse
+    from diffuse.errors import RefusedModel
 
     model = models("wan_vace")
     run = run_client(["--model", model, "--prompt", "dance monkey", "--steps", "2", "--height", "32", "--width", "32",
@@ -55,6 +63,32 @@ def test_stacks_the_denoiser_works_between_are_refused_before_any_node_starts(mo
     assert run.returncode == 2
     lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, run.stderr
-    assert f"cannot split {model}" in lines[0] and "vace_blocks[1]" in lines[0] and "not a plain chain" in lines[0]
-    assert "nothing was started" in lines[0] and "Traceback" not in run.stderr
+    refusal = lines[0].removeprefix("error: ")
+    assert refusal.startswith(f"cannot split {model}: vace_blocks (2 blocks, one per entry of the config's "
+                              "vace_layers) feeds hints into blocks after blocks[0], blocks[2]"), refusal
+    assert "not a plain chain" in refusal and "nothing was started" in refusal and "Traceback" not in run.stderr
+    check = run_cli(["check", model], str(tmp_path))
+    assert check.returncode == 2 and check.stdout.splitlines()[0] == "refused: " + refusal.split(": ", 1)[1], \
+        check.stdout
+    plan = run_cli(["plan", model, "--nodes", "2"], str(tmp_path))
+    assert plan.returncode == 2 and [ln for ln in plan.stderr.splitlines() if ln.strip()] == [lines[0]], plan.stderr
+    pipe = WanVACEPipeline.from_pretrained(model)  # loaded by plain diffusers, whole
+    with pytest.raises(RefusedModel) as refused:
+        diffuse.split(pipe, local_nodes=2)  # refused as it is made: no node started
+    assert str(refused.value) == refusal
     assert not (tmp_path / "known_nodes.json").exists()  # no hello was ever sent
+    # two VACE experts (transformer and transformer_2, as Wan 2.2's VACE pipelines have): each is judged alike
+    two = tmp_path / "two-experts"
+    two.mkdir()
+    for name in os.listdir(model):
+        if name != "model_index.json":
+            os.symlink(os.path.join(model, name), two / name)
+    os.symlink(os.path.join(model, "transformer"), two / "transformer_2")
+    with open(os.path.join(model, "model_index.json")) as f:
+        index = json.load(f)
+    with open(two / "model_index.json", "w") as f:
+        json.dump({**index, "transformer_2": index["transformer"], "boundary_ratio": 0.875}, f)
+    check = run_cli(["check", str(two)], str(tmp_path))
+    assert check.returncode == 2 and check.stdout.startswith(
+        "refused: transformer.vace_blocks (2 blocks, one per entry of the config's transformer.vace_layers) feeds "
+        "hints into transformer.blocks"), check.stdout
