@@ -1,9 +1,11 @@
 """Call-phase analyzers: the call recorder and the return-mapping learner.
 
 Both look at the first call the denoiser makes into a stack. The recorder takes
-the call apart into a call plan; the learner runs the stack's first block once
-and finds, for each tensor it returns, the input it replaces, which tells a
-node how to thread its loop of blocks.
+the call apart into a call plan; the learner finds, for each tensor the stack's first block
+returns, the input it replaces, which tells a node how to thread its loop of
+blocks: from shapes alone where they decide it (the block run on the meta
+device, its weights never read), else by running the block once on the call's
+values and choosing by nearness.
 """
 
 from __future__ import annotations
@@ -44,11 +46,14 @@ class ReturnMapper(Analyzer):
         # a layer called with a key/value cache: a returned tensor that replaces no input, after the hidden state,
         # is a side output the model may ignore (the stand-in checks that it is never handed to the next layer)
         layered = any(is_cache(v) for v in (*call.args, *call.kwargs.values()))
+        names = draft["call_plan"].slot_names
+        decided = None if layered else _decided_by_shapes(call, inputs, names)
+        if decided is not None:  # the block's weights were never read: a client holding a block holds no more
+            return {"return_map": decided}
         with torch.no_grad():
             out = call.block(*call.args, **call.kwargs)
         single = isinstance(out, torch.Tensor)
         outs = [out] if single else list(out)
-        names = draft["call_plan"].slot_names
         mapping, taken = [None] * len(outs), set()
         # closest pairs first, so two same-shaped streams each find their own input
         pairs = []
@@ -78,6 +83,51 @@ class ReturnMapper(Analyzer):
         return {"return_map": ReturnMap(single=single, outputs=mapping,
                                         names=[names[i] if i is not None else None if o is None else "side output"
                                                for i, o in zip(mapping, outs)])}
+
+
+def _weightless_outputs(call):
+    """What the block returns, run on the meta device (shapes and dtypes, no values; its weights and the inputs'
+    values never read), or None where it cannot run so (an operation that needs values)."""
+    from torch.func import functional_call
+    from torch.utils._pytree import tree_map
+
+    block = call.block
+    state = {n: torch.empty_like(t, device="meta")
+             for n, t in [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]}
+    meta = tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (tuple(call.args), dict(call.kwargs)))
+    try:
+        with torch.no_grad():
+            return functional_call(block, state, meta[0], meta[1], tie_weights=False)
+    except Exception:
+        return None
+
+
+def _decided_by_shapes(call, inputs: list, names: list) -> ReturnMap | None:
+    """The return map where shapes alone decide it: each returned tensor (run weightless) has exactly one input
+    of its shape and dtype, and no two share one. Else None, and the learner runs the block on the call's values
+    to choose by nearness."""
+    out = _weightless_outputs(call)
+    if out is None:
+        return None
+    single = isinstance(out, torch.Tensor)
+    if not single and not isinstance(out, (tuple, list)):
+        return None
+    outs = [out] if single else list(out)
+    mapping = []
+    for o in outs:
+        if o is None:
+            mapping.append(None)
+            continue
+        if not isinstance(o, torch.Tensor):
+            return None
+        cands = [i for i, t in enumerate(inputs) if t.shape == o.shape and t.dtype == o.dtype]
+        if len(cands) != 1:
+            return None
+        mapping.append(cands[0])
+    taken = [i for i in mapping if i is not None]
+    if len(set(taken)) != len(taken):
+        return None
+    return ReturnMap(single=single, outputs=mapping, names=[names[i] if i is not None else None for i in mapping])
 
 
 @hookimpl

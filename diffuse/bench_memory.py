@@ -190,7 +190,8 @@ def _in_process(args: list[str]) -> dict:
 def held_bytes(path: str, nodes: int) -> tuple[list[int], int, int, int]:
     """From the safetensors headers: each node's slice (even halves of the blocks; a language model's head with
     the last), the ends the client holds, the whole, and each stack's first block together (what a diffusion
-    client loaded without its blocks also holds until the first call has taught it a stack's return map)."""
+    client loaded without its blocks keeps mapped until the first call has taught it a stack's return map; its
+    weights are read only where shapes do not decide that map)."""
     from diffuse.analysis import ModelSubject
     from diffuse.placement import _header, block_costs
     from diffuse.plan import split_evenly
@@ -231,7 +232,8 @@ def measure(path: str, quick: bool, wan: bool) -> None:
     print("peak resident memory (VmHWM) against what each process holds (safetensors headers):")
     print(f"  whole, one process: {whole['peak'] / GIB:6.2f} GiB   holds {whole_bytes / GIB:.2f} GiB")
     ok = client["peak"] <= ends + GOAL_CLIENT
-    also = f"; also its first block, {first / GIB:.2f} GiB, until the first call" if wan else ""
+    also = (f"; its first block, {first / GIB:.2f} GiB, mapped, read only where shapes do not decide its return "
+            f"map" if wan else "")
     print(f"  client:             {client['peak'] / GIB:6.2f} GiB   holds {ends / GIB:.2f} GiB (the ends{also})   "
           f"goal <= {(ends + GOAL_CLIENT) / GIB:.2f} GiB: {'met' if ok else 'not met'}")
     for i, (peak, held) in enumerate(zip(peaks, slices), 1):

@@ -21,7 +21,7 @@ import diffusers  # noqa: E402
 
 from diffuse.analysis import ModelSubject  # noqa: E402
 from diffuse.check import check, print_check  # noqa: E402
-from diffuse.errors import RefusedModel  # noqa: E402
+from diffuse.errors import PluginError, RefusedModel  # noqa: E402
 from diffuse.plan import ModelIdentity, ReturnMap, SlicingPlan, even_route  # noqa: E402
 from diffuse.planner import config_draft, learn_call  # noqa: E402
 
@@ -365,6 +365,33 @@ def test_print_check_puts_the_verdict_on_the_first_line(checkpoints, tmp_path, o
     console = Console(record=True, width=200)
     assert print_check(odd_checkpoint(tmp_path, oddmodel, "NoStackTransformer"), console) == 2
     assert console.export_text().splitlines()[0] == "refused: no ModuleList of repeated blocks found in NoStackTransformer"
+
+
+def test_shapes_alone_map_a_first_block_whose_weights_are_never_read(drafts):
+    """Where each tensor a block returns has exactly one input of its shape and dtype, the learner runs the block
+    on the meta device: a first block whose weights are not even loaded is mapped, so a client never reads a
+    block's weights to learn it. Where two inputs share a shape, it runs the block on the call's values and
+    chooses by nearness (which a weightless block cannot do)."""
+    from torch import nn
+
+    class Block(nn.Module):  # returns (context, hidden), the other way round from how it is called
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x, context=None):
+            return context + 0.01 * self.proj(context), x + 0.01 * self.proj(x)
+
+    stack = drafts["hunyuan_video"]["stacks"][0]
+    torch.manual_seed(0)
+    x, ctx, same = torch.randn(1, 6, 8), torch.randn(1, 3, 8), torch.randn(1, 6, 8)
+    weightless = Block().to("meta")
+    _, rmap = learn_call(stack, (x,), {"context": ctx}, weightless)
+    assert rmap == ReturnMap(single=False, outputs=[1, 0], names=["context", "args[0]"])
+    _, rmap = learn_call(stack, (x,), {"context": same}, Block())  # one shape for both: nearness decides
+    assert rmap == ReturnMap(single=False, outputs=[1, 0], names=["context", "args[0]"])
+    with pytest.raises(PluginError, match="return_mapper.*meta"):  # ... which needs the block's values
+        learn_call(stack, (x,), {"context": same}, weightless)
 
 
 def test_the_plan_survives_a_json_round_trip_with_what_a_first_call_taught(checkpoints, drafts):
