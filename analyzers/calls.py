@@ -48,7 +48,7 @@ class ReturnMapper(Analyzer):
         layered = any(is_cache(v) for v in (*call.args, *call.kwargs.values()))
         names = draft["call_plan"].slot_names
         decided = None if layered else _decided_by_shapes(call, inputs, names)
-        if decided is not None:  # the block's weights were never read: a client holding a block holds no more
+        if decided is not None:  # the block's weights were never read
             return {"return_map": decided}
         with torch.no_grad():
             out = call.block(*call.args, **call.kwargs)
@@ -63,7 +63,7 @@ class ReturnMapper(Analyzer):
             if not isinstance(o, torch.Tensor):
                 raise DiffuseError(f"block {call.stack.path}[0] returned a {type(o).__name__} at position {j}; "
                                    "only tensors (and None) can be threaded through a stack")
-            cands = [i for i, t in enumerate(inputs) if t.shape == o.shape and t.dtype == o.dtype]
+            cands = _alike(o, inputs)
             if not cands and layered and j:
                 continue  # a language model layer's side output (BLOOM's attention weights): threaded nowhere
             if not cands:
@@ -77,12 +77,16 @@ class ReturnMapper(Analyzer):
                 mapping[j] = i
                 taken.add(i)
         for j, o in enumerate(outs):
-            if o is not None and mapping[j] is None and not (layered and j and not any(
-                    t.shape == o.shape and t.dtype == o.dtype for t in inputs)):
+            if o is not None and mapping[j] is None and not (layered and j and not _alike(o, inputs)):
                 raise DiffuseError(f"block {call.stack.path}[0]: returned tensor {j} could not be matched to a distinct input")
         return {"return_map": ReturnMap(single=single, outputs=mapping,
                                         names=[names[i] if i is not None else None if o is None else "side output"
                                                for i, o in zip(mapping, outs)])}
+
+
+def _alike(o: torch.Tensor, inputs: list) -> list[int]:
+    """The inputs a returned tensor can replace: those of its shape and dtype."""
+    return [i for i, t in enumerate(inputs) if t.shape == o.shape and t.dtype == o.dtype]
 
 
 def _weightless_outputs(call):
@@ -120,7 +124,7 @@ def _decided_by_shapes(call, inputs: list, names: list) -> ReturnMap | None:
             continue
         if not isinstance(o, torch.Tensor):
             return None
-        cands = [i for i, t in enumerate(inputs) if t.shape == o.shape and t.dtype == o.dtype]
+        cands = _alike(o, inputs)
         if len(cands) != 1:
             return None
         mapping.append(cands[0])

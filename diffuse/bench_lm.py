@@ -227,7 +227,7 @@ def print_token_breakdown(name: str, row: dict, whole: dict) -> None:
     token = per * sum(c.times[-1] for c in row["clocks"])  # the prompt's pass included, as in the parts below
     whole_token = per * sum(c.times[-1] for c in whole["clocks"])
     c = {k: v * per for k, v in row["client"].items()}
-    ring = c["hash"] + c["seal"] + c["send"] + c["wait"] + c["open"]
+    ring = parts.client_ring(c)
     print(f"  breakdown {name}, per token (ms): {token:.2f} (whole {whole_token:.2f}) = client's generate loop and "
           f"model code outside the layers' pass {token - c['stand_in']:.2f} + the pass {c['stand_in']:.2f} "
           f"[hashing {c['hash']:.3f}, sealing {c['seal']:.3f}, handing to the transport {c['send']:.3f}, waiting "
@@ -235,8 +235,7 @@ def print_token_breakdown(name: str, row: dict, whole: dict) -> None:
           f"{c['stand_in'] - ring:.3f}]")
     work = 0.0
     for k, p in enumerate(row["nodes"]):
-        node_work = p["open"] + p["prepare"] + p["blocks"] + p["finish"] + p["seal"]
-        work += node_work
+        work += parts.node_work(p)
         print(f"    node {k + 1} per pass (ms): idle before it (median) {1000 * p['idle']:.2f}, opening {1000 * p['open']:.3f}, "
               f"checking and assembling {1000 * p['prepare']:.3f}, layers {1000 * p['blocks']:.2f} (CPU "
               f"{1000 * p['blocks_cpu']:.2f}), handing on {1000 * p['finish']:.3f}, sealing and sending "
@@ -333,7 +332,7 @@ def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype
         try:
             spec = [f"{node.address}#{node.key}" for node in nodes]
             copies = [diffuse.from_pretrained(model_dir, device, dtype) for _ in range(n)]  # one after another
-            with diffuse.split(copies[0], nodes=spec) as ring:
+            with diffuse.split(copies[0], nodes=spec):
                 generate(copies[0], prompts[0], 2)  # warm-up
                 tokens, clock = generate(copies[0], prompts[0], cfg["new"])
             single_same = bool(torch.equal(tokens, solo[0]))

@@ -148,13 +148,23 @@ def client_parts(before: dict, after: dict, calls: int) -> dict:
     return {k: (after[k] - before.get(k, 0.0)) / max(1, calls) for k in after}
 
 
+def client_ring(c: dict) -> float:
+    """The client's own part of a pass that is the ring's: hashing, sealing, handing on, waiting, opening."""
+    return c["hash"] + c["seal"] + c["send"] + c["wait"] + c["open"]
+
+
+def node_work(p: dict) -> float:
+    """A node's work on a pass: opening, checking, its blocks, handing on, sealing and sending."""
+    return p["open"] + p["prepare"] + p["blocks"] + p["finish"] + p["seal"]
+
+
 def print_breakdown(name: str, r: dict, timed_from: int) -> None:
     """The per-call breakdown of one configuration (means over its timed steps)."""
     calls_per_step = 2
     call = sum(r["split"][timed_from:]) / max(1, len(r["split"][timed_from:])) / calls_per_step
     c = r["client"]
     own = call - c["stand_in"]
-    ring = c["hash"] + c["seal"] + c["send"] + c["wait"] + c["open"]
+    ring = client_ring(c)
     print(f"  breakdown {name}, per call (ms; means over the timed steps): call {1000 * call:.1f} = client's own "
           f"model code {1000 * own:.1f} + stand-in {1000 * c['stand_in']:.1f} [hashing {1000 * c['hash']:.1f}, "
           f"sealing {1000 * c['seal']:.1f}, handing to the transport {1000 * c['send']:.1f}, waiting for the "
@@ -165,8 +175,7 @@ def print_breakdown(name: str, r: dict, timed_from: int) -> None:
         if not p["calls"]:
             continue
         each = p["calls"] / max(1, (len(r["split"]) - timed_from) * calls_per_step)
-        node_work = p["open"] + p["prepare"] + p["blocks"] + p["finish"] + p["seal"]
-        work += node_work * each
+        work += node_work(p) * each
         print(f"    node {k + 1}: {p['calls']} passes; per pass: idle before it (median) {1000 * p['idle']:.1f}, opening "
               f"{1000 * p['open']:.2f}, checking {1000 * p['prepare']:.2f}, blocks {1000 * p['blocks']:.1f} "
               f"(CPU {1000 * p['blocks_cpu']:.1f}, {p['faults']:.0f} page faults), handing on "
