@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from diffuse.errors import DiffuseError
+from diffuse.request import check_options  # the split's rules, shared with the command line's flags
 
 MODEL_DEFAULTS_FILE = "diffuse_defaults.json"  # call defaults a model folder may declare for its size
 
@@ -120,67 +121,6 @@ def _names_architectures(folder: str) -> bool:
 
 
 @dataclass
-class LocalNodesPlan:
-    """How many local nodes to start, at how many torch threads, and why."""
-
-    count: int
-    threads: int
-    notes: list[str] = field(default_factory=list)
-
-
-def plan_local_nodes(asked: int, stacks, patches: int, threads: int | None) -> LocalNodesPlan:
-    """At one patch only one node computes at a time, so each may use the client's thread count, which
-    keeps the bits of a whole run; with patches the nodes compute at once and share the cores."""
-    import torch
-
-    if asked < 1:
-        raise DiffuseError("--local-nodes must be at least 1")
-    notes = []
-    longest = max((s.length for s in stacks), default=1)
-    count = min(asked, longest)
-    if count < asked:
-        notes.append(f"{asked - count} of {asked} local nodes would hold no block (the longest stack has "
-                     f"{longest}): starting {count}")
-    if threads is None:
-        threads = torch.get_num_threads() if patches == 1 else max(1, (os.cpu_count() or 2) // count)
-    return LocalNodesPlan(count, threads, notes)
-
-
-def check_options(patches: int, nodes_given: bool, local_nodes: int | None, branch_groups: int,
-                  cache_threshold: float, autoregressive: bool | None = None) -> float:
-    """The rules a split's options follow, for ``split()`` and for the command line's flags alike (the
-    command checks them through ``diffuse.cli.check_flags`` before anything loads). ``autoregressive``:
-    whether the model is a language model, None while that is not known yet. Returns the cache threshold
-    as a float."""
-    if isinstance(patches, bool) or not isinstance(patches, int) or patches < 1:
-        raise DiffuseError(f"--patches {patches!r}: must be a whole number, at least 1")
-    if nodes_given and local_nodes is not None:
-        raise DiffuseError("--nodes and --local-nodes: give one (nodes elsewhere, or nodes started here)")
-    if local_nodes is not None and local_nodes < 1:
-        raise DiffuseError("--local-nodes must be at least 1")
-    if branch_groups < 1:
-        raise DiffuseError("--branch-groups must be at least 1")
-    asked = local_nodes if local_nodes is not None else 2 * branch_groups
-    if not nodes_given and asked % branch_groups:
-        raise DiffuseError(f"--local-nodes {asked} cannot be shared evenly by --branch-groups {branch_groups}")
-    threshold = 0.0
-    if cache_threshold:  # torch is imported only where the first-block cache is asked for
-        from diffuse.firstblock import NOT_FOR_LANGUAGE_MODELS, checked_threshold, not_with_patches
-
-        threshold = checked_threshold(cache_threshold)
-    if threshold and patches > 1:
-        raise DiffuseError(not_with_patches(patches))
-    if autoregressive and threshold:
-        raise DiffuseError(NOT_FOR_LANGUAGE_MODELS)
-    if autoregressive and branch_groups > 1:
-        raise DiffuseError("--branch-groups: branch groups run a diffusion model's guidance passes side by side; "
-                           "a language model's passes go through one ring")
-    if autoregressive and patches > 1:
-        raise DiffuseError("--patches applies to diffusion pipelines; a language model runs one pass per token")
-    return threshold
-
-
-@dataclass
 class SplitOptions:
     """How a ``Split`` runs: every option of ``diffuse.split`` but the model and its nodes (described there)."""
 
@@ -213,6 +153,7 @@ class Split:
         from diffuse.discovery import auto_nodes, check_auto
         from diffuse.repair import RepairPolicy
         from diffuse.known_nodes import parse_nodes
+        from diffuse.localnodes import local_nodes_plan
         from diffuse.placement import PLACEMENTS
 
         o = replace(options or SplitOptions(), **named)
@@ -242,10 +183,8 @@ class Split:
         self.branch_groups = len(self.groups) if self.groups else o.branch_groups
         self.cache_threshold = check_options(o.patches, nodes is not None, o.local_nodes, self.branch_groups,
                                              o.cache_threshold, self.info.subject.autoregressive)
-        self.local = None if nodes is not None else plan_local_nodes(
-            asked // o.branch_groups, self.info.draft["stacks"], o.patches, o.threads)
-        if self.local is not None and o.branch_groups > 1:
-            self.local = LocalNodesPlan(self.local.count * o.branch_groups, self.local.threads, self.local.notes)
+        self.local = None if nodes is not None else local_nodes_plan(
+            asked // o.branch_groups, self.info.draft["stacks"], o.patches, o.threads, o.branch_groups)
         self.patches, self.timeout, self.client_key = o.patches, o.timeout, o.client_key
         self.ahead = o.ahead  # with patches, the next guidance branch's call sent while this one finishes
         self.repair = o.repair if o.repair is not None else RepairPolicy()  # one for all of this split's rings
@@ -418,6 +357,37 @@ class Split:
         from diffuse.pipefusion import attention_paths
 
         return attention_paths(self.node_reports)
+
+
+def open_split(ring, pipe, held, console, quiet: bool):
+    """The ``Split`` a ``diffuse query`` request's ``ring`` (a ``diffuse.request.RingAsk``) asks for, its nodes
+    started or dialled (held open until ``held``, an ``ExitStack``, closes), and which node holds what said."""
+    from diffuse.cli import phase
+
+    split = Split(pipe, ring.nodes, ring.options)
+    if ring.options.client_key:
+        from diffuse.sealing import load_identity
+
+        console.print(f"client key {load_identity(ring.options.client_key).public_hex}", highlight=False,
+                      soft_wrap=True)
+    for note in split.local.notes if split.local is not None else ():
+        console.print(note, soft_wrap=True)
+    starting = f"opening sessions on {len(split.nodes)} nodes" if split.local is None else (
+        f"starting {split.local.count} local nodes ({split.local.threads} "
+        f"thread{'s' if split.local.threads > 1 else ''} each)")
+    if quiet and split.local is not None:
+        console.print(starting)  # said even with --quiet: processes are started
+    with phase(console, starting, quiet):
+        held.enter_context(split)
+    for k, r in enumerate(split.rings):
+        for stage in r.plan.route:
+            group = f" (group {k + 1})" if len(split.rings) > 1 else ""
+            console.print(f"  node {stage.address}{group}: {', '.join(map(str, stage.slices))}")
+    patches = ring.options.patches
+    if patches > 1 and split.ring.uncut:
+        console.print(f"{', '.join(sorted(split.ring.uncut))}: two streams per block (image and text side "
+                      f"by side), so steps run uncut there; --patches {patches} not applied", soft_wrap=True)
+    return split
 
 
 def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: int = 1, **options) -> Split:

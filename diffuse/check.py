@@ -24,7 +24,7 @@ import os
 import time
 
 from diffuse.analysis import ModelSubject
-from diffuse.errors import RefusedModel
+from diffuse.errors import DiffuseError, RefusedModel
 from diffuse.plan import PATCHABLE, UNCUT_STEPS
 
 SPLITTABLE, REFUSED = "splittable", "refused"
@@ -240,6 +240,24 @@ def _check(path: str, start: float) -> dict:
         "other_lists": draft.get("other_lists", {}),
         "seconds": time.perf_counter() - start,
     }
+
+
+def refuse_early(path: str, label: str, call) -> None:
+    """What can be refused before torch and the model's library are imported (most of a first run's
+    seconds): a folder that is no model, a model whose stored check refused it (``stored``), and a size of
+    ``call`` (a ``diffuse.request.PipelineCall``) above what its kept verdict says its denoiser takes
+    (``diffuse.dryrun.kept_refusal``; not with ``--arg``, which may change what the call's shapes are)."""
+    from diffuse.dryrun import kept_refusal
+
+    ModelSubject.from_path(path)
+    _, verdict = stored(path)
+    if verdict and verdict["verdict"] == REFUSED:
+        raise RefusedModel(path, verdict["reason"])
+    if verdict is None or call.args or verdict.get("output_kind") == "text":
+        return
+    line = kept_refusal((kept(path) or {}).get("sizes"), call.sizes(), label)
+    if line:
+        raise DiffuseError(line)
 
 
 def print_check(path: str, console=None, cache: bool = False) -> int:

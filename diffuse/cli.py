@@ -3,9 +3,9 @@
 One place for: the table of subcommands (``COMMANDS``: a new one is one entry), the
 argument parser (a mistake is one line, with "did you mean" where a flag, command or
 shipped model is near), value parsing (``positive``, ``--arg KEY=VALUE``), every flag
-check (``check_flags`` before anything loads, ``check_flags_for`` once the model's
-config is read), the typed request ``diffuse query`` builds from its flags once
-(``query_request``, ``request_for``: ``diffuse.request``), the error reporter (the root cause on the last line, exit status 2),
+check before anything loads (``check_flags``; the rules themselves, and the checks made
+once the model's config is read, live with the request: ``diffuse.request``), the typed request ``diffuse query`` builds from its flags once
+(``query_request``: ``diffuse.request``), the error reporter (the root cause on the last line, exit status 2),
 the first status line and the progress lines (a bar on a terminal, plain lines when
 output is piped or logged).
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import importlib
 import json
 import math
@@ -31,6 +32,7 @@ import os
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -268,20 +270,33 @@ def device_flags(ap: argparse.ArgumentParser, what: str = "the client's ends of 
                     "pipeline)")
 
 
-def check_device_flags(a: argparse.Namespace) -> None:
-    """``--device`` and a named ``--dtype`` against what torch sees here, before anything loads (``auto``
-    dtypes are resolved once the model's folder is read)."""
+def named_device(a: argparse.Namespace) -> tuple[str | None, str | None, bool] | None:
+    """What of ``--device`` and ``--dtype`` (or ``DIFFUSE_DEVICE`` and ``DIFFUSE_DTYPE``) is to be held against
+    what torch sees here before anything loads: (the device flag, the dtype flag, whether a dtype is named), or
+    None where all is ``auto`` (nothing to refuse, and torch is not imported yet: the first line waits).
+    ``auto`` dtypes are resolved once the model's folder is read."""
     if not hasattr(a, "device"):
-        return
+        return None
     named = [x for x in (a.device, a.dtype, os.environ.get("DIFFUSE_DEVICE"), os.environ.get("DIFFUSE_DTYPE"))
              if x and x != "auto"]
     if not named:
-        return  # auto finds what is there: nothing to refuse, and torch is not imported yet (the first line waits)
+        return None
+    return a.device, a.dtype, (a.dtype or os.environ.get("DIFFUSE_DTYPE") or "auto") != "auto"
+
+
+def check_device_flags(a: argparse.Namespace) -> None:
+    """``--device`` and a named ``--dtype`` against what torch sees here (``named_device``)."""
+    asked = named_device(a)
+    if asked is not None:
+        check_device(*asked)
+
+
+def check_device(device: str | None, dtype: str | None, named_dtype: bool) -> None:
     from diffuse.devices import resolve_device, resolve_dtype
 
-    device = resolve_device(a.device)
-    if (a.dtype or os.environ.get("DIFFUSE_DTYPE") or "auto") != "auto":
-        resolve_dtype(a.dtype, device, None)
+    found = resolve_device(device)
+    if named_dtype:
+        resolve_dtype(dtype, found, None)
 
 
 def query_parser(prog: str = "diffuse query") -> Parser:
@@ -360,18 +375,9 @@ def chat_parser() -> Parser:
 
 # ---------------------------------------------------------------- every flag check
 
-DIFFUSION_ONLY = ("steps", "height", "width", "frames", "negative_prompt", "save_array")
-LANGUAGE_ONLY = ("max_new_tokens", "temperature", "top_p", "top_k", "save_tokens", "audio")
-LANGUAGE_MEDIA = ("image", "video", "media", "no_template", "embedding_on_node")
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def split_options(a: argparse.Namespace, autoregressive: bool | None = None) -> float:
-    """The split's own rules (``diffuse.api.check_options``, which ``split()`` follows too) on the flags."""
-    from diffuse.api import check_options
+    """The split's own rules (``diffuse.request.check_options``, which ``split()`` follows too) on the flags."""
+    from diffuse.request import check_options
 
     return check_options(getattr(a, "patches", 1), getattr(a, "nodes", None) is not None,
                          getattr(a, "local_nodes", None), getattr(a, "branch_groups", 1),
@@ -379,57 +385,61 @@ def split_options(a: argparse.Namespace, autoregressive: bool | None = None) -> 
 
 
 def check_flags(a: argparse.Namespace) -> None:
-    """What the flags alone can tell, checked before anything is read or loaded (query, chat, verify)."""
+    """What the flags alone can tell, checked before anything is read or loaded (query, chat, verify): the
+    plain rules here first, then each rule's owner: the split's options (``diffuse.request.check_options``),
+    the node list (``diffuse.known_nodes``) or the network search (``diffuse.discovery``), and the device."""
     from diffuse.errors import DiffuseError
 
-    split_options(a)
-    if getattr(a, "nodes", None) == "auto":
-        from diffuse.discovery import zeroconf_library
-
-        zeroconf_library()  # or how to install it, in one line
-    elif getattr(a, "nodes", None) is not None:
-        check_node_list(a.nodes)
-    check_device_flags(a)
-    if getattr(a, "discover_seconds", None) is not None and getattr(a, "nodes", None) != "auto":
+    nodes = getattr(a, "nodes", None)
+    if getattr(a, "discover_seconds", None) is not None and nodes != "auto":
         raise DiffuseError("--discover-seconds applies with --nodes auto")
     whole = getattr(a, "whole", False)
     if whole and getattr(a, "cache_threshold", 0.0):
         raise DiffuseError("--cache-threshold applies to split runs; --whole runs the model as it is")
-    if whole and (a.nodes is not None or a.local_nodes is not None):
+    if whole and (nodes is not None or a.local_nodes is not None):
         raise DiffuseError("--whole runs the model unsplit in this process: leave out --nodes and --local-nodes")
     if getattr(a, "temperature", None) is not None and not a.temperature > 0:
         raise DiffuseError(f"--temperature {a.temperature}: must be above 0 (leave it out for greedy decoding)")
     if getattr(a, "top_p", None) is not None and not 0 < a.top_p <= 1:
         raise DiffuseError(f"--top-p {a.top_p}: must be in (0, 1]")
+    groups = node_groups(nodes) if nodes not in (None, "auto") else []
+    device = named_device(a)
+    split_options(a)
+    if nodes == "auto":
+        from diffuse.discovery import zeroconf_library
+
+        zeroconf_library()  # or how to install it, in one line
+    if groups:
+        from diffuse.known_nodes import parse_nodes
+
+        for group in groups:
+            parse_nodes(group)  # scheme, port and key of each address
+    if device is not None:
+        from diffuse.devices import resolve_device, resolve_dtype
+
+        found = resolve_device(device[0])
+        if device[2]:
+            resolve_dtype(device[1], found, None)
 
 
 def lan_nodes(a: argparse.Namespace, subject, out) -> None:
     """``--nodes auto``: replaced by the nodes announced on the local network that serve ``subject``'s model
-    (``heard_nodes``)."""
+    (``diffuse.discovery.heard_nodes``)."""
     if getattr(a, "nodes", None) != "auto":
         return
-    a.nodes = heard_nodes(subject, getattr(a, "discover_seconds", None), out)
+    from diffuse.discovery import heard_nodes
+
+    a.nodes = heard_nodes(subject, getattr(a, "discover_seconds", None), lambda line: status(out, line))
 
 
-def heard_nodes(subject, seconds: float | None, out) -> str:
-    """The nodes announced on the local network that serve ``subject``'s model (``diffuse.discovery``), heard
-    for ``seconds``, one line said per node heard; from then on the run is the same as with those addresses
-    given by hand, keys checked at hello or trusted on first use."""
-    from diffuse.discovery import nodes_on_lan
-
-    return nodes_on_lan([subject.content_hash()], seconds, lambda line: status(out, line))[0]
-
-
-def check_node_list(nodes: str) -> None:
-    """``--nodes``: groups separated by ';', addresses by ',', each checked (scheme, port, key)."""
+def node_groups(nodes: str) -> list[str]:
+    """``--nodes``: groups separated by ';' (each address in them is checked by ``diffuse.known_nodes``)."""
     from diffuse.errors import DiffuseError
-    from diffuse.known_nodes import parse_nodes
 
     groups = nodes.split(";")
     if any(not g.strip() for g in groups):
         raise DiffuseError("--nodes: an empty group between ';' separators")
-    for group in groups:
-        parse_nodes(group)
+    return groups
 
 
 def query_request(a: argparse.Namespace):
@@ -438,8 +448,8 @@ def query_request(a: argparse.Namespace):
     from diffuse.api import SplitOptions
     from diffuse.request import ModelAsk, Output, PipelineCall, QueryRequest, RingAsk, TextCall
 
+    args = key_values(a.arg)  # KEY=VALUE form
     check_flags(a)
-    args = key_values(a.arg)  # KEY=VALUE form: checked last, as one of the flags
     options = SplitOptions(local_nodes=a.local_nodes, patches=a.patches, threads=a.threads, timeout=a.timeout,
                            client_key=a.client_key, local_transport=a.local_transport,
                            branch_groups=a.branch_groups, cache_threshold=a.cache_threshold,
@@ -451,40 +461,6 @@ def query_request(a: argparse.Namespace):
         text=TextCall(a.prompt, tuple(a.image), tuple(a.video), tuple(a.media), a.audio, a.no_template,
                       a.max_new_tokens, a.temperature, a.top_p, a.top_k, dict(args), a.seed),
         output=Output(a.out, a.save_array, a.save_tokens, a.report, a.quiet))
-
-
-def request_for(q, subject, out):
-    """The request ``q`` once the model's config is read: checked against what ``subject`` is
-    (``check_flags_for``), with ``--nodes auto`` replaced by the nodes heard on the network (``heard_nodes``)."""
-    from dataclasses import replace
-
-    check_flags_for(q, subject.autoregressive)
-    if q.ring.nodes != "auto":
-        return q
-    return replace(q, ring=replace(q.ring, nodes=heard_nodes(subject, q.ring.discover_seconds, out)))
-
-
-def check_flags_for(q, autoregressive: bool) -> None:
-    """The flags of request ``q`` (``diffuse.request.QueryRequest``) against what the model's config says it is:
-    a language model (``autoregressive``) or a diffusion pipeline. Checked after config.json is read, before the
-    model loads."""
-    from diffuse.api import check_options
-    from diffuse.errors import DiffuseError
-
-    o = q.ring.options
-    check_options(o.patches, q.ring.nodes is not None, o.local_nodes, o.branch_groups, o.cache_threshold,
-                  autoregressive)
-    if autoregressive:
-        for name in DIFFUSION_ONLY:
-            if q.flag(name) not in (None, False):
-                raise DiffuseError(f"{flag(name)} applies to diffusion pipelines, not to a language model")
-        return
-    for name in LANGUAGE_ONLY:
-        if q.flag(name) is not None:
-            raise DiffuseError(f"{flag(name)} applies to language models, not to a diffusion pipeline")
-    if any(q.flag(name) for name in LANGUAGE_MEDIA):
-        raise DiffuseError("--image, --video, --media, --no-template and --embedding-on-node apply to language "
-                           "models")
 
 
 def check_port_free(listen: str) -> None:
@@ -639,3 +615,42 @@ class StepLines:
 
 if __name__ == "__main__":
     main()  # ends the process itself
+
+
+@contextmanager
+def step_progress(pipe, quiet: bool, out=None):
+    """Progress over the scheduler's steps (``diffuse.cli.StepLines``: a bar on a terminal, plain lines
+    when output is piped); the scheduler's ``step`` is wrapped for the call only."""
+    sched = pipe.scheduler
+    original = sched.step
+    counter = {"steps": 0, "denoising": 0.0}
+    started = time.perf_counter()
+    lines = StepLines(out or console(), "denoising", quiet)
+
+    # wraps() keeps step's signature visible: pipelines pass generator/eta only if step declares them
+    @functools.wraps(original)
+    def step(*args, **kwargs):
+        if getattr(sched, "timesteps", None) is not None:
+            lines.set_total(len(sched.timesteps))
+        out = original(*args, **kwargs)
+        counter["steps"] += 1
+        counter["denoising"] = time.perf_counter() - started  # from the call to the last step: text encoding and steps
+        lines.advance()
+        return out
+
+    sched.step = step
+    try:
+        with lines:
+            yield counter
+    finally:
+        del sched.step  # the bound method from the class shows through again
+
+
+def run_with_steps(pipe, kwargs: dict, out, quiet: bool):
+    """A diffusion pipeline's own call, with progress over its steps (``step_progress``): its result, the step counts, and its seconds."""
+    import torch
+
+    t = time.perf_counter()
+    with torch.no_grad(), step_progress(pipe, quiet, out) as steps:
+        result = pipe(**kwargs)
+    return result, steps, time.perf_counter() - t

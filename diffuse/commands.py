@@ -59,15 +59,12 @@ def verify_main(argv: list[str]) -> int:
         import torch
 
         import diffuse
-        from diffuse.api import ModelInfo, client_compute, load_whole_or_shell
-        from diffuse.run import call_kwargs, output_array
+        from diffuse.api import load_whole_or_shell
+        from diffuse.dryrun import call_kwargs
+        from diffuse.modelread import read_model
+        from diffuse.output import output_array
 
-        q = cli.query_request(a)
-        if a.threads:
-            torch.set_num_threads(a.threads)
-        info = ModelInfo.of(a.model)
-        q = cli.request_for(q, info.subject, out)
-        compute = client_compute(info, a.device, a.dtype)
+        q, (info, _, compute) = read_model(cli.query_request(a), out, "diffuse verify")
         with cli.phase(out, f"{os.path.basename(info.path)}: running it whole, in this process, on "
                        f"{compute.describe()}", a.quiet):
             whole = load_whole_or_shell(info, compute, shell=False)

@@ -298,6 +298,13 @@ def nodes_for(found: list[Announced], model_hash: str) -> str:
     return ",".join(n.address for n in mine)
 
 
+def heard_nodes(subject, seconds: float | None, say) -> str:
+    """The nodes announced on the local network that serve ``subject``'s model (a ``ModelSubject``), heard for
+    ``seconds``, one line handed to ``say`` per node heard; from then on the run is the same as with those
+    addresses given by hand, keys checked at hello or trusted on first use."""
+    return nodes_on_lan([subject.content_hash()], seconds, say)[0]
+
+
 def nodes_on_lan(model_hashes: list[str], seconds: float | None, say) -> list[str]:
     """``--nodes auto``: listen once, say what was heard (one line a node), and return, for each model hash,
     the ``--nodes`` list of the nodes serving that model; one line refusing where there are none."""

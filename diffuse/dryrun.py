@@ -33,6 +33,7 @@ a size other than the one a model folder declares it was made for
 from __future__ import annotations
 
 import inspect
+import json
 import time
 
 from diffuse.errors import DiffuseError
@@ -404,3 +405,40 @@ def unknown_words(tokenizer, prompt: str) -> list[str]:
         return []
 
 
+def call_kwargs(call, pipe, info) -> dict:
+    """The pipeline's call arguments for ``call``: each flag given and each ``--arg`` checked against what its
+    ``__call__`` takes, the folder's declared defaults, the seeded generator; checked by the pipeline's own input
+    check (``diffuse.dryrun.check_inputs``)."""
+    import torch
+
+    params = inspect.signature(type(pipe).__call__).parameters
+    kwargs = {}
+    for flag, (name, value) in call.named().items():
+        if name not in params:
+            raise DiffuseError(f"--{flag.replace('_', '-')} does not apply: {type(pipe).__name__} takes no {name!r}")
+        kwargs[name] = value
+    for key, value in call.args.items():
+        if key not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            raise DiffuseError(f"--arg {key}: {type(pipe).__name__}.__call__ has no such argument")
+        kwargs[key] = value
+        default = params[key].default if key in params else None
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and (
+                not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise DiffuseError(f"--arg {key}={json.dumps(value) if not isinstance(value, str) else value}: "
+                               f"{type(pipe).__name__} takes a number there (default {default!r})")
+    for k, v in info.call_defaults().items():  # what the folder declares for its size (the embedded model does)
+        if k in params:
+            kwargs.setdefault(k, v)
+    kwargs["generator"] = torch.Generator("cpu").manual_seed(call.seed)
+    kwargs["output_type"] = "np"
+    check_inputs(pipe, kwargs)
+    return kwargs
+
+
+def checked_call(call, pipe, info, label: str, split: bool = True) -> tuple[dict, list[str]]:
+    """The pipeline's call arguments for ``call`` (``call_kwargs``: its own input check included), checked
+    against the denoiser's forward run weightless at the call's shapes (``check_sizes``), and the one-line
+    notes on a run that will go through but make little (``notes``)."""
+    kwargs = call_kwargs(call, pipe, info)
+    check_sizes(pipe, kwargs, info, label, split=split)
+    return kwargs, notes(pipe, kwargs, info)

@@ -21,7 +21,6 @@ nodes new to the session hold nothing). The block-0 node marks the call
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -30,27 +29,11 @@ from diffuse.callplan import digest, thread_outputs, unflatten
 from diffuse.errors import DiffuseError
 from diffuse.passes import Reuse
 from diffuse.plan import ReturnMap
+
 from diffuse.runners import PassKind, kind
 
 MAX_BRANCHES = 4  # branches one stack keeps residuals for (guidance needs two)
 _STREAM = object()  # where the remembered answer held a stream tensor
-
-
-def checked_threshold(t) -> float:
-    """``--cache-threshold``: a finite number >= 0 (0: off)."""
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-        raise DiffuseError(f"--cache-threshold {t!r}: must be a number of 0 or more (0: off; 0.1 skips steps "
-                           "whose first block changes less than 10%)")
-    return float(t)
-
-
-NOT_FOR_LANGUAGE_MODELS = ("--cache-threshold applies to diffusion pipelines; a language model's passes carry a "
-                           "key/value cache and are never skipped")
-
-
-def not_with_patches(patches: int) -> str:
-    return (f"--cache-threshold and --patches {patches} do not go together: a skipped step has no patches to "
-            "pipeline; choose one")
 
 
 def relative_change(r: torch.Tensor, prev: torch.Tensor) -> float:

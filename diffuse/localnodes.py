@@ -12,7 +12,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from diffuse import launcher
 from diffuse.errors import DiffuseError
@@ -69,6 +69,39 @@ class LocalStart:
     client: object = None
     fixed: bool = True
     each: list[list[str]] | None = None
+
+
+@dataclass
+class LocalNodesPlan:
+    """How many local nodes to start, at how many torch threads, and why."""
+
+    count: int
+    threads: int
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_local_nodes(asked: int, stacks, patches: int, threads: int | None) -> LocalNodesPlan:
+    """At one patch only one node computes at a time, so each may use the client's thread count, which
+    keeps the bits of a whole run; with patches the nodes compute at once and share the cores."""
+    import torch
+
+    if asked < 1:
+        raise DiffuseError("--local-nodes must be at least 1")
+    notes = []
+    longest = max((s.length for s in stacks), default=1)
+    count = min(asked, longest)
+    if count < asked:
+        notes.append(f"{asked - count} of {asked} local nodes would hold no block (the longest stack has "
+                     f"{longest}): starting {count}")
+    if threads is None:
+        threads = torch.get_num_threads() if patches == 1 else max(1, (os.cpu_count() or 2) // count)
+    return LocalNodesPlan(count, threads, notes)
+
+
+def local_nodes_plan(asked: int, stacks, patches: int, threads: int | None, groups: int = 1) -> LocalNodesPlan:
+    """``plan_local_nodes`` for each of ``groups`` groups of branches alike (``asked`` nodes a group)."""
+    plan = plan_local_nodes(asked, stacks, patches, threads)
+    return plan if groups == 1 else LocalNodesPlan(plan.count * groups, plan.threads, plan.notes)
 
 
 def start_local_nodes(model: str, n: int, threads: int | None = None, start: LocalStart | None = None,

@@ -158,7 +158,7 @@ def cache_main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     import diffuse
-    from diffuse.firstblock import checked_threshold
+    from diffuse.request import checked_threshold
 
     ap = _parser("cache", "What the first-block cache (--cache-threshold) costs and saves on the trained model, "
                           "beside --patches 2.")

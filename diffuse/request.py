@@ -8,7 +8,7 @@ takes only the piece it needs:
 
 - ``ModelAsk``: which model, where the client's ends compute, and whether it runs whole here;
 - ``RingAsk``: where the nodes are and how the split runs (``diffuse.api.SplitOptions``);
-- ``PipelineCall``: a diffusion pipeline's call (``diffuse.run.call_kwargs``);
+- ``PipelineCall``: a diffusion pipeline's call (``diffuse.dryrun.call_kwargs``);
 - ``TextCall``: a language model's inputs and ``generate``'s arguments (``diffuse.lm``);
 - ``Output``: what the run writes, and whether it says what it does.
 
@@ -27,7 +27,10 @@ Nothing here imports torch or the model's library: the request exists before eit
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
+
+from diffuse.errors import DiffuseError
 
 FLAG_TO_ARG = {  # flag -> pipeline __call__ argument
     "prompt": "prompt", "negative_prompt": "negative_prompt", "steps": "num_inference_steps",
@@ -130,3 +133,78 @@ class QueryRequest:
             if name in {f.name for f in fields(piece)}:
                 return getattr(piece, name)
         raise KeyError(name)
+
+    def check_for(self, autoregressive: bool) -> None:
+        """The request against what the model's config says it is: a language model (``autoregressive``) or a
+        diffusion pipeline. Checked after config.json is read, before the model loads."""
+        o = self.ring.options
+        check_options(o.patches, self.ring.nodes is not None, o.local_nodes, o.branch_groups, o.cache_threshold,
+                      autoregressive)
+        if autoregressive:
+            for name in DIFFUSION_ONLY:
+                if self.flag(name) not in (None, False):
+                    raise DiffuseError(f"{flag(name)} applies to diffusion pipelines, not to a language model")
+            return
+        for name in LANGUAGE_ONLY:
+            if self.flag(name) is not None:
+                raise DiffuseError(f"{flag(name)} applies to language models, not to a diffusion pipeline")
+        if any(self.flag(name) for name in LANGUAGE_MEDIA):
+            raise DiffuseError("--image, --video, --media, --no-template and --embedding-on-node apply to language "
+                               "models")
+
+
+# ---------------------------------------------------------------- the rules a request follows
+
+DIFFUSION_ONLY = ("steps", "height", "width", "frames", "negative_prompt", "save_array")
+LANGUAGE_ONLY = ("max_new_tokens", "temperature", "top_p", "top_k", "save_tokens", "audio")
+LANGUAGE_MEDIA = ("image", "video", "media", "no_template", "embedding_on_node")
+NOT_FOR_LANGUAGE_MODELS = ("--cache-threshold applies to diffusion pipelines; a language model's passes carry a "
+                           "key/value cache and are never skipped")
+
+
+def flag(name: str) -> str:
+    """A flag as typed, from its name as argparse keeps it: ``save_array`` -> ``--save-array``."""
+    return "--" + name.replace("_", "-")
+
+
+def checked_threshold(t) -> float:
+    """``--cache-threshold``: a finite number >= 0 (0: off)."""
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        raise DiffuseError(f"--cache-threshold {t!r}: must be a number of 0 or more (0: off; 0.1 skips steps "
+                           "whose first block changes less than 10%)")
+    return float(t)
+
+
+def not_with_patches(patches: int) -> str:
+    return (f"--cache-threshold and --patches {patches} do not go together: a skipped step has no patches to "
+            "pipeline; choose one")
+
+
+def check_options(patches: int, nodes_given: bool, local_nodes: int | None, branch_groups: int,
+                  cache_threshold: float, autoregressive: bool | None = None) -> float:
+    """The rules a split's options follow, for ``diffuse.split()`` and for the command line's flags alike (the
+    command checks them through ``diffuse.cli.check_flags`` before anything loads). ``autoregressive``:
+    whether the model is a language model, None while that is not known yet. Returns the cache threshold
+    as a float."""
+    if isinstance(patches, bool) or not isinstance(patches, int) or patches < 1:
+        raise DiffuseError(f"--patches {patches!r}: must be a whole number, at least 1")
+    if nodes_given and local_nodes is not None:
+        raise DiffuseError("--nodes and --local-nodes: give one (nodes elsewhere, or nodes started here)")
+    if local_nodes is not None and local_nodes < 1:
+        raise DiffuseError("--local-nodes must be at least 1")
+    if branch_groups < 1:
+        raise DiffuseError("--branch-groups must be at least 1")
+    asked = local_nodes if local_nodes is not None else 2 * branch_groups
+    if not nodes_given and asked % branch_groups:
+        raise DiffuseError(f"--local-nodes {asked} cannot be shared evenly by --branch-groups {branch_groups}")
+    threshold = checked_threshold(cache_threshold) if cache_threshold else 0.0
+    if threshold and patches > 1:
+        raise DiffuseError(not_with_patches(patches))
+    if autoregressive and threshold:
+        raise DiffuseError(NOT_FOR_LANGUAGE_MODELS)
+    if autoregressive and branch_groups > 1:
+        raise DiffuseError("--branch-groups: branch groups run a diffusion model's guidance passes side by side; "
+                           "a language model's passes go through one ring")
+    if autoregressive and patches > 1:
+        raise DiffuseError("--patches applies to diffusion pipelines; a language model runs one pass per token")
+    return threshold

@@ -180,7 +180,7 @@ class Splitter:
         if self.ring is None:
             raise DiffuseError("this model's layers are held by nodes: call it inside `with diffuse.split(...)`")
         if self.tagger is not None:
-            from diffuse.firstblock import NOT_FOR_LANGUAGE_MODELS
+            from diffuse.request import NOT_FOR_LANGUAGE_MODELS
 
             raise DiffuseError(NOT_FOR_LANGUAGE_MODELS)
         return self.lm.run_layers(stack, calls, cache)

@@ -52,7 +52,7 @@ def test_no_more_local_nodes_start_than_the_longest_stack_has_blocks():
     gets the client's thread count (one computes at a time), with patches they share the cores."""
     import torch
 
-    from diffuse.api import plan_local_nodes
+    from diffuse.localnodes import plan_local_nodes
     from diffuse.plan import StackPlan
 
     stacks = [StackPlan(path="blocks", length=4, block_class="B"), StackPlan(path="single", length=2, block_class="S")]

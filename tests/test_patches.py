@@ -72,7 +72,7 @@ def split_run(model: str, kwargs: dict, addresses, patches: int, attention: str 
     import diffusers
 
     import diffuse
-    from diffuse.run import output_array
+    from diffuse.output import output_array
 
     pipe = diffusers.DiffusionPipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)

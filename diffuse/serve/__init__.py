@@ -212,7 +212,7 @@ class Service:
 
         if spec is not None:
             return NodeSet([s.strip() for s in spec.split(",") if s.strip()])
-        from diffuse.api import plan_local_nodes
+        from diffuse.localnodes import plan_local_nodes
         from diffuse.localnodes import start_local_nodes
 
         plan = plan_local_nodes(opts.local_nodes, info.draft["stacks"], 1, opts.threads)

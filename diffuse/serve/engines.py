@@ -515,7 +515,8 @@ class PipelineEngine(Engine):
         import torch
 
         from diffuse.request import PipelineCall
-        from diffuse.run import call_kwargs, output_array
+        from diffuse.dryrun import call_kwargs
+        from diffuse.output import output_array
 
         if not isinstance(ask.prompt, str) or not ask.prompt.strip():
             raise BadRequest("prompt must be a non-empty string", "prompt")

@@ -1,0 +1,66 @@
+"""The model a ``diffuse query`` request names, read before anything loads.
+
+``read_model`` finds its folder (the shipped model by default), refuses it early where a stored verdict
+says so (``diffuse.check.refuse_early``, before torch is imported), reads its config into the model's
+analysis (``diffuse.api.ModelInfo``), settles where the client's ends compute, and checks the request
+against what the model is (``diffuse.request.QueryRequest.check_for``), putting the nodes heard on the
+network in for ``--nodes auto``; a diffusion run's output path is checked too
+(``diffuse.output.check_output_path``). Every refusal happens here, before any node is contacted.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import NamedTuple
+
+from diffuse.request import QueryRequest
+
+
+class ModelRead(NamedTuple):
+    """What ``read_model`` found: the model's analysis (``diffuse.api.ModelInfo``), the name it was asked by,
+    and where the client's ends compute (``diffuse.devices.Compute``)."""
+
+    info: object
+    name: str
+    compute: object
+
+
+def read_model(q: QueryRequest, console, command: str = "diffuse query") -> tuple[QueryRequest, ModelRead]:
+    """The model request ``q`` names, read and checked (see the module's docstring); the request as checked
+    against it (``--nodes auto`` replaced by the nodes heard), and what was read. ``command`` opens the first
+    status line."""
+    from diffuse.check import refuse_early
+    from diffuse.cli import phase, status
+    from diffuse.modelfiles import resolve_model
+
+    ask = q.model
+    if ask.model is None:
+        from diffuse.default_model import SHIPPED_MODEL_NAME, default_model_dir
+
+        path, name = default_model_dir(), SHIPPED_MODEL_NAME
+    else:
+        path, name = resolve_model(ask.model), ask.model
+    where = "" if os.path.basename(path.rstrip("/")) == name else f" from {path}"
+    refuse_early(path, name, q.call)
+    with phase(console, f"{command}: {name}{where}; reading its config (importing torch and its library)",
+               q.output.quiet):
+        import torch
+
+        from diffuse.api import ModelInfo, client_compute
+
+        if ask.threads:
+            torch.set_num_threads(ask.threads)
+        info = ModelInfo.of(path)
+        model = ModelRead(info, name, client_compute(info, ask.device, ask.dtype))
+    q.check_for(info.subject.autoregressive)
+    if not info.subject.autoregressive:
+        from diffuse.output import check_output_path
+
+        check_output_path(q.output.out, info.draft)  # a file name no writer takes, refused before loading
+    if q.ring.nodes == "auto":
+        from diffuse.discovery import heard_nodes
+
+        heard = heard_nodes(info.subject, q.ring.discover_seconds, lambda line: status(console, line))
+        q = replace(q, ring=replace(q.ring, nodes=heard))
+    return q, model
