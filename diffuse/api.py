@@ -144,6 +144,37 @@ class SplitOptions:
     discover_seconds: float | None = None  # with nodes="auto": how long to listen (default 3)
 
 
+def open_split(ring, pipe, held, console, quiet: bool):
+    """The ``Split`` a ``diffuse query`` request's ``ring`` (a ``diffuse.request.RingAsk``) asks for, its nodes
+    started or dialled (held open until ``held``, an ``ExitStack``, closes), and which node holds what said."""
+    from diffuse.progress import phase
+
+    split = Split(pipe, ring.nodes, ring.options)
+    if ring.options.client_key:
+        from diffuse.sealing import load_identity
+
+        console.print(f"client key {load_identity(ring.options.client_key).public_hex}", highlight=False,
+                      soft_wrap=True)
+    for note in split.local.notes if split.local is not None else ():
+        console.print(note, soft_wrap=True)
+    starting = f"opening sessions on {len(split.nodes)} nodes" if split.local is None else (
+        f"starting {split.local.count} local nodes ({split.local.threads} "
+        f"thread{'s' if split.local.threads > 1 else ''} each)")
+    if quiet and split.local is not None:
+        console.print(starting)  # said even with --quiet: processes are started
+    with phase(console, starting, quiet):
+        held.enter_context(split)
+    for k, r in enumerate(split.rings):
+        for stage in r.plan.route:
+            group = f" (group {k + 1})" if len(split.rings) > 1 else ""
+            console.print(f"  node {stage.address}{group}: {', '.join(map(str, stage.slices))}")
+    patches = ring.options.patches
+    if patches > 1 and split.ring.uncut:
+        console.print(f"{', '.join(sorted(split.ring.uncut))}: two streams per block (image and text side "
+                      f"by side), so steps run uncut there; --patches {patches} not applied", soft_wrap=True)
+    return split
+
+
 class Split:
     """A pipeline (or denoiser) split over a ring for the duration of a ``with`` block. Options come as a
     ``SplitOptions``, as keywords (``Split(pipe, nodes, patches=2)``), or both (the keywords win)."""
@@ -157,21 +188,23 @@ class Split:
         from diffuse.placement import PLACEMENTS
 
         o = replace(options or SplitOptions(), **named)
-        check_options(o.patches, nodes is not None, o.local_nodes, o.branch_groups, o.cache_threshold)  # first
         check_auto(nodes, o.discover_seconds)
         if o.placement not in PLACEMENTS:
             raise DiffuseError(f"--placement {o.placement}: choose {' or '.join(PLACEMENTS)}")
         self.placement = o.placement
         self.target = pipe_or_model
         self.info = model_info(pipe_or_model, o.model)
+        listed = None if nodes in (None, "auto") else parse_groups(nodes) if isinstance(nodes, str) and ";" in nodes \
+            else nodes if nodes and all(isinstance(g, list) for g in nodes) else [nodes]
+        self.branch_groups = len(listed) if listed and len(listed) > 1 else o.branch_groups
+        self.cache_threshold = check_options(o.patches, nodes is not None, o.local_nodes, self.branch_groups,
+                                             o.cache_threshold, self.info.subject.autoregressive)  # before listening
         self.discovered: list[str] = []  # with nodes="auto": what was heard, a line a node
         if nodes == "auto":
-            nodes = auto_nodes(self.info.subject.content_hash(), o.discover_seconds, self.discovered)
+            listed = [auto_nodes(self.info.subject.content_hash(), o.discover_seconds, self.discovered)]
+        groups = None if listed is None else [parse_nodes(g) for g in listed]
         self.groups = None  # node lists, one per group of branches, when there are several
-        if nodes is not None:
-            groups = [parse_nodes(g) for g in parse_groups(nodes)] if isinstance(nodes, str) and ";" in nodes \
-                else [parse_nodes(g) for g in nodes] if nodes and all(isinstance(g, list) for g in nodes) \
-                else [parse_nodes(nodes)]
+        if groups is not None:
             if o.branch_groups not in (1, len(groups)):
                 raise DiffuseError(f"--branch-groups {o.branch_groups}, but --nodes lists {len(groups)} group(s) "
                                    "(separate groups with ';')")
@@ -180,9 +213,6 @@ class Split:
         else:
             self.nodes = None
         asked = o.local_nodes if o.local_nodes is not None else 2 * o.branch_groups
-        self.branch_groups = len(self.groups) if self.groups else o.branch_groups
-        self.cache_threshold = check_options(o.patches, nodes is not None, o.local_nodes, self.branch_groups,
-                                             o.cache_threshold, self.info.subject.autoregressive)
         self.local = None if nodes is not None else local_nodes_plan(
             asked // o.branch_groups, self.info.draft["stacks"], o.patches, o.threads, o.branch_groups)
         self.patches, self.timeout, self.client_key = o.patches, o.timeout, o.client_key
@@ -357,37 +387,6 @@ class Split:
         from diffuse.pipefusion import attention_paths
 
         return attention_paths(self.node_reports)
-
-
-def open_split(ring, pipe, held, console, quiet: bool):
-    """The ``Split`` a ``diffuse query`` request's ``ring`` (a ``diffuse.request.RingAsk``) asks for, its nodes
-    started or dialled (held open until ``held``, an ``ExitStack``, closes), and which node holds what said."""
-    from diffuse.cli import phase
-
-    split = Split(pipe, ring.nodes, ring.options)
-    if ring.options.client_key:
-        from diffuse.sealing import load_identity
-
-        console.print(f"client key {load_identity(ring.options.client_key).public_hex}", highlight=False,
-                      soft_wrap=True)
-    for note in split.local.notes if split.local is not None else ():
-        console.print(note, soft_wrap=True)
-    starting = f"opening sessions on {len(split.nodes)} nodes" if split.local is None else (
-        f"starting {split.local.count} local nodes ({split.local.threads} "
-        f"thread{'s' if split.local.threads > 1 else ''} each)")
-    if quiet and split.local is not None:
-        console.print(starting)  # said even with --quiet: processes are started
-    with phase(console, starting, quiet):
-        held.enter_context(split)
-    for k, r in enumerate(split.rings):
-        for stage in r.plan.route:
-            group = f" (group {k + 1})" if len(split.rings) > 1 else ""
-            console.print(f"  node {stage.address}{group}: {', '.join(map(str, stage.slices))}")
-    patches = ring.options.patches
-    if patches > 1 and split.ring.uncut:
-        console.print(f"{', '.join(sorted(split.ring.uncut))}: two streams per block (image and text side "
-                      f"by side), so steps run uncut there; --patches {patches} not applied", soft_wrap=True)
-    return split
 
 
 def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: int = 1, **options) -> Split:

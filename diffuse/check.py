@@ -246,9 +246,7 @@ def refuse_early(path: str, label: str, call) -> None:
     """What can be refused before torch and the model's library are imported (most of a first run's
     seconds): a folder that is no model, a model whose stored check refused it (``stored``), and a size of
     ``call`` (a ``diffuse.request.PipelineCall``) above what its kept verdict says its denoiser takes
-    (``diffuse.dryrun.kept_refusal``; not with ``--arg``, which may change what the call's shapes are)."""
-    from diffuse.dryrun import kept_refusal
-
+    (``kept_refusal``; not with ``--arg``, which may change what the call's shapes are)."""
     ModelSubject.from_path(path)
     _, verdict = stored(path)
     if verdict and verdict["verdict"] == REFUSED:
@@ -258,6 +256,29 @@ def refuse_early(path: str, label: str, call) -> None:
     line = kept_refusal((kept(path) or {}).get("sizes"), call.sizes(), label)
     if line:
         raise DiffuseError(line)
+
+
+def kept_refusal(sizes: dict | None, asked: dict, label: str) -> str | None:
+    """The refusal of ``asked`` (size argument -> value) from a kept verdict's ``largest_sizes``, or None
+    where it does not decide: a call no smaller than the size made for in any of them, and above the largest
+    taken in one, is refused (a size that fits means every smaller one does: the rule ``largest_taken``
+    searches by)."""
+    from diffuse.dryrun import SIZE_WORDS
+
+    if not sizes or not asked:
+        return None
+    made_for, largest = sizes["made_for"], sizes["largest"]
+    call = dict(made_for, **{k: v for k, v in asked.items() if k in made_for})
+    if any(call[k] < v for k, v in made_for.items()):
+        return None
+    over = [k for k, v in largest.items() if v is not None and call[k] > v]
+    if not over:
+        return None
+    what = ", ".join(f"{v} {SIZE_WORDS[k]}" for k, v in asked.items())
+    above = " and ".join(f"{k.replace('num_', '')} above {largest[k]}" for k in over)
+    takes = ", ".join(f"{k.replace('num_', '')} up to {largest[k]}" for k in over)
+    return (f"{label} cannot make {what}: the denoiser's own forward refuses {above} (the model's kept verdict, "
+            f"found by running it weightless); it takes {takes}; nothing was started")
 
 
 def print_check(path: str, console=None, cache: bool = False) -> int:

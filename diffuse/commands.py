@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from diffuse import cli
+from diffuse import cli, progress
 
 
 def key_main(argv: list[str]) -> int:
@@ -17,7 +17,7 @@ def key_main(argv: list[str]) -> int:
     ap.add_argument("--key-file", metavar="FILE", help="the identity file (default: node.key in $DIFFUSE_HOME, "
                     "else ~/.config/diffuse)")
     a = ap.parse_args(argv)
-    out = cli.console()
+    out = progress.console()
     path = a.key_file or os.path.join(config_home(), "node.key")
 
     def body():
@@ -31,7 +31,7 @@ def check_main(argv: list[str]) -> int:
                     "(no weights read): whether it splits, its block stacks, what it makes, how --patches runs.")
     ap.add_argument("model", help="a model folder, a shipped model's name, or a Hub id in the local cache")
     a = ap.parse_args(argv)
-    out = cli.console(stderr=False)
+    out = progress.console(stderr=False)
     code = 0
 
     def body():
@@ -51,7 +51,7 @@ def verify_main(argv: list[str]) -> int:
     ap.add_argument("model_pos", nargs="?", metavar="MODEL", help="the model (or give --model)")
     a = ap.parse_args(argv)
     a.model = a.model or a.model_pos
-    out = cli.console()
+    out = progress.console()
     result: dict = {}
 
     def body():
@@ -65,13 +65,13 @@ def verify_main(argv: list[str]) -> int:
         from diffuse.output import output_array
 
         q, (info, _, compute) = read_model(cli.query_request(a), out, "diffuse verify")
-        with cli.phase(out, f"{os.path.basename(info.path)}: running it whole, in this process, on "
+        with progress.phase(out, f"{os.path.basename(info.path)}: running it whole, in this process, on "
                        f"{compute.describe()}", a.quiet):
             whole = load_whole_or_shell(info, compute, shell=False)
             with torch.no_grad():
                 reference = output_array(whole(**call_kwargs(q.call, whole, info)))
             del whole
-        with cli.phase(out, f"{os.path.basename(info.path)}: running it split", a.quiet):
+        with progress.phase(out, f"{os.path.basename(info.path)}: running it split", a.quiet):
             pipe = diffuse.from_pretrained(info.path, device=a.device, dtype=a.dtype)
             with diffuse.split(pipe, nodes=q.ring.nodes, local_nodes=a.local_nodes, patches=a.patches,
                                threads=a.threads, timeout=a.timeout, local_transport=a.local_transport), \

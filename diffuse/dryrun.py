@@ -22,7 +22,7 @@ starts. (Wan VACE, which does both, says so in its config and is refused
 earlier, at analysis: ``analyzers/side_stacks.py``.)
 
 ``largest_sizes`` runs the same search once for a model folder (each size alone, up to
-``SEARCH_UP_TO``) for its kept verdict (``diffuse.check.keep``); ``kept_refusal`` then
+``SEARCH_UP_TO``) for its kept verdict (``diffuse.check.keep``); ``diffuse.check.kept_refusal`` then
 refuses a size above those bounds from the verdict alone, before torch is imported.
 
 ``notes`` gives one-line warnings where a run would go through but make little:
@@ -273,7 +273,7 @@ def largest_sizes(path: str) -> dict | None:
     (``made_for``) and, for each of height, width and frame count alone (the others as made for), the largest
     value the pipeline's input check and its denoiser's forward take, or None where nothing up to
     ``SEARCH_UP_TO`` was refused (``largest``). Kept in the folder's verdict (``diffuse.check.keep``), so
-    ``kept_refusal`` can refuse a size before torch is imported. Loads the pipeline without its blocks."""
+    ``diffuse.check.kept_refusal`` can refuse a size before torch is imported. Loads the pipeline without its blocks."""
     import diffuse
 
     pipe = diffuse.from_pretrained(path)
@@ -292,27 +292,6 @@ def largest_sizes(path: str) -> dict | None:
                                                  for v in range(best + 1, top))
         largest[name] = None if best is None or taken_all else best
     return {"made_for": made_for, "largest": largest, "prompt": PROBE_PROMPT}
-
-
-def kept_refusal(sizes: dict | None, asked: dict, label: str) -> str | None:
-    """The refusal of ``asked`` (size argument -> value) from a kept verdict's ``largest_sizes``, or None
-    where it does not decide: a call no smaller than the size made for in any of them, and above the largest
-    taken in one, is refused (a size that fits means every smaller one does: the rule ``largest_taken``
-    searches by)."""
-    if not sizes or not asked:
-        return None
-    made_for, largest = sizes["made_for"], sizes["largest"]
-    call = dict(made_for, **{k: v for k, v in asked.items() if k in made_for})
-    if any(call[k] < v for k, v in made_for.items()):
-        return None
-    over = [k for k, v in largest.items() if v is not None and call[k] > v]
-    if not over:
-        return None
-    what = ", ".join(f"{v} {SIZE_WORDS[k]}" for k, v in asked.items())
-    above = " and ".join(f"{k.replace('num_', '')} above {largest[k]}" for k in over)
-    takes = ", ".join(f"{k.replace('num_', '')} up to {largest[k]}" for k in over)
-    return (f"{label} cannot make {what}: the denoiser's own forward refuses {above} (the model's kept verdict, "
-            f"found by running it weightless); it takes {takes}; nothing was started")
 
 
 def largest_taken(dry: DryPipeline, pipe, kwargs: dict, name: str, asked: int,

@@ -18,7 +18,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import replace
 
-from diffuse import cli
+from diffuse import cli, progress
 from diffuse.errors import DiffuseError
 from diffuse.links import route_lines
 from diffuse.request import QueryRequest, TextCall
@@ -128,18 +128,17 @@ def refuse_draws_on_device(gen: dict, whole: bool, device) -> None:
         raise DiffuseError(draw_on_device_refusal(device))
 
 
-def generate_text(q: QueryRequest, console, info) -> dict:
+def generate_text(q: QueryRequest, console, info, compute) -> dict:
     """One run of a language model (or a model that listens or composes), whole or split, as request ``q``
-    asks (``diffuse.request``); prints the answer as it comes, writes the outputs asked for, returns the
-    report."""
+    asks (``diffuse.request``), its model read (``diffuse.modelread``: ``info``, and ``compute``, where the
+    client's ends compute); prints the answer as it comes, writes the outputs asked for, returns the report."""
     import torch
 
-    from diffuse.api import Split, client_compute, load_whole_or_shell
+    from diffuse.api import Split, load_whole_or_shell
     from diffuse.devices import inputs_on
     from diffuse.media_inputs import load_config, load_tokenizer
 
     t0 = time.perf_counter()
-    compute = client_compute(info, q.model.device, q.model.dtype)
     gen = generation_kwargs(q.text)  # the flags were checked against the model in diffuse.cli
     refuse_draws_on_device(gen, q.model.whole, compute.device)
     inputs, note = read_inputs(q.text, info)
@@ -397,7 +396,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
 
         a.model = default_chat_model_dir()
     a.model = resolve_model(a.model)
-    cli.status(console, f"diffuse chat: {a.model}; reading its config (importing torch and transformers)")
+    progress.status(console, f"diffuse chat: {a.model}; reading its config (importing torch and transformers)")
     import torch
     from transformers import DynamicCache
 
@@ -412,7 +411,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
     if not info.subject.autoregressive:
         raise DiffuseError(f"{info.path} is a diffusion pipeline; diffuse chat talks to language models")
     cli.lan_nodes(a, info.subject, console)
-    cli.status(console, f"{info.subject.denoiser_class_name}: loading it without the layers the nodes will hold")
+    progress.status(console, f"{info.subject.denoiser_class_name}: loading it without the layers the nodes will hold")
     model = diffuse.from_pretrained(info.path, device=a.device, dtype=a.dtype)
     tokenizer = load_tokenizer(info.path)
     interactive = lines is None and sys.stdin.isatty()
@@ -423,10 +422,10 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
                   client_key=a.client_key, local_transport=a.local_transport,
                   embedding_on_node=a.embedding_on_node)
     with contextlib.ExitStack() as held:
-        with cli.phase(console, f"starting {split.local.count} local nodes" if split.local is not None
+        with progress.phase(console, f"starting {split.local.count} local nodes" if split.local is not None
                        else f"opening sessions on {len(split.nodes)} nodes"):
             held.enter_context(split)
-        cli.status(console, "ready: type a message (an empty line at end of input, or Ctrl-C, ends the chat)"
+        progress.status(console, "ready: type a message (an empty line at end of input, or Ctrl-C, ends the chat)"
                    if interactive else "ready: reading turns from standard input")
         cache = DynamicCache(config=model.config)
         images = list(a.image)
@@ -470,7 +469,7 @@ def _stream_rows(split) -> int:
 
 def chat_main(argv: list[str] | None = None) -> int:
     """``diffuse chat``: 0 at the end of input, 2 for an expected failure (one line), 130 after Ctrl-C."""
-    console = cli.console()
+    console = progress.console()
     a = cli.chat_parser().parse_args(argv)
 
     return cli.run_guarded(lambda: chat(a, console), console, interrupted="chat ended")

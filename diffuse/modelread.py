@@ -5,7 +5,7 @@ says so (``diffuse.check.refuse_early``, before torch is imported), reads its co
 analysis (``diffuse.api.ModelInfo``), settles where the client's ends compute, and checks the request
 against what the model is (``diffuse.request.QueryRequest.check_for``), putting the nodes heard on the
 network in for ``--nodes auto``; a diffusion run's output path is checked too
-(``diffuse.output.check_output_path``). Every refusal happens here, before any node is contacted.
+(``diffuse.writers.check_output_path``). Every refusal happens here, before any node is contacted.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query") -> tupl
     against it (``--nodes auto`` replaced by the nodes heard), and what was read. ``command`` opens the first
     status line."""
     from diffuse.check import refuse_early
-    from diffuse.cli import phase, status
+    from diffuse.progress import phase, status
     from diffuse.modelfiles import resolve_model
 
     ask = q.model
@@ -47,15 +47,16 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query") -> tupl
                q.output.quiet):
         import torch
 
-        from diffuse.api import ModelInfo, client_compute
+        from diffuse.api import ModelInfo
+        from diffuse.devices import Compute
 
         if ask.threads:
             torch.set_num_threads(ask.threads)
         info = ModelInfo.of(path)
-        model = ModelRead(info, name, client_compute(info, ask.device, ask.dtype))
+        model = ModelRead(info, name, Compute.of(ask.device, ask.dtype, info.path, info.subject.denoiser or None))
     q.check_for(info.subject.autoregressive)
     if not info.subject.autoregressive:
-        from diffuse.output import check_output_path
+        from diffuse.writers import check_output_path
 
         check_output_path(q.output.out, info.draft)  # a file name no writer takes, refused before loading
     if q.ring.nodes == "auto":

@@ -1,7 +1,7 @@
-"""What a diffusion run writes and says at its end: the output path checked before anything loads
-(``check_output_path``), the pipeline's result as an array (``output_array``) written by the writers'
-hook (``write_output``, ``diffuse.writers``), what a split run adds to the report (``split_report``), and
-the summary lines (``summarize``)."""
+"""What a diffusion run writes and says at its end (``finish``): the pipeline's result as an array
+(``output_array``) written by the writers' hook (``write_output``, ``diffuse.writers``, which checked the
+path before anything loaded: ``check_output_path``), what a split run adds to the report (``split_report``),
+and the summary lines (``summarize``)."""
 
 from __future__ import annotations
 
@@ -13,27 +13,6 @@ import numpy as np
 
 from diffuse.errors import DiffuseError
 from diffuse.links import route_lines
-
-PROBE_SHAPES = {"image": (1, 8, 8, 3), "video": (1, 2, 8, 8, 3), "audio": (1, 1, 8)}
-
-
-def check_output_path(out: str | None, draft: dict) -> None:
-    """Fail before generating if no writer takes this file name for what the model makes."""
-    import tempfile
-
-    from diffuse.plugins import call_hook
-    from diffuse.writers import DEFAULT_SUFFIX, OutputInfo
-
-    kind = draft.get("output_kind", "image")
-    suffix = os.path.splitext(out or "")[1] or DEFAULT_SUFFIX[kind]
-    with tempfile.TemporaryDirectory(prefix="diffuse-probe-") as tmp:
-        probe = os.path.join(tmp, "probe" + suffix)
-        info = OutputInfo(kind=kind, frame_rate=16, sample_rate=8000)
-        if call_hook("diffuse_write_output", result=np.zeros(PROBE_SHAPES[kind], np.float32), path=probe,
-                     info=info) is None:
-            raise DiffuseError(f"--out {out}: this model makes {kind}, and no output writer makes {kind} "
-                               f"as {suffix}; use e.g. {DEFAULT_SUFFIX[kind]}")
-
 
 def output_array(result) -> np.ndarray:
     arr = result[0] if not isinstance(result, (np.ndarray,)) else result

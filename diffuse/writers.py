@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from diffuse.errors import DiffuseError
 from diffuse.hookspecs import hookimpl
 
 DEFAULT_FPS = 16
@@ -72,3 +73,23 @@ def diffuse_write_output(result, path, info):
 
 
 DEFAULT_SUFFIX = {"image": ".png", "video": ".mp4", "audio": ".wav"}
+
+
+PROBE_SHAPES = {"image": (1, 8, 8, 3), "video": (1, 2, 8, 8, 3), "audio": (1, 1, 8)}
+
+
+def check_output_path(out: str | None, draft: dict) -> None:
+    """Fail before generating if no writer takes this file name for what the model makes."""
+    import tempfile
+
+    from diffuse.plugins import call_hook
+
+    kind = draft.get("output_kind", "image")
+    suffix = os.path.splitext(out or "")[1] or DEFAULT_SUFFIX[kind]
+    with tempfile.TemporaryDirectory(prefix="diffuse-probe-") as tmp:
+        probe = os.path.join(tmp, "probe" + suffix)
+        info = OutputInfo(kind=kind, frame_rate=16, sample_rate=8000)
+        if call_hook("diffuse_write_output", result=np.zeros(PROBE_SHAPES[kind], np.float32), path=probe,
+                     info=info) is None:
+            raise DiffuseError(f"--out {out}: this model makes {kind}, and no output writer makes {kind} "
+                               f"as {suffix}; use e.g. {DEFAULT_SUFFIX[kind]}")

@@ -262,14 +262,14 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffuse import cli
+    from diffuse import cli, progress
 
-    out = cli.console()
+    out = progress.console()
     a = build_parser().parse_args(argv)
     service = None
 
     def say(line: str) -> None:
-        cli.status(out, line)
+        progress.status(out, line)
 
     def body() -> None:
         nonlocal service
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                                "$DIFFUSE_API_KEY), which every request then sends as a bearer token")
         cli.check_port_free(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
         a.nodes = lan_nodes(a.model, a.nodes, a.discover_seconds, say)  # --nodes auto
-        with cli.phase(out, "starting: models analysed and loaded, nodes started"):
+        with progress.phase(out, "starting: models analysed and loaded, nodes started"):
             service = Service.start(a.model, a.nodes, ServeOptions.of(a), say)
         serve(service, host, port, a.max_body_mb << 20, quiet=a.quiet, say=say)
 
