@@ -15,16 +15,10 @@ import contextlib
 import json
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import replace
 
 from diffuse import cli, progress
 from diffuse.errors import DiffuseError
-from diffuse.links import route_lines
 from diffuse.request import QueryRequest, TextCall
-
-TOP_SAVED = 8  # candidates per step written to --report: ids and exact values
-
 
 def generation_kwargs(text: TextCall) -> dict:
     """``generate``'s arguments from the request's ``text``; sampling is on when a sampling flag is given (or
@@ -80,45 +74,6 @@ class Streamer:
         self.printed = text
 
 
-def top_candidates(logits_row, k: int = TOP_SAVED) -> dict:
-    """The ``k`` largest raw logits of one step, by value then lowest id (as argmax picks), values as the
-    hex of their float32 bytes, so two runs can be compared bit for bit."""
-    import numpy as np
-
-    values = logits_row.detach().float().cpu().numpy()
-    order = np.lexsort((np.arange(values.shape[0]), -values))[:k]
-    return {"ids": [int(i) for i in order], "values_hex": [v.tobytes().hex() for v in values[order].astype("<f4")]}
-
-
-def held_parameters(model) -> int:
-    """Elements of the model's parameters that are real here (handed-out layers are on meta), the modules
-    that stand-ins replaced (embedding, head) included, each parameter once."""
-    splitter = getattr(model, "_diffuse_splitter", None)
-    originals = [m for m in (getattr(splitter, "embed", None), getattr(splitter, "head", None)) if m is not None]
-    params = {id(p): p for p in model.parameters()}
-    params.update({id(p): p for _, m in originals for p in m.parameters()})
-    return sum(p.numel() for p in params.values() if p.device.type != "meta")
-
-
-def head_params_held(splitter) -> int | None:
-    """Elements of the output head's weights still held here: 0 once the last node runs it; None where the
-    head shares its weights with an input embedding the client keeps (tied weights)."""
-    if splitter.head is None:
-        return None
-    if splitter.head_tied and splitter.embed is None:
-        return None
-    return sum(p.numel() for p in splitter.head[1].parameters() if p.device.type != "meta")
-
-
-def embedding_report(splitter) -> dict:
-    """Where the input embedding table lives, the parameters of it held here, and why it stays here if it does."""
-    if splitter.embed is None:
-        return {"embedding": "client", "embedding_kept_because": splitter.embed_kept}
-    return {"embedding": "first node", "embed_passes": splitter.embed_passes,
-            "client_embedding_params": sum(p.numel() for p in splitter.embed[1].parameters()
-                                           if p.device.type != "meta")}
-
-
 def refuse_draws_on_device(gen: dict, whole: bool, device) -> None:
     """A split sampled run whose client computes on an accelerator, refused before anything loads or starts:
     the last node's draw would not be the one ``generate`` makes whole there (``diffuse.sampling``)."""
@@ -134,8 +89,10 @@ def generate_text(q: QueryRequest, console, info, compute) -> dict:
     client's ends compute); prints the answer as it comes, writes the outputs asked for, returns the report."""
     import torch
 
-    from diffuse.api import Split, load_whole_or_shell
+    from diffuse.api import load_whole_or_shell, open_split
+    from diffuse.compose import audio_rate, compose_audio
     from diffuse.devices import inputs_on
+    from diffuse.lm_report import held_parameters, summarize, text_split_report, top_candidates
     from diffuse.media_inputs import load_config, load_tokenizer
 
     t0 = time.perf_counter()
@@ -153,24 +110,14 @@ def generate_text(q: QueryRequest, console, info, compute) -> dict:
     model._diffuse = info
     inputs = inputs_on(inputs, compute.device)
     times = {"load": time.perf_counter() - t0}
-    if audio_rate(model) is not None:  # it composes: text in, audio out
+    if audio_rate(model) is not None:  # it composes: text in, audio out (diffuse.compose)
         return compose_audio(q, console, info, model, inputs, gen, times, t0)
-    split = None
-    if not q.model.whole:
-        split = Split(model, q.ring.nodes, q.ring.options)
-        if split.local is not None:
-            for n in split.local.notes:
-                console.print(n, soft_wrap=True)
-            console.print(f"starting {split.local.count} local nodes ({split.local.threads} "
-                          f"thread{'s' if split.local.threads > 1 else ''} each)")
     # a decoder-only model's sequences start with the prompt; an encoder-decoder's with its decoder prompt
     prompt_len = inputs["input_ids"].shape[1] if "input_ids" in inputs and not model.config.is_encoder_decoder else 0
     streamer = Streamer(tokenizer)
-    t1 = time.perf_counter()
-    with split or nullcontext():
-        if split is not None:
-            for stage in split.plan.route:
-                console.print(f"  node {stage.address}: {', '.join(map(str, stage.slices))}")
+    with contextlib.ExitStack() as held:
+        t1 = time.perf_counter()
+        split = None if q.model.whole else open_split(q.ring, model, held, console, q.output.quiet)
         times["nodes"] = time.perf_counter() - t1
         t2 = time.perf_counter()
         streamer.started = t2
@@ -243,142 +190,6 @@ def read_inputs(text: TextCall, info):
             (videos if media_kind(path) == "video" else images).append(path)
         inputs, note = build_inputs(info.path, text.prompt, images, videos, text.no_template)
     return inputs, note
-
-
-def text_split_report(split, new_tokens: int) -> dict:
-    """What a split language-model run adds to the report: the wire's figures per token, what the client still
-    holds, each node's figures, the links of its route and, where tokens were drawn on the last node, the draws."""
-    st = split.ring.channel_stats
-    per_token = max(1, new_tokens)
-    report = dict(
-        transport=split.ring.scheme, calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
-        last_hop_bytes_per_token=st.bytes_received / per_token,
-        last_hop_max_bytes=st.max_return_bytes,
-        client_layer_params=split.splitter.held_block_parameters(),
-        tail_passes=split.splitter.tail_passes,
-        client_head_params=head_params_held(split.splitter),
-        **embedding_report(split.splitter),
-        node_stats=[dict(r, address=s.address, bytes_per_token_in=r.get("bytes_in", 0) / per_token)
-                    for s, r in zip(split.plan.route, split.node_reports)],
-        links=route_lines([s.address for s in split.plan.route]), messages=st.messages)
-    draw = split.splitter.last_draw
-    if draw is not None:  # the tokens were drawn on the last node (diffuse.sampling)
-        report["sampling"] = {"draws": draw.draws, "generator_states_sent": draw.states_sent,
-                              "processors": draw.described}
-    return report
-
-
-def audio_rate(model) -> int | None:
-    """The sampling rate of the audio a model's ``generate`` returns (its audio codec's), or None for text."""
-    codec = getattr(model.config, "audio_encoder", None)
-    rate = getattr(codec, "sampling_rate", None)
-    return int(rate) if rate else None
-
-
-def compose_audio(q: QueryRequest, console, info, model, inputs, gen, times, t0) -> dict:
-    """A model that writes audio (MusicGen): ``generate`` returns the waveform its codec decoded; the codes it
-    decoded (exactly as handed to the codec) are kept for ``--save-tokens``."""
-    import torch
-
-    from diffuse.api import Split
-    from diffuse.plugins import call_hook
-    from diffuse.writers import OutputInfo
-
-    codec = model.audio_encoder
-    codes: list = []
-    decode = codec.decode
-
-    def keep_codes(audio_codes, *args, **kwargs):
-        codes.append(audio_codes.detach().clone())
-        return decode(audio_codes, *args, **kwargs)
-
-    codec.decode = keep_codes
-    split = None
-    try:
-        if not q.model.whole:
-            # the embedding stays here: a composing model's passes carry hidden states
-            split = Split(model, q.ring.nodes, replace(q.ring.options, embedding_on_node=False))
-            if split.local is not None:
-                console.print(f"starting {split.local.count} local nodes ({split.local.threads} "
-                              f"thread{'s' if split.local.threads > 1 else ''} each)")
-        t1 = time.perf_counter()
-        with split or nullcontext():
-            times["nodes"] = time.perf_counter() - t1
-            t2 = time.perf_counter()
-            if gen.get("do_sample"):
-                torch.manual_seed(q.text.seed)
-            with torch.no_grad():
-                audio = model.generate(**inputs, **gen)
-            times["generate"] = time.perf_counter() - t2
-    finally:
-        del codec.decode  # the class's own method shows through again
-    rate = audio_rate(model)
-    arr = audio.detach().to(torch.float32).cpu().numpy()
-    out = q.output.out or "out.wav"
-    written = call_hook("diffuse_write_output", result=arr, path=out, info=OutputInfo(kind="audio", sample_rate=rate))
-    if written is None:
-        raise DiffuseError(f"no output writer takes audio to {out!r}; use .wav")
-    report = {"model": info.path, "mode": "whole" if q.model.whole else "split", "seconds": time.perf_counter() - t0,
-              "times": times, "out": written, "sample_rate": rate, "shape": list(arr.shape),
-              "codes_shape": list(codes[-1].shape) if codes else None}
-    if split is not None:
-        st, sp = split.ring.channel_stats, split.splitter
-        report.update(calls=st.passes, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
-                      last_hop_bytes_per_step=st.bytes_received / max(1, st.passes),
-                      last_hop_max_bytes=st.max_return_bytes,
-                      tail_passes=sp.tail_passes, tail_answer_max_bytes=sp.tail_bytes_max,
-                      client_head_params=head_params_held(sp),
-                      client_layer_params=sp.held_block_parameters(), node_stats=split.node_reports)
-        draw = sp.last_draw
-        if draw is not None:  # the codes were picked on the last node (diffuse.sampling)
-            report["codes_picked"] = {"sample": draw.sample, "draws": draw.draws, "processors": draw.described,
-                                      "generator_states_sent": draw.states_sent}
-    if q.output.save_tokens:
-        with open(q.output.save_tokens, "w") as f:
-            json.dump({"input_ids": inputs["input_ids"].tolist(), "new_tokens": codes[-1].tolist() if codes else None}, f)
-    console.print(f"[bold green]wrote[/] {written}  (audio, {arr.shape[-1] / rate:.2f} s at {rate} Hz) in "
-                  f"{report['seconds']:.1f} s" + (f"; {report['calls']} ring passes" if split else ""))
-    if split is not None and report["tail_passes"]:
-        picked = report.get("codes_picked")
-        how = (f"{'drawn' if picked['sample'] else 'picked'} there after "
-               f"{', '.join(name for name, _ in picked['processors']) or 'no processor'}" if picked
-               else "picked here from the best candidates")
-        console.print(f"  {report['tail_passes']} passes ended in the final norm and heads on the last node, codes "
-                      f"{how}; last hop {report['last_hop_bytes_per_step']:.0f} B per step", soft_wrap=True)
-    if q.output.report:
-        with open(q.output.report, "w") as f:
-            json.dump(report, f, indent=1, default=str)
-    return report
-
-
-def summarize(r: dict, console) -> None:
-    rate = r["new_tokens"] / r["times"]["generate"] if r["times"].get("generate") else 0.0
-    first = f", first token {r['first_token_s']:.2f} s" if r.get("first_token_s") is not None else ""
-    console.print(f"[bold green]{r['new_tokens']} tokens[/] after a prompt of {r['prompt_tokens']} in "
-                  f"{r['times']['generate']:.1f} s ({rate:.1f} tokens/s{first}); start-up "
-                  f"{r['times']['load'] + r['times'].get('nodes', 0):.1f} s", soft_wrap=True)
-    if r.get("calls"):
-        head = ("shares the input embedding's weights (tied), kept here" if r.get("client_head_params") is None
-                else f"{r['client_head_params']} parameters of it held here")
-        console.print(f"  {r['calls']} ring passes, {r.get('tail_passes', 0)} ending in the final norm and output head "
-                      f"on the last node (head: {head}); last hop {r['last_hop_bytes_per_token']:.0f} B per token; "
-                      f"client holds {r['client_layer_params']} decoder-layer parameters", soft_wrap=True)
-        if r.get("embedding") == "first node":
-            console.print(f"  embedding table on the first node: {r.get('embed_passes', 0)} passes sent token ids, "
-                          f"{r.get('client_embedding_params', 0)} parameters of it held here", soft_wrap=True)
-        elif r.get("embedding"):
-            console.print(f"  embedding table kept here: {r.get('embedding_kept_because')}", soft_wrap=True)
-        if r.get("sampling"):
-            sm = r["sampling"]
-            console.print(f"  {sm['draws']} tokens drawn on the last node after "
-                          f"{', '.join(name for name, _ in sm['processors']) or 'no processor'}; the client's "
-                          f"generator state sent {sm['generator_states_sent']} time(s)", soft_wrap=True)
-        for i, ns in enumerate(r.get("node_stats") or [], 1):
-            console.print(f"  node {i}: {ns.get('messages', 0)} messages, {ns.get('bytes_in', 0) / 1024:.1f} KiB in, "
-                          f"{ns.get('bytes_out', 0) / 1024:.1f} KiB out, cache {ns.get('cache_bytes', 0) / 1024:.1f} KiB, "
-                          f"busy {ns.get('busy_s', 0.0):.2f} s", soft_wrap=True)
-        for line in r.get("links") or []:
-            console.print(f"  link {line}", soft_wrap=True)
 
 
 def chat_parser() -> argparse.ArgumentParser:
