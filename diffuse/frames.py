@@ -119,8 +119,17 @@ def seal_message(hop, header: dict, tensors: list[torch.Tensor]) -> list[bytes]:
     env = cbor2.dumps({"v": hop.wire, "s": hop.session, "c": counter, "n": 2 + len(tensors)})
     frames = [env, seal.seal_frame(hop.key, counter, 1, env, cbor2.dumps(header))]
     for i, t in enumerate(tensors):
-        frames.append(seal.seal_frame_from(hop.key, counter, 2 + i, env, raw_bytes(t)))
+        frames.append(_sealed_tensor(hop.key, counter, 2 + i, env, t))
     return frames
+
+
+def _sealed_tensor(key: bytes, counter: int, index: int, env: bytes, t: torch.Tensor) -> bytearray:
+    """A tensor's frame: sealed from where its bytes lie when they lie plainly in host memory (contiguous, on
+    the CPU, no lazy conjugate or negation), else from ``raw_bytes``; the same bytes either way."""
+    nbytes = t.nbytes
+    if nbytes and t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        return seal.seal_frame_at(key, counter, index, env, t.data_ptr(), nbytes)
+    return seal.seal_frame_from(key, counter, index, env, raw_bytes(t))
 
 
 def check_envelope(hop, env: dict, frames: list[bytes]) -> None:
@@ -136,13 +145,18 @@ def check_envelope(hop, env: dict, frames: list[bytes]) -> None:
         raise WireError(f"truncated message: {len(frames)} frames, envelope promises {env['n']}")
 
 
-def open_message(hop, frames: list[bytes]) -> tuple[dict, list[torch.Tensor]]:
-    """Authenticate before parsing anything but the envelope; enforce the hop counter."""
-    env = envelope_of(frames)
+def open_message(hop, frames: list[bytes], env: dict | None = None, plain: bytes | None = None
+                 ) -> tuple[dict, list[torch.Tensor]]:
+    """Authenticate before parsing anything but the envelope; enforce the hop counter. ``env``: the envelope
+    as ``envelope_of`` read it from these frames already; ``plain``: their header frame as ``sealing.open_frame``
+    opened it under this hop's key already (a node's door does both before the message waits for its compute
+    thread): neither is done twice. The counter is checked here whatever was given."""
+    env = envelope_of(frames) if env is None else env
     check_envelope(hop, env, frames)
     counter = env["c"]
     raw_env = bytes(frames[0])
-    plain = seal.open_frame(hop.key, counter, 1, raw_env, bytes(frames[1]))
+    if plain is None:
+        plain = seal.open_frame(hop.key, counter, 1, raw_env, bytes(frames[1]))
     # authenticated from here on, but still checked: a bug on the sending side must not crash the receiver
     try:
         header = safecbor.loads(plain, safecbor.HEADER, "header")

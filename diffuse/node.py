@@ -34,7 +34,7 @@ from diffuse import discovery, frames, sealing
 from diffuse.text import plain
 from diffuse.errors import DiffuseError, WireError
 from diffuse.home import config_home
-from diffuse.node_compute import MAX_PASS_LOG, PARTS, ComputeThread  # noqa: F401 (the limits, said here too)
+from diffuse.node_compute import MAX_PASS_LOG, PARTS, Arrived, ComputeThread  # noqa: F401 (the limits, said here too)
 from diffuse.node_control import NodeControl, refusal
 from diffuse.links import NextHop
 from diffuse.placement import SpeedBook
@@ -184,23 +184,24 @@ class Node:
         log.debug("refused a connection to the data port: it names no open session, or not with its token")
         return False
 
-    def admit(self, raw: list[bytes]) -> bool:
+    def admit(self, raw: list[bytes]) -> Arrived | None:
         """On the control thread: whether a data message may wait for the compute thread. Its envelope must
         name an open session, carry that hop's wire version, a counter not yet accepted and the frame count
         it has, and its header frame must open under the session's hop key: a stranger's message is dropped
-        here, at the cost of opening one small frame, and never takes a place in the compute thread's queue."""
+        here, at the cost of opening one small frame, and never takes a place in the compute thread's queue.
+        What is admitted waits with its envelope and opened header, which the compute thread does not read again."""
         env, sess = self._addressed(raw)
         if sess is None:
-            return False
+            return None
         hop = sess.in_hop
         try:
             frames.check_envelope(hop, env, raw)
-            sealing.open_frame(hop.key, env["c"], 1, bytes(raw[0]), bytes(raw[1]))
+            plain = sealing.open_frame(hop.key, env["c"], 1, bytes(raw[0]), bytes(raw[1]))
         except WireError as exc:
             log.warning("rejected a message for session %s: %s", sess.sid.hex()[:8], exc)
-            return False
+            return None
         sess.last_used = time.monotonic()  # authentic data: the session is in use (``NodeControl._make_room``)
-        return True
+        return Arrived(raw, env, hop, plain)
 
     def _addressed(self, raw: list[bytes]) -> tuple[dict | None, "object | None"]:
         """A data message's envelope and the open session it names; (envelope or None, None), said in the log, when
@@ -243,11 +244,11 @@ class Node:
                         if ready == "control":
                             self._serve_control()
                         else:
-                            raw = self.endpoint.recv_data()
-                            if not self.admit(raw):
+                            arrived = self.admit(self.endpoint.recv_data())
+                            if arrived is None:
                                 continue
                             try:
-                                self.work.put_nowait(raw)
+                                self.work.put_nowait(arrived)
                             except queue.Full:
                                 log.warning("dropped a data message: %d already wait for the compute thread",
                                             MAX_QUEUED)

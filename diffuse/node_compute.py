@@ -43,6 +43,16 @@ def _faults() -> int:
     return resource.getrusage(who).ru_minflt if who is not None else 0
 
 
+class Arrived:
+    """A data message the control thread admitted (``Node.admit``): its frames, its envelope as read there, and
+    the hop whose key opened its header frame (``plain``), so that the compute thread reads neither again."""
+
+    __slots__ = ("raw", "env", "hop", "plain")
+
+    def __init__(self, raw: list, env: dict, hop, plain: bytes):
+        self.raw, self.env, self.hop, self.plain = raw, env, hop, plain
+
+
 class Incoming:
     """A data message opened on the compute thread: its session, header and tensors; once prepared, the pass
     to run (``pass_``) or the message to send at once (``reply``); its batch key (``diffuse.batching``); where
@@ -83,7 +93,7 @@ class ComputeThread:
         if self.outgoing.rehearse:
             log.warning("rehearsing an accelerator's asynchronous answers on the CPU (DIFFUSE_REHEARSE_ASYNC=1)")
 
-    def data(self, raw: list[bytes]) -> None:
+    def data(self, raw: "list[bytes] | Arrived") -> None:
         """One data message, alone: opened, handled, sealed and sent on."""
         m = self.open(raw)
         if m is not None:
@@ -91,14 +101,24 @@ class ComputeThread:
             self.solo(m)
             self.deliver_pending()
 
-    def open(self, raw: list[bytes]) -> "Incoming | None":
+    def open(self, arrived: "list[bytes] | Arrived") -> "Incoming | None":
+        """A message's frames (or, admitted at the door, ``Arrived``) opened for its session, or None (logged)."""
         t0 = time.perf_counter()
-        env, sess = self.node._addressed(raw)
-        if sess is None:
-            return None
+        if isinstance(arrived, Arrived):
+            raw, env = arrived.raw, arrived.env
+            sess = self.node.sessions.get(env["s"])
+            if sess is None:
+                log.warning("rejected a message: unknown session %s", env["s"].hex()[:8])
+                return None
+            plain = arrived.plain if sess.in_hop is arrived.hop else None  # opened under this very hop's key
+        else:
+            raw, plain = arrived, None
+            env, sess = self.node._addressed(raw)
+            if sess is None:
+                return None
         malformed = None
         try:
-            header, tensors = frames.open_message(sess.in_hop, raw)
+            header, tensors = frames.open_message(sess.in_hop, raw, env, plain)
             tensors = to_device(tensors, self.node.device)  # the CPU's: as they are
         except MalformedHeader as exc:  # its sender is authentic: it hears why, in one line
             header, tensors, malformed = {}, [], f"malformed header: {exc}"

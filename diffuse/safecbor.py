@@ -40,7 +40,9 @@ HEADER = Limits(max_bytes=16 << 20, max_items=1 << 18, max_depth=64, max_keys=40
 
 
 def check(raw: bytes, limits: Limits, what: str = "message") -> None:
-    """WireError unless ``raw`` is exactly one CBOR map within ``limits`` (see the module's docstring)."""
+    """WireError unless ``raw`` is exactly one CBOR map within ``limits`` (see the module's docstring). One
+    loop over the item heads with everything in local names: every data message's header and envelope pass
+    here, a few hundred items at most, so the per-item cost is what a message pays."""
     n = len(raw)
     if n > limits.max_bytes:
         raise WireError(f"{what} of {n} bytes is over the {limits.max_bytes}-byte limit")
@@ -48,42 +50,60 @@ def check(raw: bytes, limits: Limits, what: str = "message") -> None:
         raise WireError(f"{what} is not CBOR")
     if raw[0] >> 5 not in (5, 6):  # (a tag is refused below, by its number)
         raise WireError(f"{what} is a {_KINDS[raw[0] >> 5]}, not a map")
+    max_items, max_depth, max_keys = limits.max_items, limits.max_depth, limits.max_keys
     pos = items = 0
-    stack: list[list] = []  # [items still to come, is a map] per open list or map
+    left: list[int] = []  # per open list or map: items still to come
+    maps: list[bool] = []  # per open list or map: whether it is a map
     while True:
-        while stack and stack[-1][0] == 0:
-            stack.pop()
-        if items and not stack:
+        while left and left[-1] == 0:
+            left.pop()
+            maps.pop()
+        if items and not left:
             break
         is_key = False
-        if stack:
-            top = stack[-1]
-            is_key = top[1] and top[0] % 2 == 0
-            top[0] -= 1
-        major, info, value, pos = _head(raw, pos, what)
+        if left:
+            k = left[-1]
+            is_key = maps[-1] and not k & 1
+            left[-1] = k - 1
+        if pos >= n:
+            raise WireError(f"{what} is not CBOR (truncated)")
+        b = raw[pos]
+        major, info = b >> 5, b & 0x1F
+        pos += 1
+        if info < 24 or info == 31:
+            value = info
+        elif info > 27:
+            raise WireError(f"{what} is not CBOR (a malformed item head)")
+        else:
+            width = 1 << (info - 24)
+            if pos + width > n:
+                raise WireError(f"{what} is not CBOR (truncated)")
+            value = int.from_bytes(raw[pos:pos + width], "big")
+            pos += width
         items += 1
-        if items > limits.max_items:
-            raise WireError(f"{what} holds more than {limits.max_items} CBOR items")
+        if items > max_items:
+            raise WireError(f"{what} holds more than {max_items} CBOR items")
         if is_key and major != 3:
             raise WireError(f"{what} has a map key that is not text")
         if info == 31:
             raise WireError(f"{what} uses an indefinite-length item")
-        if major in (2, 3):
+        if major == 2 or major == 3:
             if value > n - pos:
                 raise WireError(f"{what} is not CBOR (truncated: a string runs past its end)")
             pos += value
-        elif major in (4, 5):
+        elif major == 4 or major == 5:
             count = value * 2 if major == 5 else value
-            if major == 5 and value > limits.max_keys:
-                raise WireError(f"{what} has a map of more than {limits.max_keys} keys")
+            if major == 5 and value > max_keys:
+                raise WireError(f"{what} has a map of more than {max_keys} keys")
             if count > n - pos:  # every item takes at least one byte
                 raise WireError(f"{what} is not CBOR (truncated: a {'map' if major == 5 else 'list'} claims {value} entries)")
             if count:
-                stack.append([count, major == 5])
-                if len(stack) > limits.max_depth:
-                    raise WireError(f"{what} nests deeper than {limits.max_depth}")
+                left.append(count)
+                maps.append(major == 5)
+                if len(left) > max_depth:
+                    raise WireError(f"{what} nests deeper than {max_depth}")
         elif major == 6:
-            if value not in _BIGNUM_TAGS or not stack:
+            if value not in _BIGNUM_TAGS or not left:
                 raise WireError(f"{what} uses CBOR tag {value}, which is not accepted")
             major, info, value, pos = _head(raw, pos, what)
             if major != 2 or info == 31 or value > _BIGNUM_BYTES or value > n - pos:

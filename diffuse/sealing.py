@@ -195,6 +195,22 @@ def seal_frame_from(key: bytes, counter: int, index: int, envelope: bytes, plain
     return out
 
 
+def seal_frame_at(key: bytes, counter: int, index: int, envelope: bytes, address: int, nbytes: int) -> bytearray:
+    """``seal_frame_from`` reading ``nbytes`` bytes at ``address`` (a contiguous CPU tensor's memory, which the
+    caller keeps alive for the call): no buffer object is made around them first."""
+    if len(key) != KEY_BYTES:
+        raise WireError("a hop key is not 32 bytes")
+    out = bytearray(nbytes + TAG_BYTES)
+    ad = envelope + struct.pack(">I", index)
+    clen = ctypes.c_ulonglong(0)
+    rc = pysodium.sodium.crypto_aead_xchacha20poly1305_ietf_encrypt(
+        (ctypes.c_char * len(out)).from_buffer(out), ctypes.byref(clen), ctypes.c_void_p(address),
+        ctypes.c_ulonglong(nbytes), ad, ctypes.c_ulonglong(len(ad)), None, _nonce(counter, index), key)
+    if rc != 0 or clen.value != len(out):
+        raise WireError(f"frame {index} could not be sealed")
+    return out
+
+
 def open_frame_into(key: bytes, counter: int, index: int, envelope: bytes, sealed, out_address: int,
                     out_bytes: int) -> None:
     """``open_frame`` written straight into ``out_bytes`` bytes at ``out_address`` (a fresh tensor's memory),
