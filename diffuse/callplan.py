@@ -73,7 +73,7 @@ def flatten_layers(calls: list[tuple[tuple, dict]]) -> tuple[dict, dict[str, dic
     index: dict[int, int] = {}
     trees = []
     for args, kwargs in calls:
-        if trees and _same_objects((args, kwargs), calls[0]):  # the first call's very objects: its very tree
+        if trees and same_objects((args, kwargs), calls[0]):  # the first call's very objects: its very tree
             trees.append(trees[0])
             continue
         tree, own = flatten(args, kwargs)
@@ -88,7 +88,7 @@ def flatten_layers(calls: list[tuple[tuple, dict]]) -> tuple[dict, dict[str, dic
     return first, {str(i): t for i, t in enumerate(trees) if i and t != first}, tensors
 
 
-def _same_objects(call: tuple[tuple, dict], first: tuple[tuple, dict]) -> bool:
+def same_objects(call: tuple[tuple, dict], first: tuple[tuple, dict]) -> bool:
     """Whether a layer was called with the very objects the first layer was (a decoder's layers usually are: the
     stand-ins hand each the same hidden state, mask, positions and cache), so that it flattens as the first did."""
     (args, kwargs), (args0, kwargs0) = call, first

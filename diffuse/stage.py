@@ -98,6 +98,7 @@ class StageSession:
         self.store = store
         self.in_hop, self.out_hop = in_hop, out_hop
         self.trees: dict[str, dict] = {}
+        self._checked: dict[str, tuple] = {}  # per stack, the remembered call plan last checked, and for how many slots
         self.rmaps: dict[str, ReturnMap] = {}
         self.slots = SlotCache(SLOT_CACHE_BYTES)  # (stack, slot) -> tensor; the client's mirror keeps the same
         self.kv = NodeCaches(store.subject.config_object)
@@ -155,7 +156,10 @@ class StageSession:
         rmap = self.rmaps[stack]
         if any(i >= len(refs) for i in rmap.streams):
             raise DiffuseError("the return map threads slots this call does not have")
-        checked_tree(self.trees[stack], "call plan", len(refs))  # remembered from an earlier call: this one's slots
+        tree = self.trees[stack]
+        if self._checked.get(stack) != (tree, len(refs)):  # remembered from an earlier call: against this one's slots
+            checked_tree(tree, "call plan", len(refs))
+            self._checked[stack] = (tree, len(refs))
         kind = kind_for(msg.part)
         kind.check(self, msg, rmap)
         values, forward = self._resolve(stack, refs, tensors)
