@@ -31,8 +31,8 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query") -> tupl
     against it (``--nodes auto`` replaced by the nodes heard), and what was read. ``command`` opens the first
     status line."""
     from diffuse.check import refuse_early
-    from diffuse.progress import phase, status
     from diffuse.modelfiles import resolve_model
+    from diffuse.progress import phase, status
 
     ask = q.model
     if ask.model is None:

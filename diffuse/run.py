@@ -34,8 +34,8 @@ def generate(a: argparse.Namespace, console) -> dict:
     (``diffuse.modelread``; a language model goes on in ``diffuse.lm``); the pipeline loads without its blocks
     and its call is checked by its own input check and its denoiser's forward run weightless at the call's
     shapes (``diffuse.dryrun.checked_call``); the nodes start or are dialled (``diffuse.api.open_split``); the
-    pipeline's own call runs under progress (``diffuse.progress.run_with_steps``); the output is written and the run
-    reported (``diffuse.output.finish``). Everything that can be checked is checked before a node starts, and a
+    pipeline's own call runs under progress (``diffuse.progress.run_with_steps``); the output is written and the
+    run reported (``diffuse.output.finish``). Everything that can be checked is checked before a node starts, and a
     status line says what happens at each phase, the first within a second of start."""
     from diffuse import output
     from diffuse.api import load_whole_or_shell, open_split
@@ -55,8 +55,9 @@ def generate(a: argparse.Namespace, console) -> dict:
 
         return generate_text(q, console, info, compute)
     stacks = ", ".join(f"{s.path} ({s.length})" for s in info.draft["stacks"])
-    with progress.phase(console, f"{info.subject.model_index.get('_class_name', 'the pipeline')}, block stacks {stacks}: "
-                   f"loading it{' whole' if whole else ' without the blocks the nodes will hold'}", quiet):
+    pipeline = info.subject.model_index.get("_class_name", "the pipeline")
+    with progress.phase(console, f"{pipeline}, block stacks {stacks}: loading it"
+                        f"{' whole' if whole else ' without the blocks the nodes will hold'}", quiet):
         pipe = load_whole_or_shell(info, compute, shell=not whole)
         pipe._diffuse = info
         kwargs, notes = checked_call(q.call, pipe, info, name, split=not whole)
