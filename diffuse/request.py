@@ -2,9 +2,10 @@
 out in pieces.
 
 ``diffuse.cli.query_request`` checks the flags (``check_flags``: what the flags alone can tell) and builds a
-``QueryRequest``; once the model's config is read, ``diffuse.cli.request_for`` checks it against what the
-model is and puts the nodes heard on the network in for ``--nodes auto``. From then on each part of the run
-takes only the piece it needs:
+``QueryRequest``; once the model's config is read, ``diffuse.modelread.read_model`` checks it against what
+the model is (``QueryRequest.check_for``) and puts the nodes heard on the network in for ``--nodes auto``.
+From then on each part of the run takes only the piece it needs. The rules a request and a split's options
+follow live here too (``check_options``), so the command line and ``diffuse.split`` follow the same ones.
 
 - ``ModelAsk``: which model, where the client's ends compute, and whether it runs whole here;
 - ``RingAsk``: where the nodes are and how the split runs (``diffuse.api.SplitOptions``);
