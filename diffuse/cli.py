@@ -443,22 +443,43 @@ def node_groups(nodes: str) -> list[str]:
 def query_request(a: argparse.Namespace):
     """The flags of ``diffuse query`` checked (``check_flags``: what they alone can tell) and built, once, into
     the typed request whose pieces the run's parts take (``diffuse.request.QueryRequest``)."""
-    from diffuse.api import SplitOptions
     from diffuse.request import ModelAsk, Output, PipelineCall, QueryRequest, RingAsk, TextCall
 
     args = key_values(a.arg)  # KEY=VALUE form
     check_flags(a)
-    options = SplitOptions(local_nodes=a.local_nodes, patches=a.patches, threads=a.threads, timeout=a.timeout,
-                           client_key=a.client_key, local_transport=a.local_transport,
-                           branch_groups=a.branch_groups, cache_threshold=a.cache_threshold,
-                           embedding_on_node=a.embedding_on_node, placement=a.placement)
     return QueryRequest(
         model=ModelAsk(a.model, a.device, a.dtype, a.threads, a.whole),
-        ring=RingAsk(a.nodes, a.discover_seconds, options),
+        ring=RingAsk(a.nodes, a.discover_seconds, options_of(a)),
         call=PipelineCall(a.prompt, a.negative_prompt, a.steps, a.height, a.width, a.frames, dict(args), a.seed),
         text=TextCall(a.prompt, tuple(a.image), tuple(a.video), tuple(a.media), a.audio, a.no_template,
                       a.max_new_tokens, a.temperature, a.top_p, a.top_k, dict(args), a.seed),
         output=Output(a.out, a.save_array, a.save_tokens, a.report, a.quiet))
+
+
+def chat_request(a: argparse.Namespace):
+    """The flags of ``diffuse chat`` checked and built into the same typed request as a query's (the embedded
+    chat model by default; its turns come from the input, so the text call holds only the first turn's images
+    and the tokens an answer may take)."""
+    from diffuse.request import ModelAsk, Output, PipelineCall, QueryRequest, RingAsk, TextCall
+
+    from diffuse.default_model import CHAT_MODEL_NAME
+
+    check_flags(a)
+    return QueryRequest(model=ModelAsk(a.model or CHAT_MODEL_NAME, a.device, a.dtype, a.threads),
+                        ring=RingAsk(a.nodes, a.discover_seconds, options_of(a)), call=PipelineCall(),
+                        text=TextCall(image=tuple(a.image), max_new_tokens=a.max_new_tokens),
+                        output=Output(report=a.report))
+
+
+def options_of(a: argparse.Namespace):
+    """The split's options (``diffuse.api.SplitOptions``) from the ring's flags (and a query's own)."""
+    from diffuse.api import SplitOptions
+
+    return SplitOptions(local_nodes=a.local_nodes, patches=getattr(a, "patches", 1), threads=a.threads,
+                        timeout=a.timeout, client_key=a.client_key, local_transport=a.local_transport,
+                        branch_groups=getattr(a, "branch_groups", 1),
+                        cache_threshold=getattr(a, "cache_threshold", 0.0),
+                        embedding_on_node=a.embedding_on_node, placement=a.placement)
 
 
 def check_port_free(listen: str) -> None:

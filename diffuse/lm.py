@@ -199,47 +199,29 @@ def chat_parser() -> argparse.ArgumentParser:
 def chat(a: argparse.Namespace, console, lines=None) -> dict:
     """Turns read from ``lines`` (default: stdin, with a prompt when it is a terminal); the answers stream
     to stdout. One session per node for the whole chat: the cache object is kept across turns."""
-    from diffuse.modelfiles import resolve_model
-
-    cli.check_flags(a)
-    if a.model is None:
-        from diffuse.default_model import default_chat_model_dir
-
-        a.model = default_chat_model_dir()
-    a.model = resolve_model(a.model)
-    progress.status(console, f"diffuse chat: {a.model}; reading its config (importing torch and transformers)")
     import torch
     from transformers import DynamicCache
 
-    import diffuse
-    from diffuse.api import ModelInfo, Split
+    from diffuse.api import load_whole_or_shell, open_split
     from diffuse.devices import inputs_on, model_device
     from diffuse.media_inputs import chat_inputs, load_tokenizer
+    from diffuse.modelread import read_model
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    info = ModelInfo.of(a.model)
-    if not info.subject.autoregressive:
-        raise DiffuseError(f"{info.path} is a diffusion pipeline; diffuse chat talks to language models")
-    cli.lan_nodes(a, info.subject, console)
+    q, (info, _, compute) = read_model(cli.chat_request(a), console, "diffuse chat", language=True)
     progress.status(console, f"{info.subject.denoiser_class_name}: loading it without the layers the nodes will hold")
-    model = diffuse.from_pretrained(info.path, device=a.device, dtype=a.dtype)
+    model = load_whole_or_shell(info, compute, shell=True)
+    model._diffuse = info
     tokenizer = load_tokenizer(info.path)
     interactive = lines is None and sys.stdin.isatty()
     lines = lines if lines is not None else sys.stdin
     turns: list[dict] = []
     messages: list[dict] = []
-    split = Split(model, nodes=a.nodes, local_nodes=a.local_nodes, threads=a.threads, timeout=a.timeout,
-                  client_key=a.client_key, local_transport=a.local_transport,
-                  embedding_on_node=a.embedding_on_node)
     with contextlib.ExitStack() as held:
-        with progress.phase(console, f"starting {split.local.count} local nodes" if split.local is not None
-                       else f"opening sessions on {len(split.nodes)} nodes"):
-            held.enter_context(split)
+        split = open_split(q.ring, model, held, console, False)
         progress.status(console, "ready: type a message (an empty line at end of input, or Ctrl-C, ends the chat)"
-                   if interactive else "ready: reading turns from standard input")
+                        if interactive else "ready: reading turns from standard input")
         cache = DynamicCache(config=model.config)
-        images = list(a.image)
+        images = list(q.text.image)
         while True:
             if interactive:
                 console.print("[bold]you>[/] ", end="")
@@ -258,7 +240,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
             sent_before = _stream_rows(split)
             streamer = Streamer(tokenizer)
             with torch.no_grad():
-                out = model.generate(**inputs, past_key_values=cache, max_new_tokens=a.max_new_tokens,
+                out = model.generate(**inputs, past_key_values=cache, max_new_tokens=q.text.max_new_tokens,
                                      do_sample=False, streamer=streamer, return_dict_in_generate=True)
             new = out.sequences[0, inputs["input_ids"].shape[1]:]
             messages.append({"role": "assistant", "content": streamer.printed})
@@ -267,8 +249,8 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
                           "answer": streamer.printed})
     report = {"model": info.path, "turns": turns, "node_stats": split.node_reports,
               "passes": split.ring.channel_stats.passes}
-    if a.report:
-        with open(a.report, "w") as f:
+    if q.output.report:
+        with open(q.output.report, "w") as f:
             json.dump(report, f, indent=1, default=str)
     return report
 

@@ -26,10 +26,11 @@ class ModelRead(NamedTuple):
     compute: object
 
 
-def read_model(q: QueryRequest, console, command: str = "diffuse query") -> tuple[QueryRequest, ModelRead]:
+def read_model(q: QueryRequest, console, command: str = "diffuse query", language: bool = False
+               ) -> tuple[QueryRequest, ModelRead]:
     """The model request ``q`` names, read and checked (see the module's docstring); the request as checked
     against it (``--nodes auto`` replaced by the nodes heard), and what was read. ``command`` opens the first
-    status line."""
+    status line; ``language``: the command talks to language models only (``diffuse chat``)."""
     from diffuse.check import refuse_early
     from diffuse.modelfiles import resolve_model
     from diffuse.progress import phase, status
@@ -54,6 +55,10 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query") -> tupl
             torch.set_num_threads(ask.threads)
         info = ModelInfo.of(path)
         model = ModelRead(info, name, Compute.of(ask.device, ask.dtype, info.path, info.subject.denoiser or None))
+    if language and not info.subject.autoregressive:
+        from diffuse.errors import DiffuseError
+
+        raise DiffuseError(f"{info.path} is a diffusion pipeline; {command} talks to language models")
     q.check_for(info.subject.autoregressive)
     if not info.subject.autoregressive:
         from diffuse.writers import check_output_path
