@@ -446,10 +446,11 @@ def query_request(a: argparse.Namespace):
     from diffuse.request import ModelAsk, Output, PipelineCall, QueryRequest, RingAsk, TextCall
 
     args = key_values(a.arg)  # KEY=VALUE form
+    options = options_of(a)  # checked with the rest of the flags
     check_flags(a)
     return QueryRequest(
         model=ModelAsk(a.model, a.device, a.dtype, a.threads, a.whole),
-        ring=RingAsk(a.nodes, a.discover_seconds, options_of(a)),
+        ring=RingAsk(a.nodes, a.discover_seconds, options),
         call=PipelineCall(a.prompt, a.negative_prompt, a.steps, a.height, a.width, a.frames, dict(args), a.seed),
         text=TextCall(a.prompt, tuple(a.image), tuple(a.video), tuple(a.media), a.audio, a.no_template,
                       a.max_new_tokens, a.temperature, a.top_p, a.top_k, dict(args), a.seed),
@@ -464,9 +465,10 @@ def chat_request(a: argparse.Namespace):
 
     from diffuse.default_model import CHAT_MODEL_NAME
 
+    options = options_of(a)  # checked with the rest of the flags
     check_flags(a)
     return QueryRequest(model=ModelAsk(a.model or CHAT_MODEL_NAME, a.device, a.dtype, a.threads),
-                        ring=RingAsk(a.nodes, a.discover_seconds, options_of(a)), call=PipelineCall(),
+                        ring=RingAsk(a.nodes, a.discover_seconds, options), call=PipelineCall(),
                         text=TextCall(image=tuple(a.image), max_new_tokens=a.max_new_tokens),
                         output=Output(report=a.report))
 
