@@ -285,15 +285,9 @@ def check_device_flags(a: argparse.Namespace) -> None:
     """``--device`` and a named ``--dtype`` against what torch sees here (``named_device``)."""
     asked = named_device(a)
     if asked is not None:
-        check_device(*asked)
+        from diffuse.devices import check_named
 
-
-def check_device(device: str | None, dtype: str | None, named_dtype: bool) -> None:
-    from diffuse.devices import resolve_device, resolve_dtype
-
-    found = resolve_device(device)
-    if named_dtype:
-        resolve_dtype(dtype, found, None)
+        check_named(*asked)
 
 
 def query_parser(prog: str = "diffuse query") -> Parser:
@@ -372,20 +366,13 @@ def chat_parser() -> Parser:
 
 # ---------------------------------------------------------------- every flag check
 
-def split_options(a: argparse.Namespace, autoregressive: bool | None = None) -> float:
-    """The split's own rules (``diffuse.request.check_options``, which ``split()`` follows too) on the flags."""
-    from diffuse.request import check_options
-
-    return check_options(getattr(a, "patches", 1), getattr(a, "nodes", None) is not None,
-                         getattr(a, "local_nodes", None), getattr(a, "branch_groups", 1),
-                         getattr(a, "cache_threshold", 0.0), autoregressive)
-
-
-def check_flags(a: argparse.Namespace) -> None:
+def check_flags(a: argparse.Namespace, options) -> None:
     """What the flags alone can tell, checked before anything is read or loaded (query, chat, verify): the
-    plain rules here first, then each rule's owner: the split's options (``diffuse.request.check_options``),
-    the node list (``diffuse.known_nodes``) or the network search (``diffuse.discovery``), and the device."""
+    plain rules here first, then each rule's owner: the split's ``options`` as the flags built them
+    (``options_of``; ``diffuse.request.check_options``), the node list (``diffuse.known_nodes``) or the network
+    search (``diffuse.discovery``), and the device (``diffuse.devices.check_named``)."""
     from diffuse.errors import DiffuseError
+    from diffuse.request import check_options
 
     nodes = getattr(a, "nodes", None)
     if getattr(a, "discover_seconds", None) is not None and nodes != "auto":
@@ -401,7 +388,8 @@ def check_flags(a: argparse.Namespace) -> None:
         raise DiffuseError(f"--top-p {a.top_p}: must be in (0, 1]")
     groups = node_groups(nodes) if nodes not in (None, "auto") else []
     device = named_device(a)
-    split_options(a)
+    check_options(options.patches, nodes is not None, options.local_nodes, options.branch_groups,
+                  options.cache_threshold)
     if nodes == "auto":
         from diffuse.discovery import zeroconf_library
 
@@ -412,11 +400,9 @@ def check_flags(a: argparse.Namespace) -> None:
         for group in groups:
             parse_nodes(group)  # scheme, port and key of each address
     if device is not None:
-        from diffuse.devices import resolve_device, resolve_dtype
+        from diffuse.devices import check_named
 
-        found = resolve_device(device[0])
-        if device[2]:
-            resolve_dtype(device[1], found, None)
+        check_named(*device)
 
 
 def lan_nodes(a: argparse.Namespace, subject, out) -> None:
@@ -446,8 +432,8 @@ def query_request(a: argparse.Namespace):
     from diffuse.request import ModelAsk, Output, PipelineCall, QueryRequest, RingAsk, TextCall
 
     args = key_values(a.arg)  # KEY=VALUE form
-    options = options_of(a)  # checked with the rest of the flags
-    check_flags(a)
+    options = options_of(a)
+    check_flags(a, options)
     return QueryRequest(
         model=ModelAsk(a.model, a.device, a.dtype, a.threads, a.whole),
         ring=RingAsk(a.nodes, a.discover_seconds, options),
@@ -465,8 +451,8 @@ def chat_request(a: argparse.Namespace):
 
     from diffuse.default_model import CHAT_MODEL_NAME
 
-    options = options_of(a)  # checked with the rest of the flags
-    check_flags(a)
+    options = options_of(a)
+    check_flags(a, options)
     return QueryRequest(model=ModelAsk(a.model or CHAT_MODEL_NAME, a.device, a.dtype, a.threads),
                         ring=RingAsk(a.nodes, a.discover_seconds, options), call=PipelineCall(),
                         text=TextCall(image=tuple(a.image), max_new_tokens=a.max_new_tokens),

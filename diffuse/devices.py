@@ -48,6 +48,14 @@ def torch_sees() -> str:
     return f"torch {torch.__version__}, {built}{extra}"
 
 
+def check_named(device: str | None, dtype: str | None, named_dtype: bool) -> None:
+    """A command's ``--device`` (and its ``--dtype`` where ``named_dtype``) held against what torch sees here
+    before anything loads (``diffuse.cli.named_device`` says what is named): refused in one line."""
+    found = resolve_device(device)
+    if named_dtype:
+        resolve_dtype(dtype, found, None)
+
+
 def resolve_device(text: str | None) -> torch.device:
     """``--device``: ``auto`` (None too), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``, checked against what torch
     sees here; a device it does not see is refused in one line. None: ``$DIFFUSE_DEVICE``, else ``auto``."""
