@@ -11,6 +11,10 @@ whether the tokens are the same, the CPU per token of every process (the work a
 split adds, and the cap that work alone puts on its rate), and where a token's
 time goes: the client's generate loop, hashing, sealing, waiting; on each node
 opening, checking and assembling, the layers, handing on, sealing; the hops.
+In the same rounds a bare ring of 1 and of 2 worker processes runs the same
+layers with nothing of Diffuse between them (``diffuse.bench_bare``): what any
+ring of processes reaches on this machine at this size, and each split's rate
+as a fraction of it.
 
 ``--sessions N``: N greedy sessions at once (prompts of different lengths),
 each its own client on a thread of this process (its own model copy and
@@ -31,9 +35,11 @@ import threading
 import time
 
 from diffuse import bench_parts as parts
+from diffuse.bench_bare import BareRing
 from diffuse.bench_parts import mean_se
 
 FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, prompt=64, new=32)
+BARE = {"bare ring, 1 process": 1, "bare ring, 2 processes": 2}  # diffuse.bench_bare: the floor of a ring
 QUICK = dict(layers=4, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=512, prompt=16, new=8)
 
 
@@ -134,14 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = interleaved(tmp, cfg, ids, a.rounds, a.device, a.dtype)
         print(f"\nresults ({a.rounds} rounds, whole and split in turn, each ratio the mean of the per-round ratios "
               f"+- one standard error; load average {rows['load'][0]:.2f} before, {rows['load'][1]:.2f} after)")
-        goals = {"split, 2 nodes": "   goal >= 0.95"}
-        for name in ("whole", "split, 1 node", "split, 2 nodes"):
-            r = rows[name]
-            ratio, spread = mean_se([c.per_second / w.per_second for c, w in zip(r["clocks"], rows["whole"]["clocks"])])
-            rate = mean_se([c.per_second for c in r["clocks"]])[0]
-            first = mean_se([c.first for c in r["clocks"]])[0]
-            print(f"  {name:15s} {rate:7.1f} tokens/s ({ratio:.2f} of whole) +- {spread:.2f}   first token "
-                  f"{1000 * first:7.1f} ms   tokens equal whole: {r['same']}{goals.get(name, '')}")
+        print_rates(rows)
         for name in ("split, 1 node", "split, 2 nodes"):
             r = rows[name]
             print(f"  {name}: bytes per decoding step on each hop (sealed): "
@@ -152,6 +151,26 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def print_rates(rows: dict) -> None:
+    """Each configuration's tokens/s against whole, first token and whether its tokens are whole's; then each
+    split's rate as a fraction of the bare ring's of as many processes (``diffuse.bench_bare``)."""
+    goals = {"split, 2 nodes": "   goal >= 0.95"}
+    names = [n for n in ("whole", "split, 1 node", "split, 2 nodes", *BARE) if n in rows]
+    for name in names:
+        r = rows[name]
+        ratio, spread = mean_se([c.per_second / w.per_second for c, w in zip(r["clocks"], rows["whole"]["clocks"])])
+        rate = mean_se([c.per_second for c in r["clocks"]])[0]
+        first = mean_se([c.first for c in r["clocks"]])[0]
+        print(f"  {name:22s} {rate:7.1f} tokens/s ({ratio:.2f} of whole) +- {spread:.2f}   first token "
+              f"{1000 * first:7.1f} ms   tokens equal whole: {r['same']}{goals.get(name, '')}")
+    for split, bare in (("split, 1 node", "bare ring, 1 process"), ("split, 2 nodes", "bare ring, 2 processes")):
+        if bare in rows:
+            ratio, spread = mean_se([c.per_second / b.per_second
+                                     for c, b in zip(rows[split]["clocks"], rows[bare]["clocks"])])
+            print(f"  {split} / {bare}: {ratio:.2f} +- {spread:.2f} (the bare ring: ZeroMQ over loopback, pickled "
+                  "tensors, no sealing, no checks; the ceiling of a ring of processes on this machine at this size)")
 
 
 def interleaved(tmp: str, cfg: dict, ids, rounds: int, device: str | None = None, dtype: str | None = None) -> dict:
@@ -173,19 +192,25 @@ def interleaved(tmp: str, cfg: dict, ids, rounds: int, device: str | None = None
     models = {"whole": load_whole_or_shell(info, compute, shell=False),
               "split, 1 node": diffuse.from_pretrained(tmp, device=device, dtype=dtype),
               "split, 2 nodes": diffuse.from_pretrained(tmp, device=device, dtype=dtype)}
+    if device is None and dtype is None:  # the bare ring runs on the CPU in the default dtype only
+        models.update((name, load_whole_or_shell(info, compute, shell=False)) for name in BARE)
     rows = {name: {"clocks": [], "tokens": None, "client": {}, "marks": None, "cpu": []} for name in models}
     with contextlib.ExitStack() as stack:
         rings = {name: stack.enter_context(diffuse.split(models[name], local_nodes=n))
                  for name, n in (("split, 1 node", 1), ("split, 2 nodes", 2))}
+        bare = {name: stack.enter_context(BareRing(tmp, n)) for name, n in BARE.items() if name in models}
+        for name, ring in bare.items():
+            ring.install(models[name])
         for name, model in models.items():
             generate(model, ids, 2)  # warm-up: sessions open, blocks loaded, call plans learnt
             if name in rings:
                 rows[name]["marks"] = max((m["seq"] for m in rings[name].ring.channel_stats.messages), default=0)
         names = list(models)
         for k in range(rounds):
-            for name in names[k % 3:] + names[:k % 3]:
+            for name in names[k % len(names):] + names[:k % len(names)]:
                 before = parts.snapshot(rings[name]) if name in rings else None
-                pids = [n.proc.pid for n in (rings[name].local_nodes or [])] if name in rings else []
+                pids = [n.proc.pid for n in (rings[name].local_nodes or [])] if name in rings else \
+                    bare[name].pids if name in bare else []
                 c0, n0 = time.process_time(), parts.process_cpu(pids)
                 tokens, clock = generate(models[name], ids, cfg["new"])
                 row = rows[name]
@@ -201,6 +226,8 @@ def interleaved(tmp: str, cfg: dict, ids, rounds: int, device: str | None = None
         row["nodes"] = parts.node_parts(ring.node_reports, [row["marks"]], len(ring.node_reports))
         row["same"] = bool(torch.equal(row["tokens"], rows["whole"]["tokens"]))
         row["passes"] = rounds * cfg["new"]
+    for name in bare:
+        rows[name]["same"] = bool(torch.equal(rows[name]["tokens"], rows["whole"]["tokens"]))
     rows["whole"]["same"] = True
     rows["load"] = (load0, os.getloadavg()[0])
     return rows
@@ -212,10 +239,11 @@ def print_cpu(rows: dict, new: int) -> None:
     the split's rate against whole (hops that cost nothing, every core free)."""
     whole = min(c + n for c, n in rows["whole"]["cpu"]) / new
     print(f"  CPU per token, all processes (best round): whole {1000 * whole:.2f} ms", end="")
-    for name in ("split, 1 node", "split, 2 nodes"):
+    for name in [n for n in ("split, 1 node", "split, 2 nodes", *BARE) if n in rows]:
         client, nodes = (x / new for x in min(rows[name]["cpu"], key=sum))
         added = client + nodes - whole
-        print(f"; {name}: client {1000 * client:.2f} + nodes {1000 * nodes:.2f} ms, {1000 * added:+.2f} ms over whole "
+        held = "workers" if name in BARE else "nodes"
+        print(f"; {name}: client {1000 * client:.2f} + {held} {1000 * nodes:.2f} ms, {1000 * added:+.2f} ms over whole "
               f"(alone it caps the split at {whole / (whole + max(0.0, added)):.2f} of whole)", end="")
     print()
 

@@ -36,12 +36,15 @@ def test_bench_lm_quick_prints_rates_first_token_and_bytes_per_hop(diffuse_home)
     proc = run_cli(["bench", "lm", "--quick"], diffuse_home)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    for name in ("whole", "split, 1 node", "split, 2 nodes"):
+    for name in ("whole", "split, 1 node", "split, 2 nodes", "bare ring, 1 process", "bare ring, 2 processes"):
         assert re.search(rf"{name} +\d+\.\d tokens/s \(\d\.\d\d of whole\) \+- \d\.\d\d +first token +\d+\.\d ms +"
                          r"tokens equal whole: True", out), out
-        if name != "whole":  # where a token's time went: the client's loop, the pass, each node
+        if name.startswith("split"):  # where a token's time went: the client's loop, the pass, each node
             assert re.search(rf"breakdown {name}, per token \(ms\): .*sealing \d+\.\d+.*waiting", out), out
     assert len(re.findall(r"    node \d per pass \(ms\): idle .* layers \d+\.\d+", out)) == 3
+    for n, bare in ((1, "1 process"), (2, "2 processes")):  # each split against a ring with nothing of Diffuse
+        assert re.search(rf"split, {n} nodes? / bare ring, {bare}: \d\.\d\d \+- \d\.\d\d", out), out
+    assert re.search(r"bare ring, 2 processes: client \d+\.\d+ \+ workers \d+\.\d+ ms", out), out
     assert re.search(r"split, 2 nodes: bytes per decoding step on each hop \(sealed\): client->1 \d+ B, "
                      r"1->2 \d+ B, 2->client \d+ B", out), out
 
