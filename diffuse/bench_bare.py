@@ -11,10 +11,10 @@ a zero per new position into the client's cache (so ``generate`` reads the
 lengths a whole run has), and its other layers by ones that hand the state on.
 Each worker keeps its layers' key/value cache, new when a pass says so.
 
-What this ring reaches against whole is a ceiling for any split at this size
-on this machine: the wake-ups and copies of a message between processes, and
-layers run by a process that idles between passes, with none of the work that
-makes a ring safe to expose. ``bench lm`` runs it in the same rounds as the
+What this ring reaches against whole is the ceiling for a split over ZeroMQ
+at this size on this machine: the wake-ups and copies of a message between
+processes, and layers run by a process that idles between passes, with none
+of the work that makes a ring safe to expose. ``bench lm`` runs it in the same rounds as the
 whole model and the split, and prints the split's rate as a fraction of it.
 """
 

@@ -170,7 +170,7 @@ def print_rates(rows: dict) -> None:
             ratio, spread = mean_se([c.per_second / b.per_second
                                      for c, b in zip(rows[split]["clocks"], rows[bare]["clocks"])])
             print(f"  {split} / {bare}: {ratio:.2f} +- {spread:.2f} (the bare ring: ZeroMQ over loopback, pickled "
-                  "tensors, no sealing, no checks; the ceiling of a ring of processes on this machine at this size)")
+                  "tensors, no sealing, no checks: what a plain ring of processes reaches on this machine at this size)")
 
 
 def interleaved(tmp: str, cfg: dict, ids, rounds: int, device: str | None = None, dtype: str | None = None) -> dict:
