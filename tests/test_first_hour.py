@@ -23,12 +23,19 @@ from conftest import node_process, run_client, subprocess_env
 RUN = [sys.executable, "-m", "diffuse.run", "--quiet"]
 
 
+def _as_in_a_terminal() -> None:
+    """Ctrl-C as a terminal's foreground job takes it: a suite started in the background of a shell runs with
+    SIGINT ignored, and a child would keep that (Python then installs no KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Client:
     """``python -m diffuse.run`` in its own process group, its stderr read as it comes."""
 
     def __init__(self, args: list[str], home: str, cwd):
         self.proc = subprocess.Popen(RUN + args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                                     env=subprocess_env(home), cwd=cwd, start_new_session=True)
+                                     env=subprocess_env(home), cwd=cwd, start_new_session=True,
+                                     preexec_fn=_as_in_a_terminal)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
         self.reader.start()
