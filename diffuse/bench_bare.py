@@ -65,9 +65,10 @@ def unpack(frames: list):
     return back(pickle.loads(frames[0], buffers=[f.buffer for f in frames[1:]]))
 
 
-def worker(model_dir: str, start: int, stop: int, push: str) -> None:
-    """Serve layers ``start:stop`` of the model at ``model_dir``: print the port it pulls from, then take each pass,
-    run the layers on it and push the hidden state (with the same arguments) to ``push``."""
+def worker(model_dir: str, start: int, stop: int) -> None:
+    """Serve layers ``start:stop`` of the model at ``model_dir``: print the port it pulls from, read from stdin the
+    address to push to, then take each pass, run the layers on it and push the hidden state (with the same
+    arguments) on."""
     import torch
     import transformers
     import zmq
@@ -81,8 +82,8 @@ def worker(model_dir: str, start: int, stop: int, push: str) -> None:
     ctx = zmq.Context()
     pull, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
-    out.connect(push)
     print(f"port {port}", flush=True)
+    out.connect(sys.stdin.readline().strip())
     cache = None
     with torch.no_grad():
         while True:
@@ -100,31 +101,41 @@ class BareRing:
     a context manager that stops them."""
 
     def __init__(self, model_dir: str, n: int):
-        import zmq
-
-        self.ctx = zmq.Context()
-        self.back = self.ctx.socket(zmq.PULL)
-        push = f"tcp://127.0.0.1:{self.back.bind_to_random_port('tcp://127.0.0.1')}"
+        """Start the workers (they load at once, side by side); they are joined into a ring on first use."""
         from transformers import AutoConfig
 
-        layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
-        self.layers, self.procs = layers, []
+        self.layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
+        self.procs: list = []
+        self.ctx = self.out = None
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         try:
-            for k in reversed(range(n)):  # the last first: each worker pushes to the one after it
-                code = (f"from diffuse.bench_bare import worker; worker({model_dir!r}, {k * layers // n}, "
-                        f"{(k + 1) * layers // n}, {push!r})")
-                proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
-                self.procs.append(proc)
-                line = proc.stdout.readline()
-                if not line.startswith("port "):
-                    raise RuntimeError(f"a bare ring's worker did not start (exit {proc.wait(30)})")
-                push = f"tcp://127.0.0.1:{int(line.split()[1])}"
+            for k in range(n):
+                code = (f"from diffuse.bench_bare import worker; worker({model_dir!r}, {k * self.layers // n}, "
+                        f"{(k + 1) * self.layers // n})")
+                self.procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE,
+                                                   stdout=subprocess.PIPE, text=True))
         except BaseException:
             self.close()
             raise
+
+    def _join(self) -> None:
+        """Each worker pushes to the next, the last to the client's end; the client pushes to the first."""
+        import zmq
+
+        ports = []
+        for proc in self.procs:
+            line = proc.stdout.readline()
+            if not line.startswith("port "):
+                raise RuntimeError(f"a bare ring's worker did not start (exit {proc.wait(30)})")
+            ports.append(int(line.split()[1]))
+        self.ctx = zmq.Context()
+        self.back = self.ctx.socket(zmq.PULL)
+        home = self.back.bind_to_random_port("tcp://127.0.0.1")
+        for proc, port in zip(self.procs, ports[1:] + [home]):
+            proc.stdin.write(f"tcp://127.0.0.1:{port}\n")
+            proc.stdin.flush()
         self.out = self.ctx.socket(zmq.PUSH)
-        self.out.connect(push)
+        self.out.connect(f"tcp://127.0.0.1:{ports[0]}")
 
     @property
     def pids(self) -> list[int]:
@@ -134,6 +145,8 @@ class BareRing:
         """Replace ``model``'s decoder layers by the ring's ends (see the module's docstring)."""
         import torch
 
+        if self.out is None:
+            self._join()
         ring = self
 
         class First(torch.nn.Module):
@@ -159,9 +172,11 @@ class BareRing:
         for proc in self.procs:
             proc.kill()
             proc.wait(30)
-            if proc.stdout:
-                proc.stdout.close()
-        self.ctx.destroy(linger=0)
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe:
+                    pipe.close()
+        if self.ctx is not None:
+            self.ctx.destroy(linger=0)
 
     def __enter__(self):
         return self

@@ -196,9 +196,9 @@ def interleaved(tmp: str, cfg: dict, ids, rounds: int, device: str | None = None
         models.update((name, load_whole_or_shell(info, compute, shell=False)) for name in BARE)
     rows = {name: {"clocks": [], "tokens": None, "client": {}, "marks": None, "cpu": []} for name in models}
     with contextlib.ExitStack() as stack:
+        bare = {name: stack.enter_context(BareRing(tmp, n)) for name, n in BARE.items() if name in models}
         rings = {name: stack.enter_context(diffuse.split(models[name], local_nodes=n))
                  for name, n in (("split, 1 node", 1), ("split, 2 nodes", 2))}
-        bare = {name: stack.enter_context(BareRing(tmp, n)) for name, n in BARE.items() if name in models}
         for name, ring in bare.items():
             ring.install(models[name])
         for name, model in models.items():
