@@ -14,8 +14,9 @@ Each worker keeps its layers' key/value cache, new when a pass says so.
 What this ring reaches against whole is the ceiling for a split over ZeroMQ
 at this size on this machine: the wake-ups and copies of a message between
 processes, and layers run by a process that idles between passes, with none
-of the work that makes a ring safe to expose. ``bench lm`` runs it in the same rounds as the
-whole model and the split, and prints the split's rate as a fraction of it.
+of the work that makes a ring safe to expose. ``bench lm`` runs it in the
+same rounds as the whole model and the split, and prints the split's rate as
+a fraction of it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import subprocess
 import sys
 
 CACHE = "$cache"  # where the client's cache object sat in a layer's arguments
+WAIT_S = 300  # the longest a pass round the ring may take before the bench gives up on it
 
 
 def pack(obj) -> list:
@@ -84,9 +86,13 @@ def worker(model_dir: str, start: int, stop: int) -> None:
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     print(f"port {port}", flush=True)
     out.connect(sys.stdin.readline().strip())
-    cache = None
+    parent, cache = os.getppid(), None
     with torch.no_grad():
         while True:
+            if not pull.poll(1000):
+                if os.getppid() != parent:  # the bench is gone (killed): so is its ring
+                    return
+                continue
             hidden, kwargs = unpack(pull.recv_multipart(copy=False))
             if kwargs["fresh"] or cache is None:
                 cache = DynamicCache(config=model.config)
@@ -155,6 +161,9 @@ class BareRing:
                 sent = {k: (CACHE if v is cache else v) for k, v in kwargs.items()}
                 sent["fresh"] = cache.get_seq_length() == 0
                 ring.out.send_multipart(pack((hidden, sent)), copy=False)
+                if not ring.back.poll(WAIT_S * 1000):
+                    raise RuntimeError(f"the bare ring gave no answer in {WAIT_S} s (a worker failed: its error is "
+                                       "above)")
                 out, _ = unpack(ring.back.recv_multipart(copy=False))
                 b, q = hidden.shape[0], hidden.shape[1]
                 for i in range(ring.layers):  # the lengths generate reads; the keys and values are on the workers

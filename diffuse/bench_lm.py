@@ -12,9 +12,9 @@ split adds, and the cap that work alone puts on its rate), and where a token's
 time goes: the client's generate loop, hashing, sealing, waiting; on each node
 opening, checking and assembling, the layers, handing on, sealing; the hops.
 In the same rounds a bare ring of 1 and of 2 worker processes runs the same
-layers with nothing of Diffuse between them (``diffuse.bench_bare``): what any
-ring of processes reaches on this machine at this size, and each split's rate
-as a fraction of it.
+layers with nothing of Diffuse between them (``diffuse.bench_bare``): what a
+plain ring of processes over ZeroMQ reaches on this machine at this size, and
+each split's rate as a fraction of it.
 
 ``--sessions N``: N greedy sessions at once (prompts of different lengths),
 each its own client on a thread of this process (its own model copy and
