@@ -67,9 +67,7 @@ def from_pretrained(model: str | None = None, device: str | None = None, dtype: 
     command line's ``--device`` and ``--dtype`` (``diffuse.devices``; default ``auto``: the CPU, or the
     first accelerator torch sees, in what the folder declares there): where the client's ends compute."""
     info = ModelInfo.of(model)
-    pipe = load_whole_or_shell(info, client_compute(info, device, dtype), shell=True)
-    pipe._diffuse = info
-    return pipe
+    return load_whole_or_shell(info, client_compute(info, device, dtype), shell=True)
 
 
 def client_compute(info: "ModelInfo", device: str | None, dtype: str | None):
@@ -81,17 +79,20 @@ def client_compute(info: "ModelInfo", device: str | None, dtype: str | None):
 
 def load_whole_or_shell(info: "ModelInfo", compute, shell: bool):
     """The model in ``compute``'s dtype on its device: without the blocks nodes will hold (``shell``), or whole
-    (the reference a split run is compared with). On the CPU in no named dtype: exactly the plain load."""
+    (the reference a split run is compared with). On the CPU in no named dtype: exactly the plain load. It
+    carries ``info`` (``_diffuse``), so that splitting it, checking its call and reporting on it read no folder
+    again (``model_info``)."""
     from diffuse.devices import place
     from diffuse.planner import load_model, load_pipeline
 
     if info.subject.autoregressive:
-        pipe = load_model(info.path, info.subject, compute.dtype)
-        return place(pipe, compute.device)
-    pipe = load_pipeline(info.path, info.subject, info.draft["stacks"] if shell else None, compute.dtype)
-    for part in pipe.components.values():
-        if hasattr(part, "_apply"):
-            place(part, compute.device)
+        pipe = place(load_model(info.path, info.subject, compute.dtype), compute.device)
+    else:
+        pipe = load_pipeline(info.path, info.subject, info.draft["stacks"] if shell else None, compute.dtype)
+        for part in pipe.components.values():
+            if hasattr(part, "_apply"):
+                place(part, compute.device)
+    pipe._diffuse = info
     return pipe
 
 

@@ -107,7 +107,6 @@ def generate_text(q: QueryRequest, console, info, compute) -> dict:
         check_prompt(load_config(info.path), inputs["input_ids"])
     tokenizer = load_tokenizer(info.path)
     model = load_whole_or_shell(info, compute, shell=not q.model.whole)
-    model._diffuse = info
     inputs = inputs_on(inputs, compute.device)
     times = {"load": time.perf_counter() - t0}
     if audio_rate(model) is not None:  # it composes: text in, audio out (diffuse.compose)
@@ -210,7 +209,6 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
     q, (info, _, compute) = read_model(cli.chat_request(a), console, "diffuse chat", language=True)
     progress.status(console, f"{info.subject.denoiser_class_name}: loading it without the layers the nodes will hold")
     model = load_whole_or_shell(info, compute, shell=True)
-    model._diffuse = info
     tokenizer = load_tokenizer(info.path)
     interactive = lines is None and sys.stdin.isatty()
     lines = lines if lines is not None else sys.stdin

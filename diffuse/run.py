@@ -59,7 +59,6 @@ def generate(a: argparse.Namespace, console) -> dict:
     with progress.phase(console, f"{pipeline}, block stacks {stacks}: loading it"
                         f"{' whole' if whole else ' without the blocks the nodes will hold'}", quiet):
         pipe = load_whole_or_shell(info, compute, shell=not whole)
-        pipe._diffuse = info
         kwargs, notes = checked_call(q.call, pipe, info, name, split=not whole)
     for note in notes:
         progress.status(console, note, quiet)
