@@ -165,6 +165,8 @@ def print_rates(rows: dict) -> None:
         first = mean_se([c.first for c in r["clocks"]])[0]
         print(f"  {name:22s} {rate:7.1f} tokens/s ({ratio:.2f} of whole) +- {spread:.2f}   first token "
               f"{1000 * first:7.1f} ms   tokens equal whole: {r['same']}{goals.get(name, '')}")
+    if not any(name in rows for name in BARE):
+        print("  bare ring: not run (it runs on the CPU in the default dtype only, and --device or --dtype was given)")
     for split, bare in (("split, 1 node", "bare ring, 1 process"), ("split, 2 nodes", "bare ring, 2 processes")):
         if bare in rows:
             ratio, spread = mean_se([c.per_second / b.per_second
