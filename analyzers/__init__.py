@@ -20,7 +20,7 @@ Nothing here knows a model family: every answer comes from module structure,
 parameter shapes, signatures and source.
 """
 
-from diffuse.hookspecs import hookimpl
+from diffuse.plan.hookspecs import hookimpl
 
 from analyzers.chain_check import ChainCheck
 from analyzers.config_reader import ConfigReader

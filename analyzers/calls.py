@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from diffuse.analysis import Analyzer
-from diffuse.callplan import flatten, slot_names
+from diffuse.plan.analysis import Analyzer
+from diffuse.plan.calltree import flatten, slot_names
 from diffuse.errors import DiffuseError
 from diffuse.kvcache import is_cache
-from diffuse.hookspecs import hookimpl
+from diffuse.plan.hookspecs import hookimpl
 from diffuse.measure import relative_error
-from diffuse.plan import CallPlan, ReturnMap, TensorSpec
+from diffuse.plan.contracts import CallPlan, ReturnMap, TensorSpec
 
 
 class CallRecorder(Analyzer):

@@ -8,7 +8,7 @@ dimension, see ``_shapes.block_width``) and object identity.
 
 from __future__ import annotations
 
-from diffuse.analysis import Analyzer
+from diffuse.plan.analysis import Analyzer
 from diffuse.errors import RefusedModel
 
 from analyzers._shapes import block_width, describe_blocks, is_block

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from diffuse.analysis import Analyzer, build_meta, build_model
+from diffuse.plan.analysis import Analyzer, build_meta, build_model
 
 from analyzers._shapes import quiet
 

@@ -1,14 +1,14 @@
 """The config_reader analyzer: refuse, from config.json alone, a transformers model that cannot be split.
 
-The facts and the reasons are the core's (``diffuse.config_verdict``, which
+The facts and the reasons are the core's (``diffuse.plan.verdicts``, which
 ``diffuse check`` prints as well); this analyzer puts the verdict in the draft
 plan and raises the refusal before any model is built.
 """
 
 from __future__ import annotations
 
-from diffuse.analysis import Analyzer
-from diffuse.config_verdict import read_config, refusal_of
+from diffuse.plan.analysis import Analyzer
+from diffuse.plan.verdicts import read_config, refusal_of
 from diffuse.errors import RefusedModel
 
 

@@ -16,7 +16,7 @@ import json
 import os
 import textwrap
 
-from diffuse.analysis import Analyzer
+from diffuse.plan.analysis import Analyzer
 from diffuse.errors import RefusedModel
 
 _FRAME_RATE_PARAMS = ("frame_rate", "fps")

@@ -16,7 +16,7 @@ import importlib
 import json
 import os
 
-from diffuse.analysis import Analyzer
+from diffuse.plan.analysis import Analyzer
 from diffuse.errors import RefusedModel
 
 _CONFIG_LIMIT = 1 << 20  # bytes; a weights index can be large and never holds code references

@@ -20,7 +20,7 @@ in its config is still caught by the dry call of ``diffuse query``,
 
 from __future__ import annotations
 
-from diffuse.analysis import Analyzer
+from diffuse.plan.analysis import Analyzer
 from diffuse.errors import RefusedModel
 
 from analyzers.config_nudger import _builder, _lengths

@@ -19,7 +19,7 @@ vision or audio tower, a text encoder), runs once per request and stays on the
 client, where the media is.
 
 A pipeline with several denoiser components (Wan 2.2's two experts,
-``diffuse.analysis.Denoisers``) has the stacks of each, named from the
+``diffuse.plan.analysis.Denoisers``) has the stacks of each, named from the
 component: ``transformer.blocks``, ``transformer_2.blocks``.
 """
 
@@ -29,9 +29,9 @@ import dataclasses
 
 from torch import nn
 
-from diffuse.analysis import Analyzer
+from diffuse.plan.analysis import Analyzer
 from diffuse.errors import RefusedModel
-from diffuse.plan import StackPlan
+from diffuse.plan.contracts import StackPlan
 
 from analyzers._shapes import (
     block_params, class_path, describe_blocks, is_block, picked_not_looped, quiet, top_lists,
@@ -101,8 +101,8 @@ def find_decoder_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:
 
 def find_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:
     """(stacks in registration order, which is the order a DiT calls them (FACTS, Table 3); {path: why not a stack}).
-    Several denoiser components (``diffuse.analysis.Denoisers``): each one's, its name before their paths."""
-    from diffuse.analysis import denoisers_class
+    Several denoiser components (``diffuse.plan.analysis.Denoisers``): each one's, its name before their paths."""
+    from diffuse.plan.analysis import denoisers_class
 
     if isinstance(model, denoisers_class()):
         stacks, others = [], {}

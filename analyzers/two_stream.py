@@ -20,7 +20,7 @@ import textwrap
 
 from torch import nn
 
-from diffuse.analysis import Analyzer
+from diffuse.plan.analysis import Analyzer
 
 from analyzers.stack_finder import denoiser_on_meta
 

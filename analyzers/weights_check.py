@@ -1,7 +1,7 @@
 """Refuse, before any node starts, a checkpoint whose block tensors a node could not load.
 
 A node reads its blocks straight from the safetensors files, by the names and
-rules the model's library applies when it loads them (``diffuse.modelfiles``:
+rules the model's library applies when it loads them (``diffuse.plan.modelfiles``:
 transformers' own renamings and converters, or a stack found under other names
 by its blocks' shapes). This analyzer makes the same weight map from the files'
 headers (names and shapes; no tensor data is read) and checks every tensor of
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from diffuse.analysis import Analyzer
+from diffuse.plan.analysis import Analyzer
 from diffuse.errors import DiffuseError, RefusedModel
 
 from analyzers.stack_finder import denoiser_on_meta
@@ -47,7 +47,7 @@ class WeightsCheck(Analyzer):
 
 
 def has_weights(component_dir: str) -> bool:
-    from diffuse.modelfiles import WEIGHTS_NAMES
+    from diffuse.plan.modelfiles import WEIGHTS_NAMES
 
     return any(os.path.isfile(os.path.join(component_dir, n)) for pair in WEIGHTS_NAMES for n in pair)
 
@@ -57,7 +57,7 @@ def stack_weights(files: dict[str, str], model, paths: list[str]) -> dict[str, s
     the first tensor a node could not load as the library does. ``files``: tensor name -> safetensors file."""
     from safetensors import safe_open
 
-    from diffuse.modelfiles import located, renamed_for
+    from diffuse.plan.modelfiles import located, renamed_for
 
     wmap = located(renamed_for(files, model), model, paths)
     headers: dict[str, object] = {}

@@ -30,16 +30,16 @@ class ModelInfo:
     """What the config-phase analysis found about a pipeline folder (kept on pipelines loaded here)."""
 
     path: str
-    subject: object  # diffuse.analysis.ModelSubject
+    subject: object  # diffuse.plan.analysis.ModelSubject
     draft: dict
 
     @classmethod
     def of(cls, model: str | None) -> "ModelInfo":
-        from diffuse.modelfiles import resolve_model
-        from diffuse.planner import analyze
+        from diffuse.plan.modelfiles import resolve_model
+        from diffuse.plan.planner import analyze
 
         if model is None:
-            from diffuse.default_model import default_model_dir
+            from diffuse.plan.shipped import default_model_dir
 
             path = default_model_dir()
         else:
@@ -64,15 +64,15 @@ def from_pretrained(model: str | None = None, device: str | None = None, dtype: 
     the embedded model), loaded by diffusers from safetensors without the blocks the nodes will hold;
     or a transformers model (a folder whose config.json names its architectures), loaded by
     transformers (its decoder layers are freed when it is split). ``device`` and ``dtype`` as the
-    command line's ``--device`` and ``--dtype`` (``diffuse.devices``; default ``auto``: the CPU, or the
+    command line's ``--device`` and ``--dtype`` (``diffuse.plan.devices``; default ``auto``: the CPU, or the
     first accelerator torch sees, in what the folder declares there): where the client's ends compute."""
     info = ModelInfo.of(model)
     return load_whole_or_shell(info, client_compute(info, device, dtype), shell=True)
 
 
 def client_compute(info: "ModelInfo", device: str | None, dtype: str | None):
-    """``--device`` and ``--dtype`` of a client of the model ``info`` describes (``diffuse.devices.Compute``)."""
-    from diffuse.devices import Compute
+    """``--device`` and ``--dtype`` of a client of the model ``info`` describes (``diffuse.plan.devices.Compute``)."""
+    from diffuse.plan.devices import Compute
 
     return Compute.of(device, dtype, info.path, info.subject.denoiser or None)
 
@@ -82,8 +82,8 @@ def load_whole_or_shell(info: "ModelInfo", compute, shell: bool):
     (the reference a split run is compared with). On the CPU in no named dtype: exactly the plain load. It
     carries ``info`` (``_diffuse``), so that splitting it, checking its call and reporting on it read no folder
     again (``model_info``)."""
-    from diffuse.devices import place
-    from diffuse.planner import load_model, load_pipeline
+    from diffuse.plan.devices import place
+    from diffuse.plan.planner import load_model, load_pipeline
 
     if info.subject.autoregressive:
         pipe = place(load_model(info.path, info.subject, compute.dtype), compute.device)
@@ -186,7 +186,7 @@ class Split:
         from diffuse.repair import RepairPolicy
         from diffuse.known_nodes import parse_nodes
         from diffuse.localnodes import local_nodes_plan
-        from diffuse.placement import PLACEMENTS
+        from diffuse.plan.placement import PLACEMENTS
 
         o = replace(options or SplitOptions(), **named)
         check_auto(nodes, o.discover_seconds)
@@ -224,7 +224,7 @@ class Split:
         self.embedding_on_node = o.embedding_on_node
         self.node_device, self.node_dtype = o.device, o.dtype  # local nodes' --device and --dtype (None: as the client)
         if o.device is not None or o.dtype is not None:
-            from diffuse.devices import resolve_device, resolve_dtype
+            from diffuse.plan.devices import resolve_device, resolve_dtype
 
             resolve_device(o.device)  # refused here, before any node starts
             if o.dtype not in (None, "auto"):
@@ -249,7 +249,7 @@ class Split:
             return getattr(self.target, subject.denoiser)
         held = self.target.__dict__.get("_diffuse_denoisers")
         if held is None or any(getattr(held, n) is not getattr(self.target, n) for n in subject.denoisers):
-            from diffuse.analysis import denoisers_class
+            from diffuse.plan.analysis import denoisers_class
 
             held = denoisers_class()({n: getattr(self.target, n) for n in subject.denoisers})
             self.target.__dict__["_diffuse_denoisers"] = held
@@ -272,8 +272,8 @@ class Split:
         """``--device`` and ``--dtype`` for this run's local nodes: as given to ``split``, else where the client's
         own part of the denoiser computes and in its dtype (a float32 client on the CPU names no dtype: its
         nodes compute in what each session asks, as before devices were named)."""
-        from diffuse.devices import device_of
-        from diffuse.planner import denoiser_dtype
+        from diffuse.plan.devices import device_of
+        from diffuse.plan.planner import denoiser_dtype
 
         device = self.node_device if self.node_device not in (None, "auto") else None
         if device is None:
@@ -285,7 +285,7 @@ class Split:
         return ["--device", device, "--dtype", dtype]
 
     def __enter__(self) -> "Split":
-        from diffuse.planner import denoiser_dtype, make_plan
+        from diffuse.plan.planner import denoiser_dtype, make_plan
         from diffuse.ring import Ring
         from diffuse.standin import Splitter
 
@@ -406,7 +406,7 @@ def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: in
     first usable holder of its range, the failed node avoided 30 s, doubling, then used again),
     ``embedding_on_node`` (a language model's embedding table on the first node, so passes carry token ids
     instead of hidden states; default False: the client embeds), ``placement`` ("planned": nodes that hold
-    nothing fixed get slices planned from their memory and speed, ``diffuse.placement``; "even": even slices,
+    nothing fixed get slices planned from their memory and speed, ``diffuse.plan.placement``; "even": even slices,
     still checked against their memory; set on the repair policy, which also repairs by it), ``device`` and
     ``dtype`` (the local nodes' ``--device`` and ``--dtype``; default: the device the client's part of the model
     is on, in its dtype; on the CPU the nodes compute in the dtype each session asks)."""

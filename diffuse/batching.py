@@ -38,7 +38,7 @@ import json
 
 import torch
 
-from diffuse.callplan import thread_outputs, unflatten
+from diffuse.plan.calltree import thread_outputs, unflatten
 from diffuse.errors import DiffuseError
 from diffuse.kvcache import is_cache
 

@@ -138,9 +138,9 @@ def patch_times(path: str, cfg: dict, x: dict, patches: int, repeat: int = 3) ->
     """Seconds per patch of one block on the quick and on the plain path (node code, in this process)."""
     import torch
 
-    from diffuse.callplan import flatten
+    from diffuse.plan.calltree import flatten
     from diffuse.pipefusion import StaleStack
-    from diffuse.plan import Patch, ReturnMap
+    from diffuse.plan.contracts import Patch, ReturnMap
 
     transformer = load_transformer(path)
     block = transformer.blocks[0]

@@ -55,7 +55,7 @@ def build(out_dir: str, cfg: dict, device, dtype) -> None:
 def load(path: str, device, dtype):
     from diffusers import WanTransformer3DModel
 
-    from diffuse.devices import place
+    from diffuse.plan.devices import place
 
     model = WanTransformer3DModel.from_pretrained(os.path.join(path, "transformer"), use_safetensors=True,
                                                   torch_dtype=dtype).eval()
@@ -112,7 +112,7 @@ def report(cfg: dict, whole: list[float], whole_out, runs: dict, nodes: list, lo
     import torch
 
     from diffuse.benchkit import mean_se, ratio
-    from diffuse.placement import report_of
+    from diffuse.plan.placement import report_of
 
     mw, sw = mean_se(whole[TIMED_FROM:])
     print(f"\nresults (a step's two transformer calls, mean of steps {TIMED_FROM + 1}..{cfg['steps']} +- one "
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from diffuse.benchkit import inputs
-    from diffuse.devices import Compute, torch_sees
+    from diffuse.plan.devices import Compute, torch_sees
     from diffuse.localnodes import start_local_nodes, stop_local_nodes
 
     torch.set_num_threads(1)

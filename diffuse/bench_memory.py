@@ -111,7 +111,7 @@ def role(argv: list[str]) -> int:
         ids = _prompt(json.load(f)["vocab_size"])
     if what == "whole":
         from diffuse.api import ModelInfo
-        from diffuse.planner import load_model
+        from diffuse.plan.planner import load_model
 
         model = load_model(path, ModelInfo.of(path).subject)
         with torch.no_grad():
@@ -155,7 +155,7 @@ def wan_role(what: str, path: str, quick: bool, rest: list[str]) -> int:
     else:
         import diffuse
         from diffuse.api import ModelInfo
-        from diffuse.planner import load_denoiser_shell
+        from diffuse.plan.planner import load_denoiser_shell
 
         info = ModelInfo.of(path)
         shell = load_denoiser_shell(path, info.subject, info.draft["stacks"], torch.bfloat16)
@@ -192,10 +192,10 @@ def held_bytes(path: str, nodes: int) -> tuple[list[int], int, int, int]:
     the last), the ends the client holds, the whole, and each stack's first block together (what a diffusion
     client loaded without its blocks keeps mapped until the first call has taught it a stack's return map; its
     weights are read only where shapes do not decide that map)."""
-    from diffuse.analysis import ModelSubject
-    from diffuse.placement import _header, block_costs
-    from diffuse.plan import split_evenly
-    from diffuse.planner import analyze
+    from diffuse.plan.analysis import ModelSubject
+    from diffuse.plan.placement import _header, block_costs
+    from diffuse.plan.contracts import split_evenly
+    from diffuse.plan.planner import analyze
 
     subject, draft = analyze(path)
     costs = block_costs(ModelSubject.from_path(path), draft["stacks"], "bfloat16")

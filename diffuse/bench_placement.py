@@ -22,7 +22,7 @@ speeds, all their passes so far, and the links the client measured):
 - the language-model bench model (``diffuse.bench_lm``'s Qwen2, here with ``LM["layers"]`` layers),
   greedy: tokens/s after the first token.
 
-Beside each measured figure, the prediction for the route that ran: the planner's (``diffuse.placement``:
+Beside each measured figure, the prediction for the route that ran: the planner's (``diffuse.plan.placement``:
 each node's share at the speed it said after the pair's even run, plus each hop over the links measured), plus
 the client's own CPU time in the same run (the planner does not count the client's work), and the ratio. Under
 each run, what its timed part saw (``Watch``): the load average, the cores the machine's other work kept busy
@@ -109,8 +109,8 @@ def _speeds_now(plan) -> list:
 def _prediction(caps: list, plan, path: str, route, tokens: int, nbytes: int):
     """The planner's ``Placement`` of ``route`` (some of ``plan``'s route), costed with ``caps`` and the links
     measured, for passes of ``tokens`` tokens handing on ``nbytes``."""
-    from diffuse.analysis import ModelSubject
-    from diffuse.placement import block_costs, link_hops, placement_of
+    from diffuse.plan.analysis import ModelSubject
+    from diffuse.plan.placement import block_costs, link_hops, placement_of
 
     blocks = block_costs(ModelSubject.from_path(path), plan.stacks, plan.compute_dtype)
     order = {s.address: i for i, s in enumerate(plan.route)}

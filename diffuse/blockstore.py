@@ -8,7 +8,7 @@ a node started with ``--blocks`` serves the dtype it loaded only; one started
 without keeps copies in ``MAX_DTYPES`` dtypes at most, the least recently asked
 going first (sessions keep their own references until they close).
 
-Everything is read onto the node's device (``diffuse.devices.Compute``) straight from the
+Everything is read onto the node's device (``diffuse.plan.devices.Compute``) straight from the
 files, one tensor at a time, in the compute dtype; a node whose dtype was named
 (``--dtype``) holds and serves that dtype only.
 """
@@ -22,11 +22,11 @@ import weakref
 
 import torch
 
-from diffuse.analysis import ModelSubject, build_meta
-from diffuse.devices import Compute, place
+from diffuse.plan.analysis import ModelSubject, build_meta
+from diffuse.plan.devices import Compute, place
 from diffuse.errors import DiffuseError
-from diffuse.modelfiles import fp32_kept, load_into, located, renamed_for, weight_map
-from diffuse.plan import Slice, StackPlan
+from diffuse.plan.modelfiles import fp32_kept, load_into, located, renamed_for, weight_map
+from diffuse.plan.contracts import Slice, StackPlan
 
 log = logging.getLogger("diffuse.node")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffuse.callplan import digest, flatten
+from diffuse.plan.calltree import digest, flatten
 from diffuse.channel import ChannelStats
 from diffuse.errors import DiffuseError
 from diffuse.firstblock import with_branch

@@ -23,7 +23,7 @@ DEFAULT_PERIOD_US = 100_000  # the kernel's own
 
 def own_v1_group(controller: str) -> str | None:
     """This process's innermost cgroup v1 folder for ``controller`` (None where there is none)."""
-    from diffuse.placement import _cgroup_dirs
+    from diffuse.plan.placement import _cgroup_dirs
 
     found = [d for d, version in _cgroup_dirs(controller) if version == "v1"]
     return found[0] if found else None
@@ -31,7 +31,7 @@ def own_v1_group(controller: str) -> str | None:
 
 def memory_used(folder: str) -> int:
     """Bytes a v1 memory group holds, less its inactive file cache (what a limit would squeeze first)."""
-    from diffuse.placement import _stat_value
+    from diffuse.plan.placement import _stat_value
 
     with open(os.path.join(folder, "memory.usage_in_bytes")) as f:
         return int(f.read()) - _stat_value(folder, "total_inactive_file")

@@ -20,11 +20,11 @@ import time
 from dataclasses import dataclass, field
 
 from diffuse import frames
-from diffuse.callplan import SLOT_CACHE_BYTES, SlotCache, decode_value, digest
-from diffuse.devices import device_of, to_device, to_host
+from diffuse.plan.calltree import SLOT_CACHE_BYTES, SlotCache, decode_value, digest
+from diffuse.plan.devices import device_of, to_device, to_host
 from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.passes import WHOLE, Answer, ContractError, Part, Pass
-from diffuse.plan import Patch, ReturnMap, SlotRef
+from diffuse.plan.contracts import Patch, ReturnMap, SlotRef
 
 log = logging.getLogger("diffuse.ring")
 

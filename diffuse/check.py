@@ -23,9 +23,9 @@ import json
 import os
 import time
 
-from diffuse.analysis import ModelSubject
+from diffuse.plan.analysis import ModelSubject
 from diffuse.errors import DiffuseError, RefusedModel
-from diffuse.plan import PATCHABLE, UNCUT_STEPS
+from diffuse.plan.contracts import PATCHABLE, UNCUT_STEPS
 
 SPLITTABLE, REFUSED = "splittable", "refused"
 EXIT_CODES = {SPLITTABLE: 0, REFUSED: 2}
@@ -147,7 +147,7 @@ def model_key(path: str) -> str:
     in its top two levels, the versions of the libraries, and the installed analyzer plugins by name."""
     from importlib.metadata import entry_points
 
-    from diffuse.modelfiles import content_hash
+    from diffuse.plan.modelfiles import content_hash
 
     h = hashlib.blake2b(digest_size=16)
     for folder in ["", *sorted(e.name for e in os.scandir(path) if e.is_dir())]:
@@ -209,11 +209,11 @@ def _check(path: str, start: float) -> dict:
     result = {"model": path, "denoiser": (subject.denoiser_label if subject.denoiser or subject.autoregressive
                                           else None)}
     if subject.autoregressive:  # a transformers model: the five answers config.json gives, refused or not
-        from diffuse.config_verdict import read_config
+        from diffuse.plan.verdicts import read_config
 
         result["config"] = read_config(subject.denoiser_config)
     try:
-        from diffuse.planner import config_draft
+        from diffuse.plan.planner import config_draft
 
         draft = config_draft(subject)
     except RefusedModel as exc:
@@ -334,7 +334,7 @@ def _print_config(console, r: dict) -> None:
     """A transformers model's answers from config.json, each with the fields it rests on."""
     if not r.get("config"):
         return
-    from diffuse.config_verdict import describe
+    from diffuse.plan.verdicts import describe
 
     console.print("from config.json:", highlight=False)
     for line in describe(r["config"]):
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m diffuse.check keep MODEL...``: write each model folder's kept verdict (``keep``)."""
     import argparse
 
-    from diffuse.modelfiles import resolve_model
+    from diffuse.plan.modelfiles import resolve_model
 
     ap = argparse.ArgumentParser(prog="python -m diffuse.check", description=main.__doc__.split("\n")[0])
     ap.add_argument("action", choices=["keep"])

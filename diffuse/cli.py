@@ -256,7 +256,7 @@ def ring_flags(ap: argparse.ArgumentParser) -> None:
 
 
 def device_flags(ap: argparse.ArgumentParser, what: str = "the client's ends of the model, and local nodes") -> None:
-    """``--device`` and ``--dtype`` (``diffuse.devices``): where ``what`` computes, and in what."""
+    """``--device`` and ``--dtype`` (``diffuse.plan.devices``): where ``what`` computes, and in what."""
     ap.add_argument("--device", default=None, metavar="auto|cpu|cuda|cuda:N|mps",
                     help=f"where {what} compute (default: $DIFFUSE_DEVICE, "
                     "else auto: the first accelerator torch sees, else the CPU); a device torch does not see is "
@@ -285,7 +285,7 @@ def check_device_flags(a: argparse.Namespace) -> None:
     """``--device`` and a named ``--dtype`` against what torch sees here (``named_device``)."""
     asked = named_device(a)
     if asked is not None:
-        from diffuse.devices import check_named
+        from diffuse.plan.devices import check_named
 
         check_named(*asked)
 
@@ -370,7 +370,7 @@ def check_flags(a: argparse.Namespace, options) -> None:
     """What the flags alone can tell, checked before anything is read or loaded (query, chat, verify): the
     plain rules here first, then each rule's owner: the split's ``options`` as the flags built them
     (``options_of``; ``diffuse.request.check_options``), the node list (``diffuse.known_nodes``) or the network
-    search (``diffuse.discovery``), and the device (``diffuse.devices.check_named``)."""
+    search (``diffuse.discovery``), and the device (``diffuse.plan.devices.check_named``)."""
     from diffuse.errors import DiffuseError
     from diffuse.request import check_options
 
@@ -400,7 +400,7 @@ def check_flags(a: argparse.Namespace, options) -> None:
         for group in groups:
             parse_nodes(group)  # scheme, port and key of each address
     if device is not None:
-        from diffuse.devices import check_named
+        from diffuse.plan.devices import check_named
 
         check_named(*device)
 
@@ -449,7 +449,7 @@ def chat_request(a: argparse.Namespace):
     and the tokens an answer may take)."""
     from diffuse.request import ModelAsk, Output, PipelineCall, QueryRequest, RingAsk, TextCall
 
-    from diffuse.default_model import CHAT_MODEL_NAME
+    from diffuse.plan.shipped import CHAT_MODEL_NAME
 
     options = options_of(a)
     check_flags(a, options)

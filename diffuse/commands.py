@@ -37,7 +37,7 @@ def check_main(argv: list[str]) -> int:
     def body():
         nonlocal code
         from diffuse.check import print_check
-        from diffuse.modelfiles import resolve_model
+        from diffuse.plan.modelfiles import resolve_model
 
         code = print_check(resolve_model(a.model), out, cache=True)
 
@@ -91,7 +91,7 @@ def verify_main(argv: list[str]) -> int:
 def plugins_main(argv: list[str]) -> int:
     cli.Parser(prog="diffuse plugins", description="The installed plugins and the hooks each implements.") \
         .parse_args(argv)
-    from diffuse.plugins import plugin_manager
+    from diffuse.plan.plugins import plugin_manager
 
     pm = plugin_manager()
     for plugin in pm.get_plugins():

@@ -27,7 +27,7 @@ def compose_audio(q: QueryRequest, console, info, model, inputs, gen, times, t0)
     import torch
 
     from diffuse.api import open_split
-    from diffuse.plugins import call_hook
+    from diffuse.plan.plugins import call_hook
     from diffuse.writers import OutputInfo
 
     codec = model.audio_encoder

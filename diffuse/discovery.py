@@ -68,7 +68,7 @@ class Announced:
     port: int  # the control port
     key: str  # the node's public key, 64 hex digits
     model: str  # the model's folder name, as the node was given it
-    model_hash: str  # diffuse.modelfiles.content_hash of its blocks' component(s)
+    model_hash: str  # diffuse.plan.modelfiles.content_hash of its blocks' component(s)
     blocks: str  # "blocks[0:2]" (several: comma-separated) for a node started with --blocks, else ""
     wire: tuple[int, ...]  # the wire versions it speaks
     data_port: int | None = None

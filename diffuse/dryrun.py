@@ -63,7 +63,7 @@ def _watch_chains(meta, stacks: list[str]) -> list:
     out of order, or calls it without every tensor the block before returned, untouched (work between blocks,
     such as a residual added after some of them, or a block's output used elsewhere than in the next block's
     call); the hooks, to remove."""
-    from diffuse.callplan import flatten, encode_value
+    from diffuse.plan.calltree import flatten, encode_value
 
     hooks = []
     for path in stacks:

@@ -31,7 +31,7 @@ import inspect
 import torch
 from torch import nn
 
-from diffuse.callplan import flatten
+from diffuse.plan.calltree import flatten
 from diffuse.errors import DiffuseError
 from diffuse.tail import HeldElsewhere
 

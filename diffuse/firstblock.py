@@ -25,10 +25,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from diffuse.callplan import digest, thread_outputs, unflatten
+from diffuse.plan.calltree import digest, thread_outputs, unflatten
 from diffuse.errors import DiffuseError
 from diffuse.passes import Reuse
-from diffuse.plan import ReturnMap
+from diffuse.plan.contracts import ReturnMap
 
 from diffuse.runners import PassKind, kind
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import cbor2
 import torch
 
-from diffuse.callplan import raw_bytes
+from diffuse.plan.calltree import raw_bytes
 from diffuse.errors import MalformedHeader, WireError
-from diffuse.plan import SESSION_ID_BYTES
+from diffuse.plan.contracts import SESSION_ID_BYTES
 from diffuse import safecbor
 from diffuse import sealing as seal
 

@@ -4,7 +4,7 @@
 address, model hash, the slices it holds (nodes started with ``--blocks``), the
 wire versions it speaks, a one-time challenge, and its report for placement
 (memory, blocks held, threads, device, measured speed; remembered with the
-hello's round trip by ``diffuse.placement.note_hello``; a node whose hello
+hello's round trip by ``diffuse.plan.placement.note_hello``; a node whose hello
 passes every check below is the only one whose report is kept). The client offers the
 versions it speaks; each node's is the highest both speak, and each data hop's
 is the highest its two ends speak (a node that speaks only an older version
@@ -28,8 +28,8 @@ import time
 from diffuse import frames, links, sealing
 from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.known_nodes import parse_node, pin_key
-from diffuse.placement import note_hello
-from diffuse.plan import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, Slice, SlicingPlan, Stage, StagePlan, \
+from diffuse.plan.placement import note_hello
+from diffuse.plan.contracts import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, Slice, SlicingPlan, Stage, StagePlan, \
     check_slices
 
 HELLO_TIMEOUT_S = 10.0
@@ -103,7 +103,7 @@ class Handshake:
     """Control requests to the nodes of one session's route."""
 
     def __init__(self, plan: SlicingPlan, client_key: str | None = None, attention: str = "auto"):
-        from diffuse.plugins import transport_for
+        from diffuse.plan.plugins import transport_for
 
         if not plan.route:
             raise DiffuseError("the plan has no route: give --nodes or --local-nodes")

@@ -9,7 +9,7 @@ less that round trip (what sealing and copying the bytes cost counts as the link
 them too).
 When a route is built, each node measures its next hop the same way at ``open`` (the client names the
 next node's control address and key inside the sealed open) and says what it found in its reply. The
-client keeps both here, per pair of ends (``note``, ``known``), for the planner (``diffuse.placement``:
+client keeps both here, per pair of ends (``note``, ``known``), for the planner (``diffuse.plan.placement``:
 a hop costs half its link's round trip plus the bytes it carries over the throughput) and for a run's
 summary (``route_lines``).
 """

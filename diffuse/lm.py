@@ -91,7 +91,7 @@ def generate_text(q: QueryRequest, console, info, compute) -> dict:
 
     from diffuse.api import load_whole_or_shell, open_split
     from diffuse.compose import audio_rate, compose_audio
-    from diffuse.devices import inputs_on
+    from diffuse.plan.devices import inputs_on
     from diffuse.lm_report import held_parameters, summarize, text_split_report, top_candidates
     from diffuse.media_inputs import load_config, load_tokenizer
 
@@ -202,7 +202,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
     from transformers import DynamicCache
 
     from diffuse.api import load_whole_or_shell, open_split
-    from diffuse.devices import inputs_on, model_device
+    from diffuse.plan.devices import inputs_on, model_device
     from diffuse.media_inputs import chat_inputs, load_tokenizer
     from diffuse.modelread import read_model
 

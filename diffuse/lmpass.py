@@ -18,7 +18,7 @@ import torch
 
 from diffuse.errors import DiffuseError
 from diffuse.passes import Embed, LayerPass, Tail
-from diffuse.plan import ReturnMap
+from diffuse.plan.contracts import ReturnMap
 from diffuse.runners import PassKind, kind, run_blocks
 
 

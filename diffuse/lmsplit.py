@@ -25,15 +25,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from diffuse.callplan import flatten_layers
+from diffuse.plan.calltree import flatten_layers
 from diffuse.changes import is_freed
 from diffuse.errors import DiffuseError
 from diffuse.kvcache import ClientCaches
 from diffuse.lmembed import EmbeddingEnd
 from diffuse.lmhead import GenerateCapture, HeadEnd
 from diffuse.passes import Embed, Tail
-from diffuse.plan import ReturnMap, StackPlan
-from diffuse.planner import learn_call
+from diffuse.plan.contracts import ReturnMap, StackPlan
+from diffuse.plan.planner import learn_call
 
 
 @dataclass

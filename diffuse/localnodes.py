@@ -109,7 +109,7 @@ def start_local_nodes(model: str, n: int, threads: int | None = None, start: Loc
     """Start ``n`` nodes holding even slices of every stack; wait until each prints its address. How they
     start: ``start``, or the ``LocalStart`` fields ``given`` by name (``scheme=``, ``extra=``, ``groups=``,
     ``client=``, ``fixed=``, ``each=``)."""
-    from diffuse.plugins import transport_for
+    from diffuse.plan.plugins import transport_for
 
     start = start or LocalStart(**given)
     scheme, extra, groups, client, fixed, each = (start.scheme, start.extra, start.groups, start.client,

@@ -19,7 +19,7 @@ from diffuse.request import QueryRequest
 
 class ModelRead(NamedTuple):
     """What ``read_model`` found: the model's analysis (``diffuse.api.ModelInfo``), the name it was asked by,
-    and where the client's ends compute (``diffuse.devices.Compute``)."""
+    and where the client's ends compute (``diffuse.plan.devices.Compute``)."""
 
     info: object
     name: str
@@ -32,12 +32,12 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
     against it (``--nodes auto`` replaced by the nodes heard), and what was read. ``command`` opens the first
     status line; ``language``: the command talks to language models only (``diffuse chat``)."""
     from diffuse.check import refuse_early
-    from diffuse.modelfiles import resolve_model
+    from diffuse.plan.modelfiles import resolve_model
     from diffuse.progress import phase, status
 
     ask = q.model
     if ask.model is None:
-        from diffuse.default_model import SHIPPED_MODEL_NAME, default_model_dir
+        from diffuse.plan.shipped import SHIPPED_MODEL_NAME, default_model_dir
 
         path, name = default_model_dir(), SHIPPED_MODEL_NAME
     else:
@@ -49,7 +49,7 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
         import torch
 
         from diffuse.api import ModelInfo
-        from diffuse.devices import Compute
+        from diffuse.plan.devices import Compute
 
         if ask.threads:
             torch.set_num_threads(ask.threads)

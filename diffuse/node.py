@@ -37,8 +37,8 @@ from diffuse.home import config_home
 from diffuse.node_compute import MAX_PASS_LOG, PARTS, Arrived, ComputeThread  # noqa: F401 (the limits, said here too)
 from diffuse.node_control import NodeControl, refusal
 from diffuse.links import NextHop
-from diffuse.placement import SpeedBook
-from diffuse.plan import WIRE_VERSIONS, StackPlan, parse_slices
+from diffuse.plan.placement import SpeedBook
+from diffuse.plan.contracts import WIRE_VERSIONS, StackPlan, parse_slices
 from diffuse.processes import alive
 from diffuse.sessions import SessionTable
 from diffuse.transport_api import DEFAULT_MAX_MESSAGE_BYTES
@@ -120,7 +120,7 @@ class NodeOptions:
     max_sessions: int = MAX_SESSIONS
     max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT
     batch: bool = True  # decoding passes of several sessions as one batch (--no-batch: off)
-    compute: object = None  # a diffuse.devices.Compute: --device and --dtype (None: the CPU, as each session asks)
+    compute: object = None  # a diffuse.plan.devices.Compute: --device and --dtype (None: the CPU, as each session asks)
     compiled: bool = False  # --compile
 
 
@@ -131,9 +131,9 @@ class Node:
         allowed_clients, advertise, max_message_bytes = o.allowed_clients, o.advertise, o.max_message_bytes
         max_sessions, max_sessions_per_client, batch = o.max_sessions, o.max_sessions_per_client, o.batch
         compute, compiled = o.compute, o.compiled
-        from diffuse.analysis import ModelSubject
-        from diffuse.planner import config_draft
-        from diffuse.plugins import transport_for
+        from diffuse.plan.analysis import ModelSubject
+        from diffuse.plan.planner import config_draft
+        from diffuse.plan.plugins import transport_for
         from diffuse.sealing import load_identity
         from diffuse.stage import BlockStore
 
@@ -147,7 +147,7 @@ class Node:
         self.runs_on = self.store.compute  # where its blocks compute and in what (--device, --dtype)
         self.device = self.runs_on.device
         self.store.fixed = parse_slices(blocks, self.stacks)
-        self.speeds = SpeedBook(self.store.model_hash)  # its own measured speed, said at hello (diffuse.placement)
+        self.speeds = SpeedBook(self.store.model_hash)  # its own measured speed, said at hello (diffuse.plan.placement)
         self.next_hops = NextHop()  # its links to the next hops it was given (diffuse.links)
         self.max_memory: int | None = None  # --max-memory, in bytes
         if self.store.fixed:
@@ -291,8 +291,8 @@ def _wire(text: str) -> tuple[int, ...]:
 def node_compute(device: str | None, dtype: str | None, path: str):
     """``--device`` and ``--dtype`` for the model at ``path`` (``auto`` on an accelerator: the dtype the folder
     declares for the component holding the blocks), checked before anything loads."""
-    from diffuse.analysis import ModelSubject
-    from diffuse.devices import Compute, resolve_device
+    from diffuse.plan.analysis import ModelSubject
+    from diffuse.plan.devices import Compute, resolve_device
 
     resolve_device(device)  # refused before the folder is read
     return Compute.of(device, dtype, path, ModelSubject.from_path(path).denoiser or None)
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     if a.threads:
         torch.set_num_threads(a.threads)
-    from diffuse.modelfiles import resolve_model
+    from diffuse.plan.modelfiles import resolve_model
 
     if a.compile and (why := compile_unavailable()):
         print(f"error: --compile: {why}", file=sys.stderr)

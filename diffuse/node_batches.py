@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from diffuse.batching import batch_key, run_batch
-from diffuse.devices import PassClock
+from diffuse.plan.devices import PassClock
 from diffuse.lmpass import joint_tails
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ import torch
 
 from diffuse import frames
 from diffuse.batching import MAX_BATCH
-from diffuse.devices import Outgoing, PassClock, to_device
+from diffuse.plan.devices import Outgoing, PassClock, to_device
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.node_batches import TakenItems
 from diffuse.stage import NODE_BUFFER_BYTES, Pass

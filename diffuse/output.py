@@ -22,7 +22,7 @@ def output_array(result) -> np.ndarray:
 
 
 def write_output(arr: np.ndarray, out: str | None, draft: dict, pipe) -> str:
-    from diffuse.plugins import call_hook
+    from diffuse.plan.plugins import call_hook
     from diffuse.writers import DEFAULT_SUFFIX, OutputInfo
 
     kind = draft.get("output_kind", "image")

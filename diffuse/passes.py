@@ -6,7 +6,7 @@ the call plan and return map when they are new to the nodes, and exactly one
 *part* that says which kind of pass it is:
 
 - ``Whole``: a plain call, every block of the stack run in order;
-- ``Patch`` (``diffuse.plan``): a PipeFusion patch, run against stale buffers;
+- ``Patch`` (``diffuse.plan.contracts``): a PipeFusion patch, run against stale buffers;
 - ``Reuse``: a whole step tagged for the first-block cache (``diffuse.firstblock``);
 - ``LayerPass``: a language model's pass, its cache kind and freshness, each
   layer's own call plan where it differs, and optionally the token ids' slot
@@ -28,7 +28,7 @@ True
 >>> Pass.from_wire(dict(w, seq="3"), frames=1)
 Traceback (most recent call last):
 ...
-diffuse.plan.ContractError: a call must carry an integer seq
+diffuse.plan.contracts.ContractError: a call must carry an integer seq
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Union
 
-from diffuse.callplan import DICT, TENSOR, TUPLE
+from diffuse.plan.calltree import DICT, TENSOR, TUPLE
 from diffuse.kvcache import STATE
-from diffuse.plan import ContractError, Patch, ReturnMap, SlotRef, _is_int, _short
+from diffuse.plan.contracts import ContractError, Patch, ReturnMap, SlotRef, _is_int, _short
 
 __all__ = ["Answer", "ContractError", "DrawState", "Embed", "LayerPass", "Pass", "Part", "Patch", "Reuse", "Tail",
            "WHOLE", "Whole", "checked_tree"]
@@ -316,7 +316,7 @@ class Pass:
 @dataclass(frozen=True)
 class Answer:
     """The last node's reply to a pass: what the stack's last block returned (``out``, a value tree over the
-    message's tensor frames, ``diffuse.callplan.encode_value``); ``skipped``: the first-block cache's decision
+    message's tensor frames, ``diffuse.plan.calltree.encode_value``); ``skipped``: the first-block cache's decision
     for a tagged call."""
 
     stack: str
@@ -359,7 +359,7 @@ def checked_tree(tree: Any, what: str, slots: int | None = None) -> dict:
     >>> checked_tree({"args": [{"$t": 2}], "kwargs": {}}, "call plan", 1)
     Traceback (most recent call last):
     ...
-    diffuse.plan.ContractError: malformed call plan: tensor number 2 is not one of its 1
+    diffuse.plan.contracts.ContractError: malformed call plan: tensor number 2 is not one of its 1
     """
     if not isinstance(tree, dict) or set(tree) != {"args", "kwargs"} or not isinstance(tree["args"], list) \
             or not isinstance(tree["kwargs"], dict) or not all(isinstance(k, str) for k in tree["kwargs"]):

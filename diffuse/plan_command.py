@@ -1,4 +1,4 @@
-"""``diffuse plan``: the slicing plan as JSON, or where its slices go on given nodes (``diffuse.placement``)."""
+"""``diffuse plan``: the slicing plan as JSON, or where its slices go on given nodes (``diffuse.plan.placement``)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import math
 import os
 
 from diffuse.errors import DiffuseError
-from diffuse.placement import (DEFAULT_CONTEXT, GIB, MARGIN_FRACTION, MARGIN_MIN_BYTES, PLACEMENTS, Capacity,
+from diffuse.plan.placement import (DEFAULT_CONTEXT, GIB, MARGIN_FRACTION, MARGIN_MIN_BYTES, PLACEMENTS, Capacity,
                                Placement, _dtype_size, block_costs, capacities, context_tokens, even_placement,
                                link_hops, load_dtype, pass_bytes, per_pass, place, report_of)
 from diffuse.links import route_lines
-from diffuse.plan import SlicingPlan, Stage
+from diffuse.plan.contracts import SlicingPlan, Stage
 
 
 def _floats(text: str, what: str) -> list[float]:
@@ -32,8 +32,8 @@ def plan_command(argv: list[str]) -> int:
     from diffuse.cli import Parser, lan_nodes, seconds
 
     from diffuse.discovery import zeroconf_library
-    from diffuse.modelfiles import resolve_model
-    from diffuse.planner import analyze, make_plan
+    from diffuse.plan.modelfiles import resolve_model
+    from diffuse.plan.planner import analyze, make_plan
 
     ap = Parser(prog="diffuse plan", description="the slicing plan, and where its slices go")
     ap.add_argument("model")
@@ -93,7 +93,7 @@ def _placed(a, subject, draft, dtype: str) -> tuple[SlicingPlan, Placement, list
     """The plan over the nodes ``a`` names (``--memory``: described by hand; else asked), its placement, and the
     hops measured (None for nodes described by hand)."""
     from diffuse.known_nodes import parse_nodes
-    from diffuse.planner import make_plan
+    from diffuse.plan.planner import make_plan
 
     if a.patches < 1:
         raise DiffuseError("--patches must be at least 1")
@@ -127,7 +127,7 @@ def ask_nodes(plan: SlicingPlan) -> list[Capacity]:
         if report_of(stage.address) is None:
             raise DiffuseError(f"{stage.address} says nothing of its memory or speed (a node older than "
                                "placement): plan with --memory instead")
-    from diffuse.analysis import ModelSubject
+    from diffuse.plan.analysis import ModelSubject
 
     return capacities(plan.route, plan.compute_dtype, plan.model.content_hash,
                       per_pass(ModelSubject.from_path(plan.model.path)))

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from diffuse.callplan import flatten, same_objects
+from diffuse.plan.calltree import flatten, same_objects
 from diffuse.errors import DiffuseError
 from diffuse.kvcache import is_cache
 from diffuse.lmsplit import SideOutput
-from diffuse.plan import StackPlan
+from diffuse.plan.contracts import StackPlan
 
 if TYPE_CHECKING:
     from diffuse.standin import Splitter

@@ -68,7 +68,7 @@ def _whole_and_split(a):
     import diffuse
     from diffuse.api import ModelInfo
     from diffuse.localnodes import start_local_nodes
-    from diffuse.planner import load_pipeline
+    from diffuse.plan.planner import load_pipeline
     from diffuse.train.data import heldout_prompts
 
     torch.set_num_threads(1)

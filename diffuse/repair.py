@@ -4,7 +4,7 @@ Every listed node is asked what it holds (hello). Nodes started with the same ``
 replicas of one range. The route runs through the ranges in the order of the blocks they hold (where
 each range starts, whatever order the nodes were listed in), one holder per range: the first listed
 that is usable; the others are spares. Nodes that hold nothing fixed load what each session asks for:
-the route gives them slices planned from their memory and speed (``diffuse.placement``; even slices
+the route gives them slices planned from their memory and speed (``diffuse.plan.placement``; even slices
 with the policy's ``placement="even"``), and a failed one is repaired by planning over the rest.
 
 What a ring does when a node fails is a ``RepairPolicy`` handed to it (``diffuse.split(..., repair=)``):
@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 from diffuse.errors import DiffuseError
-from diffuse.placement import route as placement_route
-from diffuse.plan import Slice, SlicingPlan, Stage, even_route
+from diffuse.plan.placement import route as placement_route
+from diffuse.plan.contracts import Slice, SlicingPlan, Stage, even_route
 
 AVOID_FIRST_S = 30.0
 AVOID_MAX_S = 600.0
@@ -70,7 +70,7 @@ class RepairPolicy:
     before anything is replayed: a cache of per-step state on the client (PipeFusion's branches, the
     first-block cache) starts again there. One policy may serve several rings (branch groups): its
     listeners then hear of a repair of any of them. ``placement``: how nodes that hold nothing fixed
-    share the stacks, at the start and after a repair ("planned" or "even", ``diffuse.placement``); ``depth``:
+    share the stacks, at the start and after a repair ("planned" or "even", ``diffuse.plan.placement``); ``depth``:
     the passes in flight at once the planned placement is made for (the run's patches)."""
 
     avoid_first_s: float = AVOID_FIRST_S
@@ -154,7 +154,7 @@ def choose_route(plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, u
 
     ``held[i]``: the slices candidate ``i`` said it holds (None: whatever it is asked for);
     ``usable[i]``: it answered and is not being avoided; ``placement``: how nodes that hold nothing
-    fixed share the stacks (``diffuse.placement.route``). Raises DiffuseError naming a range no usable
+    fixed share the stacks (``diffuse.plan.placement.route``). Raises DiffuseError naming a range no usable
     node holds when no complete route is left (the caller says which nodes were lost), or when the
     model fits no placement on them."""
     live = [i for i in range(len(candidates)) if usable[i]]

@@ -11,12 +11,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from diffuse.callplan import flatten, flatten_layers
+from diffuse.plan.calltree import flatten, flatten_layers
 from diffuse.channel import Channel, ChannelStats
 from diffuse.handshake import Handshake
 from diffuse.errors import DiffuseError, NodeError, Repaired
 from diffuse.passes import Embed, LayerPass, Part, Tail
-from diffuse.plan import Patch, ReturnMap, SlicingPlan
+from diffuse.plan.contracts import Patch, ReturnMap, SlicingPlan
 from diffuse.repair import RepairPolicy
 from diffuse.replay import Replay
 from diffuse.sessions import data_token, token_admits

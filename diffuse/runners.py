@@ -13,7 +13,7 @@ and sampling (``LayerPass``, ``diffuse.lmpass``).
 
 from __future__ import annotations
 
-from diffuse.callplan import thread_outputs, unflatten
+from diffuse.plan.calltree import thread_outputs, unflatten
 from diffuse.errors import DiffuseError
 from diffuse.passes import Whole
 

@@ -30,14 +30,14 @@ import diffuse.firstblock  # noqa: F401  (registers the first-block cache's pass
 import diffuse.lmpass  # noqa: F401  (registers a language model's pass kind)
 import diffuse.pipefusion.stale  # noqa: F401  (registers PipeFusion's pass kind)
 from diffuse.blockstore import BlockStore
-from diffuse.callplan import SLOT_CACHE_BYTES, SlotCache, encode_value
+from diffuse.plan.calltree import SLOT_CACHE_BYTES, SlotCache, encode_value
 from diffuse.errors import DiffuseError
 from diffuse.firstblock import NodeResiduals
 from diffuse.kvcache import NodeCaches
 from diffuse.lmpass import embed_spec
 from diffuse.passes import WHOLE, Answer, Pass as Message, checked_tree
 from diffuse.pipefusion import StaleStack
-from diffuse.plan import ReturnMap, Slice, SlotRef, StagePlan
+from diffuse.plan.contracts import ReturnMap, Slice, SlotRef, StagePlan
 from diffuse.runners import kind_for
 
 __all__ = ["NODE_BUFFER_BYTES", "STALE_BYTES", "BlockStore", "Pass", "Prepared", "StageSession"]

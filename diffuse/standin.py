@@ -26,14 +26,14 @@ import time
 
 from torch import nn
 
-from diffuse.callplan import flatten
+from diffuse.plan.calltree import flatten
 from diffuse.changes import Changes, guard
 from diffuse.errors import DiffuseError
 from diffuse.lmsplit import LanguageEnds
 from diffuse.memo import RepeatMemo
 from diffuse.pipefusion import Patcher, why_uncut
-from diffuse.plan import PATCHABLE, CallPlan, ReturnMap, SlicingPlan, StackPlan
-from diffuse.planner import learn_call
+from diffuse.plan.contracts import PATCHABLE, CallPlan, ReturnMap, SlicingPlan, StackPlan
+from diffuse.plan.planner import learn_call
 from diffuse.proxies import StandIn
 
 

@@ -1,6 +1,6 @@
 """What a transport plugin provides: sockets, and nothing else.
 
-The core never imports a transport; it asks ``diffuse.plugins.transport_for(url)``
+The core never imports a transport; it asks ``diffuse.plan.plugins.transport_for(url)``
 for one and talks to it through this contract. A third party adds a scheme by
 returning an object with these methods from the ``diffuse_transport`` hook
 (subclassing is optional; the built-in ZeroMQ transport, ``transport/zmq_ring.py``,
@@ -36,7 +36,7 @@ import cbor2
 
 from diffuse import safecbor
 from diffuse.errors import DiffuseError, NodeError, PluginError, WireError
-from diffuse.hookspecs import hookimpl
+from diffuse.plan.hookspecs import hookimpl
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "IDEMPOTENT", "MAX_CONTROL_BYTES", "MAX_PARTS", "MAX_REPLY_BYTES",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from diffuse.errors import DiffuseError
-from diffuse.hookspecs import hookimpl
+from diffuse.plan.hookspecs import hookimpl
 
 DEFAULT_FPS = 16
 
@@ -82,7 +82,7 @@ def check_output_path(out: str | None, draft: dict) -> None:
     """Fail before generating if no writer takes this file name for what the model makes."""
     import tempfile
 
-    from diffuse.plugins import call_hook
+    from diffuse.plan.plugins import call_hook
 
     kind = draft.get("output_kind", "image")
     suffix = os.path.splitext(out or "")[1] or DEFAULT_SUFFIX[kind]

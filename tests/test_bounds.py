@@ -53,7 +53,7 @@ class Target:
     """A running node: its process, addresses and key, and what it says in its log."""
 
     def __init__(self, model: str, log_path: str, extra=(), open_files: int | None = None):
-        from diffuse.plugins import transport_for
+        from diffuse.plan.plugins import transport_for
 
         self.model, self.log_path = model, log_path
         self.proc, ready = start_node(model, extra, open_files, log_path)
@@ -343,7 +343,7 @@ def test_huge_claims_are_cut_off_before_they_are_buffered(target):
 def _open_as(node: Target, identity, next_address: str = "tcp://127.0.0.1:1") -> dict:
     """A well-formed sealed open of an empty slice from ``identity``, its next hop ``next_address``: the
     node's sealed answer, opened (with the session id and its hop key into the node added)."""
-    from diffuse.plan import StagePlan
+    from diffuse.plan.contracts import StagePlan
     from diffuse.sealing import open_control, seal_control
 
     hello = node.ask({"op": "hello", "wire": [1]})

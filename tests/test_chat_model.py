@@ -18,7 +18,7 @@ import pytest
 
 from conftest import ROOT, TESTS, THREADS, run_cli, subprocess_env
 
-from diffuse.default_model import CHAT_MODEL_NAME, default_chat_model_dir, default_model_dir, shipped_models
+from diffuse.plan.shipped import CHAT_MODEL_NAME, default_chat_model_dir, default_model_dir, shipped_models
 from diffuse.train import chat_data
 
 CHAT = default_chat_model_dir()
@@ -46,7 +46,7 @@ def reference(tmp_path_factory) -> dict:
 
 
 def test_the_chat_model_ships_beside_the_default_pipeline_and_resolves_by_name():
-    from diffuse.modelfiles import resolve_model
+    from diffuse.plan.modelfiles import resolve_model
 
     shipped = shipped_models()
     assert list(shipped)[0] == "tiny-wan-shapes" and shipped["tiny-wan-shapes"] == default_model_dir()

@@ -118,7 +118,7 @@ def test_the_verdict_says_what_the_models_own_config_says(name, folders, diffuse
 def test_an_encoders_depth_can_never_pass_for_the_decoders():
     """Whisper-like and MusicGen-like configs whose encoders are deeper than their decoders, with the encoder's
     depth also under the generic names a decoder-only model uses."""
-    from diffuse.config_verdict import read_config
+    from diffuse.plan.verdicts import read_config
 
     whisper = {"architectures": ["WhisperForConditionalGeneration"], "is_encoder_decoder": True,
                "num_hidden_layers": 12, "encoder_layers": 12, "decoder_layers": 4}

@@ -15,7 +15,7 @@ def _diffuse(*args, home):
 
 
 def test_plan_prints_json_that_round_trips_unchanged(models, tmp_path):
-    from diffuse.plan import SlicingPlan
+    from diffuse.plan.contracts import SlicingPlan
 
     run = _diffuse("plan", models("flux"), "--nodes", "3", home=str(tmp_path))
     assert run.returncode == 0, run.stderr
@@ -60,7 +60,7 @@ def _fake_hub_cache(root, repo_id: str, source: str) -> str:
 def _resolve_in(env: dict, *models: str) -> subprocess.CompletedProcess:
     """resolve_model for each model, and for a Hub id diffusers' own resolver too (what from_pretrained loads
     from), in one fresh process: huggingface_hub reads HF_HUB_CACHE once, at import."""
-    code = ("import sys; from diffusers import DiffusionPipeline; from diffuse.modelfiles import resolve_model\n"
+    code = ("import sys; from diffusers import DiffusionPipeline; from diffuse.plan.modelfiles import resolve_model\n"
             "for model in sys.argv[1:]:\n"
             "    print(resolve_model(model))\n"
             "    if '/' in model: print(DiffusionPipeline.download(model))\n")
@@ -71,7 +71,7 @@ def _resolve_in(env: dict, *models: str) -> subprocess.CompletedProcess:
 def test_a_shipped_model_by_name_and_a_hub_id_in_the_local_cache_resolve_offline(tmp_path):
     """The shipped model by its name (a Hub cache beside it that does not hold it), and a Hub id in the local cache
     where diffusers finds it; ``diffuse check`` takes both."""
-    from diffuse.default_model import SHIPPED_MODEL_NAME, default_model_dir
+    from diffuse.plan.shipped import SHIPPED_MODEL_NAME, default_model_dir
 
     snapshot = _fake_hub_cache(tmp_path / "hub", "tiny-org/tiny-wan", default_model_dir())
     env = dict(subprocess_env(str(tmp_path)), HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1", COLUMNS="400")
@@ -101,7 +101,7 @@ def test_check_remembers_a_verdict_until_the_model_changes(tmp_path, monkeypatch
     from rich.console import Console
 
     from diffuse.check import print_check
-    from diffuse.default_model import default_model_dir
+    from diffuse.plan.shipped import default_model_dir
 
     monkeypatch.setenv("DIFFUSE_HOME", str(tmp_path / "home"))
     model = tmp_path / "model"

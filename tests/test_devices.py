@@ -61,7 +61,7 @@ def test_a_device_torch_does_not_see_is_refused_in_one_line_before_anything_load
 
 
 def test_the_wire_on_the_cpu_is_untouched():
-    from diffuse.devices import Compute, resolve_device, to_device, to_host
+    from diffuse.plan.devices import Compute, resolve_device, to_device, to_host
 
     t = [torch.arange(6.0).reshape(2, 3), torch.ones(2, dtype=torch.bfloat16)]
     assert to_host(t) is t and to_device(t, torch.device("cpu")) is t  # the same objects: the same bytes
@@ -78,7 +78,7 @@ def test_bf16_ring_on_cpu_nodes_explicit_and_auto_equals_plain_diffusers_whole_i
     there, and so do the nodes). The second node rehearses a GPU node's asynchronous answers
     (``DIFFUSE_REHEARSE_ASYNC``: each answer copied, and sealed only once the next pass has run or the node
     has nothing else to do), so their order and bytes are checked here too."""
-    from diffuse.placement import report_of
+    from diffuse.plan.placement import report_of
 
     wan = models("wan")
     kwargs = families.call_args("wan")
@@ -136,11 +136,11 @@ def test_a_node_holds_its_blocks_in_the_asked_dtype_as_plain_diffusers_loads_the
     from_pretrained(torch_dtype=bfloat16): the same values in the same dtypes, float32-kept modules included."""
     from diffusers import WanTransformer3DModel
 
-    from diffuse.analysis import ModelSubject
+    from diffuse.plan.analysis import ModelSubject
     from diffuse.blockstore import BlockStore
-    from diffuse.devices import Compute
-    from diffuse.plan import Slice
-    from diffuse.planner import config_draft
+    from diffuse.plan.devices import Compute
+    from diffuse.plan.contracts import Slice
+    from diffuse.plan.planner import config_draft
 
     wan = models("wan")
     subject = ModelSubject.from_path(wan)

@@ -181,7 +181,7 @@ def test_sdxl_denoiser_is_a_unet(tmp_path):
 
 
 def test_default_model_is_the_shipped_trained_model_with_its_call_defaults():
-    from diffuse.default_model import SHIPPED_MODEL_NAME, default_model_dir
+    from diffuse.plan.shipped import SHIPPED_MODEL_NAME, default_model_dir
 
     path = Path(default_model_dir())
     assert path.name == SHIPPED_MODEL_NAME and (path / "model_index.json").is_file()

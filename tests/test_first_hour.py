@@ -85,7 +85,7 @@ def test_bad_values_are_one_line_exit_2_and_nothing_starts(args, why, tmp_path, 
 def nodes(diffuse_home):
     """Three nodes of the embedded model, started together: A holds 1/2, B and C each hold 2/2 (A+B and A+C are
     whole rings). Shared by the tests below in file order; the last one freezes B and kills C."""
-    from diffuse.default_model import default_model_dir
+    from diffuse.plan.shipped import default_model_dir
 
     procs = [node_process(["--model", default_model_dir(), "--blocks", share, "--ephemeral-key", "--log-level",
                            "WARNING"], env=subprocess_env(diffuse_home)) for share in ("1/2", "2/2", "2/2")]

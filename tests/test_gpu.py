@@ -3,7 +3,7 @@ and Qwen2 (tiny) split over 2 local nodes on the GPU against the same model run 
 diffusers / transformers in a subprocess: bytes and tokens equal. Then a mixed ring, one node on the GPU and
 one on the CPU: its difference from the whole GPU run is measured and printed (``diffuse verify``), not
 assumed. cuBLAS is asked for its deterministic workspace (``CUBLAS_WORKSPACE_CONFIG``) in every process.
-The GPU nodes send their answers through the device's asynchronous path (``diffuse.devices.Outgoing``: a copy
+The GPU nodes send their answers through the device's asynchronous path (``diffuse.plan.devices.Outgoing``: a copy
 stream, sealed once the next pass is queued; pass times from CUDA events), so the equalities cover it. A
 sampled run with the client on the GPU is refused in one line before any node starts (its draws would differ
 from a whole GPU run's). ``scripts/gpu-check.sh`` runs this file from a fresh clone.
@@ -108,7 +108,7 @@ def test_a_mixed_ring_one_gpu_node_one_cpu_node_runs_and_its_difference_is_measu
                                                                                      diffuse_home):
     """Each slice computes on its own device, so the bits differ from either whole run: the difference is what
     ``diffuse verify`` prints, measured here and shown (``-s``), with each node's device from its hello."""
-    from diffuse.placement import report_of
+    from diffuse.plan.placement import report_of
 
     model, kwargs = models("wan"), families.call_args("wan")
     procs, addresses = [], []

@@ -122,7 +122,7 @@ def _request_raw(address: str, parts: list[bytes]) -> dict:
 def _sealed_by_hop(hop, header: bytes, tensor_frames: list[bytes]) -> list[bytes]:
     """A message sealed under a session's real hop key (so it authenticates) but built by hand."""
     from diffuse import sealing
-    from diffuse.plan import WIRE_VERSION
+    from diffuse.plan.contracts import WIRE_VERSION
 
     hop.sent += 1  # the real sender moves on past this counter: no nonce is used twice
     counter = hop.sent
@@ -183,12 +183,12 @@ class WanRing:
         self.splits.remove(split)
 
     def status(self, k: int, **extra) -> dict:
-        from diffuse.plugins import transport_for
+        from diffuse.plan.plugins import transport_for
 
         return transport_for(self.nodes[k].address).request(self.nodes[k].address, {"op": "status", **extra}, 10.0)
 
     def data_address(self, k: int) -> str:
-        from diffuse.plugins import transport_for
+        from diffuse.plan.plugins import transport_for
 
         hello = transport_for(self.nodes[k].address).request(self.nodes[k].address, {"op": "hello", "wire": [1]}, 10.0)
         return hello["data"]
@@ -264,7 +264,7 @@ def test_bad_messages_are_logged_and_the_node_keeps_serving(wan):
 
 def _stage_payload(ring, k: int, sid: bytes, challenge) -> dict:
     """A well-formed sealed-open payload for route position ``k`` (only the session id is wrong)."""
-    from diffuse.plan import StagePlan
+    from diffuse.plan.contracts import StagePlan
 
     plan = ring.plan
     stage = StagePlan(plan.model.content_hash, plan.compute_dtype, plan.route[k].slices,
@@ -535,7 +535,7 @@ def _block_params_in_files(model: str) -> int:
 def test_attention_is_checked_before_any_block_is_loaded(models, tmp_path, diffuse_home):
     import diffuse
     from diffuse.errors import NodeError
-    from diffuse.plugins import transport_for
+    from diffuse.plan.plugins import transport_for
 
     model = models("wan")
     log_path = tmp_path / "node.log"
@@ -567,8 +567,8 @@ def test_attention_is_checked_before_any_block_is_loaded(models, tmp_path, diffu
 
 def test_a_transport_plugin_missing_methods_is_refused_with_its_name():
     from diffuse.errors import PluginError
-    from diffuse.hookspecs import hookimpl
-    from diffuse.plugins import plugin_manager, transport_for
+    from diffuse.plan.hookspecs import hookimpl
+    from diffuse.plan.plugins import plugin_manager, transport_for
 
     class HalfTransport:
         scheme = "half"
@@ -600,7 +600,7 @@ def test_a_transport_plugin_missing_methods_is_refused_with_its_name():
 
 
 def _plan(stacks=(("blocks", 4), ("single", 2)), nodes=2):
-    from diffuse.plan import ModelIdentity, SlicingPlan, StackPlan, Stage
+    from diffuse.plan.contracts import ModelIdentity, SlicingPlan, StackPlan, Stage
 
     return SlicingPlan(model=ModelIdentity("m", "transformer", "X", "h"),
                        stacks=tuple(StackPlan(p, n, "x") for p, n in stacks),
@@ -608,7 +608,7 @@ def _plan(stacks=(("blocks", 4), ("single", 2)), nodes=2):
 
 
 def _r(stack, a, b):
-    from diffuse.plan import Slice
+    from diffuse.plan.contracts import Slice
 
     return Slice(stack, a, b)
 
@@ -646,7 +646,7 @@ def test_a_hello_with_slices_the_model_lacks_is_refused():
     """What a node says it holds goes through ``check_slices`` before any route is made of it: a stack
     in two pieces, a range outside the stack, a reversed range, a stack the model lacks, a malformed entry."""
     from diffuse.errors import DiffuseError
-    from diffuse.plan import ContractError, check_slices
+    from diffuse.plan.contracts import ContractError, check_slices
 
     assert issubclass(ContractError, DiffuseError)
     lengths = _plan().lengths

@@ -307,7 +307,7 @@ def test_python_api_splits_a_transformers_model_samples_and_refuses_beam_search(
     ref = reference(lm_references, model_dir)
     sample = SAMPLINGS["top_k"]
     from diffuse.localnodes import start_local_nodes
-    from diffuse.plugins import transport_for
+    from diffuse.plan.plugins import transport_for
 
     def state(node):  # what the node says it holds for sessions now (its plain status answer)
         answer = transport_for(node.address).request(node.address, {"op": "status"}, 10.0)
@@ -421,7 +421,7 @@ def test_the_embedding_table_leaves_the_client_only_where_the_first_layer_takes_
         with pytest.raises(diffuse.DiffuseError, match=said):
             checked_ids(bad, 64)
     # what a pass says about its ids is checked on the node before any of it is used
-    from diffuse.plan import ReturnMap
+    from diffuse.plan.contracts import ReturnMap
     from diffuse.stage import StageSession
 
     rmap = ReturnMap(single=True, outputs=[0], names=["args[0]"])

@@ -78,7 +78,7 @@ def concurrent_sessions(model: str, prompts: list[list[int]]) -> tuple[list, lis
 
     import diffuse
     from diffuse.localnodes import LocalNodes, start_local_nodes
-    from diffuse.plugins import transport_for
+    from diffuse.plan.plugins import transport_for
 
     # one node each (the last --blocks given wins), both starting at once
     with ThreadPoolExecutor(2) as pool:
@@ -147,8 +147,8 @@ def decoding_passes(model_dir: str, lengths: list[int]):
     rotary cos/sin."""
     from transformers import AutoModelForCausalLM
 
-    from diffuse.callplan import flatten
-    from diffuse.plan import ReturnMap, Slice
+    from diffuse.plan.calltree import flatten
+    from diffuse.plan.contracts import ReturnMap, Slice
     from diffuse.stage import Pass
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -170,7 +170,7 @@ def decoding_passes(model_dir: str, lengths: list[int]):
 
 def lone(p):
     """The pass run alone on a copy of its cache: the last layer's output and the cache it leaves."""
-    from diffuse.callplan import thread_outputs, unflatten
+    from diffuse.plan.calltree import thread_outputs, unflatten
 
     cache, values = copy.deepcopy(p.cache), list(p.values)
     with torch.no_grad():
@@ -242,12 +242,12 @@ def test_batched_tails_answer_each_row_as_its_tail_alone(lm_dirs):
     those a stable sort of the row puts first, ties and all."""
     from types import SimpleNamespace
 
-    from diffuse.analysis import ModelSubject
+    from diffuse.plan.analysis import ModelSubject
     from diffuse.batching import run_batch
     from diffuse.blockstore import BlockStore
     from diffuse.lmpass import joint_tails, run_tail
     from diffuse.passes import LayerPass, Tail
-    from diffuse.planner import config_draft
+    from diffuse.plan.planner import config_draft
     from diffuse.tail import top_candidates
 
     model_dir = lm_dirs("qwen2")

@@ -53,7 +53,7 @@ def test_no_more_local_nodes_start_than_the_longest_stack_has_blocks():
     import torch
 
     from diffuse.localnodes import plan_local_nodes
-    from diffuse.plan import StackPlan
+    from diffuse.plan.contracts import StackPlan
 
     stacks = [StackPlan(path="blocks", length=4, block_class="B"), StackPlan(path="single", length=2, block_class="S")]
     capped = plan_local_nodes(9, stacks, patches=1, threads=None)

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from conftest import THREADS, Reference, node_process, run_client, split_command
-from diffuse.callplan import unflatten
+from diffuse.plan.calltree import unflatten
 from diffuse.pipefusion import (PATHS, AttentionBuffer, BranchTracker, Pass, Patcher, QuickUnsupported, StaleStack,
                                 attention_scope, patch_ranges, token_axis, why_uncut)
-from diffuse.plan import PATCHABLE, UNCUT_STEPS, Patch, ReturnMap
+from diffuse.plan.contracts import PATCHABLE, UNCUT_STEPS, Patch, ReturnMap
 
 STEPS = 3  # step 1 runs whole, steps 2 and 3 are cut into patches
 
@@ -230,8 +230,8 @@ def test_one_policy_decides_whether_a_stack_is_cut():
 def stack_calls(models, family: str, steps: int = 2):
     """The pipeline run here; its first stack's blocks, return map, and the first call into block 0 of
     each (branch, step), with every tensor copied."""
-    from diffuse.callplan import flatten
-    from diffuse.planner import analyze, learn_call, load_pipeline
+    from diffuse.plan.calltree import flatten
+    from diffuse.plan.planner import analyze, learn_call, load_pipeline
 
     model = models(family)
     subject, draft = analyze(model)
@@ -446,7 +446,7 @@ def test_guidance_branches_keep_separate_buffers(models, nodes, diffuse_home):
 
 
 def test_stale_buffers_go_with_the_session(models, nodes, diffuse_home):
-    from diffuse.plugins import transport_for
+    from diffuse.plan.plugins import transport_for
 
     model = models("wan")
     addresses = nodes(model, 2)

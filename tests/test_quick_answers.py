@@ -50,7 +50,7 @@ def shipped_verdicts_current():
     import json
 
     from diffuse.check import VERDICT_FILE, library_versions
-    from diffuse.default_model import shipped_models
+    from diffuse.plan.shipped import shipped_models
 
     for name, path in shipped_models().items():
         with open(os.path.join(path, VERDICT_FILE)) as f:
@@ -101,7 +101,7 @@ def test_a_check_stored_under_the_home_answers_the_next_one_before_torch_is_impo
     """A model with no kept verdict of its own: its first check (here, in this process) stores the verdict under
     $DIFFUSE_HOME; the next one, in a fresh process, answers from it with nothing heavy imported."""
     from diffuse.check import VERDICT_FILE, check
-    from diffuse.default_model import default_model_dir
+    from diffuse.plan.shipped import default_model_dir
 
     model = tmp_path / "model"
     shutil.copytree(default_model_dir(), model, ignore=shutil.ignore_patterns("*.safetensors", VERDICT_FILE))
@@ -142,7 +142,7 @@ def test_each_shipped_verdict_is_the_one_worked_out_afresh(name, tmp_path):
     it keeps goes through, the next one the pipeline's input check takes is refused by the denoiser's forward.
     Copied elsewhere the folder keeps its verdict; changed, it loses it."""
     from diffuse.check import _check, kept
-    from diffuse.default_model import shipped_models
+    from diffuse.plan.shipped import shipped_models
 
     path = shipped_models()[name]
     verdict = kept(path)

@@ -118,7 +118,7 @@ def test_a_patched_step_cut_short_by_a_repair_runs_again_whole(models, diffuse_h
 
 
 def test_the_route_takes_one_usable_holder_per_range_and_a_failed_node_waits_its_turn():
-    from diffuse.plan import Slice, SlicingPlan, ModelIdentity, StackPlan, Stage
+    from diffuse.plan.contracts import Slice, SlicingPlan, ModelIdentity, StackPlan, Stage
     from diffuse.repair import RepairPolicy, choose_route
 
     stack = StackPlan(path="blocks", length=4, block_class="m.Block")
@@ -154,7 +154,7 @@ def test_the_route_takes_one_usable_holder_per_range_and_a_failed_node_waits_its
 
 
 def test_ranges_go_in_block_order_whatever_order_their_holders_are_listed_or_answer_in():
-    from diffuse.plan import Slice, SlicingPlan, ModelIdentity, StackPlan, Stage
+    from diffuse.plan.contracts import Slice, SlicingPlan, ModelIdentity, StackPlan, Stage
     from diffuse.repair import choose_route
 
     stack = StackPlan(path="blocks", length=4, block_class="m.Block")

@@ -63,7 +63,7 @@ def test_a_size_the_model_cannot_take_is_refused_in_one_line_before_anything_sta
     names what it takes, the bounds the kept verdict refuses by (that refusal, with no torch imported:
     tests/test_quick_answers.py)."""
     import diffuse.check
-    from diffuse.default_model import default_model_dir
+    from diffuse.plan.shipped import default_model_dir
     from diffuse.check import kept_refusal
 
     with open(os.path.join(default_model_dir(), diffuse.check.VERDICT_FILE)) as f:

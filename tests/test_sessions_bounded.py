@@ -56,8 +56,8 @@ class Hostile:
     def __init__(self, env: WanRing, k: int, dtype: str = "float32", next: str | None = None,
                  address: str | None = None):
         from diffuse import frames
-        from diffuse.plan import StagePlan
-        from diffuse.plugins import transport_for
+        from diffuse.plan.contracts import StagePlan
+        from diffuse.plan.plugins import transport_for
         from diffuse.sealing import load_identity, open_control, seal_control
 
         self.env, self.k = env, k
@@ -181,7 +181,7 @@ def test_a_session_in_another_dtype_leaves_a_running_one_alone(ring_env, models)
 
 
 def _frames_of(n: int, size: int):
-    from diffuse.callplan import digest
+    from diffuse.plan.calltree import digest
 
     ts = [torch.full((size // 4,), float(i + 1)) for i in range(n)]
     return ts, [digest(t) for t in ts]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from diffuse.errors import DiffuseError
-from diffuse.plan import StackPlan
+from diffuse.plan.contracts import StackPlan
 from diffuse.proxies import StandIn
 
 
@@ -67,7 +67,7 @@ class _PlannedStack(LocalStack):
     the hidden state (the bias replaces no input of block 0, which was handed None)."""
 
     def __init__(self, blocks):
-        from diffuse.plan import ReturnMap
+        from diffuse.plan.contracts import ReturnMap
 
         super().__init__(blocks)
         self.plan = type("Plan", (), {"return_maps": {"blocks": ReturnMap(False, [0, None], ["args[0]", None])}})()

@@ -114,7 +114,7 @@ def test_a_version_1_node_and_a_version_2_node_serve_one_client_byte_identically
 
 def test_a_node_with_no_version_in_common_is_refused_naming_both_sides(mixed, tmp_path, diffuse_home, monkeypatch):
     import diffuse.handshake
-    from diffuse.plugins import transport_for
+    from diffuse.plan.plugins import transport_for
 
     monkeypatch.setattr(diffuse.handshake, "WIRE_VERSIONS", (2,))  # a client that no longer speaks version 1
     run = _client(mixed.model, mixed.pinned, tmp_path, diffuse_home)

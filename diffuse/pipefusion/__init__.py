@@ -20,7 +20,7 @@ from diffuse.pipefusion.attention import PATHS, AttentionBuffer, QuickUnsupporte
 from diffuse.pipefusion.buffers import QUICK_TOLERANCE, Pass, StaleStack
 from diffuse.pipefusion.cutting import BranchTracker, Patcher, patch_ranges, reassemble, token_axis
 from diffuse.pipefusion.summary import attention_paths, describe_paths
-from diffuse.plan import PATCHABLE, UNCUT_STEPS, ReturnMap
+from diffuse.plan.contracts import PATCHABLE, UNCUT_STEPS, ReturnMap
 
 __all__ = ["PATHS", "QUICK_TOLERANCE", "AttentionBuffer", "BranchTracker", "Pass", "Patcher", "QuickUnsupported",
            "StaleStack", "attention_path", "attention_paths", "attention_scope", "describe_paths", "patch_ranges",

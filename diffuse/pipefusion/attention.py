@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
-from diffuse.callplan import unflatten
+from diffuse.plan.calltree import unflatten
 from diffuse.errors import DiffuseError
 from diffuse.measure import relative_error
 

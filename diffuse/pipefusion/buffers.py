@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffuse.callplan import unflatten
+from diffuse.plan.calltree import unflatten
 from diffuse.errors import DiffuseError
 from diffuse.pipefusion.attention import PATHS, AttentionBuffer, QuickUnsupported, attention_scope, relative_error
-from diffuse.plan import Patch, ReturnMap
+from diffuse.plan.contracts import Patch, ReturnMap
 
 QUICK_TOLERANCE = 1e-4  # relative, ||quick - plain|| / ||plain|| on the first real patch
 

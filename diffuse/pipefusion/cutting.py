@@ -20,9 +20,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from diffuse.callplan import digest
+from diffuse.plan.calltree import digest
 from diffuse.errors import Repaired
-from diffuse.plan import Patch, ReturnMap, split_evenly
+from diffuse.plan.contracts import Patch, ReturnMap, split_evenly
 
 
 def token_axis(shape) -> int:

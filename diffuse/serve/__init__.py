@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_models() -> list[str]:
-    from diffuse.default_model import TRAINED
+    from diffuse.plan.shipped import TRAINED
 
     names = ["tiny-wan-shapes", "tiny-qwen-chat"]
     return [n for n in names if (TRAINED / n).is_dir()]
@@ -241,9 +241,9 @@ def lan_nodes(models: list[str], nodes: list[str], seconds: float | None, say) -
         raise DiffuseError("--discover-seconds applies with --nodes auto")
     if "auto" not in nodes or len(nodes) != len(models):
         return nodes
-    from diffuse.analysis import ModelSubject
+    from diffuse.plan.analysis import ModelSubject
     from diffuse.discovery import nodes_on_lan
-    from diffuse.modelfiles import resolve_model
+    from diffuse.plan.modelfiles import resolve_model
 
     auto = [k for k, spec in enumerate(nodes) if spec == "auto"]
     found = nodes_on_lan([ModelSubject.from_path(resolve_model(models[k])).content_hash() for k in auto], seconds,
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> None:
         nonlocal service
-        cli.check_device_flags(a)  # then the default of every load here and of the local nodes (diffuse.devices)
+        cli.check_device_flags(a)  # then the default of every load here and of the local nodes (diffuse.plan.devices)
         os.environ.update({k: v for k, v in (("DIFFUSE_DEVICE", a.device), ("DIFFUSE_DTYPE", a.dtype)) if v})
         host, port = parse_listen(a.listen)
         if host not in LOOPBACK and not a.api_key:

@@ -150,7 +150,7 @@ class NodeSet:
     def health(self, timeout_s: float = 2.0) -> list[dict]:
         """Each node's answer to ``status`` (sessions, what it holds), or why it did not answer."""
         from diffuse.known_nodes import parse_nodes
-        from diffuse.plugins import transport_for
+        from diffuse.plan.plugins import transport_for
 
         rows = []
         for address, _key in parse_nodes(self.specs):
@@ -390,7 +390,7 @@ class LanguageEngine(Engine):
                       on_delta=None) -> TextResult:
         import torch
 
-        from diffuse.devices import inputs_on, model_device
+        from diffuse.plan.devices import inputs_on, model_device
 
         model = self.pool.take(cancel)
         try:
@@ -433,7 +433,7 @@ class LanguageEngine(Engine):
         query --out x.wav`` writes for the same request."""
         import torch
 
-        from diffuse.devices import inputs_on, model_device
+        from diffuse.plan.devices import inputs_on, model_device
         from diffuse.media_inputs import build_inputs
 
         if not self.sample_rate:
@@ -574,7 +574,7 @@ class PipelineEngine(Engine):
 
 def write_bytes(arr, suffix: str, kind: str, frame_rate=None, sample_rate=None) -> bytes:
     """The file the output writers make of ``arr`` (the same bytes ``diffuse query --out`` writes)."""
-    from diffuse.plugins import call_hook
+    from diffuse.plan.plugins import call_hook
     from diffuse.writers import OutputInfo
 
     with tempfile.TemporaryDirectory(prefix="diffuse-serve-") as tmp:

@@ -18,7 +18,7 @@ from conftest import run_reference, run_split
 def test_plugin_is_registered_through_the_entry_point_and_serves_its_scheme_only():
     from importlib.metadata import entry_points
 
-    from diffuse.plugins import transport_for
+    from diffuse.plan.plugins import transport_for
 
     assert "tcpstream" in {ep.name for ep in entry_points(group="diffuse")}
     assert type(transport_for("tcpstream://127.0.0.1:1")).__module__ == "diffuse_tcp.streams"
@@ -36,7 +36,7 @@ class Served:
     """A real endpoint served on a thread the way a node serves it: control answered, data collected."""
 
     def __init__(self, max_message_bytes: int | None = None):
-        from diffuse.plugins import transport_for
+        from diffuse.plan.plugins import transport_for
         from diffuse.transport_api import WireError
 
         self.transport = transport_for("tcpstream://")
@@ -148,7 +148,7 @@ def test_a_frame_over_the_cap_cuts_off_its_sender_alone(served):
 
 
 def test_a_node_that_is_not_there_is_a_node_error_within_the_time_given():
-    from diffuse.plugins import transport_for
+    from diffuse.plan.plugins import transport_for
     from diffuse.transport_api import NodeError
 
     with socket.socket() as s:  # a port nobody listens at

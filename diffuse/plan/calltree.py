@@ -167,7 +167,7 @@ def slot_names(tree: dict) -> list[str]:
 
 
 def thread_outputs(values: list, out, return_map) -> None:
-    """Put what a block returned into the slots it replaces (``return_map``: a ``diffuse.plan.ReturnMap``),
+    """Put what a block returned into the slots it replaces (``return_map``: a ``diffuse.plan.contracts.ReturnMap``),
     ready for the next block."""
     outs = (out,) if return_map.single else out
     if len(outs) != len(return_map.outputs):

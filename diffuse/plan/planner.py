@@ -10,9 +10,9 @@ import contextlib
 
 import dataclasses
 
-from diffuse.analysis import ModelSubject, StackCall, run_analyzers
+from diffuse.plan.analysis import ModelSubject, StackCall, run_analyzers
 from diffuse.errors import DiffuseError, RefusedModel
-from diffuse.plan import PATCHABLE, UNCUT_STEPS, CallPlan, ModelIdentity, ReturnMap, SlicingPlan, even_route
+from diffuse.plan.contracts import PATCHABLE, UNCUT_STEPS, CallPlan, ModelIdentity, ReturnMap, SlicingPlan, even_route
 
 CONFIG_FIELDS = {"stacks": list}  # what the core reads from the config phase (others are optional)
 CALL_FIELDS = {"call_plan": CallPlan, "return_map": ReturnMap}  # ... and from a stack's first call
@@ -128,8 +128,8 @@ def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list, dtype=No
     them (same placement, cast to the parameter's dtype as it does), which keeps
     the client's own computation bit-identical to a plain load.
     """
-    from diffuse.analysis import build_meta
-    from diffuse.modelfiles import fp32_kept, load_into, located
+    from diffuse.plan.analysis import build_meta
+    from diffuse.plan.modelfiles import fp32_kept, load_into, located
 
     model = build_meta(subject.denoiser_class(), subject.denoiser_config)
 

@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from diffuse.errors import DiffuseError
-from diffuse.plan import Slice, SlicingPlan, Stage, even_route
+from diffuse.plan.contracts import Slice, SlicingPlan, Stage, even_route
 
 GIB = 1 << 30
 MARGIN_FRACTION = 0.10  # of a node's available memory, kept free for activations and the unforeseen
@@ -45,7 +45,7 @@ UNLIMITED = 1 << 62  # a cgroup limit at or above this is no limit (v1 writes 92
 MAX_REPORTS = 1024  # node reports the client remembers (the most recent)
 REPORT_FRESH_S = 3600.0  # an older report is not planned from (each ring's opening asks every listed node afresh;
 # a repair later in a session plans from what they said then)
-DEVICE, NODE_DTYPE = "cpu", "float32"  # what a node computes on and in when it is named neither (diffuse.devices)
+DEVICE, NODE_DTYPE = "cpu", "float32"  # what a node computes on and in when it is named neither (diffuse.plan.devices)
 
 
 class DoesNotFit(DiffuseError):
@@ -254,7 +254,7 @@ def device_report(node) -> tuple[str, str, dict]:
     """A node's device (``cpu``, ``cuda:0 (NVIDIA ...)``), its compute dtype (float32 where it was named none: a
     CPU node then computes in what each session asks) and the memory it may still take: on an accelerator the device's free memory
     (``torch.cuda.mem_get_info``), shared by the nodes on that device (its pool); on the CPU ``memory_report``."""
-    from diffuse.devices import device_name, dtype_name, memory_report as device_memory
+    from diffuse.plan.devices import device_name, dtype_name, memory_report as device_memory
 
     compute = getattr(node, "runs_on", None)
     if compute is None or compute.on_cpu:
@@ -444,7 +444,7 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None) -> list
     """Each block of ``stacks`` (in order) as a node holds it in ``dtype``: its weight bytes from the
     safetensors headers, and for a language model its cache at ``context`` tokens (default
     ``DEFAULT_CONTEXT``, at most the model's longest)."""
-    from diffuse.modelfiles import located, renamed_for, weight_map
+    from diffuse.plan.modelfiles import located, renamed_for, weight_map
 
     key = (subject.path, subject.denoiser, dtype, context, tuple((s.path, s.length) for s in stacks))
     if key in _costs_cache:
@@ -896,9 +896,9 @@ def _less(v: tuple, w: tuple) -> bool:
 
 def even_placement(blocks: list[BlockCost], nodes: list[Capacity], tokens: int = 1,
                    links: list[list[float]] | None = None, depth: int = 1) -> Placement:
-    """Even slices of every stack (as ``diffuse.plan.even_route`` cuts them), checked against the nodes'
+    """Even slices of every stack (as ``diffuse.plan.contracts.even_route`` cuts them), checked against the nodes'
     memory: refused, naming each node that would run short and by how much, when they do not fit."""
-    from diffuse.plan import split_evenly
+    from diffuse.plan.contracts import split_evenly
 
     speeds, measured, any_measured = _speeds(nodes)
     t = _Costs(blocks, nodes, speeds, tokens)
@@ -1015,7 +1015,7 @@ def plan_for(plan: SlicingPlan, stages, placement: str = "planned", context: int
              depth: int = 1) -> Placement | None:
     """The placement of ``plan``'s model on ``stages`` (None when a node has not reported, or the model is
     not on this machine to read its headers: the caller then splits evenly, as before reports)."""
-    from diffuse.analysis import ModelSubject
+    from diffuse.plan.analysis import ModelSubject
 
     try:
         subject = ModelSubject.from_path(plan.model.path)

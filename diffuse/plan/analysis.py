@@ -1,6 +1,6 @@
 """Running shape analyzers and merging what they find into a draft plan.
 
-Analyzers are plugins (see ``diffuse.hookspecs.diffuse_analyzers``). Each one
+Analyzers are plugins (see ``diffuse.plan.hookspecs.diffuse_analyzers``). Each one
 declares what it needs and what it provides; they run in dependency order and
 each may add only the fields it declared.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from diffuse.errors import DiffuseError, PluginError
-from diffuse.plugins import call_hook
+from diffuse.plan.plugins import call_hook
 
 PHASES = ("config", "call")
 
@@ -105,8 +105,8 @@ class ModelSubject:
 
     def weight_map(self):
         """Tensor name (as the stacks' paths address it) -> safetensors file, over every denoiser component
-        (a ``diffuse.modelfiles.WeightMap``: with several, each name's ``source`` is its name in its own file)."""
-        from diffuse.modelfiles import WeightMap, weight_map
+        (a ``diffuse.plan.modelfiles.WeightMap``: with several, each name's ``source`` is its name in its own file)."""
+        from diffuse.plan.modelfiles import WeightMap, weight_map
 
         out = WeightMap()
         for prefix, folder in self.component_dirs().items():
@@ -117,8 +117,8 @@ class ModelSubject:
         return out
 
     def content_hash(self) -> str:
-        """``diffuse.modelfiles.content_hash`` of the denoiser component, or of every one of them together."""
-        from diffuse.modelfiles import content_hash
+        """``diffuse.plan.modelfiles.content_hash`` of the denoiser component, or of every one of them together."""
+        from diffuse.plan.modelfiles import content_hash
 
         hashes = [content_hash(folder) for folder in self.component_dirs().values()]
         if len(hashes) == 1:
@@ -265,7 +265,7 @@ def installed_analyzers(phase: str | None = None) -> list[Analyzer]:
     for group in call_hook("diffuse_analyzers"):
         for a in group or ():
             if not isinstance(a, Analyzer):
-                raise PluginError(f"diffuse_analyzers returned {a!r}, which is not a diffuse.analysis.Analyzer")
+                raise PluginError(f"diffuse_analyzers returned {a!r}, which is not a diffuse.plan.analysis.Analyzer")
             if a.phase not in PHASES:
                 raise PluginError(f"analyzer {a.name!r} declares unknown phase {a.phase!r}")
             found.append(a)

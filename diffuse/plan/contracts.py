@@ -161,7 +161,7 @@ class TensorSpec:
 @dataclass(frozen=True)
 class CallPlan:
     """A stack's first call taken apart: the tree of constants with ``{"$t": i}`` where tensor ``i``
-    sat (see ``diffuse.callplan``), each tensor slot's human name, and its dtype and shape."""
+    sat (see ``diffuse.plan.calltree``), each tensor slot's human name, and its dtype and shape."""
 
     tree: dict
     slot_names: list[str]

@@ -15,14 +15,14 @@ WEIGHTS_NAMES = (("diffusion_pytorch_model.safetensors.index.json", "diffusion_p
 
 def resolve_model(model: str) -> str:
     """A local model folder for ``model``: a path; the name of a model shipped in the package
-    (``tiny-wan-shapes``, ``tiny-qwen-chat``, see ``diffuse.default_model.shipped_models``); or a Hugging Face
+    (``tiny-wan-shapes``, ``tiny-qwen-chat``, see ``diffuse.plan.shipped.shipped_models``); or a Hugging Face
     Hub id already in the local cache, found offline where ``DiffusionPipeline.from_pretrained`` finds it (the
     snapshot that ``refs/main`` names under ``HF_HUB_CACHE``)."""
     if os.path.isdir(model):
         return os.path.abspath(model)
     if os.path.exists(model):
         raise DiffuseError(f"{model} is a file; --model wants a diffusers pipeline folder")
-    from diffuse.default_model import shipped_models
+    from diffuse.plan.shipped import shipped_models
 
     shipped = shipped_models()
     if model in shipped:

@@ -13,10 +13,10 @@ from importlib.metadata import entry_points
 
 import pluggy
 
-from diffuse import hookspecs
+from diffuse.plan import hookspecs
 from diffuse.errors import PluginError
 
-log = logging.getLogger("diffuse.plugins")
+log = logging.getLogger("diffuse.plan.plugins")
 
 ENTRY_POINT_GROUP = "diffuse"
 

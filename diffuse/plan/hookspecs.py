@@ -21,7 +21,7 @@ hookimpl = pluggy.HookimplMarker("diffuse")
 
 @hookspec
 def diffuse_analyzers():
-    """Return a list of :class:`diffuse.analysis.Analyzer` objects.
+    """Return a list of :class:`diffuse.plan.analysis.Analyzer` objects.
 
     Each analyzer declares ``name``, ``phase`` (``"config"``: config.json files
     only; ``"model"``: the loaded pipeline; ``"call"``: the first call into a
