@@ -152,7 +152,7 @@ def open_split(ring, pipe, held, console, quiet: bool):
 
     split = Split(pipe, ring.nodes, ring.options)
     if ring.options.client_key:
-        from diffuse.sealing import load_identity
+        from diffuse.wire.sealing import load_identity
 
         console.print(f"client key {load_identity(ring.options.client_key).public_hex}", highlight=False,
                       soft_wrap=True)
@@ -182,7 +182,7 @@ class Split:
 
     def __init__(self, pipe_or_model, nodes=None, options: SplitOptions | None = None, **named):
         from diffuse.branches import parse_groups
-        from diffuse.discovery import auto_nodes, check_auto
+        from diffuse.wire.discovery import auto_nodes, check_auto
         from diffuse.repair import RepairPolicy
         from diffuse.known_nodes import parse_nodes
         from diffuse.localnodes import local_nodes_plan
@@ -262,7 +262,7 @@ class Split:
     def start_local_nodes(self):
         """This run's own nodes, which serve this run's client identity only."""
         from diffuse.localnodes import start_local_nodes
-        from diffuse.sealing import load_identity
+        from diffuse.wire.sealing import load_identity
 
         return start_local_nodes(self.info.path, self.local.count, self.local.threads, scheme=self.local_transport,
                                  client=load_identity(self.client_key), extra=self.local_node_flags(),
@@ -393,7 +393,7 @@ class Split:
 def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: int = 1, **options) -> Split:
     """Split ``pipe_or_model`` over ``nodes`` (addresses, each optionally ``#KEY``; ``"auto"``: the nodes
     announced on the local network that serve the model, heard for ``discover_seconds``, default 3, as
-    ``--nodes auto`` finds them, ``diffuse.discovery``, needing ``diffuse[lan]``; ``split.discovered`` holds
+    ``--nodes auto`` finds them, ``diffuse.wire.discovery``, needing ``diffuse[lan]``; ``split.discovered`` holds
     what was heard) or over ``local_nodes`` started here (default 2); a context manager. ``patches > 1``: PipeFusion.
     ``nodes`` as ``"A,B;C,D"`` (or a list of lists) forms groups, each a whole ring; a model's guidance
     branches then run side by side, one group each (``diffuse.branches``); with local nodes,

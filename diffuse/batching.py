@@ -64,7 +64,7 @@ def _growing_layers(cache, indices) -> bool:
 def batch_key(dtype, p) -> tuple | None:
     """What must be the same for passes (``diffuse.stage.Prepared``) of different sessions to run as one batch;
     None: this pass runs alone (no cache: a diffusion pass, PipeFusion's patches included; a prefill; an unusual
-    cache). Only a language model's pass (``diffuse.passes.LayerPass``) carries a cache."""
+    cache). Only a language model's pass (``diffuse.wire.passes.LayerPass``) carries a cache."""
     if p.cache is None or not p.blocks or not p.rmap.streams or p.rmap.sides:
         return None  # side outputs threaded on (T5's position biases) are not per row: not joined
     if not _growing_layers(p.cache, [i for i, _ in p.blocks]):

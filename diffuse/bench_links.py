@@ -113,7 +113,7 @@ class Relay:
 def inbox_through(relay: Relay):
     """The client's inbox, while inside: announced to the last node as ``relay``'s address, which relays to
     the inbox's own (the transport's ``inbox`` is wrapped for the time being)."""
-    from diffuse.plan.plugins import transport_for
+    from diffuse.wire.transport import transport_for
 
     cls = type(transport_for("tcp://"))
     original = cls.inbox

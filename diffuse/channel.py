@@ -19,11 +19,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from diffuse import frames
-from diffuse.plan.calltree import SLOT_CACHE_BYTES, SlotCache, decode_value, digest
+from diffuse.wire import frames
+from diffuse.plan.calltree import decode_value, digest
+from diffuse.wire.slots import SLOT_CACHE_BYTES, SlotCache
 from diffuse.plan.devices import device_of, to_device, to_host
 from diffuse.errors import DiffuseError, NodeError, WireError
-from diffuse.passes import WHOLE, Answer, ContractError, Part, Pass
+from diffuse.wire.passes import WHOLE, Answer, ContractError, Part, Pass
 from diffuse.plan.contracts import Patch, ReturnMap, SlotRef
 
 log = logging.getLogger("diffuse.ring")
@@ -101,7 +102,7 @@ class Channel:
              digests: list | None = None, part: Part | None = None) -> int:
         """Seal and send one pass of ``stack``; returns its sequence number (``digests``: the tensors'
         digests where already known, so each is hashed once per call; ``patch`` or ``part``: what kind of
-        pass it is, ``diffuse.passes``; neither: a whole call)."""
+        pass it is, ``diffuse.wire.passes``; neither: a whole call)."""
         if patch is not None and part is not None:
             raise ContractError("a pass carries one part: a patch, or another, not both")
         self._seq += 1

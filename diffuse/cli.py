@@ -370,7 +370,7 @@ def check_flags(a: argparse.Namespace, options) -> None:
     """What the flags alone can tell, checked before anything is read or loaded (query, chat, verify): the
     plain rules here first, then each rule's owner: the split's ``options`` as the flags built them
     (``options_of``; ``diffuse.request.check_options``), the node list (``diffuse.known_nodes``) or the network
-    search (``diffuse.discovery``), and the device (``diffuse.plan.devices.check_named``)."""
+    search (``diffuse.wire.discovery``), and the device (``diffuse.plan.devices.check_named``)."""
     from diffuse.errors import DiffuseError
     from diffuse.request import check_options
 
@@ -391,7 +391,7 @@ def check_flags(a: argparse.Namespace, options) -> None:
     check_options(options.patches, nodes is not None, options.local_nodes, options.branch_groups,
                   options.cache_threshold)
     if nodes == "auto":
-        from diffuse.discovery import zeroconf_library
+        from diffuse.wire.discovery import zeroconf_library
 
         zeroconf_library()  # or how to install it, in one line
     if groups:
@@ -407,10 +407,10 @@ def check_flags(a: argparse.Namespace, options) -> None:
 
 def lan_nodes(a: argparse.Namespace, subject, out) -> None:
     """``--nodes auto``: replaced by the nodes announced on the local network that serve ``subject``'s model
-    (``diffuse.discovery.heard_nodes``)."""
+    (``diffuse.wire.discovery.heard_nodes``)."""
     if getattr(a, "nodes", None) != "auto":
         return
-    from diffuse.discovery import heard_nodes
+    from diffuse.wire.discovery import heard_nodes
     from diffuse.progress import status
 
     a.nodes = heard_nodes(subject, getattr(a, "discover_seconds", None), lambda line: status(out, line))

@@ -11,7 +11,7 @@ def key_main(argv: list[str]) -> int:
     """``diffuse key``: the public key a node started with the same ``$DIFFUSE_HOME`` (or ``--key-file``)
     presents, created (0600) if missing, so a client can pin it before the node is up."""
     from diffuse.home import config_home
-    from diffuse.sealing import load_identity
+    from diffuse.wire.sealing import load_identity
 
     ap = cli.Parser(prog="diffuse key", description=key_main.__doc__.split("\n")[0].replace("``", ""))
     ap.add_argument("--key-file", metavar="FILE", help="the identity file (default: node.key in $DIFFUSE_HOME, "

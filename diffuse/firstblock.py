@@ -11,7 +11,7 @@ node keeps its slice's new residuals. ``r_prev`` changes only on full steps, so
 drift is bounded by ``T`` against the last step computed (the rule of the known
 first-block cache technique, applied per node).
 
-The client tags each call with a ``Reuse`` part (``diffuse.passes``; on the wire
+The client tags each call with a ``Reuse`` part (``diffuse.wire.passes``; on the wire
 ``{"reuse": {"t": T, "branch": b, "fresh": bool}}``):
 ``b`` tells guidance branches apart (``diffuse.pipefusion.BranchTracker``), so
 each branch decides for itself; ``fresh`` asks for a full step (after a repair,
@@ -27,10 +27,10 @@ import torch
 
 from diffuse.plan.calltree import digest, thread_outputs, unflatten
 from diffuse.errors import DiffuseError
-from diffuse.passes import Reuse
+from diffuse.wire.passes import Reuse
 from diffuse.plan.contracts import ReturnMap
 
-from diffuse.runners import PassKind, kind
+from diffuse.wire.kinds import PassKind, kind
 
 MAX_BRANCHES = 4  # branches one stack keeps residuals for (guidance needs two)
 _STREAM = object()  # where the remembered answer held a stream tensor

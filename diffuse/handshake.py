@@ -11,7 +11,7 @@ is the highest its two ends speak (a node that speaks only an older version
 keeps serving, in a ring with newer ones). ``open`` and ``close`` are sealed to
 the node's key and carry their operation inside the seal; only a reply sealed
 by that key, for that operation, session and challenge, counts. The first
-hello to a node (in ``diffuse.links.FRESH_S``) is followed by a few sealed link
+hello to a node (in ``diffuse.wire.links.FRESH_S``) is followed by a few sealed link
 pings, which measure the client's link to it; an open names the next node's
 control address and key, and the node answers with its link to it. ``open`` tells
 each node its ``StagePlan`` and its two hop keys: at wire version 1 inside the
@@ -25,7 +25,9 @@ import logging
 import os
 import time
 
-from diffuse import frames, links, sealing
+from diffuse.wire import frames
+from diffuse.wire import links
+from diffuse.wire import sealing
 from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.known_nodes import parse_node, pin_key
 from diffuse.plan.placement import note_hello
@@ -103,7 +105,7 @@ class Handshake:
     """Control requests to the nodes of one session's route."""
 
     def __init__(self, plan: SlicingPlan, client_key: str | None = None, attention: str = "auto"):
-        from diffuse.plan.plugins import transport_for
+        from diffuse.wire.transport import transport_for
 
         if not plan.route:
             raise DiffuseError("the plan has no route: give --nodes or --local-nodes")
@@ -202,7 +204,7 @@ class Handshake:
                 stage_plan = StagePlan(plan.model.content_hash, plan.compute_dtype, stage.slices, nexts[k],
                                        self.attention, hops[k], hops[k + 1])
                 payload = self._open_payload(k, hello, stage_plan, hop_keys[k], hop_keys[k + 1])
-                if k + 1 < len(plan.route):  # the node measures its link to the next one (diffuse.links)
+                if k + 1 < len(plan.route):  # the node measures its link to the next one (diffuse.wire.links)
                     payload.update(next_control=plan.route[k + 1].address, next_key=self.keys[k + 1])
                 reply = self.sealed(k, "open", payload, OPEN_TIMEOUT_S)
                 if k + 1 < len(plan.route):

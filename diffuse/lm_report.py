@@ -6,7 +6,7 @@ links of its route, the draws where tokens were drawn on the last node), and the
 
 from __future__ import annotations
 
-from diffuse.links import route_lines
+from diffuse.wire.links import route_lines
 
 TOP_SAVED = 8  # candidates per step written to --report: ids and exact values
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from diffuse.changes import is_freed
 from diffuse.errors import DiffuseError
-from diffuse.passes import Tail
+from diffuse.wire.passes import Tail
 from diffuse.shortlist import ShortlistCheck
 from diffuse.tail import (HeadListStandIn, HeadStandIn, head_path, head_vocab, is_head_list, is_norm, logits_from,
                           rows_of, unsupported_view)

@@ -17,9 +17,9 @@ from dataclasses import replace
 import torch
 
 from diffuse.errors import DiffuseError
-from diffuse.passes import Embed, LayerPass, Tail
+from diffuse.wire.passes import Embed, LayerPass, Tail
 from diffuse.plan.contracts import ReturnMap
-from diffuse.runners import PassKind, kind, run_blocks
+from diffuse.wire.kinds import PassKind, kind, run_blocks
 
 
 def embed_spec(wire, rmap: ReturnMap, slots: int) -> tuple[int, torch.dtype]:

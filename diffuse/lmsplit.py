@@ -31,7 +31,7 @@ from diffuse.errors import DiffuseError
 from diffuse.kvcache import ClientCaches
 from diffuse.lmembed import EmbeddingEnd
 from diffuse.lmhead import GenerateCapture, HeadEnd
-from diffuse.passes import Embed, Tail
+from diffuse.wire.passes import Embed, Tail
 from diffuse.plan.contracts import ReturnMap, StackPlan
 from diffuse.plan.planner import learn_call
 

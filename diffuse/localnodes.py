@@ -34,7 +34,7 @@ class LocalNode:
 
 class LocalNodes(list):
     """The nodes started here, in route order; ``stop()`` ends them all. ``client``: the one client identity
-    they serve (``diffuse.sealing.Identity``), or None if they serve any."""
+    they serve (``diffuse.wire.sealing.Identity``), or None if they serve any."""
 
     client = None
 
@@ -58,7 +58,7 @@ class LocalStart:
 
     ``scheme``: the transport they listen on. ``extra``: more node flags for every node; ``each``: more for
     each node in turn. ``groups`` G: each run of n/G nodes holds the whole stacks (one ring per group of
-    branches). ``client``: the identity (``diffuse.sealing.Identity``) of the one client they serve
+    branches). ``client``: the identity (``diffuse.wire.sealing.Identity``) of the one client they serve
     (``--allow-client``), as a run's own nodes do, so that no other user of this machine can open sessions on
     them; None: any. ``fixed`` False: nodes started without ``--blocks``, which load the slices each
     session's plan gives them."""
@@ -109,7 +109,7 @@ def start_local_nodes(model: str, n: int, threads: int | None = None, start: Loc
     """Start ``n`` nodes holding even slices of every stack; wait until each prints its address. How they
     start: ``start``, or the ``LocalStart`` fields ``given`` by name (``scheme=``, ``extra=``, ``groups=``,
     ``client=``, ``fixed=``, ``each=``)."""
-    from diffuse.plan.plugins import transport_for
+    from diffuse.wire.transport import transport_for
 
     start = start or LocalStart(**given)
     scheme, extra, groups, client, fixed, each = (start.scheme, start.extra, start.groups, start.client,

@@ -65,7 +65,7 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
 
         check_output_path(q.output.out, info.draft)  # a file name no writer takes, refused before loading
     if q.ring.nodes == "auto":
-        from diffuse.discovery import heard_nodes
+        from diffuse.wire.discovery import heard_nodes
 
         heard = heard_nodes(info.subject, q.ring.discover_seconds, lambda line: status(console, line))
         q = replace(q, ring=replace(q.ring, nodes=heard))

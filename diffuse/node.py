@@ -30,18 +30,20 @@ from dataclasses import dataclass
 
 import torch
 
-from diffuse import discovery, frames, sealing
+from diffuse.wire import discovery
+from diffuse.wire import frames
+from diffuse.wire import sealing
 from diffuse.text import plain
 from diffuse.errors import DiffuseError, WireError
 from diffuse.home import config_home
 from diffuse.node_compute import MAX_PASS_LOG, PARTS, Arrived, ComputeThread  # noqa: F401 (the limits, said here too)
 from diffuse.node_control import NodeControl, refusal
-from diffuse.links import NextHop
+from diffuse.wire.links import NextHop
 from diffuse.plan.placement import SpeedBook
 from diffuse.plan.contracts import WIRE_VERSIONS, StackPlan, parse_slices
 from diffuse.processes import alive
 from diffuse.sessions import SessionTable
-from diffuse.transport_api import DEFAULT_MAX_MESSAGE_BYTES
+from diffuse.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger("diffuse.node")
 
@@ -133,8 +135,8 @@ class Node:
         compute, compiled = o.compute, o.compiled
         from diffuse.plan.analysis import ModelSubject
         from diffuse.plan.planner import config_draft
-        from diffuse.plan.plugins import transport_for
-        from diffuse.sealing import load_identity
+        from diffuse.wire.transport import transport_for
+        from diffuse.wire.sealing import load_identity
         from diffuse.stage import BlockStore
 
         self.transport = transport_for(listen)
@@ -148,7 +150,7 @@ class Node:
         self.device = self.runs_on.device
         self.store.fixed = parse_slices(blocks, self.stacks)
         self.speeds = SpeedBook(self.store.model_hash)  # its own measured speed, said at hello (diffuse.plan.placement)
-        self.next_hops = NextHop()  # its links to the next hops it was given (diffuse.links)
+        self.next_hops = NextHop()  # its links to the next hops it was given (diffuse.wire.links)
         self.max_memory: int | None = None  # --max-memory, in bytes
         if self.store.fixed:
             self.store.load(self.store.fixed)

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from diffuse import frames
+from diffuse.wire import frames
 from diffuse.batching import MAX_BATCH
 from diffuse.plan.devices import Outgoing, PassClock, to_device
 from diffuse.errors import DiffuseError, MalformedHeader, WireError

@@ -9,7 +9,7 @@ fresh X25519 key for the open's key agreement (``sealing.agree``). ``ping``
 says whether the node is alive and still has a session; it is answered while
 blocks compute, so a client notices a dead or frozen node in seconds. ``link``
 (sealed, from any key) is answered with the count of padding bytes it carried,
-sealed: a link measurement (``diffuse.links``). An open that names the next
+sealed: a link measurement (``diffuse.wire.links``). An open that names the next
 node's control address and key (``next_control``, ``next_key``) has the node
 measure that link too, and say it in its reply. ``open``
 and ``close`` are sealed to the node's key, carry their own ``op`` inside the
@@ -46,7 +46,9 @@ import time
 
 import torch
 
-from diffuse import frames, safecbor, sealing
+from diffuse.wire import frames
+from diffuse.wire import safecbor
+from diffuse.wire import sealing
 from diffuse.errors import DiffuseError
 from diffuse.plan.placement import node_report
 from diffuse.plan.contracts import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, StagePlan
@@ -212,7 +214,7 @@ class NodeControl:
         try:
             if payload.get("op") != op:  # else a sealed open could be replayed as a close, or the reverse
                 reply = refusal(f"the sealed payload is not for {op!r}")
-            elif op == "link":  # a link measurement (diffuse.links), from a client or a node before this one
+            elif op == "link":  # a link measurement (diffuse.wire.links), from a client or a node before this one
                 pad = payload.get("pad")
                 reply = {"ok": True, "n": len(pad) if isinstance(pad, bytes) else 0}
             elif self.node.allowed is not None and sender not in self.node.allowed:

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from diffuse.errors import DiffuseError
-from diffuse.links import route_lines
+from diffuse.wire.links import route_lines
 
 def output_array(result) -> np.ndarray:
     arr = result[0] if not isinstance(result, (np.ndarray,)) else result

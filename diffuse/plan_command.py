@@ -9,7 +9,7 @@ from diffuse.errors import DiffuseError
 from diffuse.plan.placement import (DEFAULT_CONTEXT, GIB, MARGIN_FRACTION, MARGIN_MIN_BYTES, PLACEMENTS, Capacity,
                                Placement, _dtype_size, block_costs, capacities, context_tokens, even_placement,
                                link_hops, load_dtype, pass_bytes, per_pass, place, report_of)
-from diffuse.links import route_lines
+from diffuse.wire.links import route_lines
 from diffuse.plan.contracts import SlicingPlan, Stage
 
 
@@ -31,7 +31,7 @@ def plan_command(argv: list[str]) -> int:
 
     from diffuse.cli import Parser, lan_nodes, seconds
 
-    from diffuse.discovery import zeroconf_library
+    from diffuse.wire.discovery import zeroconf_library
     from diffuse.plan.modelfiles import resolve_model
     from diffuse.plan.planner import analyze, make_plan
 

@@ -15,7 +15,7 @@ from diffuse.plan.calltree import flatten, flatten_layers
 from diffuse.channel import Channel, ChannelStats
 from diffuse.handshake import Handshake
 from diffuse.errors import DiffuseError, NodeError, Repaired
-from diffuse.passes import Embed, LayerPass, Part, Tail
+from diffuse.wire.passes import Embed, LayerPass, Part, Tail
 from diffuse.plan.contracts import Patch, ReturnMap, SlicingPlan
 from diffuse.repair import RepairPolicy
 from diffuse.replay import Replay
@@ -66,7 +66,7 @@ class Ring:
         for nodes that serve only some clients (``--allow-client``); None: a fresh identity per session.
         ``say``: where the one-line account of each repair goes (default: standard error). ``repair``:
         how a failed node is replaced (default: ``RepairPolicy()``). ``identity``: the client identity to open
-        sessions with (``diffuse.sealing.Identity``; local nodes serve only the run's own), in place of
+        sessions with (``diffuse.wire.sealing.Identity``; local nodes serve only the run's own), in place of
         ``client_key``'s."""
         self.plan = plan
         self.candidates = plan.route  # every listed node; the route uses one holder per range

@@ -41,7 +41,7 @@ import math
 import torch
 
 from diffuse.errors import DiffuseError
-from diffuse.passes import DrawState
+from diffuse.wire.passes import DrawState
 
 # The processors a node rebuilds, with their constructor's parameters (read from the instance under the same
 # names) and what each holds: "float", "int", "ids" (token ids, a tensor or a list), "lengths" (None, an int, or

@@ -4,8 +4,8 @@
 and return maps, slot caches, and the per-session state of each kind of pass
 (PipeFusion's stale buffers, the first-block cache's residuals, a language
 model's key/value caches and sampler). A call is checked whole at the door
-(``diffuse.passes.Pass.from_wire``), then checked against what the session
-remembers, and run by the kind its part names (``diffuse.runners``): the plain
+(``diffuse.wire.passes.Pass.from_wire``), then checked against what the session
+remembers, and run by the kind its part names (``diffuse.wire.kinds``): the plain
 loop, PipeFusion's stale stack, the first-block cache, or a language model's
 layers with their tail. The blocks come from the node's ``BlockStore``
 (``diffuse.blockstore``): a session keeps the blocks of its own compute dtype
@@ -30,15 +30,16 @@ import diffuse.firstblock  # noqa: F401  (registers the first-block cache's pass
 import diffuse.lmpass  # noqa: F401  (registers a language model's pass kind)
 import diffuse.pipefusion.stale  # noqa: F401  (registers PipeFusion's pass kind)
 from diffuse.blockstore import BlockStore
-from diffuse.plan.calltree import SLOT_CACHE_BYTES, SlotCache, encode_value
+from diffuse.plan.calltree import encode_value
+from diffuse.wire.slots import SLOT_CACHE_BYTES, SlotCache
 from diffuse.errors import DiffuseError
 from diffuse.firstblock import NodeResiduals
 from diffuse.kvcache import NodeCaches
 from diffuse.lmpass import embed_spec
-from diffuse.passes import WHOLE, Answer, Pass as Message, checked_tree
+from diffuse.wire.passes import WHOLE, Answer, Pass as Message, checked_tree
 from diffuse.pipefusion import StaleStack
 from diffuse.plan.contracts import ReturnMap, Slice, SlotRef, StagePlan
-from diffuse.runners import kind_for
+from diffuse.wire.kinds import kind_for
 
 __all__ = ["NODE_BUFFER_BYTES", "STALE_BYTES", "BlockStore", "Pass", "Prepared", "StageSession"]
 
@@ -71,7 +72,7 @@ class Prepared:
     layer_trees: dict
     cache: object | None  # the session's key/value cache of this stack (a language model's pass), or None
     blocks: list[tuple[int, torch.nn.Module]]
-    part: object = None  # the message's part (diffuse.passes), once prepared
+    part: object = None  # the message's part (diffuse.wire.passes), once prepared
     tail_answer: dict | None = None  # its tail's answer, when run with a batch's others (diffuse.lmpass)
 
     def __post_init__(self):

@@ -53,7 +53,7 @@ class Target:
     """A running node: its process, addresses and key, and what it says in its log."""
 
     def __init__(self, model: str, log_path: str, extra=(), open_files: int | None = None):
-        from diffuse.plan.plugins import transport_for
+        from diffuse.wire.transport import transport_for
 
         self.model, self.log_path = model, log_path
         self.proc, ready = start_node(model, extra, open_files, log_path)
@@ -160,7 +160,7 @@ def test_colliding_keys_and_reference_bombs_are_refused_before_they_are_built(ta
 
 def test_safecbor_refuses_what_cbor2_would_build_at_a_cost():
     """The raw-bytes check itself: each refusal names its reason; plain data passes unchanged."""
-    from diffuse import safecbor
+    from diffuse.wire import safecbor
     from diffuse.errors import WireError
 
     plain = {"op": "call", "seq": 3, "x": [1.5, None, True, b"\0" * 64, {"k": -2 ** 70}], "s": "é"}
@@ -325,7 +325,7 @@ def test_huge_claims_are_cut_off_before_they_are_buffered(target):
     t = ZmqTransport("tcp")
     small, default = t.inbox("tcp://127.0.0.1:0", 1 << 20), t.inbox("tcp://127.0.0.1:0")
     try:
-        from diffuse.transport_api import DEFAULT_MAX_MESSAGE_BYTES
+        from diffuse.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
 
         assert default.sock.getsockopt(zmq.MAXMSGSIZE) == DEFAULT_MAX_MESSAGE_BYTES
         cut, _ = _claim(small.address, (1 << 20) + 1)
@@ -344,7 +344,7 @@ def _open_as(node: Target, identity, next_address: str = "tcp://127.0.0.1:1") ->
     """A well-formed sealed open of an empty slice from ``identity``, its next hop ``next_address``: the
     node's sealed answer, opened (with the session id and its hop key into the node added)."""
     from diffuse.plan.contracts import StagePlan
-    from diffuse.sealing import open_control, seal_control
+    from diffuse.wire.sealing import open_control, seal_control
 
     hello = node.ask({"op": "hello", "wire": [1]})
     stage = StagePlan(hello["model"], "float32", (), next_address)
@@ -356,7 +356,7 @@ def _open_as(node: Target, identity, next_address: str = "tcp://127.0.0.1:1") ->
 
 
 def _close_as(node: Target, identity, sid: bytes) -> dict:
-    from diffuse.sealing import open_control, seal_control
+    from diffuse.wire.sealing import open_control, seal_control
 
     reply = node.ask(dict(seal_control({"op": "close", "session": sid}, node.key, identity), op="close"))
     return open_control(reply, identity)[0]
@@ -375,7 +375,7 @@ def test_a_squatter_holding_every_place_cannot_lock_out_a_client(target, tmp_pat
     ending the session longest without data, so a client that comes then opens, runs to the end, and the
     squatter's session that made room hears why at its next ping."""
     from diffuse.node import MAX_SESSIONS_PER_CLIENT
-    from diffuse.sealing import load_identity
+    from diffuse.wire.sealing import load_identity
 
     cap = target.ask({"op": "status"})["max_sessions"]
     squatter = [load_identity(None) for _ in range(3)]

@@ -26,7 +26,7 @@ KEY_A, KEY_B = "ab" * 32, "cd" * 32
 
 
 def _announced(**changes):
-    from diffuse.discovery import Announced
+    from diffuse.wire.discovery import Announced
 
     fields = dict(name="host-7000-abababab._diffuse._tcp.local.", addresses=("10.213.0.1",), port=7000, key=KEY_A,
                   model="tiny-wan", model_hash="0f" * 16, blocks="blocks[1:2]", wire=(1, 2), data_port=7001)
@@ -52,7 +52,7 @@ def test_an_announcement_goes_through_its_txt_record_and_back_and_a_bad_one_is_r
 
     from zeroconf import ServiceInfo
 
-    from diffuse.discovery import SERVICE_TYPE, Announced, nodes_for
+    from diffuse.wire.discovery import SERVICE_TYPE, Announced, nodes_for
     from diffuse.errors import DiffuseError
 
     sent = _announced()

@@ -32,7 +32,7 @@ MODULES = modules_with_examples()
 
 
 def test_the_core_has_examples_to_run():
-    assert len(MODULES) >= 5 and "diffuse.transport_api" in MODULES
+    assert len(MODULES) >= 5 and "diffuse.wire.transport" in MODULES
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -49,7 +49,7 @@ class Fuzzer:
     """Malformed messages, each made from a seeded generator (the same seed, the same messages)."""
 
     def __init__(self, seed: int, node_key: bytes, live_session: bytes):
-        from diffuse.sealing import load_identity
+        from diffuse.wire.sealing import load_identity
 
         self.rng = random.Random(seed)
         self.node_key, self.live = node_key, live_session
@@ -93,7 +93,7 @@ class Fuzzer:
 
     def sealed(self) -> dict:
         """A payload really sealed to the node's key by a stranger: it opens, and is malformed inside."""
-        from diffuse.sealing import seal_control
+        from diffuse.wire.sealing import seal_control
 
         r = self.rng
         op = r.choice(["open", "close"])
@@ -264,7 +264,7 @@ OPEN_CHECKS = {
 def _deep_opens(node: Target, fuzzer: Fuzzer, live: bytes, count: int) -> dict:
     """``count`` opens that pass the first checks, each sent with a fresh challenge; every one must be refused.
     How many each check refused, by ``OPEN_CHECKS`` (and "other": a refusal of none of those words)."""
-    from diffuse.sealing import open_control, seal_control
+    from diffuse.wire.sealing import open_control, seal_control
 
     seen: dict[str, int] = {}
     for _ in range(count):
@@ -284,7 +284,7 @@ def _deep_opens(node: Target, fuzzer: Fuzzer, live: bytes, count: int) -> dict:
 def _run_fuzz(node: Target, tmp_path, home: str, control: int, data: int) -> None:
     before = _client(node.model, [node.pinned], tmp_path, home, save=str(tmp_path / "before.npy"))
     assert before.returncode == 0, before.stderr[-2000:]
-    from diffuse.sealing import load_identity
+    from diffuse.wire.sealing import load_identity
 
     owner = load_identity(None)
     live = _open_as(node, owner)  # a session the fuzz aims garbage ciphertext at

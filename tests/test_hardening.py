@@ -121,7 +121,7 @@ def _request_raw(address: str, parts: list[bytes]) -> dict:
 
 def _sealed_by_hop(hop, header: bytes, tensor_frames: list[bytes]) -> list[bytes]:
     """A message sealed under a session's real hop key (so it authenticates) but built by hand."""
-    from diffuse import sealing
+    from diffuse.wire import sealing
     from diffuse.plan.contracts import WIRE_VERSION
 
     hop.sent += 1  # the real sender moves on past this counter: no nonce is used twice
@@ -183,12 +183,12 @@ class WanRing:
         self.splits.remove(split)
 
     def status(self, k: int, **extra) -> dict:
-        from diffuse.plan.plugins import transport_for
+        from diffuse.wire.transport import transport_for
 
         return transport_for(self.nodes[k].address).request(self.nodes[k].address, {"op": "status", **extra}, 10.0)
 
     def data_address(self, k: int) -> str:
-        from diffuse.plan.plugins import transport_for
+        from diffuse.wire.transport import transport_for
 
         hello = transport_for(self.nodes[k].address).request(self.nodes[k].address, {"op": "hello", "wire": [1]}, 10.0)
         return hello["data"]
@@ -274,7 +274,7 @@ def _stage_payload(ring, k: int, sid: bytes, challenge) -> dict:
 
 
 def test_replayed_open_is_refused_and_sessions_answer_only_their_opener(wan):
-    from diffuse.sealing import load_identity, open_control, seal_control
+    from diffuse.wire.sealing import load_identity, open_control, seal_control
 
     control: list = []
     ring = wan.open(control)
@@ -324,7 +324,7 @@ def test_replayed_open_is_refused_and_sessions_answer_only_their_opener(wan):
 
 def test_client_takes_only_replies_sealed_by_the_node_for_the_operation(wan):
     from diffuse.errors import NodeError
-    from diffuse.sealing import load_identity, seal_control
+    from diffuse.wire.sealing import load_identity, seal_control
 
     ring = wan.open()
     hs = ring.handshake
@@ -362,8 +362,8 @@ def test_client_takes_only_replies_sealed_by_the_node_for_the_operation(wan):
 
 
 def test_junk_on_the_client_inbox_is_dropped_and_the_run_goes_on(wan):
-    from diffuse.frames import Hop, seal_message
-    from diffuse.sealing import new_key
+    from diffuse.wire.frames import Hop, seal_message
+    from diffuse.wire.sealing import new_key
 
     ring = wan.open()
     first = wan.generate(ring)
@@ -439,7 +439,7 @@ def test_sessions_leave_no_sockets_and_errors_stay_bounded(wan):
 
 
 def test_client_key_lets_an_allowed_client_in_and_keeps_others_out(models, tmp_path, diffuse_home):
-    from diffuse.sealing import load_identity
+    from diffuse.wire.sealing import load_identity
 
     model = models("wan")
     allowed_file, other_file = tmp_path / "keys" / "allowed.key", tmp_path / "keys" / "other.key"
@@ -535,7 +535,7 @@ def _block_params_in_files(model: str) -> int:
 def test_attention_is_checked_before_any_block_is_loaded(models, tmp_path, diffuse_home):
     import diffuse
     from diffuse.errors import NodeError
-    from diffuse.plan.plugins import transport_for
+    from diffuse.wire.transport import transport_for
 
     model = models("wan")
     log_path = tmp_path / "node.log"
@@ -568,7 +568,8 @@ def test_attention_is_checked_before_any_block_is_loaded(models, tmp_path, diffu
 def test_a_transport_plugin_missing_methods_is_refused_with_its_name():
     from diffuse.errors import PluginError
     from diffuse.plan.hookspecs import hookimpl
-    from diffuse.plan.plugins import plugin_manager, transport_for
+    from diffuse.plan.plugins import plugin_manager
+    from diffuse.wire.transport import transport_for
 
     class HalfTransport:
         scheme = "half"
@@ -587,7 +588,7 @@ def test_a_transport_plugin_missing_methods_is_refused_with_its_name():
         # the contract is sockets only (sealing is core): every socket method but the one it has is named
         with pytest.raises(PluginError, match=r"plugin 'half-transport' breaks the transport contract: the "
                                               r"HalfTransport it returns for half:// lacks inbox, inbox_address, "
-                                              r"local_listen, outbox, serve \(see diffuse.transport_api.Transport\)"):
+                                              r"local_listen, outbox, serve \(see diffuse.wire.transport.Transport\)"):
             transport_for("half://somewhere")
         assert transport_for("tcp://127.0.0.1:1").scheme == "tcp"
     finally:
@@ -693,7 +694,7 @@ def test_the_first_node_of_a_default_language_model_run_receives_no_token_ids(tm
     import lm_models
 
     import diffuse
-    from diffuse import frames
+    from diffuse.wire import frames
     from diffuse.localnodes import start_local_nodes
     from diffuse.media_inputs import build_inputs
 

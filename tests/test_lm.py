@@ -307,7 +307,7 @@ def test_python_api_splits_a_transformers_model_samples_and_refuses_beam_search(
     ref = reference(lm_references, model_dir)
     sample = SAMPLINGS["top_k"]
     from diffuse.localnodes import start_local_nodes
-    from diffuse.plan.plugins import transport_for
+    from diffuse.wire.transport import transport_for
 
     def state(node):  # what the node says it holds for sessions now (its plain status answer)
         answer = transport_for(node.address).request(node.address, {"op": "status"}, 10.0)

@@ -78,7 +78,7 @@ def concurrent_sessions(model: str, prompts: list[list[int]]) -> tuple[list, lis
 
     import diffuse
     from diffuse.localnodes import LocalNodes, start_local_nodes
-    from diffuse.plan.plugins import transport_for
+    from diffuse.wire.transport import transport_for
 
     # one node each (the last --blocks given wins), both starting at once
     with ThreadPoolExecutor(2) as pool:
@@ -246,7 +246,7 @@ def test_batched_tails_answer_each_row_as_its_tail_alone(lm_dirs):
     from diffuse.batching import run_batch
     from diffuse.blockstore import BlockStore
     from diffuse.lmpass import joint_tails, run_tail
-    from diffuse.passes import LayerPass, Tail
+    from diffuse.wire.passes import LayerPass, Tail
     from diffuse.plan.planner import config_draft
     from diffuse.tail import top_candidates
 

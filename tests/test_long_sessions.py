@@ -72,7 +72,7 @@ def long_session(model_dir: str, passes: int, tmp_path) -> dict:
     from diffuse.errors import DiffuseError, NodeError
     from diffuse.kvcache import max_positions
     from diffuse.localnodes import start_local_nodes
-    from diffuse.plan.plugins import transport_for
+    from diffuse.wire.transport import transport_for
 
     torch.set_num_threads(THREADS)
     model = diffuse.from_pretrained(model_dir)

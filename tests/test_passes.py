@@ -1,11 +1,11 @@
-"""The per-pass contract (``diffuse.passes``): every part goes to the wire and back unchanged, and what a peer
+"""The per-pass contract (``diffuse.wire.passes``): every part goes to the wire and back unchanged, and what a peer
 sends wrong is refused at the door naming the field, before anything in it is used."""
 
 from __future__ import annotations
 
 import pytest
 
-from diffuse.passes import (WHOLE, Answer, ContractError, DrawState, Embed, LayerPass, Pass, Reuse, Tail,
+from diffuse.wire.passes import (WHOLE, Answer, ContractError, DrawState, Embed, LayerPass, Pass, Reuse, Tail,
                             checked_tree)
 from diffuse.plan.contracts import Patch, ReturnMap, SlotRef
 

@@ -446,7 +446,7 @@ def test_guidance_branches_keep_separate_buffers(models, nodes, diffuse_home):
 
 
 def test_stale_buffers_go_with_the_session(models, nodes, diffuse_home):
-    from diffuse.plan.plugins import transport_for
+    from diffuse.wire.transport import transport_for
 
     model = models("wan")
     addresses = nodes(model, 2)

@@ -147,7 +147,7 @@ def test_link_aware_planning_finds_the_quickest_pass_and_drops_a_hop_over_a_slow
     p = place(blocks, tight, links=slow)
     assert len(p.used) == 2 and p.hops == [1e-4, 0.2, 1e-4]
     # a client link measured as a Link: half its round trip plus the bytes at its throughput
-    from diffuse.links import Link
+    from diffuse.wire.links import Link
 
     assert Link(0.010, 1e6).hop_s(2000) == pytest.approx(0.005 + 0.002)
 

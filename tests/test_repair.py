@@ -235,7 +235,7 @@ def test_a_dead_first_listed_replica_is_routed_around_and_a_failed_node_serves_a
     import diffuse.handshake
     from diffuse.errors import NodeError
     from diffuse.repair import AVOIDED, RepairPolicy
-    from diffuse.sealing import load_identity
+    from diffuse.wire.sealing import load_identity
 
     monkeypatch.setattr(diffuse.handshake, "HELLO_TIMEOUT_S", 3.0)  # a dead node's hello is not waited for long
     model = models("wan")

@@ -55,10 +55,10 @@ class Hostile:
 
     def __init__(self, env: WanRing, k: int, dtype: str = "float32", next: str | None = None,
                  address: str | None = None):
-        from diffuse import frames
+        from diffuse.wire import frames
         from diffuse.plan.contracts import StagePlan
-        from diffuse.plan.plugins import transport_for
-        from diffuse.sealing import load_identity, open_control, seal_control
+        from diffuse.wire.transport import transport_for
+        from diffuse.wire.sealing import load_identity, open_control, seal_control
 
         self.env, self.k = env, k
         self.address = address or env.nodes[k].address
@@ -86,7 +86,7 @@ class Hostile:
         self.seq = 0
 
     def send(self, header: dict, tensors=()) -> None:
-        from diffuse import frames
+        from diffuse.wire import frames
 
         self.seq += 1
         self.outbox.send_multipart(frames.seal_message(self.send_hop, dict({"seq": self.seq}, **header),
@@ -97,7 +97,7 @@ class Hostile:
         self.send(dict({"op": "call", "stack": self.stack}, **fields), tensors)
 
     def answer(self, timeout: float = 10.0) -> dict:
-        from diffuse import frames
+        from diffuse.wire import frames
 
         raw = self.inbox.recv(timeout)
         assert raw is not None, "no answer came"
@@ -108,7 +108,7 @@ class Hostile:
         return self.t.request(self.address, {"op": "ping", "session": self.sid}, 5.0)
 
     def close(self, tell: bool = True) -> None:
-        from diffuse.sealing import seal_control
+        from diffuse.wire.sealing import seal_control
 
         if tell and self.reply.get("ok"):
             self.t.request(self.address, dict(seal_control({"op": "close", "session": self.sid}, self.node_key,
@@ -415,7 +415,7 @@ def test_a_long_sessions_per_pass_records_stay_bounded(ring_env):
     """A session of more calls than a node keeps records of: its close reply lists the latest only (bytes in
     and busy time per pass), while its totals count every message."""
     from diffuse.node import MAX_PASS_LOG
-    from diffuse.sealing import open_control, seal_control
+    from diffuse.wire.sealing import open_control, seal_control
 
     env = ring_env
     h = Hostile(env, 0)

@@ -14,9 +14,9 @@ import torch
 import zmq
 
 from conftest import node_process, subprocess_env
-from diffuse import frames
+from diffuse.wire import frames
 from diffuse.errors import WireError
-from diffuse.sealing import new_key
+from diffuse.wire.sealing import new_key
 
 
 def test_frames_open_from_received_zeromq_frames_into_memory_of_their_own():

@@ -117,7 +117,7 @@ def wan_ring(models, diffuse_home):
 
 
 def test_tampered_replayed_and_truncated_frames_are_rejected_and_the_node_keeps_serving(wan_ring):
-    from diffuse.frames import seal_message
+    from diffuse.wire.frames import seal_message
 
     ring, nodes, generate = wan_ring
     channel = ring.channel

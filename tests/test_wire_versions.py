@@ -34,7 +34,7 @@ class Mixed:
         self.pinned = [f"{r['address']}#{r['key']}" for r in (self.old_ready, self.both_ready)]
 
     def identity(self, name: str):
-        from diffuse.sealing import load_identity
+        from diffuse.wire.sealing import load_identity
 
         return load_identity(self.key_files[name])  # what a thief of the node's key file would hold
 
@@ -114,7 +114,7 @@ def test_a_version_1_node_and_a_version_2_node_serve_one_client_byte_identically
 
 def test_a_node_with_no_version_in_common_is_refused_naming_both_sides(mixed, tmp_path, diffuse_home, monkeypatch):
     import diffuse.handshake
-    from diffuse.plan.plugins import transport_for
+    from diffuse.wire.transport import transport_for
 
     monkeypatch.setattr(diffuse.handshake, "WIRE_VERSIONS", (2,))  # a client that no longer speaks version 1
     run = _client(mixed.model, mixed.pinned, tmp_path, diffuse_home)
@@ -155,7 +155,7 @@ def _byte_strings(x) -> list[bytes]:
 
 def _opens(key: bytes, wire: int, session: bytes, message: list[bytes]) -> bool:
     from diffuse.errors import WireError
-    from diffuse.frames import Hop, open_message
+    from diffuse.wire.frames import Hop, open_message
 
     try:
         header, _ = open_message(Hop(session, key, wire=wire), message)
@@ -168,7 +168,7 @@ def test_a_recorded_session_opens_with_a_stolen_node_key_at_wire_1_but_not_at_wi
     import pysodium
 
     from diffuse.errors import WireError
-    from diffuse.sealing import agree, open_control, open_transcript, open_with
+    from diffuse.wire.sealing import agree, open_control, open_transcript, open_with
 
     sid = recorded["split"].ring.handshake.sid
     # wire 1: the old node's key file opens its recorded open, whose in-hop key opens what the client sent

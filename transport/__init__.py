@@ -1,1 +1,1 @@
-"""The built-in transport: ZeroMQ sockets for the ring (PUSH/PULL data, REQ/REP control); framing and sealing are the core's (diffuse.frames, diffuse.sealing)."""
+"""The built-in transport: ZeroMQ sockets for the ring (PUSH/PULL data, REQ/REP control); framing and sealing are the core's (diffuse.wire.frames, diffuse.wire.sealing)."""

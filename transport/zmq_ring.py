@@ -1,7 +1,7 @@
 """The ZeroMQ ring: ROUTER control per node, PUSH/PULL data between stages.
 
 Sockets only: what the bytes mean, and who may read them, is core's business
-(``diffuse.frames``, ``diffuse.sealing``). A node is dialled at one address,
+(``diffuse.wire.frames``, ``diffuse.wire.sealing``). A node is dialled at one address,
 its control socket; the hello reply tells the data address (a second port, or
 ``<path>.data`` for a path scheme). Every wait is bounded: a silent peer
 becomes a NodeError, never a hang. Every receiving socket has a message-size
@@ -33,7 +33,7 @@ import time
 
 import zmq
 
-from diffuse.transport_api import (DEFAULT_MAX_MESSAGE_BYTES, IDEMPOTENT, MAX_CONTROL_BYTES, MAX_REPLY_BYTES,
+from diffuse.wire.transport import (DEFAULT_MAX_MESSAGE_BYTES, IDEMPOTENT, MAX_CONTROL_BYTES, MAX_REPLY_BYTES,
                                    DiffuseError, NodeError, WireError, decode_reply, decode_request, encode_reply,
                                    encode_request, hookimpl)
 
@@ -167,7 +167,7 @@ class ZmqEndpoint:
             self.control.send_multipart([asker, b"", raw], zmq.NOBLOCK)
 
     def recv_data(self) -> list[bytes]:
-        return self.data.recv_multipart(copy=False)  # frames opened where ZeroMQ received them (diffuse.frames)
+        return self.data.recv_multipart(copy=False)  # frames opened where ZeroMQ received them (diffuse.wire.frames)
 
     def close(self) -> None:
         self.control.close(0)
@@ -258,9 +258,9 @@ class ZmqOutbox:
 
 class ZmqTransport:
     """The reference transport for ``tcp://``. A plugin may serve another scheme ZeroMQ speaks
-    (``ipc://``) by returning ``diffuse.transport_api.zeromq_transport(scheme)``, which is this class."""
+    (``ipc://``) by returning ``diffuse.wire.transport.zeromq_transport(scheme)``, which is this class."""
 
-    admits = True  # serve and inbox take ``admit``, outbox takes ``credentials`` (diffuse.transport_api)
+    admits = True  # serve and inbox take ``admit``, outbox takes ``credentials`` (diffuse.wire.transport)
 
     def __init__(self, scheme: str = "tcp"):
         self.scheme = scheme
@@ -363,7 +363,7 @@ class ZmqTransport:
 
 
 def zeromq_transport(scheme: str) -> ZmqTransport:
-    """This transport for any scheme ZeroMQ speaks (``tcp``, ``ipc``): what ``diffuse.transport_api.zeromq_transport``
+    """This transport for any scheme ZeroMQ speaks (``tcp``, ``ipc``): what ``diffuse.wire.transport.zeromq_transport``
     hands a plugin that claims such a scheme."""
     return ZmqTransport(scheme)
 

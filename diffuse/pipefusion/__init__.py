@@ -7,7 +7,7 @@
   activations (``StaleStack``), and each block's choice of attention path.
 - ``attention``: the two attention paths (plain, quick) and the quick path's
   mechanism (buffered keys and values under scoped attention processors).
-- ``stale``: the node's pass kind for a ``Patch`` (``diffuse.runners``).
+- ``stale``: the node's pass kind for a ``Patch`` (``diffuse.wire.kinds``).
 - ``summary``: what the run summary says about the paths the nodes took.
 
 ``why_uncut`` is the one place that decides whether a stack may be cut at all.

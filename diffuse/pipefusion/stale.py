@@ -6,7 +6,7 @@ from diffuse.errors import DiffuseError
 from diffuse.pipefusion import why_uncut
 from diffuse.pipefusion.buffers import StaleStack
 from diffuse.plan.contracts import PATCHABLE, Patch
-from diffuse.runners import PassKind, kind
+from diffuse.wire.kinds import PassKind, kind
 
 MAX_BRANCHES = 4  # PipeFusion branches one stack keeps stale buffers for (guidance needs two)
 

@@ -34,11 +34,11 @@ def diffuse_analyzers():
 
 @hookspec(firstresult=True)
 def diffuse_transport(scheme):
-    """Return a :class:`diffuse.transport_api.Transport` for a URL scheme.
+    """Return a :class:`diffuse.wire.transport.Transport` for a URL scheme.
 
     ``scheme`` is the part of a node address before ``://`` (``tcp``, ``ipc``,
     ...). Return None for a scheme you do not serve; the first non-None answer
-    wins. ``diffuse.transport_api`` holds everything a transport needs of
+    wins. ``diffuse.wire.transport`` holds everything a transport needs of
     Diffuse (the protocols, limits, control-map encoding, errors, ``hookimpl``);
     ``plugins/diffuse-tcp`` is a complete example built on it alone.
     """

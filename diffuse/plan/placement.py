@@ -963,10 +963,10 @@ def capacities(stages, dtype: str, model_hash: str, per: str = "token") -> list[
 
 def link_hops(addresses: list[str], nbytes: int, fallback: list[float] | None = None) -> list[list[float]]:
     """Seconds of a hop carrying ``nbytes`` from end i to end j (index ``len(addresses)``: the client), from
-    the links measured (``diffuse.links``): the client's link to a node counts both ways; a link between two
+    the links measured (``diffuse.wire.links``): the client's link to a node counts both ways; a link between two
     nodes not measured yet counts as the mean of their links to the client; a client link not measured as
     ``fallback[i]`` (half the hello's round trip)."""
-    from diffuse import links
+    from diffuse.wire import links
 
     n = len(addresses)
     client = []

@@ -168,7 +168,7 @@ class Service:
 
             keys = tempfile.TemporaryDirectory(prefix="diffuse-serve-key-")
             client_key = os.path.join(keys.name, "client.key")
-        from diffuse.sealing import load_identity
+        from diffuse.wire.sealing import load_identity
 
         identity = load_identity(client_key)
         node_sets: list = [None] * len(infos)
@@ -235,14 +235,14 @@ class Service:
 
 def lan_nodes(models: list[str], nodes: list[str], seconds: float | None, say) -> list[str]:
     """Each ``--nodes auto`` replaced by the nodes announced on the local network that serve its ``--model``
-    (one listening window for all; ``diffuse.discovery``). Counts that do not match are left for
+    (one listening window for all; ``diffuse.wire.discovery``). Counts that do not match are left for
     ``Service.start`` to refuse."""
     if "auto" not in nodes and seconds is not None:
         raise DiffuseError("--discover-seconds applies with --nodes auto")
     if "auto" not in nodes or len(nodes) != len(models):
         return nodes
     from diffuse.plan.analysis import ModelSubject
-    from diffuse.discovery import nodes_on_lan
+    from diffuse.wire.discovery import nodes_on_lan
     from diffuse.plan.modelfiles import resolve_model
 
     auto = [k for k, spec in enumerate(nodes) if spec == "auto"]

@@ -150,7 +150,7 @@ class NodeSet:
     def health(self, timeout_s: float = 2.0) -> list[dict]:
         """Each node's answer to ``status`` (sessions, what it holds), or why it did not answer."""
         from diffuse.known_nodes import parse_nodes
-        from diffuse.plan.plugins import transport_for
+        from diffuse.wire.transport import transport_for
 
         rows = []
         for address, _key in parse_nodes(self.specs):

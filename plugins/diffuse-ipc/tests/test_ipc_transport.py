@@ -21,7 +21,7 @@ def test_plugin_is_registered_through_the_entry_point():
 
 
 def test_transport_lookup_picks_the_plugin_for_ipc_only():
-    from diffuse.plan.plugins import transport_for
+    from diffuse.wire.transport import transport_for
 
     assert transport_for("ipc:///tmp/x").scheme == "ipc"
     assert transport_for("tcp://127.0.0.1:1").scheme == "tcp"

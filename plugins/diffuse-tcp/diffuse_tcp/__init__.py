@@ -2,12 +2,12 @@
 
 It shares no code with the built-in ZeroMQ transport: standard-library sockets,
 length-prefixed messages (``diffuse_tcp.streams``), and nothing of Diffuse but
-its public transport contract, ``diffuse.transport_api``. Sealing, envelopes and
+its public transport contract, ``diffuse.wire.transport``. Sealing, envelopes and
 replay counters are the core's, the same for every scheme, so a ring over it is
 as exact and as sealed as one over ZeroMQ.
 """
 
-from diffuse.transport_api import hookimpl
+from diffuse.wire.transport import hookimpl
 
 __all__ = ["diffuse_transport"]
 

@@ -19,7 +19,7 @@ few messages at most), and only an outbox's connect blocks, for
 caps: a part claiming more than the cap, or a message claiming more parts than
 ``MAX_PARTS``, cuts that connection off before the bytes are kept.
 
-Only ``diffuse.transport_api`` and the standard library are used: sealing,
+Only ``diffuse.wire.transport`` and the standard library are used: sealing,
 envelopes and the meaning of the bytes are the core's.
 """
 
@@ -31,7 +31,7 @@ import socket
 import struct
 import time
 
-from diffuse.transport_api import (DEFAULT_MAX_MESSAGE_BYTES, IDEMPOTENT, MAX_CONTROL_BYTES, MAX_PARTS, MAX_REPLY_BYTES,
+from diffuse.wire.transport import (DEFAULT_MAX_MESSAGE_BYTES, IDEMPOTENT, MAX_CONTROL_BYTES, MAX_PARTS, MAX_REPLY_BYTES,
                                    DiffuseError, NodeError, WireError, decode_reply, decode_request, encode_reply,
                                    encode_request)
 
@@ -366,7 +366,7 @@ class StreamOutbox:
 
 
 class StreamTransport:
-    """The ``tcpstream://`` transport (``diffuse.transport_api.Transport``)."""
+    """The ``tcpstream://`` transport (``diffuse.wire.transport.Transport``)."""
 
     scheme = SCHEME
 

@@ -1,4 +1,4 @@
-"""The second example transport: found through its entry point, true to diffuse.transport_api on real sockets,
+"""The second example transport: found through its entry point, true to diffuse.wire.transport on real sockets,
 and carrying a ring byte-identical to plain diffusers."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from conftest import run_reference, run_split
 def test_plugin_is_registered_through_the_entry_point_and_serves_its_scheme_only():
     from importlib.metadata import entry_points
 
-    from diffuse.plan.plugins import transport_for
+    from diffuse.wire.transport import transport_for
 
     assert "tcpstream" in {ep.name for ep in entry_points(group="diffuse")}
     assert type(transport_for("tcpstream://127.0.0.1:1")).__module__ == "diffuse_tcp.streams"
@@ -36,8 +36,8 @@ class Served:
     """A real endpoint served on a thread the way a node serves it: control answered, data collected."""
 
     def __init__(self, max_message_bytes: int | None = None):
-        from diffuse.plan.plugins import transport_for
-        from diffuse.transport_api import WireError
+        from diffuse.wire.transport import transport_for
+        from diffuse.wire.transport import WireError
 
         self.transport = transport_for("tcpstream://")
         self.endpoint = self.transport.serve(self.transport.local_listen("test"), max_message_bytes)
@@ -82,7 +82,7 @@ def served():
 
 
 def test_objects_it_hands_out_have_every_member_the_protocols_name(served):
-    from diffuse.transport_api import Endpoint, Inbox, Outbox, Transport
+    from diffuse.wire.transport import Endpoint, Inbox, Outbox, Transport
 
     t = served.transport
     inbox = t.inbox(t.inbox_address(served.endpoint.control_address))
@@ -111,7 +111,7 @@ def test_messages_arrive_whole_and_in_order(served):
 
 
 def test_a_reply_goes_to_the_asker_and_a_bad_request_gets_its_refusal(served):
-    from diffuse.transport_api import encode_request
+    from diffuse.wire.transport import encode_request
 
     t = served.transport
     address = served.endpoint.control_address
@@ -125,7 +125,7 @@ def test_a_reply_goes_to_the_asker_and_a_bad_request_gets_its_refusal(served):
             raw = b""
             while len(raw) < 12 or len(raw) < 12 + struct.unpack(">Q", raw[4:12])[0]:
                 raw += sock.recv(1 << 16)
-        from diffuse.transport_api import decode_reply
+        from diffuse.wire.transport import decode_reply
 
         reply = decode_reply(raw[12:], address)
         assert reply["ok"] is False and refusal in reply["error"]
@@ -148,8 +148,8 @@ def test_a_frame_over_the_cap_cuts_off_its_sender_alone(served):
 
 
 def test_a_node_that_is_not_there_is_a_node_error_within_the_time_given():
-    from diffuse.plan.plugins import transport_for
-    from diffuse.transport_api import NodeError
+    from diffuse.wire.transport import transport_for
+    from diffuse.wire.transport import NodeError
 
     with socket.socket() as s:  # a port nobody listens at
         s.bind(("127.0.0.1", 0))

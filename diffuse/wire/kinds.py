@@ -1,4 +1,4 @@
-"""How a node runs a pass: one registered kind per type of part (``diffuse.passes``).
+"""How a node runs a pass: one registered kind per type of part (``diffuse.wire.passes``).
 
 A kind is a small class registered for one part type with ``@kind(PartType)``;
 the session (``diffuse.stage.StageSession``) looks it up by the type of the part
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from diffuse.plan.calltree import thread_outputs, unflatten
 from diffuse.errors import DiffuseError
-from diffuse.passes import Whole
+from diffuse.wire.passes import Whole
 
 KINDS: dict[type, "PassKind"] = {}
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from diffuse.errors import DiffuseError
 
-log = logging.getLogger("diffuse.discovery")
+log = logging.getLogger("diffuse.wire.discovery")
 
 SERVICE_TYPE = "_diffuse._tcp.local."
 TXT_VERSION = "1"  # the TXT record's own layout, told apart from the wire versions the node speaks

@@ -1,14 +1,14 @@
 """What a transport plugin provides: sockets, and nothing else.
 
-The core never imports a transport; it asks ``diffuse.plan.plugins.transport_for(url)``
+The core never imports a transport; it asks ``diffuse.wire.transport.transport_for(url)``
 for one and talks to it through this contract. A third party adds a scheme by
 returning an object with these methods from the ``diffuse_transport`` hook
 (subclassing is optional; the built-in ZeroMQ transport, ``transport/zmq_ring.py``,
 is the reference).
 
 A transport moves opaque frames (data) and small maps (control). Sealing,
-envelopes and replay counters are core's (``diffuse.frames``,
-``diffuse.sealing``): every transport gets them the same, and none can weaken them.
+envelopes and replay counters are core's (``diffuse.wire.frames``,
+``diffuse.wire.sealing``): every transport gets them the same, and none can weaken them.
 
 This module is all of Diffuse a transport plugin needs: the protocols below
 (every member the core calls, on the transport and on the endpoint, inbox and
@@ -34,9 +34,10 @@ from typing import Protocol, runtime_checkable
 
 import cbor2
 
-from diffuse import safecbor
+from diffuse.wire import safecbor
 from diffuse.errors import DiffuseError, NodeError, PluginError, WireError
 from diffuse.plan.hookspecs import hookimpl
+from diffuse.plan.plugins import call_hook, plugin_manager, plugin_names
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "IDEMPOTENT", "MAX_CONTROL_BYTES", "MAX_PARTS", "MAX_REPLY_BYTES",
@@ -47,7 +48,7 @@ __all__ = [
 # one received data frame (one tensor) at most, unless a node says otherwise: a long video's hidden states in
 # float32 fit with room to spare; a peer claiming more is cut off before anything is buffered
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
-MAX_PARTS = 1 << 16  # frames in one data message (diffuse.frames.MAX_FRAMES); a control message is one frame
+MAX_PARTS = 1 << 16  # frames in one data message (diffuse.wire.frames.MAX_FRAMES); a control message is one frame
 MAX_CONTROL_BYTES = 1 << 20  # one control request; a peer sending more is cut off
 MAX_REPLY_BYTES = safecbor.REPLY.max_bytes  # one reply a client accepts
 IDEMPOTENT = ("hello", "ping", "status")  # requests a client may send again while an answer does not come
@@ -62,7 +63,7 @@ def encode_request(message: dict) -> bytes:
 
 
 def decode_request(raw: bytes) -> dict:
-    """A received control request, checked within ``diffuse.safecbor.CONTROL`` before it is built; WireError
+    """A received control request, checked within ``diffuse.wire.safecbor.CONTROL`` before it is built; WireError
     otherwise (the endpoint's caller then answers the asker with the refusal)."""
     return safecbor.loads(raw, safecbor.CONTROL, "control request")
 
@@ -83,7 +84,7 @@ def encode_reply(reply: dict) -> bytes:
 
 
 def decode_reply(raw: bytes, address: str) -> dict:
-    """A reply received from the node at ``address``, checked within ``diffuse.safecbor.REPLY``; NodeError
+    """A reply received from the node at ``address``, checked within ``diffuse.wire.safecbor.REPLY``; NodeError
     naming the node otherwise.
 
     >>> decode_reply(b"junk", "tcp://127.0.0.1:1")  # doctest: +ELLIPSIS
@@ -171,7 +172,7 @@ class Transport(Protocol):
     about each new connection, and its ``outbox`` takes ``credentials``, the ``(user, password)`` a sending end
     presents (a session id and the token ``diffuse.sessions.data_token`` makes); the core passes them only to
     a transport that says so. Optional: ``exchange(address, messages, timeout_s)``, several control requests in
-    turn on one connection, each reply with the seconds from its send, which ``diffuse.links`` measures a link's
+    turn on one connection, each reply with the seconds from its send, which ``diffuse.wire.links`` measures a link's
     round trip with (without it, each request's connection is counted in the round trip)."""
 
     scheme: str
@@ -216,3 +217,47 @@ def zeromq_transport(scheme: str) -> Transport:
         raise PluginError(f"the built-in ZeroMQ transport (entry point {BUILTIN_ENTRY_POINT!r} in the 'diffuse' "
                           "group) is not installed: reinstall diffuse with `pip install -e .`")
     return factory(scheme)
+
+
+def transport_methods() -> list[str]:
+    """What every transport must have: the methods of ``diffuse.wire.transport.Transport``."""
+    return sorted(n for n, v in vars(Transport).items() if not n.startswith("_") and callable(v))
+
+
+def _answering_plugin(hook, scheme: str) -> str:
+    """Which plugin's implementation gives the first answer (pluggy calls the last registered first)."""
+    for impl in reversed(hook.get_hookimpls()):
+        if impl.hookwrapper or getattr(impl, "wrapper", False):
+            continue
+        try:
+            if impl.function(*[{"scheme": scheme}[a] for a in impl.argnames]) is not None:
+                return impl.plugin_name
+        except Exception:
+            return impl.plugin_name
+    return "unknown"
+
+
+def transport_for(url: str):
+    """The transport that serves ``url``'s scheme, or a clear error."""
+    if "://" not in url:
+        raise PluginError(
+            f"address {url!r} has no scheme: write it as tcp://HOST:PORT (a node address may end in #KEY, "
+            "the node's public key, to pin it)"
+        )
+    scheme = url.split("://", 1)[0]
+    transport = call_hook("diffuse_transport", scheme=scheme)
+    if transport is None:
+        raise PluginError(
+            f"no transport serves {scheme!r} addresses; installed plugins: {', '.join(plugin_names())}"
+        )
+    # a transport missing a method would fail mid-run, far from its cause: refuse it here, naming its plugin
+    missing = [m for m in transport_methods() if not callable(getattr(transport, m, None))]
+    if not isinstance(getattr(transport, "scheme", None), str):
+        missing.append("scheme (a str attribute)")
+    if missing:
+        owner = _answering_plugin(plugin_manager().hook.diffuse_transport, scheme)
+        raise PluginError(
+            f"plugin {owner!r} breaks the transport contract: the {type(transport).__name__} it returns for "
+            f"{scheme}:// lacks {', '.join(missing)} (see diffuse.wire.transport.Transport)"
+        )
+    return transport

@@ -239,12 +239,12 @@ def seal_control(payload: dict, peer_public: bytes, own: Identity) -> dict:
 
 def open_control(sealed: dict, own: Identity, limits=None) -> tuple[dict, bytes]:
     """(payload, sender's public key) of a sealed control map; WireError if it does not open or is malformed.
-    ``limits``: ``diffuse.safecbor`` limits for the payload (default: those of a node's reply)."""
+    ``limits``: ``diffuse.wire.safecbor`` limits for the payload (default: those of a node's reply)."""
     sender, nonce, body = sealed.get("from"), sealed.get("nonce"), sealed.get("box")
     if not (isinstance(sender, bytes) and len(sender) == PUBLIC_BYTES
             and isinstance(nonce, bytes) and len(nonce) == BOX_NONCE_BYTES and isinstance(body, bytes)):
         raise WireError("sealed control message lacks a well-formed sender key, nonce or box")
     plain = unbox(nonce, body, sender, own)
-    from diffuse import safecbor  # anyone can make a key: what it sealed may be a stranger's
+    from diffuse.wire import safecbor  # anyone can make a key: what it sealed may be a stranger's
 
     return safecbor.loads(plain, limits or safecbor.REPLY, "sealed control payload"), sender

@@ -20,8 +20,8 @@ import torch
 from diffuse.plan.calltree import raw_bytes
 from diffuse.errors import MalformedHeader, WireError
 from diffuse.plan.contracts import SESSION_ID_BYTES
-from diffuse import safecbor
-from diffuse import sealing as seal
+from diffuse.wire import safecbor
+from diffuse.wire import sealing as seal
 
 _DTYPES = {
     str(d).removeprefix("torch."): d

@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from diffuse import sealing
+from diffuse.wire import sealing
 from diffuse.errors import DiffuseError, NodeError, WireError
 
 CLIENT = "client"  # the client's end of a link in the table
