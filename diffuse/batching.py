@@ -1,7 +1,7 @@
 """Language-model decoding passes of several sessions run through a node's layers as one batch.
 
 The node's compute thread takes what waits in its queue together
-(``diffuse.node``); among those, decoding passes of different sessions that
+(``diffuse.node.server``); among those, decoding passes of different sessions that
 call the same layers the same way (same stack and slice, same call plans, same
 tensor shapes and dtypes: ``batch_key``) run each layer once over all their
 rows (``run_batch``):
@@ -62,7 +62,7 @@ def _growing_layers(cache, indices) -> bool:
 
 
 def batch_key(dtype, p) -> tuple | None:
-    """What must be the same for passes (``diffuse.stage.Prepared``) of different sessions to run as one batch;
+    """What must be the same for passes (``diffuse.node.stage.Prepared``) of different sessions to run as one batch;
     None: this pass runs alone (no cache: a diffusion pass, PipeFusion's patches included; a prefill; an unusual
     cache). Only a language model's pass (``diffuse.wire.passes.LayerPass``) carries a cache."""
     if p.cache is None or not p.blocks or not p.rmap.streams or p.rmap.sides:

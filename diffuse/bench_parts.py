@@ -6,7 +6,7 @@ after each split step, or before it on odd steps, so that the machine's load
 hits both alike; each ratio is the mean of the per-step ratios, with its
 standard error. The client's time is read from its stand-ins and channel
 (``Splitter.stand_in_s``, ``ChannelStats.seconds``), each node's from its
-per-call record (``diffuse.node.PARTS``), the CPU time of every process from
+per-call record (``diffuse.node.server.PARTS``), the CPU time of every process from
 ``/proc`` around each split step.
 """
 
@@ -17,7 +17,7 @@ import time
 
 from diffuse.benchkit import mean_se
 
-NODE_PARTS = ("idle", "open", "prepare", "blocks", "blocks_cpu", "finish", "seal", "faults")  # diffuse.node.PARTS
+NODE_PARTS = ("idle", "open", "prepare", "blocks", "blocks_cpu", "finish", "seal", "faults")  # diffuse.node.server.PARTS
 CLIENT_PARTS = ("hash", "seal", "send", "wait", "open")  # diffuse.channel.ChannelStats.seconds
 
 

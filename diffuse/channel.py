@@ -9,7 +9,7 @@ frozen node is named within seconds rather than at the timeout; when the
 answer does not come at all, the nodes say how far the pass got, and the hop
 where it stopped is named. While the session is open a light background ping
 keeps its lease on every node alive (nodes close sessions whose client stopped
-pinging: ``diffuse.sessions``), between passes and between a chat's turns.
+pinging: ``diffuse.node.sessions``), between passes and between a chat's turns.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def keep(records: list, record) -> None:
 
 def keepalive_every_s() -> float:
     """How often an open session pings its nodes when it is not waiting for an answer: well inside
-    the nodes' lease (``diffuse.sessions.lease_s``)."""
-    from diffuse.sessions import lease_s
+    the nodes' lease (``diffuse.node.sessions.lease_s``)."""
+    from diffuse.wire.tokens import lease_s
 
     return max(0.2, min(5.0, lease_s() / 4))
 

@@ -124,7 +124,7 @@ class NodeResiduals:
         return sum(k.nbytes for k in self.kept.values())
 
     def run(self, p, last: bool):
-        """Thread the prepared pass ``p``'s values (``diffuse.stage.Prepared``) through this node's blocks (a whole
+        """Thread the prepared pass ``p``'s values (``diffuse.node.stage.Prepared``) through this node's blocks (a whole
         step) or reuse its residuals; returns (the last block's answer, whether the step was skipped). The node
         holding block 0 decides; others follow ``skip``, as the previous hop decided. ``last``: this node holds
         the stack's last block."""

@@ -272,7 +272,7 @@ class Handshake:
 
     def _ping(self, k: int) -> dict:
         """A ping to node ``k``, with the proof that renews the session there (``sessions.ping_proof``)."""
-        from diffuse.sessions import ping_proof
+        from diffuse.wire.tokens import ping_proof
 
         ping = {"op": "ping", "session": self.sid}
         if k < len(self.hop_keys):

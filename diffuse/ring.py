@@ -19,7 +19,7 @@ from diffuse.wire.passes import Embed, LayerPass, Part, Tail
 from diffuse.plan.contracts import Patch, ReturnMap, SlicingPlan
 from diffuse.repair import RepairPolicy
 from diffuse.replay import Replay
-from diffuse.sessions import data_token, token_admits
+from diffuse.wire.tokens import data_token, token_admits
 
 
 @dataclass

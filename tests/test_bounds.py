@@ -364,7 +364,7 @@ def _close_as(node: Target, identity, sid: bytes) -> dict:
 
 def _ping_as_owner(node: Target, sid: bytes, in_key: bytes) -> dict:
     """The ping a session's own client sends: it proves the hop key, so it renews the session's lease."""
-    from diffuse.sessions import ping_proof
+    from diffuse.wire.tokens import ping_proof
 
     return node.ask({"op": "ping", "session": sid, "proof": ping_proof(in_key, sid)})
 
@@ -374,7 +374,7 @@ def test_a_squatter_holding_every_place_cannot_lock_out_a_client(target, tmp_pat
     its own proven pings. The cap per key refuses its fourth to sixth keys' worth; the cap in all is kept by
     ending the session longest without data, so a client that comes then opens, runs to the end, and the
     squatter's session that made room hears why at its next ping."""
-    from diffuse.node import MAX_SESSIONS_PER_CLIENT
+    from diffuse.node.server import MAX_SESSIONS_PER_CLIENT
     from diffuse.wire.sealing import load_identity
 
     cap = target.ask({"op": "status"})["max_sessions"]

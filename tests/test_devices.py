@@ -35,7 +35,7 @@ def _reference(script: str, args: list[str]) -> None:
 
 @no_cuda
 def test_a_device_torch_does_not_see_is_refused_in_one_line_before_anything_loads(models, diffuse_home):
-    import diffuse.node
+    import diffuse.node.server
 
     wan = models("wan")
     for argv, run in ((["--model", wan, "--device", "cuda"], None),
@@ -47,7 +47,7 @@ def test_a_device_torch_does_not_see_is_refused_in_one_line_before_anything_load
 
             said = io.StringIO()
             with contextlib.redirect_stderr(said):
-                code = diffuse.node.main(argv)
+                code = diffuse.node.server.main(argv)
             text = said.getvalue()
         else:
             done = run(argv, diffuse_home)
@@ -137,7 +137,7 @@ def test_a_node_holds_its_blocks_in_the_asked_dtype_as_plain_diffusers_loads_the
     from diffusers import WanTransformer3DModel
 
     from diffuse.plan.analysis import ModelSubject
-    from diffuse.blockstore import BlockStore
+    from diffuse.node.blockstore import BlockStore
     from diffuse.plan.devices import Compute
     from diffuse.plan.contracts import Slice
     from diffuse.plan.planner import config_draft

@@ -205,7 +205,7 @@ def _settle(node: Target, limit_s: float = 60.0) -> None:
 def _fuzz(node: Target, fuzzer: Fuzzer, control: int, data: int, claims: int, key: bytes) -> int:
     """Send the messages, interleaved; returns how many were sent. Data goes on a connection admitted as the
     live session's (``key``: its hop key into the node), so that it reaches the node's door."""
-    from diffuse.sessions import data_token
+    from diffuse.wire.tokens import data_token
 
     ctx = zmq.Context.instance()
     sent = 0

@@ -94,7 +94,7 @@ def _said(run) -> str:
 def _push(address: str, *messages: list[bytes], hop=None) -> None:
     """Send ``messages`` to a data address as a raw PUSH peer; with ``hop`` (a ``frames.Hop``), presenting that
     hop's session and token, as its real sending end does (without: a stranger, whom the receiver never lets in)."""
-    from diffuse.sessions import data_token
+    from diffuse.wire.tokens import data_token
 
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 2000)
@@ -386,7 +386,7 @@ def test_junk_on_the_client_inbox_is_dropped_and_the_run_goes_on(wan):
 
 
 def test_sessions_leave_no_sockets_and_errors_stay_bounded(wan):
-    from diffuse.node import MAX_QUEUED
+    from diffuse.node.server import MAX_QUEUED
 
     def count(what):
         return [wan.status(k)[what] for k in (0, 1)]

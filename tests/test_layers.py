@@ -252,7 +252,7 @@ def test_the_size_check_sees_planted_oversized_code(tmp_path):
     (pkg / "stage.py").write_text("x = 1\n" * 300)
     found = oversized(sorted(pkg.glob("*.py")), tmp_path)
     assert [f.split(" (")[0] for f in found] == ["diffuse/big.py:long", "diffuse/big.py:wide", "diffuse/big.py:K",
-                                                 "diffuse/stage.py: 300 lines"], found
+                                                 "diffuse/node/stage.py: 300 lines"], found
 
 
 def test_functions_classes_and_the_core_modules_stay_small():

@@ -422,7 +422,7 @@ def test_the_embedding_table_leaves_the_client_only_where_the_first_layer_takes_
             checked_ids(bad, 64)
     # what a pass says about its ids is checked on the node before any of it is used
     from diffuse.plan.contracts import ReturnMap
-    from diffuse.stage import StageSession
+    from diffuse.node.stage import StageSession
 
     rmap = ReturnMap(single=True, outputs=[0], names=["args[0]"])
     assert StageSession._embed_spec({"slot": 0, "dtype": "bfloat16"}, rmap, 3) == (0, torch.bfloat16)

@@ -143,13 +143,13 @@ def test_no_batch_forms_none(sessions):
 
 def decoding_passes(model_dir: str, lengths: list[int]):
     """A model loaded whole, and for each prompt length a decoding pass of its layers as a node gets it
-    (``diffuse.stage.Pass``): the session's cache after the prompt, the next token's hidden state, positions,
+    (``diffuse.node.stage.Pass``): the session's cache after the prompt, the next token's hidden state, positions,
     rotary cos/sin."""
     from transformers import AutoModelForCausalLM
 
     from diffuse.plan.calltree import flatten
     from diffuse.plan.contracts import ReturnMap, Slice
-    from diffuse.stage import Pass
+    from diffuse.node.stage import Pass
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     layers = list(enumerate(model.model.layers))
@@ -244,7 +244,7 @@ def test_batched_tails_answer_each_row_as_its_tail_alone(lm_dirs):
 
     from diffuse.plan.analysis import ModelSubject
     from diffuse.batching import run_batch
-    from diffuse.blockstore import BlockStore
+    from diffuse.node.blockstore import BlockStore
     from diffuse.lmpass import joint_tails, run_tail
     from diffuse.wire.passes import LayerPass, Tail
     from diffuse.plan.planner import config_draft

@@ -120,7 +120,7 @@ class Hostile:
 
 def admitted(sock, sid: bytes, hop_key: bytes) -> None:
     """Give a raw PUSH socket (not yet connected) the credentials a session's sending end presents."""
-    from diffuse.sessions import data_token
+    from diffuse.wire.tokens import data_token
 
     sock.setsockopt(zmq.PLAIN_USERNAME, sid)
     sock.setsockopt(zmq.PLAIN_PASSWORD, data_token(hop_key, sid))
@@ -358,7 +358,7 @@ def test_a_stranger_cannot_freeze_a_nodes_control_thread(ring_env):
 
     import cbor2
 
-    from diffuse.node import MAX_QUEUED
+    from diffuse.node.server import MAX_QUEUED
     from test_hardening import WAN_ARGS
 
     env = ring_env
@@ -414,7 +414,7 @@ def test_a_stranger_cannot_freeze_a_nodes_control_thread(ring_env):
 def test_a_long_sessions_per_pass_records_stay_bounded(ring_env):
     """A session of more calls than a node keeps records of: its close reply lists the latest only (bytes in
     and busy time per pass), while its totals count every message."""
-    from diffuse.node import MAX_PASS_LOG
+    from diffuse.node.server import MAX_PASS_LOG
     from diffuse.wire.sealing import open_control, seal_control
 
     env = ring_env
@@ -444,7 +444,7 @@ def test_a_long_sessions_per_pass_records_stay_bounded(ring_env):
 def test_only_pings_that_prove_the_sessions_key_renew_it(ring_env):
     """Pings by session id alone are answered but renew nothing: such a session is reaped at its lease. Pings
     carrying the MAC of the id under the session's hop key (what its client sends) keep it."""
-    from diffuse.sessions import ping_proof
+    from diffuse.wire.tokens import ping_proof
 
     env = ring_env
     bare, proven = Hostile(env, 0), Hostile(env, 0)

@@ -129,7 +129,7 @@ def test_tampered_replayed_and_truncated_frames_are_rejected_and_the_node_keeps_
 
     attacker = zmq.Context.instance().socket(zmq.PUSH)
     attacker.setsockopt(zmq.LINGER, 1000)
-    from diffuse.sessions import data_token  # one who watched the session's connection on the network
+    from diffuse.wire.tokens import data_token  # one who watched the session's connection on the network
 
     attacker.setsockopt(zmq.PLAIN_USERNAME, channel.send_hop.session)
     attacker.setsockopt(zmq.PLAIN_PASSWORD, data_token(channel.send_hop.key, channel.send_hop.session))

@@ -273,7 +273,7 @@ def test_a_hello_flood_between_a_clients_hello_and_its_open_does_not_spend_its_c
 
 
 def test_challenges_are_checked_by_their_mac_spent_once_and_expire_with_their_period():
-    from diffuse.node_control import STALE, Challenges
+    from diffuse.node.control import STALE, Challenges
 
     ch = Challenges(period_s=3600, max_spent=2)
     a, b, c = ch.issue(), ch.issue(), ch.issue()

@@ -193,7 +193,7 @@ class SpeedBook:
         self.around = [0.0, 0]  # seconds a pass spent on the node besides its blocks, passes
 
     def add(self, p, dtype, seconds: float) -> None:
-        """Count one pass ``p`` (a ``diffuse.stage.Pass``) that ran its blocks in ``seconds``."""
+        """Count one pass ``p`` (a ``diffuse.node.stage.Pass``) that ran its blocks in ``seconds``."""
         try:
             if getattr(p, "reuse", None) is not None or not p.blocks:
                 return
@@ -263,7 +263,7 @@ def device_report(node) -> tuple[str, str, dict]:
 
 
 def node_report(node) -> dict:
-    """What a node says of itself at hello (``diffuse.node_control``)."""
+    """What a node says of itself at hello (``diffuse.node.control``)."""
     import torch
 
     speeds = getattr(node, "speeds", None)

@@ -1,7 +1,7 @@
 """How a node runs a pass: one registered kind per type of part (``diffuse.wire.passes``).
 
 A kind is a small class registered for one part type with ``@kind(PartType)``;
-the session (``diffuse.stage.StageSession``) looks it up by the type of the part
+the session (``diffuse.node.stage.StageSession``) looks it up by the type of the part
 a call carries and asks it, in order, to ``check`` the call against what the
 session remembers, ``prepare`` it (after its tensors are resolved), ``run`` it
 through this node's blocks, and, on the stack's last node, make the ``answer``.
@@ -38,7 +38,7 @@ def kind_for(part) -> "PassKind":
 
 class PassKind:
     """What one kind of pass does on a node; every step but ``run`` does nothing by default. ``sess`` is the
-    ``StageSession``, ``p`` the prepared pass (``diffuse.stage.Prepared``), whose ``part`` a kind may replace
+    ``StageSession``, ``p`` the prepared pass (``diffuse.node.stage.Prepared``), whose ``part`` a kind may replace
     with what the next hop is to see."""
 
     def check(self, sess, message, rmap) -> None:

@@ -8,7 +8,7 @@ model's key/value caches and sampler). A call is checked whole at the door
 remembers, and run by the kind its part names (``diffuse.wire.kinds``): the plain
 loop, PipeFusion's stale stack, the first-block cache, or a language model's
 layers with their tail. The blocks come from the node's ``BlockStore``
-(``diffuse.blockstore``): a session keeps the blocks of its own compute dtype
+(``diffuse.node.blockstore``): a session keeps the blocks of its own compute dtype
 from its open to its close, so another session asking for another dtype never
 changes them under it.
 
@@ -29,7 +29,7 @@ import torch
 import diffuse.firstblock  # noqa: F401  (registers the first-block cache's pass kind)
 import diffuse.lmpass  # noqa: F401  (registers a language model's pass kind)
 import diffuse.pipefusion.stale  # noqa: F401  (registers PipeFusion's pass kind)
-from diffuse.blockstore import BlockStore
+from diffuse.node.blockstore import BlockStore
 from diffuse.plan.calltree import encode_value
 from diffuse.wire.slots import SLOT_CACHE_BYTES, SlotCache
 from diffuse.errors import DiffuseError
@@ -93,7 +93,7 @@ class StageSession:
         self.hop_log: list[list[int]] = []  # [seq, bytes] of every message that arrived on this hop
         self.busy_s = 0.0  # CPU seconds spent preparing and running calls, for the benchmark's utilisation
         self.busy_log: list[list] = []  # [seq, seconds] of every call this node worked on, for the same
-        self.parts_log: list[list] = []  # [seq, seconds...] where each call's time went (diffuse.node.PARTS)
+        self.parts_log: list[list] = []  # [seq, seconds...] where each call's time went (diffuse.node.server.PARTS)
         self.batched_passes = 0  # passes of this session that ran in a batch with other sessions' (diffuse.batching)
         self.joint_tails = 0  # ... whose tail ran with theirs too (diffuse.lmpass.joint_tails)
         self.store = store

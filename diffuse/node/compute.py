@@ -15,10 +15,10 @@ from diffuse.wire import frames
 from diffuse.batching import MAX_BATCH
 from diffuse.plan.devices import Outgoing, PassClock, to_device
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
-from diffuse.node_batches import TakenItems
-from diffuse.stage import NODE_BUFFER_BYTES, Pass
+from diffuse.node.batches import TakenItems
+from diffuse.node.stage import NODE_BUFFER_BYTES, Pass
 
-log = logging.getLogger("diffuse.node")
+log = logging.getLogger("diffuse.node.server")
 
 MAX_PASS_LOG = 4096  # per-pass records a session keeps (bytes in, busy time): the latest, with running totals
 # where a call's time went on a node, in the order of its per-call record (after the sequence number): the
@@ -262,7 +262,7 @@ class ComputeThread:
     def compute(self, threads: int) -> None:
         """The compute thread: data messages in arrival order; outboxes of ended sessions closed here. A
         language model's node takes everything already waiting (up to ``MAX_BATCH``) with the message it
-        waited for, so that decoding passes of several sessions can run as one batch (``diffuse.node_batches``); it
+        waited for, so that decoding passes of several sessions can run as one batch (``diffuse.node.batches``); it
         never waits for more to come. ``threads``: the process's torch thread count, set again here because a
         new thread's own count starts from the library's default, not from what the main thread set (and the
         count is part of the bits a block computes)."""

@@ -2,8 +2,8 @@
 
 The node prints one JSON line when it is ready (its control address, data
 address and public key), then serves until stopped. Control requests
-(``diffuse.node_control``) are answered on this thread at once; data messages
-are computed on a second thread (``diffuse.node_compute``), so a node answers
+(``diffuse.node.control``) are answered on this thread at once; data messages
+are computed on a second thread (``diffuse.node.compute``), so a node answers
 pings while its blocks run.
 The control thread never waits for the compute thread: a data message waits
 for it only once its envelope names an open session and its header opens under
@@ -36,16 +36,16 @@ from diffuse.wire import sealing
 from diffuse.text import plain
 from diffuse.errors import DiffuseError, WireError
 from diffuse.home import config_home
-from diffuse.node_compute import MAX_PASS_LOG, PARTS, Arrived, ComputeThread  # noqa: F401 (the limits, said here too)
-from diffuse.node_control import NodeControl, refusal
+from diffuse.node.compute import MAX_PASS_LOG, PARTS, Arrived, ComputeThread  # noqa: F401 (the limits, said here too)
+from diffuse.node.control import NodeControl, refusal
 from diffuse.wire.links import NextHop
 from diffuse.plan.placement import SpeedBook
 from diffuse.plan.contracts import WIRE_VERSIONS, StackPlan, parse_slices
 from diffuse.processes import alive
-from diffuse.sessions import SessionTable
+from diffuse.node.sessions import SessionTable
 from diffuse.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
 
-log = logging.getLogger("diffuse.node")
+log = logging.getLogger("diffuse.node.server")
 
 MAX_QUEUED = 256  # data messages waiting for the compute thread; more are dropped (and logged)
 MAX_SESSIONS = 256  # open sessions in all (each holds a socket toward its next hop)
@@ -137,7 +137,7 @@ class Node:
         from diffuse.plan.planner import config_draft
         from diffuse.wire.transport import transport_for
         from diffuse.wire.sealing import load_identity
-        from diffuse.stage import BlockStore
+        from diffuse.node.stage import BlockStore
 
         self.transport = transport_for(listen)
         subject = ModelSubject.from_path(model_path)
@@ -404,9 +404,3 @@ def _stopping(*_) -> None:
     """Ctrl-C: say so at once (the compute thread may take a moment to finish its pass), then stop."""
     log.info("stopping (interrupted)")
     raise KeyboardInterrupt
-
-
-if __name__ == "__main__":
-    from diffuse.cli import exit_now
-
-    exit_now(main())

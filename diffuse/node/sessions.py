@@ -21,47 +21,21 @@ not count): a place is kept by using it, not by holding it.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 import threading
 import time
+import hmac
 from collections import OrderedDict
 
+from diffuse.wire.tokens import lease_s, ping_proof, token_admits
+
 SESSION_IDLE_S = 900.0  # a session that carried no data for this long is closed, pinged or not
-SESSION_LEASE_S = 30.0  # a session with neither data nor pings for this long is closed
 MAX_CLOSED = 4096  # closed session ids remembered, so none is opened twice
-
-
-def ping_proof(hop_key: bytes, sid: bytes) -> bytes:
-    """What a ping carries to renew session ``sid``: a MAC of its id under the hop key into the node."""
-    return hmac.new(hop_key, b"diffuse ping " + sid, hashlib.sha256).digest()[:16]
-
-
-def data_token(hop_key: bytes, sid: bytes) -> bytes:
-    """What a sending end presents, with the session id, to connect to the data port of a hop's receiver (a
-    transport that ``admits``): a MAC of the id under that hop's key, which only the hop's two ends hold."""
-    return hmac.new(hop_key, b"diffuse data " + sid, hashlib.sha256).digest()[:16]
-
-
-def token_admits(hop_key: bytes | None, sid: bytes, user, password) -> bool:
-    """Whether ``(user, password)`` is session ``sid``'s connection over the hop keyed ``hop_key``."""
-    return hop_key is not None and bytes(user) == sid and hmac.compare_digest(bytes(password),
-                                                                               data_token(hop_key, sid))
-
-
-def lease_s() -> float:
-    """The lease: ``DIFFUSE_SESSION_LEASE_S`` if set (both ends read it), else ``SESSION_LEASE_S``."""
-    try:
-        return max(0.5, float(os.environ.get("DIFFUSE_SESSION_LEASE_S", SESSION_LEASE_S)))
-    except ValueError:
-        return SESSION_LEASE_S
 
 
 class SessionTable:
     def __init__(self):
         self.lock = threading.Lock()
-        self.sessions: dict[bytes, object] = {}  # session id -> diffuse.stage.StageSession
+        self.sessions: dict[bytes, object] = {}  # session id -> diffuse.node.stage.StageSession
         self.owners: dict[bytes, bytes] = {}  # session id -> public key of the client that opened it
         self.outboxes: dict[bytes, object] = {}  # session id -> its sending end toward its next hop
         self.closed: OrderedDict[bytes, str | None] = OrderedDict()  # recently ended ids -> why, if it failed

@@ -1,4 +1,4 @@
-"""What the node's compute thread took from its queue at once (``diffuse.node_compute``): run in arrival order,
+"""What the node's compute thread took from its queue at once (``diffuse.node.compute``): run in arrival order,
 except that decoding passes of different sessions that fit together run through the layers as one batch
 (``diffuse.batching``); the last node's tails of such a batch share one product of the output head
 (``diffuse.lmpass.joint_tails``); each session's message then goes as for a lone pass."""
@@ -16,13 +16,13 @@ from diffuse.plan.devices import PassClock
 from diffuse.lmpass import joint_tails
 
 if TYPE_CHECKING:
-    from diffuse.node_compute import ComputeThread, Incoming
+    from diffuse.node.compute import ComputeThread, Incoming
 
-log = logging.getLogger("diffuse.node")
+log = logging.getLogger("diffuse.node.server")
 
 
 class TakenItems:
-    """The batching side of ``thread`` (a ``diffuse.node_compute.ComputeThread``), on its node's counters."""
+    """The batching side of ``thread`` (a ``diffuse.node.compute.ComputeThread``), on its node's counters."""
 
     def __init__(self, thread: "ComputeThread"):
         self.thread = thread

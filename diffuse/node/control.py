@@ -53,7 +53,7 @@ from diffuse.errors import DiffuseError
 from diffuse.plan.placement import node_report
 from diffuse.plan.contracts import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, StagePlan
 
-log = logging.getLogger("diffuse.node")
+log = logging.getLogger("diffuse.node.server")
 
 CHALLENGE_PERIOD_S = 150.0  # a challenge is good until the end of the period after the one it was made in
 CHALLENGE_BYTES = 8 + 12 + 16  # period number, random, MAC
@@ -130,7 +130,7 @@ class Challenges:
 
 class NodeControl:
     def __init__(self, node, speaks: tuple[int, ...] = WIRE_VERSIONS):
-        self.node = node  # diffuse.node.Node: its store, identity, sessions, data address
+        self.node = node  # diffuse.node.server.Node: its store, identity, sessions, data address
         self.speaks = speaks  # the wire versions this node speaks (``--wire``)
         self.challenges = Challenges()
 
@@ -279,12 +279,12 @@ class NodeControl:
         node.store.load(list(stage.slices), dtype)
         self._make_room()  # the open is good: a full node ends its longest-idle session for it
         # this session's own sending end, closed with it; it proves the session to the next hop's transport
-        from diffuse.sessions import data_token
+        from diffuse.wire.tokens import data_token
 
         creds = {"credentials": (sid, data_token(keys["out_key"], sid))} if getattr(node.transport, "admits", False) \
             else {}
         outbox = node.transport.outbox(stage.next, **creds)
-        from diffuse.stage import StageSession
+        from diffuse.node.stage import StageSession
 
         node.sessions.add(sid, StageSession(sid, node.store, stage, frames.Hop(sid, keys["in_key"], wire=stage.wire_in),
                                             frames.Hop(sid, keys["out_key"], wire=stage.wire_out)), sender, outbox)
