@@ -15,7 +15,7 @@ import torch
 from diffuse.plan.analysis import Analyzer
 from diffuse.plan.calltree import flatten, slot_names
 from diffuse.errors import DiffuseError
-from diffuse.kvcache import is_cache
+from diffuse.plan.kvcache import is_cache
 from diffuse.plan.hookspecs import hookimpl
 from diffuse.measure import relative_error
 from diffuse.plan.contracts import CallPlan, ReturnMap, TensorSpec

@@ -26,7 +26,7 @@ import copy
 
 import torch
 
-from diffuse.kvcache import is_cache
+from diffuse.plan.kvcache import is_cache
 
 PROBE_POSITIONS = 3
 

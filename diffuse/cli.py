@@ -53,7 +53,7 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "query": Command("diffuse.run:main", "generate with a model split over a ring (also: generate, run)"),
-    "chat": Command("diffuse.lm:chat_main", "talk with a language model split over a ring, turn by turn "
+    "chat": Command("diffuse.lmrun:chat_main", "talk with a language model split over a ring, turn by turn "
                     "(default: the embedded tiny-qwen-chat)", "[--model DIR]"),
     "node": Command("diffuse.node.server:main", "serve a slice of a model's blocks (python -m diffuse.node)"),
     "serve": Command("diffuse.serve:main", "an OpenAI-compatible HTTP service and a page, models kept warm on a ring"),

@@ -1,6 +1,6 @@
 """A model that composes audio from text (MusicGen): its ``generate`` returns the waveform its codec decoded,
 written as .wav; split, its decoder's layers run on the nodes and the codes are picked on the last one. The
-codes it decoded are kept for ``--save-tokens``. Called by ``diffuse.lm.generate_text`` once the model has
+codes it decoded are kept for ``--save-tokens``. Called by ``diffuse.lmrun.generate_text`` once the model has
 loaded (``audio_rate``: a model whose config names an audio codec composes)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 
 from diffuse.errors import DiffuseError
-from diffuse.lm_report import head_params_held
+from diffuse.lm.client_report import head_params_held
 from diffuse.request import QueryRequest
 
 def audio_rate(model) -> int | None:
@@ -72,7 +72,7 @@ def compose_audio(q: QueryRequest, console, info, model, inputs, gen, times, t0)
                       client_head_params=head_params_held(sp),
                       client_layer_params=sp.held_block_parameters(), node_stats=split.node_reports)
         draw = sp.last_draw
-        if draw is not None:  # the codes were picked on the last node (diffuse.sampling)
+        if draw is not None:  # the codes were picked on the last node (diffuse.lm.sampling)
             report["codes_picked"] = {"sample": draw.sample, "draws": draw.draws, "processors": draw.described,
                                       "generator_states_sent": draw.states_sent}
     if q.output.save_tokens:

@@ -35,7 +35,7 @@ OFF = ("0", "off", "no", "false")
 # read at run time only, so they may differ between requests served by one launcher
 VOLATILE_ENV = ("DIFFUSE_HOME", "DIFFUSE_LAUNCHER", "PYTEST_CURRENT_TEST")
 PRELOAD = ("diffuse.node.server", "diffuse.plan.analysis", "diffuse.plan.planner", "diffuse.plan.plugins", "diffuse.wire.sealing",
-           "diffuse.node.stage", "diffuse.plan.modelfiles", "diffuse.tail", "diffuse.embedding", "diffuse.sampling",
+           "diffuse.node.stage", "diffuse.plan.modelfiles", "diffuse.lm.heads", "diffuse.lm.embedding", "diffuse.lm.sampling",
            "diffusers.models.transformers", "transformers.modeling_utils", "transformers.generation")
 
 

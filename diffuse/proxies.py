@@ -7,16 +7,16 @@ the call through the ring (``diffuse.standin.Splitter.run_stack``) and answers
 with what the stack's last block returned; the others, called in order with
 that answer threaded back in, hand the same answer on.
 
-A language model's stack is called with its key/value cache (``diffuse.kvcache``)
+A language model's stack is called with its key/value cache (``diffuse.plan.kvcache``)
 and may hand each layer its own arguments (a mask per attention kind). Such a
 stack's calls are collected instead: each proxy but the last hands back its
 input untouched (in the structure the first layer returns, a tuple for some),
 and the last hands every layer's call to the language model's ends
-(``diffuse.lmsplit``), which ship them in one pass. The model's code between
+(``diffuse.lm.client_ends``), which ship them in one pass. The model's code between
 layers does nothing with what a layer returns but pass it on to the next
 (checked): its hidden state, and side outputs handed on as they were returned
 (T5's position biases, threaded by the pass from the node that computes them,
-``diffuse.lmsplit.threaded_sides``), so nothing is lost.
+``diffuse.lm.client_ends.threaded_sides``), so nothing is lost.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from torch import nn
 
 from diffuse.plan.calltree import flatten, same_objects
 from diffuse.errors import DiffuseError
-from diffuse.kvcache import is_cache
-from diffuse.lmsplit import SideOutput
+from diffuse.plan.kvcache import is_cache
+from diffuse.lm.client_ends import SideOutput
 from diffuse.plan.contracts import StackPlan
 
 if TYPE_CHECKING:

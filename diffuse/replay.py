@@ -5,7 +5,7 @@ Each pass is kept as its tensors' raw bytes, in one buffer, with their dtypes an
 shares with the one before (its call tree, return map and part, almost always equal from one decoding
 step to the next) is kept once. A decoding step then costs its own tensor bytes and a few hundred bytes
 more, and a session holds at most as many passes as the model's ``max_position_embeddings`` allow (each
-pass adds at least one position, and nodes refuse a cache beyond that: ``diffuse.kvcache``). Replayed
+pass adds at least one position, and nodes refuse a cache beyond that: ``diffuse.plan.kvcache``). Replayed
 tensors are rebuilt bit for bit.
 """
 

@@ -10,7 +10,7 @@ follow live here too (``check_options``), so the command line and ``diffuse.spli
 - ``ModelAsk``: which model, where the client's ends compute, and whether it runs whole here;
 - ``RingAsk``: where the nodes are and how the split runs (``diffuse.api.SplitOptions``);
 - ``PipelineCall``: a diffusion pipeline's call (``diffuse.dryrun.call_kwargs``);
-- ``TextCall``: a language model's inputs and ``generate``'s arguments (``diffuse.lm``);
+- ``TextCall``: a language model's inputs and ``generate``'s arguments (``diffuse.lmrun``);
 - ``Output``: what the run writes, and whether it says what it does.
 
 Nothing here imports torch or the model's library: the request exists before either loads.

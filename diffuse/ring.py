@@ -169,8 +169,8 @@ class Ring:
                     tail: Tail | None = None, embed: Embed | None = None):
         """One pass of a language model's ``stack``: every layer's own call (``calls``, in order) in one
         message; ``cache`` is the client's cache object, ``fresh`` whether the nodes start theirs anew;
-        ``tail``: the last node also runs the final norm and output head (``diffuse.tail``); ``embed``: the
-        first layer's input slot holds token ids, which the first node embeds (``diffuse.embedding``)."""
+        ``tail``: the last node also runs the final norm and output head (``diffuse.lm.heads``); ``embed``: the
+        first layer's input slot holds token ids, which the first node embeds (``diffuse.lm.embedding``)."""
         tree, layer_trees, tensors = flatten_layers(calls)
         extra = LayerPass(type(cache).__name__, bool(fresh), layer_trees or None, tail, embed)
         if fresh:

@@ -4,7 +4,7 @@ The pipeline's own ``__call__`` runs here, unmodified; its block stacks are
 replaced by stand-ins that send hidden states through the ring. Flags that are
 not given are not passed, so the pipeline's own defaults hold. A transformers
 model folder (a language model, with or without a vision tower) generates text
-instead: see ``diffuse.lm``.
+instead: see ``diffuse.lmrun``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def generate(a: argparse.Namespace, console) -> dict:
 
     The run goes down through its parts once each, in order: the flags become a typed request
     (``diffuse.cli.query_request``); the model it names is read and the request checked against it
-    (``diffuse.modelread``; a language model goes on in ``diffuse.lm``); the pipeline loads without its blocks
+    (``diffuse.modelread``; a language model goes on in ``diffuse.lmrun``); the pipeline loads without its blocks
     and its call is checked by its own input check and its denoiser's forward run weightless at the call's
     shapes (``diffuse.dryrun.checked_call``); the nodes start or are dialled (``diffuse.api.open_split``); the
     pipeline's own call runs under progress (``diffuse.progress.run_with_steps``); the output is written and the
@@ -51,7 +51,7 @@ def generate(a: argparse.Namespace, console) -> dict:
 
         warm_launcher()  # its imports run while this process loads the model
     if info.subject.autoregressive:
-        from diffuse.lm import generate_text
+        from diffuse.lmrun import generate_text
 
         return generate_text(q, console, info, compute)
     stacks = ", ".join(f"{s.path} ({s.length})" for s in info.draft["stacks"])

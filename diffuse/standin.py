@@ -4,7 +4,7 @@ A ``StandIn`` (``diffuse.proxies``) is an ordinary ``nn.ModuleList`` of
 parameterless ``BlockProxy`` modules, one per block, so the denoiser's own loop
 runs unchanged; its first proxy ships the call through the ring (``run_stack``
 here), and a language model's stack hands every layer's call to the language
-model's ends at its last layer (``run_layers``, ``diffuse.lmsplit``). The
+model's ends at its last layer (``run_layers``, ``diffuse.lm.client_ends``). The
 pipeline's ``__call__`` is never modified.
 
 With ``patches > 1`` a stack that carries one stream goes through a
@@ -29,7 +29,7 @@ from torch import nn
 from diffuse.plan.calltree import flatten
 from diffuse.changes import Changes, guard
 from diffuse.errors import DiffuseError
-from diffuse.lmsplit import LanguageEnds
+from diffuse.lm.client_ends import LanguageEnds
 from diffuse.memo import RepeatMemo
 from diffuse.pipefusion import Patcher, why_uncut
 from diffuse.plan.contracts import PATCHABLE, CallPlan, ReturnMap, SlicingPlan, StackPlan
@@ -176,7 +176,7 @@ class Splitter:
         return self.ring.call(stack.path, args, kwargs, rmap)
 
     def run_layers(self, stack: StackPlan, calls: list[tuple[tuple, dict]], cache):
-        """A language model's pass (``diffuse.lmsplit``, which counts its time in ``stand_in_s``)."""
+        """A language model's pass (``diffuse.lm.client_ends``, which counts its time in ``stand_in_s``)."""
         if self.ring is None:
             raise DiffuseError("this model's layers are held by nodes: call it inside `with diffuse.split(...)`")
         if self.tagger is not None:

@@ -106,7 +106,7 @@ def test_split_musicgen_composes_what_transformers_composes(musicgen, diffuse_ho
     from transformers import AutoProcessor
 
     import diffuse
-    from diffuse.tail import LISTED_TOP
+    from diffuse.lm.heads import LISTED_TOP
 
     model_dir, ref = musicgen["model"], musicgen["reference"]
     threads = torch.get_num_threads()

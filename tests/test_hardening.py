@@ -696,7 +696,7 @@ def test_the_first_node_of_a_default_language_model_run_receives_no_token_ids(tm
     import diffuse
     from diffuse.wire import frames
     from diffuse.localnodes import start_local_nodes
-    from diffuse.media_inputs import build_inputs
+    from diffuse.lm.client_media import build_inputs
 
     model_dir = lm_models.build("qwen2", str(tmp_path_factory.mktemp("first-node") / "qwen2"))
     inputs, _ = build_inputs(model_dir, "Tell me a story about the moon.")

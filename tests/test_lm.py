@@ -198,7 +198,8 @@ def test_sampling_processors_travel_as_data_and_a_node_rebuilds_them_as_transfor
     from transformers.generation import logits_process as lp
 
     import diffuse
-    from diffuse.sampling import PROCESSORS, NodeSampler, describe, rebuild
+    from diffuse.lm.node_sampling import NodeSampler
+    from diffuse.lm.sampling import PROCESSORS, describe, rebuild
 
     built = [lp.TemperatureLogitsWarper(0.7), lp.TopKLogitsWarper(5), lp.TopPLogitsWarper(0.9), lp.MinPLogitsWarper(0.1),
              lp.TypicalLogitsWarper(0.8), lp.EpsilonLogitsWarper(3e-4), lp.EtaLogitsWarper(3e-4),
@@ -236,7 +237,7 @@ def test_the_client_refuses_a_draw_the_model_changed_after_its_head():
     import torch
 
     import diffuse
-    from diffuse.sampling import Draw, DrawnToken, NodeTail
+    from diffuse.lm.sampling import Draw, DrawnToken, NodeTail
 
     draw = Draw([], sample=True)
     draw.ids = torch.tensor([[4, 5, 6]])
@@ -299,7 +300,7 @@ def test_python_api_splits_a_transformers_model_samples_and_refuses_beam_search(
     import torch
 
     import diffuse
-    from diffuse.media_inputs import build_inputs
+    from diffuse.lm.client_media import build_inputs
 
     from transformers import LogitsProcessorList
 
@@ -384,7 +385,8 @@ def test_the_embedding_table_leaves_the_client_only_where_the_first_layer_takes_
     from torch import nn
 
     import diffuse
-    from diffuse.embedding import checked_ids, embedding_path, embedding_stays
+    from diffuse.lm.embedding import embedding_path, embedding_stays
+    from diffuse.lm.node_layers import checked_ids
 
     small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1)

@@ -1,4 +1,4 @@
-"""Decoding passes of concurrent sessions batched through a node's layers (``diffuse.batching``).
+"""Decoding passes of concurrent sessions batched through a node's layers (``diffuse.lm.node_batching``).
 
 Three greedy sessions with prompts of different lengths run at once through two
 real local nodes, each session its own client (own model copy, own
@@ -182,7 +182,7 @@ def lone(p):
 
 
 def test_batched_layers_leave_each_cache_as_a_lone_pass(lm_dirs):
-    from diffuse.batching import batch_key, run_batch
+    from diffuse.lm.node_batching import batch_key, run_batch
 
     model, passes = decoding_passes(lm_dirs("qwen2"), [3, 9, 14])
     assert len({batch_key(torch.float32, p) for p in passes}) == 1  # one batch, whatever the cache lengths
@@ -205,7 +205,7 @@ def test_batched_layers_leave_each_cache_as_a_lone_pass(lm_dirs):
 
 
 def test_a_batch_that_cannot_run_leaves_every_cache_as_it_was(lm_dirs):
-    from diffuse.batching import NotBatchable, batch_key, run_batch
+    from diffuse.lm.node_batching import NotBatchable, batch_key, run_batch
 
     model, passes = decoding_passes(lm_dirs("qwen2"), [4, 6])
     before = [[(layer.keys, layer.values) for layer in p.cache.layers] for p in passes]
@@ -243,12 +243,12 @@ def test_batched_tails_answer_each_row_as_its_tail_alone(lm_dirs):
     from types import SimpleNamespace
 
     from diffuse.plan.analysis import ModelSubject
-    from diffuse.batching import run_batch
+    from diffuse.lm.node_batching import run_batch
     from diffuse.node.blockstore import BlockStore
-    from diffuse.lmpass import joint_tails, run_tail
+    from diffuse.lm.node_layers import joint_tails, run_tail
     from diffuse.wire.passes import LayerPass, Tail
     from diffuse.plan.planner import config_draft
-    from diffuse.tail import top_candidates
+    from diffuse.lm.node_tail import top_candidates
 
     model_dir = lm_dirs("qwen2")
     model, passes = decoding_passes(model_dir, [3, 9, 14])
@@ -269,7 +269,7 @@ def test_batched_tails_answer_each_row_as_its_tail_alone(lm_dirs):
             assert torch.equal(p.tail_answer["ids"], got["ids"])
             assert torch.equal(p.tail_answer["values"].view(torch.int32), got["values"].view(torch.int32))
     # a head with a bias and a vocabulary whose last tile is short, its best logits in that tile
-    from diffuse.tail import joint_head
+    from diffuse.lm.node_tail import joint_head
 
     head = torch.nn.Linear(96, 1000)
     g = torch.Generator().manual_seed(0)

@@ -70,7 +70,7 @@ def long_session(model_dir: str, passes: int, tmp_path) -> dict:
     """One generate through two local nodes until the cap refuses it; the readings and the refusal."""
     import diffuse
     from diffuse.errors import DiffuseError, NodeError
-    from diffuse.kvcache import max_positions
+    from diffuse.plan.kvcache import max_positions
     from diffuse.localnodes import start_local_nodes
     from diffuse.wire.transport import transport_for
 

@@ -51,7 +51,7 @@ def test_a_split_language_model_is_its_own_model_again_after_release(tmp_path, d
     import lm_models
 
     import diffuse
-    from diffuse.media_inputs import build_inputs
+    from diffuse.lm.client_media import build_inputs
 
     model_dir = lm_models.build("qwen2", str(tmp_path / "qwen2"))
     threads = torch.get_num_threads()

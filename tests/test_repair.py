@@ -185,7 +185,7 @@ def test_a_language_model_answers_the_same_after_a_node_dies_mid_answer(tmp_path
 
     import diffuse
     from conftest import THREADS
-    from diffuse.media_inputs import build_inputs
+    from diffuse.lm.client_media import build_inputs
     from diffuse.repair import AVOIDED
 
     model_dir = lm_models.build("qwen2", str(tmp_path_factory.mktemp("repair-lm") / "qwen2"))

@@ -82,7 +82,7 @@ def test_voxtral_refuses_what_its_processor_cannot_take(voxtral, tmp_path, diffu
 def test_voxtral_without_audio_gets_its_tokenizers_own_chat_format(voxtral):
     """Mistral's tokenizer renders chats in mistral-common (no Jinja template): a question alone is wrapped as it
     renders it ([INST] ... [/INST]), not sent as bare text."""
-    from diffuse.media_inputs import build_inputs
+    from diffuse.lm.client_media import build_inputs
 
     inputs, _ = build_inputs(voxtral["model"], QUESTION)
     assert inputs["input_ids"].tolist() == voxtral["reference"]["text_only_input_ids"]

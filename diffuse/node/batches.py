@@ -1,7 +1,7 @@
 """What the node's compute thread took from its queue at once (``diffuse.node.compute``): run in arrival order,
 except that decoding passes of different sessions that fit together run through the layers as one batch
-(``diffuse.batching``); the last node's tails of such a batch share one product of the output head
-(``diffuse.lmpass.joint_tails``); each session's message then goes as for a lone pass."""
+(``diffuse.lm.node_batching``); the last node's tails of such a batch share one product of the output head
+(``diffuse.lm.node_layers.joint_tails``); each session's message then goes as for a lone pass."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diffuse.batching import batch_key, run_batch
+from diffuse.lm.node_batching import batch_key, run_batch
 from diffuse.plan.devices import PassClock
-from diffuse.lmpass import joint_tails
+from diffuse.lm.node_layers import joint_tails
 
 if TYPE_CHECKING:
     from diffuse.node.compute import ComputeThread, Incoming
@@ -89,7 +89,7 @@ class TakenItems:
         return found
 
     def _batch(self, group: list["Incoming"]) -> None:
-        """Decoding passes of different sessions through the layers as one batch (``diffuse.batching``); each
+        """Decoding passes of different sessions through the layers as one batch (``diffuse.lm.node_batching``); each
         session's tail (jointly where they fit) and message then as for a lone pass. What cannot be batched runs
         one by one."""
         t0, w0 = time.thread_time(), time.perf_counter()

@@ -133,8 +133,8 @@ class BlockStore:
         """(final norm or None, output head) of a language model, loaded on first use from the safetensors
         files in ``dtype`` (what the session's blocks compute in); ``norm`` is the path the client saw,
         accepted only if it names a norm (a leaf of vectors). The head is the model's own: one projection, or a
-        list of ``Linear`` heads of one shape side by side (``diffuse.tail.is_head_list``)."""
-        from diffuse.tail import head_path, is_head_list, is_norm
+        list of ``Linear`` heads of one shape side by side (``diffuse.lm.heads.is_head_list``)."""
+        from diffuse.lm.heads import head_path, is_head_list, is_norm
 
         key = (norm or "", dtype)
         if key in self._tails:
@@ -179,7 +179,7 @@ class BlockStore:
     def embedding(self, dtype: torch.dtype):
         """A language model's input embedding (its own ``get_input_embeddings()``, found here, not named by the
         client), loaded on first use from the safetensors files in ``dtype``."""
-        from diffuse.embedding import embedding_path
+        from diffuse.lm.embedding import embedding_path
 
         if dtype in self._embeds:
             return self._embeds[dtype]

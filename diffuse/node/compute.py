@@ -12,7 +12,7 @@ import time
 import torch
 
 from diffuse.wire import frames
-from diffuse.batching import MAX_BATCH
+from diffuse.lm.node_batching import MAX_BATCH
 from diffuse.plan.devices import Outgoing, PassClock, to_device
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.node.batches import TakenItems
@@ -55,7 +55,7 @@ class Arrived:
 
 class Incoming:
     """A data message opened on the compute thread: its session, header and tensors; once prepared, the pass
-    to run (``pass_``) or the message to send at once (``reply``); its batch key (``diffuse.batching``); where
+    to run (``pass_``) or the message to send at once (``reply``); its batch key (``diffuse.lm.node_batching``); where
     its time went (``parts``: wall seconds of each stage, for ``python -m diffuse.bench``)."""
 
     __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key", "busy", "t0", "parts")

@@ -27,15 +27,15 @@ from dataclasses import dataclass
 import torch
 
 import diffuse.firstblock  # noqa: F401  (registers the first-block cache's pass kind)
-import diffuse.lmpass  # noqa: F401  (registers a language model's pass kind)
+import diffuse.lm.node_layers  # noqa: F401  (registers a language model's pass kind)
 import diffuse.pipefusion.stale  # noqa: F401  (registers PipeFusion's pass kind)
 from diffuse.node.blockstore import BlockStore
 from diffuse.plan.calltree import encode_value
 from diffuse.wire.slots import SLOT_CACHE_BYTES, SlotCache
 from diffuse.errors import DiffuseError
 from diffuse.firstblock import NodeResiduals
-from diffuse.kvcache import NodeCaches
-from diffuse.lmpass import embed_spec
+from diffuse.lm.node_cache import NodeCaches
+from diffuse.lm.node_layers import embed_spec
 from diffuse.wire.passes import WHOLE, Answer, Pass as Message, checked_tree
 from diffuse.pipefusion import StaleStack
 from diffuse.plan.contracts import ReturnMap, Slice, SlotRef, StagePlan
@@ -73,7 +73,7 @@ class Prepared:
     cache: object | None  # the session's key/value cache of this stack (a language model's pass), or None
     blocks: list[tuple[int, torch.nn.Module]]
     part: object = None  # the message's part (diffuse.wire.passes), once prepared
-    tail_answer: dict | None = None  # its tail's answer, when run with a batch's others (diffuse.lmpass)
+    tail_answer: dict | None = None  # its tail's answer, when run with a batch's others (diffuse.lm.node_layers)
 
     def __post_init__(self):
         if self.part is None:
@@ -94,8 +94,8 @@ class StageSession:
         self.busy_s = 0.0  # CPU seconds spent preparing and running calls, for the benchmark's utilisation
         self.busy_log: list[list] = []  # [seq, seconds] of every call this node worked on, for the same
         self.parts_log: list[list] = []  # [seq, seconds...] where each call's time went (diffuse.node.server.PARTS)
-        self.batched_passes = 0  # passes of this session that ran in a batch with other sessions' (diffuse.batching)
-        self.joint_tails = 0  # ... whose tail ran with theirs too (diffuse.lmpass.joint_tails)
+        self.batched_passes = 0  # passes of this session that ran in a batch with other sessions' (diffuse.lm.node_batching)
+        self.joint_tails = 0  # ... whose tail ran with theirs too (diffuse.lm.node_layers.joint_tails)
         self.store = store
         self.in_hop, self.out_hop = in_hop, out_hop
         self.trees: dict[str, dict] = {}
@@ -104,7 +104,7 @@ class StageSession:
         self.slots = SlotCache(SLOT_CACHE_BYTES)  # (stack, slot) -> tensor; the client's mirror keeps the same
         self.kv = NodeCaches(store.subject.config_object)
         self.residuals = NodeResiduals()  # the first-block cache's (diffuse.firstblock)
-        self.sampler = None  # a language model's draws on the last node (diffuse.sampling), on first use
+        self.sampler = None  # a language model's draws on the last node (diffuse.lm.sampling), on first use
         self.last_used = time.monotonic()
         self.bytes_in = self.bytes_out = self.messages = 0
         self.last_seq = 0  # the highest sequence number a message of this session carried here
@@ -196,7 +196,7 @@ class StageSession:
                 slots.append(ref)
         return p.message.handed_on(slots, p.part).to_wire(), sent
 
-    _embed_spec = staticmethod(embed_spec)  # (slot, dtype) of a pass's token ids, checked (diffuse.lmpass)
+    _embed_spec = staticmethod(embed_spec)  # (slot, dtype) of a pass's token ids, checked (diffuse.lm.node_layers)
 
     def report(self) -> dict:
         """What the session did, for the client's summary (sent at close, before the buffers go)."""

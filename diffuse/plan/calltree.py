@@ -5,7 +5,7 @@ constants inline and ``{"$t": i}`` where tensor ``i`` sat) plus a flat list of
 tensors, the *slots*. Tuples, lists and dicts of tensors nest (rotary
 ``(cos, sin)``, complex included). The tree is the call plan: it travels once
 per branch; afterwards only the tensors that changed do. A language model's
-key/value cache becomes a marker naming its class (``diffuse.kvcache``): each
+key/value cache becomes a marker naming its class (``diffuse.plan.kvcache``): each
 node supplies its own.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from diffuse.errors import DiffuseError
-from diffuse.kvcache import STATE, is_cache
+from diffuse.plan.kvcache import STATE, is_cache
 
 TENSOR, TUPLE, DICT = "$t", "$tuple", "$dict"
 

@@ -183,7 +183,7 @@ class ReturnMap:
     from block to block (the hidden states), sorted. ``names``: the slots' human names, for messages.
     ``sides``: returned positions that are side outputs the model hands to the next block where the first
     block took none (T5's position biases, made by block 0 and given to every later block): threaded into
-    slots of the later blocks' own calls, learned per pass (``diffuse.lmsplit``), never the hidden state.
+    slots of the later blocks' own calls, learned per pass (``diffuse.lm.client_ends``), never the hidden state.
     """
 
     single: bool

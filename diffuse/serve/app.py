@@ -171,7 +171,7 @@ def _float(body: dict, key: str):
 
 
 class Messages:
-    """OpenAI chat messages as ``diffuse.media_inputs.chat_inputs`` takes them: images decoded from data URLs
+    """OpenAI chat messages as ``diffuse.lm.client_media.chat_inputs`` takes them: images decoded from data URLs
     into the parts they came in, audio written to a file for the model's processor."""
 
     def __init__(self, raw, tmp: str):

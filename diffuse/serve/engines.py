@@ -315,14 +315,14 @@ class LanguageEngine(Engine):
     def __init__(self, name, info, nodes, split_options, created, parallel: int, max_waiting: int,
                  default_max_tokens: int = 256):
         super().__init__(name, info, nodes, split_options, created)
-        from diffuse.media_inputs import load_config, load_tokenizer
+        from diffuse.lm.client_media import load_config, load_tokenizer
 
         cls = info.subject.denoiser_class()
         self.listens = getattr(cls, "main_input_name", "input_ids") == "input_features"
         config = load_config(info.path)
         codec = getattr(config, "audio_encoder", None)
         self.sample_rate = int(getattr(codec, "sampling_rate", 0) or 0) or None
-        from diffuse.audio_inputs import takes_audio_in_chat
+        from diffuse.lm.client_audio import takes_audio_in_chat
 
         self.hears_in_chat = takes_audio_in_chat(config)
         self.kind = "transcription" if self.listens else "speech" if self.sample_rate else "chat"
@@ -348,14 +348,14 @@ class LanguageEngine(Engine):
         return d
 
     def _takes_images(self) -> bool:
-        from diffuse.media_inputs import _takes_images, load_config
+        from diffuse.lm.client_media import _takes_images, load_config
 
         return bool(_takes_images(load_config(self.info.path)))
 
     # inputs ------------------------------------------------------------------------------------------------
 
     def chat_inputs(self, messages: list[dict], images: list, audio: str | None) -> dict:
-        from diffuse.media_inputs import chat_inputs
+        from diffuse.lm.client_media import chat_inputs
 
         if self.kind != "chat":
             raise BadRequest(f"{self.name} is a {self.kind} model: use "
@@ -366,7 +366,7 @@ class LanguageEngine(Engine):
             if images or len([m for m in messages if m["role"] != "system"]) != 1:
                 raise BadRequest(f"{self.name} takes audio in one user turn (the audio, then the text), no images",
                                  "messages")
-            from diffuse.audio_inputs import build_audio_chat_inputs
+            from diffuse.lm.client_audio import build_audio_chat_inputs
 
             text = messages[-1]["content"]
             text = " ".join(p.get("text", "") for p in text) if isinstance(text, list) else text
@@ -377,7 +377,7 @@ class LanguageEngine(Engine):
         return inputs
 
     def prompt_inputs(self, prompt: str, template: bool = False) -> dict:
-        from diffuse.media_inputs import build_inputs
+        from diffuse.lm.client_media import build_inputs
 
         if self.kind != "chat":
             raise BadRequest(f"{self.name} is a {self.kind} model", "model")
@@ -420,7 +420,7 @@ class LanguageEngine(Engine):
     def transcribe(self, audio_path: str, cancel: Cancel, max_tokens: int | None = None) -> TextResult:
         """The text ``diffuse query --audio FILE [--max-new-tokens N]`` prints for the same clip (greedy; without
         ``max_tokens`` the model's own generation config sets the length)."""
-        from diffuse.audio_inputs import build_audio_inputs
+        from diffuse.lm.client_audio import build_audio_inputs
 
         if not self.listens:
             raise BadRequest(f"{self.name} does not transcribe audio", "model")
@@ -434,7 +434,7 @@ class LanguageEngine(Engine):
         import torch
 
         from diffuse.plan.devices import inputs_on, model_device
-        from diffuse.media_inputs import build_inputs
+        from diffuse.lm.client_media import build_inputs
 
         if not self.sample_rate:
             raise BadRequest(f"{self.name} does not make sound", "model")

@@ -8,7 +8,7 @@ through this node's blocks, and, on the stack's last node, make the ``answer``.
 Built in: the plain loop (``Whole``, here), PipeFusion's stale stack
 (``Patch``, ``diffuse.pipefusion.stale``), the first-block cache (``Reuse``,
 ``diffuse.firstblock``) and a language model's layers with their cache, tail
-and sampling (``LayerPass``, ``diffuse.lmpass``).
+and sampling (``LayerPass``, ``diffuse.lm.node_layers``).
 """
 
 from __future__ import annotations

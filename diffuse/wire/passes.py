@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Union
 
 from diffuse.plan.calltree import DICT, TENSOR, TUPLE
-from diffuse.kvcache import STATE
+from diffuse.plan.kvcache import STATE
 from diffuse.plan.contracts import ContractError, Patch, ReturnMap, SlotRef, _is_int, _short
 
 __all__ = ["Answer", "ContractError", "DrawState", "Embed", "LayerPass", "Pass", "Part", "Patch", "Reuse", "Tail",
@@ -93,9 +93,9 @@ class Reuse:
 
 @dataclass(frozen=True)
 class DrawState:
-    """What the last node lacks to apply ``generate``'s processors and draw (``diffuse.sampling``): the
+    """What the last node lacks to apply ``generate``'s processors and draw (``diffuse.lm.sampling``): the
     processors (when changed), the token history (``keep`` columns it holds, rows ``add``ed), the generator
-    state (when changed). Deeper checks (processor names, history shape) are ``diffuse.sampling``'s."""
+    state (when changed). Deeper checks (processor names, history shape) are ``diffuse.lm.sampling``'s."""
 
     sample: bool
     history: dict

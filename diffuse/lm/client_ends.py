@@ -3,15 +3,15 @@
 A language model's stack is called with its key/value cache; the stand-in
 (``diffuse.standin``) collects every layer's call and hands the pass here
 (``LanguageEnds.run_layers``). The client's cache gets its shadow
-(``diffuse.kvcache``). Inside ``generate``, which always calls the output head,
+(``diffuse.plan.kvcache``). Inside ``generate``, which always calls the output head,
 the pass is held back until the head is called, so that the last node runs the
 final norm and the head too and sends back only the candidates decoding reads
-(``diffuse.tail``); the head's side is ``diffuse.lmhead`` (``HeadEnd``, and
+(``diffuse.lm.heads``); the head's side is ``diffuse.lm.client_head`` (``HeadEnd``, and
 ``GenerateCapture``, which captures generate's own logits processors and token
 history so that, when it samples, the last node applies them and draws,
-``diffuse.sampling``). When asked (``embedding_on_node``) and where the model's
+``diffuse.lm.sampling``). When asked (``embedding_on_node``) and where the model's
 forward allows, the input embedding is a stand-in too and the pass carries token
-ids for the first node to embed (``diffuse.lmembed``). Every module replaced and
+ids for the first node to embed (``diffuse.lm.client_embedding``). Every module replaced and
 every hook registered here is recorded in the splitter's ``Changes``, and undone
 on release.
 """
@@ -28,9 +28,9 @@ from torch import nn
 from diffuse.plan.calltree import flatten_layers
 from diffuse.changes import is_freed
 from diffuse.errors import DiffuseError
-from diffuse.kvcache import ClientCaches
-from diffuse.lmembed import EmbeddingEnd
-from diffuse.lmhead import GenerateCapture, HeadEnd
+from diffuse.lm.client_cache import ClientCaches
+from diffuse.lm.client_embedding import EmbeddingEnd
+from diffuse.lm.client_head import GenerateCapture, HeadEnd
 from diffuse.wire.passes import Embed, Tail
 from diffuse.plan.contracts import ReturnMap, StackPlan
 from diffuse.plan.planner import learn_call
@@ -38,7 +38,7 @@ from diffuse.plan.planner import learn_call
 
 @dataclass
 class _Pending:
-    """A language model's pass held back until its output head is called (see ``diffuse.tail``)."""
+    """A language model's pass held back until its output head is called (see ``diffuse.lm.heads``)."""
 
     stack: StackPlan
     calls: list
@@ -100,8 +100,8 @@ class LanguageEnds:
     def __init__(self, splitter):
         self.splitter = splitter
         self.caches = ClientCaches()
-        self.head_end = HeadEnd(self)  # the output head (diffuse.lmhead)
-        self.embedding = EmbeddingEnd(self)  # the input embedding (diffuse.lmembed)
+        self.head_end = HeadEnd(self)  # the output head (diffuse.lm.client_head)
+        self.embedding = EmbeddingEnd(self)  # the input embedding (diffuse.lm.client_embedding)
         self.pending: _Pending | None = None
         self.generation = GenerateCapture(self)
 
@@ -162,7 +162,7 @@ class LanguageEnds:
     # -- passes ----------------------------------------------------------------------------------------
     def run_layers(self, stack: StackPlan, calls: list[tuple[tuple, dict]], cache):
         """A language model's pass: every layer's call through the ring at once; the client's cache gets
-        its shadow (see ``diffuse.kvcache``)."""
+        its shadow (see ``diffuse.plan.kvcache``)."""
         h = self.head_end
         if h.replay is not None:  # the forward runs again on a pass the nodes already answered
             answer, h.replay = h.replay, None

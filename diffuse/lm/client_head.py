@@ -1,17 +1,16 @@
 """A language model's output head on a split client, and what ``generate`` tells the last node.
 
-Inside ``generate``, which always calls the output head, a pass is held back (``diffuse.lmsplit``) until the head
+Inside ``generate``, which always calls the output head, a pass is held back (``diffuse.lm.client_ends``) until the head
 is called, so that the last node runs the final norm and the head too and sends back only the candidates decoding
-reads (``diffuse.tail``); ``HeadEnd`` answers the head's stand-in from that pass, or runs the head here where the
+reads (``diffuse.lm.heads``); ``HeadEnd`` answers the head's stand-in from that pass, or runs the head here where the
 model works on the norm's output in between. ``GenerateCapture`` wraps ``generate``: it says how many candidates
 decoding needs, and captures generate's own logits processors and token history so that, when it samples, the
-last node applies them and draws (``diffuse.sampling``).
+last node applies them and draws (``diffuse.lm.sampling``).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,12 +18,9 @@ from torch import nn
 from diffuse.changes import is_freed
 from diffuse.errors import DiffuseError
 from diffuse.wire.passes import Tail
-from diffuse.shortlist import ShortlistCheck
-from diffuse.tail import (HeadListStandIn, HeadStandIn, head_path, head_vocab, is_head_list, is_norm, logits_from,
-                          rows_of, unsupported_view)
+from diffuse.lm.client_shortlist import ShortlistCheck
+from diffuse.lm.heads import head_path, head_vocab, is_head_list, is_norm
 
-if TYPE_CHECKING:
-    from diffuse.lmsplit import LanguageEnds
 
 
 class HeadEnd:
@@ -32,11 +28,11 @@ class HeadEnd:
     or here; its stand-in's hooks watch the model so that a module reading the held-back answer gets the real
     one, and the model's outermost forward call is kept so that it can run again here (``_head_here``)."""
 
-    def __init__(self, ends: "LanguageEnds"):
-        self.ends = ends
+    def __init__(self, ends):
+        self.ends = ends  # the LanguageEnds this end belongs to (diffuse.lm.client_ends)
         self.head: tuple[str, nn.Module] | None = None  # the output head: (path, the original)
         self.head_freed = self.head_tied = False
-        self.head_list = False  # the head is a list of heads side by side (diffuse.tail.HeadListStandIn)
+        self.head_list = False  # the head is a list of heads side by side (diffuse.lm.heads.HeadListStandIn)
         self._heads_answer: tuple | None = None  # (the hidden state, every head's logits) while the heads are called
         # whether the head reads rows of the final norm's output as it is (None: not known yet); a model that
         # works on them in between (T5 scales them) gets its passes sent at once and its head run here
@@ -52,7 +48,7 @@ class HeadEnd:
         self._heads_answer = None
 
     def install(self, changes) -> None:
-        """The output head becomes a stand-in answered by the last node (``diffuse.tail``); every other module is
+        """The output head becomes a stand-in answered by the last node (``diffuse.lm.heads``); every other module is
         watched, so that one reading the stack's held-back answer gets the real one."""
         path = head_path(self.ends.model) if self.ends.splitter.plan.stacks else None
         if path is None:
@@ -163,7 +159,7 @@ class HeadEnd:
 
     def run_head_of(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Head ``index`` of a list of heads, on ``x``: the first head called in a held-back pass sends it (every
-        head runs on the last node, ``diffuse.tail.stack_heads``), every head then answers its part of that answer;
+        head runs on the last node, ``diffuse.lm.heads.stack_heads``), every head then answers its part of that answer;
         each must read the same hidden state."""
         path, original = self.head
         heads = len(original)
@@ -185,24 +181,24 @@ class HeadEnd:
 
 
 class GenerateCapture:
-    """While split, ``generate`` first says how many candidates its decoding reads (``diffuse.tail``); with
-    sampling, the last node applies generate's own processors and draws (``diffuse.sampling``)."""
+    """While split, ``generate`` first says how many candidates its decoding reads (``diffuse.lm.heads``); with
+    sampling, the last node applies generate's own processors and draws (``diffuse.lm.sampling``)."""
 
-    def __init__(self, ends: "LanguageEnds"):
-        self.ends = ends
+    def __init__(self, ends):
+        self.ends = ends  # the LanguageEnds this end belongs to (diffuse.lm.client_ends)
         self.top: int | None = None  # candidates per row the head's answer needs (None: the whole row)
         self.shortlist: torch.Tensor | None = None  # the last row the head answered from the best candidates only
         self.whole_row: torch.Tensor | None = None  # ... or whole
         self.greedy_top: int | None = None  # in a greedy generate call, the candidates a shortlist holds
         self.logits_changed: bool | None = None  # whether the model changes its logits after the head (None: unknown)
         self.active = False  # passes are held back for the head only inside generate, which always calls it
-        self.draw = None  # a generate call's draws on the last node (diffuse.sampling.Draw), while it runs
+        self.draw = None  # a generate call's draws on the last node (diffuse.lm.sampling.Draw), while it runs
         self.last_draw = None  # the last generate call's (None when it drew nothing on the node), for its report
-        self._node_tail = None  # what the open ring's last node holds for draws (diffuse.sampling.NodeTail)
+        self._node_tail = None  # what the open ring's last node holds for draws (diffuse.lm.sampling.NodeTail)
 
     def wrap(self, changes) -> None:
-        from diffuse.kvcache import check_prompt
-        from diffuse.tail import candidates_needed
+        from diffuse.plan.kvcache import check_prompt
+        from diffuse.lm.heads import candidates_needed
 
         model = self.ends.model
         bound = type(model).generate.__get__(model)
@@ -212,7 +208,7 @@ class GenerateCapture:
             check_prompt(model.config, kwargs.get("input_ids", args[0] if args else None))  # before any pass
             self.top = candidates_needed(model, kwargs)
             # greedy from the best few: until this model is known not to change its logits after the head, its
-            # first pass brings the whole last row (diffuse.shortlist.ShortlistCheck learns it there)
+            # first pass brings the whole last row (diffuse.lm.client_shortlist.ShortlistCheck learns it there)
             self.greedy_top = self.top if not self.ends.head_end.head_list else None
             if self.greedy_top is not None and self.logits_changed is not False:
                 self.top = None
@@ -232,7 +228,7 @@ class GenerateCapture:
 
     def node_tail(self):
         """What the open ring's last node holds for draws; a new session starts with nothing."""
-        from diffuse.sampling import NodeTail
+        from diffuse.lm.sampling import NodeTail
 
         channel = self.ends.splitter.ring.channel
         if self._node_tail is None or self._node_tail.channel is not channel:
@@ -271,8 +267,8 @@ class GenerateCapture:
         node applies them and draws."""
         from transformers import LogitsProcessorList
 
-        from diffuse.sampling import Draw, DrawnToken
-        from diffuse.tail import GREEDY_TOP, LISTED_TOP
+        from diffuse.lm.sampling import Draw, DrawnToken
+        from diffuse.lm.heads import GREEDY_TOP, LISTED_TOP
 
         if getattr(config, "output_scores", False) or (getattr(config, "num_beams", 1) or 1) > 1:
             return built  # output_scores asks for whole rows
@@ -294,3 +290,89 @@ class GenerateCapture:
         # the passes of one call, replayed in order on a new node, rebuild its state exactly
         self._node_tail = None
         return LogitsProcessorList([DrawnToken(self.draw)])
+
+
+def rows_of(x: torch.Tensor, full: torch.Tensor) -> tuple[int, int] | None:
+    """``(start, stop)`` when ``x`` is ``full[:, start:stop]`` (a view sharing its storage), else None."""
+    if x.dim() != 3 or full.dim() != 3 or x.shape[0] != full.shape[0] or x.shape[2] != full.shape[2]:
+        return None
+    if x.untyped_storage().data_ptr() != full.untyped_storage().data_ptr() or x.stride() != full.stride():
+        return None
+    offset = x.storage_offset() - full.storage_offset()
+    if offset < 0 or offset % full.stride(1):
+        return None
+    start = offset // full.stride(1)
+    return (start, start + x.shape[1]) if start + x.shape[1] <= full.shape[1] else None
+
+
+def logits_from(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Tensor:
+    out = torch.full((*ids.shape[:-1], vocab), float("-inf"), dtype=values.dtype, device=values.device)
+    return out.scatter_(-1, ids.long(), values)
+
+
+class HeldElsewhere(nn.Module):
+    """A stand-in for one of a model's modules whose weights a node holds (the output head, the input
+    embedding): code that reads its ``weight`` (tying, resizing) sees the original's."""
+
+    def __init__(self, splitter, original: nn.Module):
+        super().__init__()
+        self._splitter = (splitter,)
+        self._original = (original,)  # tuples: not registered, so their weights are not this module's
+        # an empty parameter of the original's dtype and device: a model whose every weight is elsewhere (OLMo's
+        # norms have none) still answers ``generate``'s ``self.device`` and ``self.dtype``
+        first = next(original.parameters(), None)
+        if first is not None:
+            self.held_here = nn.Parameter(torch.empty(0, dtype=first.dtype, device=first.device), requires_grad=False)
+
+    @property
+    def weight(self):
+        return self._original[0].weight
+
+
+class HeadStandIn(HeldElsewhere):
+    """Where the output head was: answers with logits built from what the last node sent back."""
+
+    def __init__(self, splitter, vocab: int, original: nn.Module):
+        super().__init__(splitter, original)
+        self.out_features = vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._splitter[0].run_head(x)
+
+    def extra_repr(self) -> str:
+        return f"out_features={self.out_features}, on the last node"
+
+
+class _HeadProxy(nn.Module):
+    def __init__(self, owner: "HeadListStandIn", index: int):
+        super().__init__()
+        self._owner = (owner,)
+        self.index = index
+        self.out_features = owner.out_features
+
+    @property
+    def weight(self):
+        return self._owner[0]._original[0][self.index].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._owner[0]._splitter[0].run_head_of(self.index, x)
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}, on the last node"
+
+
+class HeadListStandIn(nn.ModuleList):
+    """Where a list of heads was: as many parameterless heads, each answering its part of what the last node sent
+    back for all of them (the first one called sends the pass)."""
+
+    def __init__(self, splitter, original: nn.ModuleList):
+        super().__init__()
+        self._splitter = (splitter,)
+        self._original = (original,)  # a tuple: not registered, its weights are not this module's
+        self.out_features = head_vocab(original)
+        self.extend([_HeadProxy(self, i) for i in range(len(original))])
+
+
+def unsupported_view(path: str) -> DiffuseError:
+    return DiffuseError(f"the model hands its output head ({path}) rows it did not slice from the final norm's "
+                        "output; Diffuse cannot follow that selection to the last node")

@@ -32,8 +32,6 @@ import torch
 from torch import nn
 
 from diffuse.plan.calltree import flatten
-from diffuse.errors import DiffuseError
-from diffuse.tail import HeldElsewhere
 
 # a causal LM's forward arguments that carry nothing to merge into the embeddings
 TEXT_INPUTS = frozenset({
@@ -147,33 +145,6 @@ def _plain_ids(config, vocab: int) -> list[int]:
     return plain if len(plain) == 3 else [0, 0, 0]
 
 
-class EmbedStandIn(HeldElsewhere):
-    """Where the input embedding was: inside the split model's forward, a placeholder whose token ids the pass
-    carries to the first node; elsewhere, the table itself while the client still holds it."""
-
-    def __init__(self, splitter, original: nn.Module):
-        super().__init__(splitter, original)
-        self.num_embeddings, self.embedding_dim = original.weight.shape
-        self.padding_idx = getattr(original, "padding_idx", None)
-        self.dtype = original.weight.dtype
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._splitter[0].run_embedding(input_ids)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, on the first node"
-
-
 def placeholder(ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """What the embedding answers on the client: the shape and dtype of its output, NaN everywhere."""
     return torch.full((*ids.shape, dim), float("nan"), dtype=dtype, device=ids.device)
-
-
-def checked_ids(ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Token ids from a peer, checked before the lookup: integers, (batch, positions), inside the table."""
-    if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 2:
-        raise DiffuseError(f"the token ids of a pass must be a 2-D integer tensor, not {str(ids.dtype)[6:]} "
-                           f"of {ids.dim()} dimensions")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise DiffuseError(f"a token id of this pass is outside the embedding table's {vocab} rows")
-    return ids

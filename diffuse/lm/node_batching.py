@@ -20,8 +20,8 @@ rows (``run_batch``):
   session's rows, and each session's message is made as for a lone pass; on
   the stack's last node, the tails that read one row each run their output
   head as one product over all those rows, each row still answered with the
-  candidates and value bits its tail alone gives (``diffuse.lmpass.joint_tails``,
-  ``diffuse.tail.JointHead``).
+  candidates and value bits its tail alone gives (``diffuse.lm.node_layers.joint_tails``,
+  ``diffuse.lm.heads.JointHead``).
 
 Whatever does not fit (a cache layer other than a plain growing one, such as a
 sliding window; a prefill; a mask already present; a layer that asks the
@@ -40,7 +40,7 @@ import torch
 
 from diffuse.plan.calltree import thread_outputs, unflatten
 from diffuse.errors import DiffuseError
-from diffuse.kvcache import is_cache
+from diffuse.plan.kvcache import is_cache
 
 MAX_BATCH = 32  # messages taken from the queue at once (a batch holds at most that many sessions)
 

@@ -1,13 +1,13 @@
 """A language model's pass on a node: its layers with the session's cache, the embedding, the tail and sampling.
 
 The session keeps each stack's key/value cache for the layers held here
-(``diffuse.kvcache.NodeCaches``); layers whose call differs from the first
+(``diffuse.plan.kvcache.NodeCaches``); layers whose call differs from the first
 layer's get their own call plan. A pass whose first layer's input slot carries
 token ids (``Embed``) is embedded by the node holding the first layer, with the
-table it loads on first use (``diffuse.embedding``). On the last node the
+table it loads on first use (``diffuse.lm.embedding``). On the last node the
 ``Tail`` runs the final norm and the output head on the rows decoding needs and
 answers the best candidates or whole rows; with a ``DrawState`` it also applies
-``generate``'s processors and draws there (``diffuse.sampling``).
+``generate``'s processors and draws there (``diffuse.lm.sampling``).
 """
 
 from __future__ import annotations
@@ -62,8 +62,6 @@ class LanguageModelPass(PassKind):
 
 def embedded(store, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The first hidden states of a pass: its token ids looked up in this node's copy of the table."""
-    from diffuse.embedding import checked_ids
-
     table = store.embedding(dtype)
     ids = checked_ids(ids, table.weight.shape[0])
     with torch.no_grad():
@@ -76,12 +74,12 @@ def _stream(p, out):
 
 
 def joint_tails(passes: list[tuple], outs: list) -> None:
-    """The tails of a batch's passes (``diffuse.batching``) that read one row each with the same final norm, head
+    """The tails of a batch's passes (``diffuse.lm.node_batching``) that read one row each with the same final norm, head
     and number of candidates, run together: each pass's norm alone, the head over all their rows in one product
-    (``diffuse.tail.JointHead``), each row's candidates and their bits as its tail alone gives them. Sets
+    (``diffuse.lm.heads.JointHead``), each row's candidates and their bits as its tail alone gives them. Sets
     ``tail_answer`` on each pass so answered; the others' tails run alone, as before. ``passes``: (session, pass)
     pairs; ``outs``: each pass's last layer's output."""
-    from diffuse.tail import joint_head
+    from diffuse.lm.node_tail import joint_head
 
     groups: dict = {}
     for (sess, p), out in zip(passes, outs):
@@ -116,8 +114,8 @@ def joint_tails(passes: list[tuple], outs: list) -> None:
 def run_tail(sess, hidden: torch.Tensor, tail: Tail) -> dict:
     """Final norm, the rows decoding needs, output head; the best candidates or the whole rows; with a
     ``draw``, also the token generate's processors and sampling pick from the whole last row. A list of heads
-    runs whole, laid out as generate reads it (``diffuse.tail.stack_heads``), its ids as int32."""
-    from diffuse.tail import stack_heads, top_candidates
+    runs whole, laid out as generate reads it (``diffuse.lm.heads.stack_heads``), its ids as int32."""
+    from diffuse.lm.node_tail import stack_heads, top_candidates
 
     norm, head = sess.store.tail(tail.norm, sess.tail_dtype)
     start, stop = tail.rows
@@ -134,8 +132,8 @@ def run_tail(sess, hidden: torch.Tensor, tail: Tail) -> dict:
         answer = {"ids": ids, "values": values}
     else:
         answer = {"logits": logits}
-    if tail.draw is not None:  # generate's processors and its draw, here (diffuse.sampling)
-        from diffuse.sampling import NodeSampler
+    if tail.draw is not None:  # generate's processors and its draw, here (diffuse.lm.sampling)
+        from diffuse.lm.node_sampling import NodeSampler
 
         sampler = getattr(sess, "sampler", None)
         if sampler is None:
@@ -145,3 +143,13 @@ def run_tail(sess, hidden: torch.Tensor, tail: Tail) -> dict:
         if listed:
             answer["drawn"] = answer["drawn"].to(torch.int32)
     return answer
+
+
+def checked_ids(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Token ids from a peer, checked before the lookup: integers, (batch, positions), inside the table."""
+    if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 2:
+        raise DiffuseError(f"the token ids of a pass must be a 2-D integer tensor, not {str(ids.dtype)[6:]} "
+                           f"of {ids.dim()} dimensions")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise DiffuseError(f"a token id of this pass is outside the embedding table's {vocab} rows")
+    return ids

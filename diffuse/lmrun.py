@@ -3,7 +3,7 @@ diffuse.run`` on a folder whose config.json names its architectures.
 
 The model's own ``generate`` runs here, unmodified; its decoder layers are
 stand-ins (``diffuse.standin``) and each node keeps the key/value cache of the
-layers it holds (``diffuse.kvcache``). The tokenizer, the processor and any
+layers it holds (``diffuse.plan.kvcache``). The tokenizer, the processor and any
 vision tower stay here, where the prompt and the media are. The answer is
 printed as it streams, token by token.
 """
@@ -76,9 +76,9 @@ class Streamer:
 
 def refuse_draws_on_device(gen: dict, whole: bool, device) -> None:
     """A split sampled run whose client computes on an accelerator, refused before anything loads or starts:
-    the last node's draw would not be the one ``generate`` makes whole there (``diffuse.sampling``)."""
+    the last node's draw would not be the one ``generate`` makes whole there (``diffuse.lm.sampling``)."""
     if gen.get("do_sample") and not whole and device.type != "cpu":
-        from diffuse.sampling import draw_on_device_refusal
+        from diffuse.lm.sampling import draw_on_device_refusal
 
         raise DiffuseError(draw_on_device_refusal(device))
 
@@ -92,8 +92,8 @@ def generate_text(q: QueryRequest, console, info, compute) -> dict:
     from diffuse.api import load_whole_or_shell, open_split
     from diffuse.compose import audio_rate, compose_audio
     from diffuse.plan.devices import inputs_on
-    from diffuse.lm_report import held_parameters, summarize, text_split_report, top_candidates
-    from diffuse.media_inputs import load_config, load_tokenizer
+    from diffuse.lm.client_report import held_parameters, summarize, text_split_report, top_candidates
+    from diffuse.lm.client_media import load_config, load_tokenizer
 
     t0 = time.perf_counter()
     gen = generation_kwargs(q.text)  # the flags were checked against the model in diffuse.cli
@@ -102,7 +102,7 @@ def generate_text(q: QueryRequest, console, info, compute) -> dict:
     if note:
         console.print(note, highlight=False, soft_wrap=True)
     if "input_ids" in inputs:  # a prompt beyond the model's positions: refused before anything loads or starts
-        from diffuse.kvcache import check_prompt
+        from diffuse.plan.kvcache import check_prompt
 
         check_prompt(load_config(info.path), inputs["input_ids"])
     tokenizer = load_tokenizer(info.path)
@@ -156,12 +156,12 @@ def generate_text(q: QueryRequest, console, info, compute) -> dict:
 def read_inputs(text: TextCall, info):
     """The model's inputs from the request's ``text``, as the model takes them (audio to transcribe, audio with a
     question, or a prompt with images and videos), and a note to print, if any."""
-    from diffuse.audio_inputs import takes_audio_in_chat
-    from diffuse.media_inputs import build_inputs, load_config, media_kind
+    from diffuse.lm.client_audio import takes_audio_in_chat
+    from diffuse.lm.client_media import build_inputs, load_config, media_kind
 
     cls = info.subject.denoiser_class()
     if getattr(cls, "main_input_name", "input_ids") == "input_features":  # it listens: audio in, text out
-        from diffuse.audio_inputs import build_audio_inputs
+        from diffuse.lm.client_audio import build_audio_inputs
 
         if not text.audio:
             raise DiffuseError(f"--audio FILE is needed: {cls.__name__} transcribes audio")
@@ -169,7 +169,7 @@ def read_inputs(text: TextCall, info):
             raise DiffuseError(f"{cls.__name__} takes audio only (--audio); no prompt, images or video")
         inputs, note = build_audio_inputs(info.path, text.audio)
     elif text.audio and takes_audio_in_chat(load_config(info.path)):  # it listens through its prompt: audio + question
-        from diffuse.audio_inputs import build_audio_chat_inputs
+        from diffuse.lm.client_audio import build_audio_chat_inputs
 
         if text.no_template:
             raise DiffuseError(f"--no-template: {cls.__name__} takes audio only through its chat template (one user "
@@ -203,7 +203,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
 
     from diffuse.api import load_whole_or_shell, open_split
     from diffuse.plan.devices import inputs_on, model_device
-    from diffuse.media_inputs import chat_inputs, load_tokenizer
+    from diffuse.lm.client_media import chat_inputs, load_tokenizer
     from diffuse.modelread import read_model
 
     q, (info, _, compute) = read_model(cli.chat_request(a), console, "diffuse chat", language=True)

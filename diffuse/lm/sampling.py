@@ -28,7 +28,7 @@ Classifier-free guidance (``ClassifierFreeGuidanceLogitsProcessor``, which
 MusicGen's ``generate`` adds) is rebuilt too: the logits have twice the rows of
 the token history (conditional half, then unconditional), both halves computed
 on the last node, and the processor hands on one row per history row. With a
-list of heads (``diffuse.tail``) the same machinery serves greedy decoding: the
+list of heads (``diffuse.lm.heads``) the same machinery serves greedy decoding: the
 node applies the processors and takes the argmax (``sample`` false), and the
 client's ``DrawnToken`` leaves only that token for ``generate``'s argmax.
 """
@@ -173,7 +173,7 @@ def rebuild(described) -> list:
 
 
 def draw_on_device_refusal(device) -> str:
-    """Why a seeded draw is refused for a client on an accelerator (``diffuse.lm`` says it before any node starts)."""
+    """Why a seeded draw is refused for a client on an accelerator (``diffuse.lmrun`` says it before any node starts)."""
     return (f"sampling with the client on {device}: generate run whole there draws from {device}'s own generator, "
             "while the last node draws on the CPU from the client's CPU generator state, so the tokens would differ; "
             "sample with the client on the CPU (--device cpu), or decode greedily (exact on any device)")
@@ -182,67 +182,6 @@ def draw_on_device_refusal(device) -> str:
 def rng_digest(state: torch.Tensor) -> str:
     """A short fingerprint of a torch generator's state, as hex (both ends compute it the same way)."""
     return hashlib.blake2b(state.contiguous().numpy().tobytes(), digest_size=8).hexdigest()
-
-
-class NodeSampler:
-    """A session's sampling on the last node: the processors, the token history they read, the generator."""
-
-    def __init__(self):
-        self.processors: list | None = None
-        self.history = torch.zeros((0, 0), dtype=torch.long)
-        self.generator: torch.Generator | None = None
-
-    def nbytes(self) -> int:
-        return self.history.numel() * self.history.element_size()
-
-    def draw(self, spec: DrawState | dict, logits: torch.Tensor) -> dict:
-        """Apply the processors to ``logits`` (batch x vocab, the last row of the head's answer), then draw
-        (``spec.sample``) or take the argmax; the token per row, and the generator's digest after the draw.
-        ``spec`` as a pass carries it, or as it travels (checked here then)."""
-        if not isinstance(spec, DrawState):
-            spec = DrawState.from_wire(spec)
-        if spec.processors is not None:
-            self.processors = rebuild(spec.processors)
-        if self.processors is None:
-            raise DiffuseError("this session's draw arrived without its logits processors")
-        self._update_history(spec.history)
-        if spec.rng is not None:
-            state = spec.rng
-            if len(state) != torch.get_rng_state().numel():
-                raise DiffuseError("malformed generator state")
-            self.generator = torch.Generator()
-            self.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-        scores = logits.to(dtype=torch.float32, device="cpu", copy=True)  # as generate takes the row
-        try:
-            for p in self.processors:
-                scores = p(self.history, scores)
-        except (ValueError, RuntimeError, IndexError) as exc:
-            raise DiffuseError(f"generate's processors refused these logits: {str(exc)[:160]}") from None
-        if scores.dim() != 2 or scores.shape[0] != self.history.shape[0]:
-            raise DiffuseError(f"the processors left {scores.shape[0]} rows for {self.history.shape[0]} rows of "
-                               "token history")
-        if spec.sample:
-            if self.generator is None:
-                raise DiffuseError("this session's draw arrived without the client's generator state")
-            probs = torch.nn.functional.softmax(scores, dim=-1)
-            token = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
-            return {"drawn": token, "rng": rng_digest(self.generator.get_state())}
-        return {"drawn": torch.argmax(scores, dim=-1)}
-
-    def _update_history(self, history) -> None:
-        """The token history the processors read (one row per row they answer: the logits have as many, or twice
-        as many under guidance)."""
-        if not (isinstance(history, dict) and _is_int(history.get("keep")) and isinstance(history.get("add"), list)):
-            raise DiffuseError("malformed token history")
-        keep, add = history["keep"], history["add"]
-        batch = len(add)
-        if not 0 <= keep <= self.history.shape[1] or not 0 < batch <= MAX_IDS \
-                or not all(isinstance(r, list) and len(r) == len(add[0]) and all(_is_int(t) for t in r) for r in add):
-            raise DiffuseError("malformed token history")
-        if keep and self.history.shape[0] != batch:
-            raise DiffuseError("the token history kept is for another batch")
-        kept = self.history[:, :keep] if keep else torch.zeros((batch, 0), dtype=torch.long)
-        self.history = torch.cat([kept, torch.tensor(add, dtype=torch.long).reshape(batch, -1)], dim=1)
 
 
 class NodeTail:

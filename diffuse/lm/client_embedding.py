@@ -1,26 +1,24 @@
 """A language model's input embedding on a split client, when the first node holds its table.
 
-Inside the split model's forward the embedding's stand-in (``diffuse.embedding.EmbedStandIn``) answers a
+Inside the split model's forward the embedding's stand-in (``diffuse.lm.embedding.EmbedStandIn``) answers a
 placeholder; the first decoder layer must get that placeholder unchanged, and the pass then carries the token
-ids in its place for the first node to embed (``diffuse.lmsplit.LanguageEnds.run_layers``). Where the table goes
+ids in its place for the first node to embed (``diffuse.lm.client_ends.LanguageEnds.run_layers``). Where the table goes
 is decided once, on the model's own forward, before any stand-in is in place.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from diffuse.changes import is_freed
-from diffuse.embedding import TEXT_INPUTS, EmbedStandIn, embedding_path, embedding_stays, placeholder
+from diffuse.lm.embedding import TEXT_INPUTS, embedding_path, embedding_stays, placeholder
 from diffuse.errors import DiffuseError
-from diffuse.tail import head_path
+from diffuse.lm.heads import head_path
+from diffuse.lm.client_head import HeldElsewhere
 
-if TYPE_CHECKING:
-    from diffuse.lmsplit import LanguageEnds
 
 
 @dataclass
@@ -37,10 +35,10 @@ class EmbeddingEnd:
     """A language model's input embedding, when the first node holds its table: inside the split model's
     forward its stand-in answers a placeholder, and the pass carries the token ids instead (``run_layers``)."""
 
-    def __init__(self, ends: "LanguageEnds"):
-        self.ends = ends
+    def __init__(self, ends):
+        self.ends = ends  # the LanguageEnds this end belongs to (diffuse.lm.client_ends)
         self.table: tuple[str, nn.Module] | None = None  # (path, the original), when the first node holds it
-        self.kept: str | None = None  # else why the client keeps it (diffuse.embedding.embedding_stays)
+        self.kept: str | None = None  # else why the client keeps it (diffuse.lm.embedding.embedding_stays)
         self._path: str | None = None
         self._decided = False
         self.freed = False
@@ -51,7 +49,7 @@ class EmbeddingEnd:
 
     def decide(self) -> None:
         """Where the embedding table goes, decided once on the model's own forward, before any stand-in is in
-        place: to the first node when asked (``embedding_on_node``) and the forward allows (``diffuse.embedding``),
+        place: to the first node when asked (``embedding_on_node``) and the forward allows (``diffuse.lm.embedding``),
         else ``kept`` says why."""
         if self._decided:
             return
@@ -124,3 +122,20 @@ class EmbeddingEnd:
                                "its embedding table is held by the first node, so Diffuse refuses the pass rather "
                                "than give a wrong answer")
         return e.ids
+
+
+class EmbedStandIn(HeldElsewhere):
+    """Where the input embedding was: inside the split model's forward, a placeholder whose token ids the pass
+    carries to the first node; elsewhere, the table itself while the client still holds it."""
+
+    def __init__(self, splitter, original: nn.Module):
+        super().__init__(splitter, original)
+        self.num_embeddings, self.embedding_dim = original.weight.shape
+        self.padding_idx = getattr(original, "padding_idx", None)
+        self.dtype = original.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._splitter[0].run_embedding(input_ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, on the first node"

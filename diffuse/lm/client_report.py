@@ -1,4 +1,4 @@
-"""What a language model's run reports (``diffuse.lm``, ``diffuse.compose``): the best candidates of each step
+"""What a language model's run reports (``diffuse.lmrun``, ``diffuse.compose``): the best candidates of each step
 bit for bit (``top_candidates``), the parameters the client still holds (``held_parameters``, the head's and
 the embedding's), what a split run adds (``text_split_report``: the wire's figures per token, each node's, the
 links of its route, the draws where tokens were drawn on the last node), and the summary lines
@@ -67,7 +67,7 @@ def text_split_report(split, new_tokens: int) -> dict:
                     for s, r in zip(split.plan.route, split.node_reports)],
         links=route_lines([s.address for s in split.plan.route]), messages=st.messages)
     draw = split.splitter.last_draw
-    if draw is not None:  # the tokens were drawn on the last node (diffuse.sampling)
+    if draw is not None:  # the tokens were drawn on the last node (diffuse.lm.sampling)
         report["sampling"] = {"draws": draw.draws, "generator_states_sent": draw.states_sent,
                               "processors": draw.described}
     return report

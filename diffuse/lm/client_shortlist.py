@@ -1,7 +1,7 @@
 """Greedy decoding from the best candidates only, checked against what the model does after its head.
 
 Where ``generate`` decodes greedily, the last node can send home the best few
-raw logits of each row instead of the whole row (``diffuse.tail``). That is
+raw logits of each row instead of the whole row (``diffuse.lm.heads``). That is
 exact only if nothing changes the logits between the head and the argmax: a
 model that caps or scales them (Gemma 2's soft cap) may make the last candidate
 that travelled tie with the best, and then an id that never travelled could
@@ -25,7 +25,7 @@ class ShortlistCheck:
     the best ``top`` candidates decide every later pass; if it does, whole rows keep coming, since a cap that
     saturates makes the last candidate tie with the best and an id that never travelled would win the argmax.
     A pass answered from the best candidates is checked all the same: such a tie is refused in one line rather
-    than answered wrong. ``capture`` is the ``diffuse.lmsplit.GenerateCapture`` whose rows it reads."""
+    than answered wrong. ``capture`` is the ``diffuse.lm.client_ends.GenerateCapture`` whose rows it reads."""
 
     def __init__(self, capture, top: int):
         self.capture, self.top = capture, top

@@ -232,7 +232,7 @@ def _without_video(cls):
     new = type(cls.__name__, (cls,), {
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
-        "__doc__": f"{cls.__name__} without its video processor (built by diffuse.media_inputs).",
+        "__doc__": f"{cls.__name__} without its video processor (built by diffuse.lm.client_media).",
         "get_attributes": classmethod(get_attributes),
         "_get_arguments_from_pretrained": classmethod(_get_arguments_from_pretrained),
         **{name: _NoVideoProcessor(_NO_VIDEO_WHY) for name in video},

@@ -1,0 +1,60 @@
+"""A node's key/value caches, per session and layer, for the layers it holds."""
+
+from __future__ import annotations
+from diffuse.errors import DiffuseError
+from diffuse.plan.kvcache import cached_positions
+from diffuse.plan.kvcache import max_positions
+from diffuse.plan.kvcache import over_cap
+import torch
+
+
+class NodeCaches:
+    """The node's side: per stack, the cache of this session's layers, made from the model's config."""
+
+    def __init__(self, config_factory):
+        self._config_factory = config_factory  # () -> the model's config object (built once, on first need)
+        self._config = None
+        self.caches: dict[str, object] = {}
+
+    def get(self, stack: str, kind: str, fresh: bool):
+        if fresh or stack not in self.caches:
+            self.caches[stack] = self._new(kind)
+        return self.caches[stack]
+
+    def _new(self, kind: str):
+        from transformers import cache_utils
+
+        if self._config is None:
+            self._config = self._config_factory()
+        if kind == "DynamicCache":
+            return cache_utils.DynamicCache(config=self._config)
+        if kind == "EncoderDecoderCache":  # a decoder reading an encoder's memory: self- and cross-attention parts,
+            # each growing with the layers that write it (an encoder-decoder config sizes the encoder too)
+            return cache_utils.EncoderDecoderCache(cache_utils.DynamicCache(), cache_utils.DynamicCache())
+        raise DiffuseError(f"a cache of class {kind[:64]!r} cannot be kept on a node "
+                           "(DynamicCache and EncoderDecoderCache can)")
+
+    def check_room(self, cache, new: int) -> None:
+        """Refuse a pass that would take ``cache`` (one of this session's) beyond the model's positions."""
+        if self._config is None:
+            self._config = self._config_factory()
+        most = max_positions(self._config)
+        if most is not None and cached_positions(cache) + new > most:
+            raise DiffuseError(over_cap(cached_positions(cache) + new, most, "this session's cache would hold"))
+
+    def nbytes(self) -> int:
+        """Bytes of keys and values held for this session."""
+        total = 0
+        for cache in self.caches.values():
+            parts = [cache.self_attention_cache, cache.cross_attention_cache] if hasattr(
+                cache, "cross_attention_cache") else [cache]
+            for part in parts:
+                for layer in getattr(part, "layers", ()):
+                    for name in ("keys", "values"):
+                        t = getattr(layer, name, None)
+                        if isinstance(t, torch.Tensor):
+                            total += t.numel() * t.element_size()
+        return total
+
+    def clear(self) -> None:
+        self.caches.clear()
