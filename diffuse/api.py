@@ -370,7 +370,7 @@ class Split:
     @property
     def cache(self) -> dict:
         """The first-block cache per stack: calls tagged and calls skipped (empty when it is off)."""
-        from diffuse.firstblock import counts
+        from diffuse.firstblock.client import counts
 
         return counts(self.ring.channel_stats) if self.ring is not None else {}
 
@@ -385,7 +385,7 @@ class Split:
         return sum(v["calls"] for v in self.cache.values())
 
     def attention_paths(self) -> dict:
-        from diffuse.pipefusion import attention_paths
+        from diffuse.pipefusion.client import attention_paths
 
         return attention_paths(self.node_reports)
 

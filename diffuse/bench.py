@@ -139,7 +139,7 @@ def patch_times(path: str, cfg: dict, x: dict, patches: int, repeat: int = 3) ->
     import torch
 
     from diffuse.plan.calltree import flatten
-    from diffuse.pipefusion import StaleStack
+    from diffuse.pipefusion.node import StaleStack
     from diffuse.plan.contracts import Patch, ReturnMap
 
     transformer = load_transformer(path)

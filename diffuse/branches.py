@@ -27,8 +27,8 @@ import torch
 from diffuse.plan.calltree import digest, flatten
 from diffuse.channel import ChannelStats
 from diffuse.errors import DiffuseError
-from diffuse.firstblock import with_branch
-from diffuse.pipefusion.cutting import BranchTracker, reassemble
+from diffuse.firstblock.client import with_branch
+from diffuse.pipefusion.client import BranchTracker, reassemble
 from diffuse.ring import NodeStats, RingStats
 
 

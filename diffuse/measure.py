@@ -1,7 +1,7 @@
 """How far one tensor is from another: the one measure the core and the analyzers compare outputs by.
 
 PipeFusion keeps a block's quick attention path only where it agrees with the
-plain one (``diffuse.pipefusion.buffers``); the return-mapping analyzer
+plain one (``diffuse.pipefusion.node``); the return-mapping analyzer
 (``analyzers.calls``) pairs each tensor a block returns with the input it
 replaces by the smallest distance.
 """

@@ -23,7 +23,7 @@ twice (until then only a small sample of it is noted, to recognise it), each
 layer keeps at most ``KEEP``, and all layers together ``MAX_BYTES``. Inputs
 under ``MIN_ELEMENTS`` are never kept: they change at every call (timesteps) or
 cost less than the bookkeeping. The nodes do the same for cross-attention
-inside patches (``diffuse.pipefusion.attention``).
+inside patches (``diffuse.pipefusion.node_attention``).
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def summarize(r: dict, console) -> None:
             console.print(f"  link {line}", soft_wrap=True)
         fbc = r.get("first_block_cache")
         if fbc:
-            from diffuse.firstblock import summary_line
+            from diffuse.firstblock.client import summary_line
 
             console.print(f"  {summary_line(fbc['per_stack'], fbc['threshold'])}", soft_wrap=True)
         b = r.get("branches")
@@ -120,7 +120,7 @@ def summarize(r: dict, console) -> None:
                           f"{b['ahead_used']} answered by a pass sent ahead ({b['ahead_dropped']} sent ahead unused)",
                           soft_wrap=True)
         if r.get("patches", 1) > 1:
-            from diffuse.pipefusion import describe_paths
+            from diffuse.pipefusion.client import describe_paths
 
             for stack, used in (r.get("patches_used") or {}).items():
                 why = f" ({used['why']})" if used.get("why") else ""

@@ -31,7 +31,8 @@ from diffuse.changes import Changes, guard
 from diffuse.errors import DiffuseError
 from diffuse.lm.client_ends import LanguageEnds
 from diffuse.memo import RepeatMemo
-from diffuse.pipefusion import Patcher, why_uncut
+from diffuse.pipefusion.client import Patcher
+from diffuse.pipefusion.policy import why_uncut
 from diffuse.plan.contracts import PATCHABLE, CallPlan, ReturnMap, SlicingPlan, StackPlan
 from diffuse.plan.planner import learn_call
 from diffuse.proxies import StandIn
@@ -119,7 +120,7 @@ class Splitter:
         """Calls go through ``ring``; ``patches > 1``: PipeFusion (``ahead``: the next guidance branch's call
         sent while this one finishes); ``cache_threshold > 0``: the first-block cache (``diffuse.firstblock``)
         on every stack called whole."""
-        from diffuse.firstblock import CacheTagger
+        from diffuse.firstblock.client import CacheTagger
 
         if not self.changes:
             self.install()

@@ -143,13 +143,13 @@ def test_no_batch_forms_none(sessions):
 
 def decoding_passes(model_dir: str, lengths: list[int]):
     """A model loaded whole, and for each prompt length a decoding pass of its layers as a node gets it
-    (``diffuse.node.stage.Pass``): the session's cache after the prompt, the next token's hidden state, positions,
+    (``diffuse.node.stage.Prepared``): the session's cache after the prompt, the next token's hidden state, positions,
     rotary cos/sin."""
     from transformers import AutoModelForCausalLM
 
     from diffuse.plan.calltree import flatten
     from diffuse.plan.contracts import ReturnMap, Slice
-    from diffuse.node.stage import Pass
+    from diffuse.node.stage import Prepared
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     layers = list(enumerate(model.model.layers))
@@ -163,7 +163,7 @@ def decoding_passes(model_dir: str, lengths: list[int]):
             rotary = model.model.rotary_emb(hidden, positions)
         tree, tensors = flatten((hidden,), {"attention_mask": None, "position_embeddings": rotary,
                                             "position_ids": positions, "cache": cache, "use_cache": True})
-        passes.append(Pass({"op": "call"}, "model.layers", Slice("model.layers", 0, len(layers)), [], list(tensors),
+        passes.append(Prepared({"op": "call"}, "model.layers", Slice("model.layers", 0, len(layers)), [], list(tensors),
                            {}, ReturnMap(single=True, outputs=[0], names=["args[0]"]), tree, {}, cache, layers))
     return model, passes
 

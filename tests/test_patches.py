@@ -17,8 +17,10 @@ import torch
 
 from conftest import THREADS, Reference, node_process, run_client, split_command
 from diffuse.plan.calltree import unflatten
-from diffuse.pipefusion import (PATHS, AttentionBuffer, BranchTracker, Pass, Patcher, QuickUnsupported, StaleStack,
-                                attention_scope, patch_ranges, token_axis, why_uncut)
+from diffuse.pipefusion.client import BranchTracker, Patcher, patch_ranges, token_axis
+from diffuse.pipefusion.node import PATHS, PatchRun, StaleStack
+from diffuse.pipefusion.node_attention import AttentionBuffer, QuickUnsupported, attention_scope
+from diffuse.pipefusion.policy import why_uncut
 from diffuse.plan.contracts import PATCHABLE, UNCUT_STEPS, Patch, ReturnMap
 
 STEPS = 3  # step 1 runs whole, steps 2 and 3 are cut into patches
@@ -321,7 +323,7 @@ def test_sana_blocks_run_plain_because_quick_cannot_reproduce_them(models):
         try:
             with torch.no_grad():
                 rows = with_stream(x, s, x[s].narrow(axis, c, d - c))
-                p = Pass(tree, rows, rmap, step.cut(1, c, d), check=kv)
+                p = PatchRun(tree, rows, rmap, step.cut(1, c, d), check=kv)
                 quick = PATHS["quick"](StaleStack("stack"), idx, block, p)
             err = rel(quick, out.narrow(axis, c, d - c))
         except (RuntimeError, QuickUnsupported):  # cannot run on a patch's rows at all (a grid reshape)

@@ -16,7 +16,7 @@ from diffuse.lm.node_batching import MAX_BATCH
 from diffuse.plan.devices import Outgoing, PassClock, to_device
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.node.batches import TakenItems
-from diffuse.node.stage import NODE_BUFFER_BYTES, Pass
+from diffuse.node.stage import NODE_BUFFER_BYTES, Prepared
 
 log = logging.getLogger("diffuse.node.server")
 
@@ -63,7 +63,7 @@ class Incoming:
     def __init__(self, sess, header: dict, tensors: list, malformed: str | None, t0: float = 0.0):
         self.sess, self.header, self.tensors, self.malformed = sess, header, tensors, malformed
         self.t0 = t0 or time.perf_counter()  # when it began to be opened
-        self.pass_: Pass | None = None
+        self.pass_: Prepared | None = None
         self.reply: tuple[dict, list] | None = None
         self.key: tuple | None = None
         self.busy = 0.0  # seconds its preparing and running took
@@ -158,7 +158,7 @@ class ComputeThread:
         except Exception as exc:
             self.failed(m, exc)
         else:
-            if isinstance(got, Pass):
+            if isinstance(got, Prepared):
                 m.pass_ = got
             else:
                 m.reply = got

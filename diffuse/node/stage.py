@@ -26,22 +26,22 @@ from dataclasses import dataclass
 
 import torch
 
-import diffuse.firstblock  # noqa: F401  (registers the first-block cache's pass kind)
+import diffuse.firstblock.node  # noqa: F401  (registers the first-block cache's pass kind)
 import diffuse.lm.node_layers  # noqa: F401  (registers a language model's pass kind)
-import diffuse.pipefusion.stale  # noqa: F401  (registers PipeFusion's pass kind)
+import diffuse.pipefusion.node  # noqa: F401  (registers PipeFusion's pass kind)
 from diffuse.node.blockstore import BlockStore
 from diffuse.plan.calltree import encode_value
 from diffuse.wire.slots import SLOT_CACHE_BYTES, SlotCache
 from diffuse.errors import DiffuseError
-from diffuse.firstblock import NodeResiduals
+from diffuse.firstblock.node import NodeResiduals
 from diffuse.lm.node_cache import NodeCaches
 from diffuse.lm.node_layers import embed_spec
 from diffuse.wire.passes import WHOLE, Answer, Pass as Message, checked_tree
-from diffuse.pipefusion import StaleStack
+from diffuse.pipefusion.node import StaleStack
 from diffuse.plan.contracts import ReturnMap, Slice, SlotRef, StagePlan
 from diffuse.wire.kinds import kind_for
 
-__all__ = ["NODE_BUFFER_BYTES", "STALE_BYTES", "BlockStore", "Pass", "Prepared", "StageSession"]
+__all__ = ["NODE_BUFFER_BYTES", "STALE_BYTES", "BlockStore", "Prepared", "StageSession"]
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -80,7 +80,6 @@ class Prepared:
             self.part = getattr(self.message, "part", WHOLE)
 
 
-Pass = Prepared  # the name the node loop and the batching tests know it by
 
 
 class StageSession:

@@ -193,7 +193,7 @@ class SpeedBook:
         self.around = [0.0, 0]  # seconds a pass spent on the node besides its blocks, passes
 
     def add(self, p, dtype, seconds: float) -> None:
-        """Count one pass ``p`` (a ``diffuse.node.stage.Pass``) that ran its blocks in ``seconds``."""
+        """Count one pass ``p`` (a ``diffuse.node.stage.Prepared``) that ran its blocks in ``seconds``."""
         try:
             if getattr(p, "reuse", None) is not None or not p.blocks:
                 return

@@ -6,7 +6,7 @@ a call carries and asks it, in order, to ``check`` the call against what the
 session remembers, ``prepare`` it (after its tensors are resolved), ``run`` it
 through this node's blocks, and, on the stack's last node, make the ``answer``.
 Built in: the plain loop (``Whole``, here), PipeFusion's stale stack
-(``Patch``, ``diffuse.pipefusion.stale``), the first-block cache (``Reuse``,
+(``Patch``, ``diffuse.pipefusion.node``), the first-block cache (``Reuse``,
 ``diffuse.firstblock``) and a language model's layers with their cache, tail
 and sampling (``LayerPass``, ``diffuse.lm.node_layers``).
 """

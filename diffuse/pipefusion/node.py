@@ -4,7 +4,7 @@ One ``StaleStack`` per stack per session, entered through ``run``. An uncut pass
 (the first step of a branch) records, for every block this node holds, the
 block's input over all N tokens (for the plain path) and its self-attention keys
 and values (for the quick path). A cut pass runs each block on the patch's rows
-only, by one of the attention paths in ``diffuse.pipefusion.attention``.
+only, by one of the attention paths in ``diffuse.pipefusion.node_attention``.
 
 Each block's path is chosen on the first patch it sees in the session: plain and
 quick both run, and quick is kept only if it agrees with plain to
@@ -16,16 +16,19 @@ nodes or groups. Branches never share buffers; all of it goes with the session.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
-from diffuse.plan.calltree import unflatten
 from diffuse.errors import DiffuseError
-from diffuse.pipefusion.attention import PATHS, AttentionBuffer, QuickUnsupported, attention_scope, relative_error
-from diffuse.plan.contracts import Patch, ReturnMap
-
-QUICK_TOLERANCE = 1e-4  # relative, ||quick - plain|| / ||plain|| on the first real patch
+from diffuse.measure import relative_error
+from diffuse.pipefusion.node_attention import AttentionBuffer, QuickUnsupported, attention_scope
+from diffuse.pipefusion.policy import QUICK_TOLERANCE, why_uncut
+from diffuse.plan.calltree import unflatten
+from diffuse.plan.contracts import PATCHABLE, Patch, ReturnMap
+from diffuse.wire.kinds import PassKind, kind
+from collections.abc import Callable
 
 
 def per_token_axis(t: torch.Tensor, tokens: int) -> int | None:
@@ -34,7 +37,7 @@ def per_token_axis(t: torch.Tensor, tokens: int) -> int | None:
 
 
 @dataclass
-class Pass:
+class PatchRun:
     """One call on its way through this node's blocks: what every attention path needs.
     ``values`` is the call's own list, updated in place: its stream slot always holds the
     input of the next block (the patch's rows on a cut pass)."""
@@ -96,7 +99,7 @@ class StaleStack:
     def run(self, blocks: list, tree: dict, values: list, rmap: ReturnMap, patch: Patch):
         """Run ``blocks`` ((index, module) pairs, in order) on one call; returns the last block's answer.
         ``values`` are the call's tensor slots, its stream at ``rmap.streams[0]``, updated in place."""
-        p = Pass(tree, values, rmap, patch)
+        p = PatchRun(tree, values, rmap, patch)
         if patch.uncut:
             return self._record(blocks, p)
         if patch.branch not in self.branches:
@@ -110,7 +113,7 @@ class StaleStack:
             p.advance(out)
         return out
 
-    def _record(self, blocks: list, p: Pass):
+    def _record(self, blocks: list, p: PatchRun):
         branch = p.patch.branch
         self.branches.add(branch)
         out = None
@@ -128,7 +131,7 @@ class StaleStack:
             p.advance(out)
         return out
 
-    def _choose(self, idx: int, block, p: Pass):
+    def _choose(self, idx: int, block, p: PatchRun):
         """The first patch this block sees: plain runs (recording this step's keys and values), then quick
         on them; quick is kept if it agrees. The answer that goes on is then the kept path's own, run on
         the branch's buffers as every later patch will be: which session or which branch happened to
@@ -169,3 +172,67 @@ class StaleStack:
                       if isinstance(o, torch.Tensor))
         return {"paths": {str(k): v for k, v in sorted(self.paths.items())}, "branches": len(self.branches),
                 "patches": self.patches, "buffer_bytes": nbytes}
+
+
+PATHS: dict[str, Callable] = {}  # name -> (stale, idx, block, pass) -> the block's answer for the patch's rows
+
+
+def attention_path(name: str):
+    """Register an attention path under ``name``."""
+    def register(fn):
+        PATHS[name] = fn
+        return fn
+    return register
+
+
+@attention_path("plain")
+def plain(stale: StaleStack, idx: int, block, p: PatchRun):
+    """The whole buffered input with the patch's rows fresh; the patch's rows of the answer. While a
+    path is being chosen (``p.check``), this step's keys and values are recorded for quick to read."""
+    pt = p.patch
+    buf = stale.inputs[(pt.branch, idx)]
+    buf.narrow(pt.axis, pt.lo, pt.count).copy_(p.values[p.stream])
+    full = list(p.values)
+    full[p.stream] = buf
+    args, kwargs = unflatten(p.tree, full)
+    with nullcontext() if p.check is None else attention_scope(block, "record", pt.tokens, p.check):
+        out = block(*args, **kwargs)
+    return p.rows(out)
+
+
+@attention_path("quick")
+def quick(stale: StaleStack, idx: int, block, p: PatchRun):
+    """The patch's rows alone against buffered keys and values (``p.check``'s while being chosen;
+    then the linear projections of repeated inputs, like the text, are not reused either)."""
+    pt = p.patch
+    args, kwargs = unflatten(p.tree, p.cut())
+    kv = p.check if p.check is not None else stale.kv[(pt.branch, idx)]
+    memo = stale.memo.setdefault((pt.branch, idx), {}) if p.check is None else None
+    with attention_scope(block, "quick", pt.tokens, kv, pt.lo, pt.count, memo) as scope:
+        out = block(*args, **kwargs)
+    if not scope.hits:
+        raise QuickUnsupported("no self-attention over the tokens was found")
+    return out
+
+
+# ---- A PipeFusion pass on a node: its ``Patch`` run through the session's ``StaleStack`` for the stack.
+
+MAX_BRANCHES = 4  # PipeFusion branches one stack keeps stale buffers for (guidance needs two)
+
+
+@kind(Patch)
+class StalePatches(PassKind):
+    def check(self, sess, message, rmap) -> None:
+        why = why_uncut(rmap, PATCHABLE, False)
+        if why:
+            raise DiffuseError(f"{message.stack!r}: {why}, so its steps are never cut into patches")
+
+    def run(self, sess, p):
+        stale = sess.stale.get(p.stack)
+        if stale is None:
+            stale = sess.stale[p.stack] = StaleStack(p.stack, sess.stage.attention)
+        if p.part.branch not in stale.branches and len(stale.branches) >= MAX_BRANCHES:
+            raise DiffuseError(f"{p.stack!r}: stale buffers are kept for {MAX_BRANCHES} branches at most")
+        out = stale.run(p.blocks, p.tree, p.values, p.rmap, p.part)
+        sess.count_buffers(stale_changed=True)
+        return out

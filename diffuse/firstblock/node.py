@@ -1,4 +1,4 @@
-"""The first-block cache across the ring (``--cache-threshold T``): steps that change little are skipped.
+"""The first-block cache's node half: the residuals a node keeps and the pass kind that skips a step.
 
 At each step of a diffusion stack called whole, the node holding block 0 runs
 that block and compares its residual (output minus input of the main stream)
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from diffuse.plan.calltree import digest, thread_outputs, unflatten
+from diffuse.plan.calltree import thread_outputs, unflatten
 from diffuse.errors import DiffuseError
 from diffuse.wire.passes import Reuse
 from diffuse.plan.contracts import ReturnMap
@@ -43,48 +43,6 @@ def relative_change(r: torch.Tensor, prev: torch.Tensor) -> float:
 
 
 # --------------------------------------------------------------------------- the client
-
-
-class CacheTagger:
-    """Tags a client's calls into whole-step stacks with the threshold, their branch and whether the nodes
-    must compute in full (the first call of each branch after a repair)."""
-
-    def __init__(self, threshold: float, ring=None):
-        self.threshold = threshold
-        self.trackers: dict = {}
-        self._since_repair: set | None = None  # (stack, branch) tagged fresh since the last repair
-        if ring is not None and hasattr(ring, "repair"):
-            ring.repair.listen(self.repaired)
-
-    def repaired(self) -> None:
-        self._since_repair = set()
-
-    def tag(self, stack: str, tensors: list, stream: int) -> tuple[Reuse, list]:
-        """(the call's part, the tensors' digests with the stream's left out) for one call."""
-        from diffuse.pipefusion.cutting import BranchTracker
-
-        digests = [b"" if i == stream else digest(t) for i, t in enumerate(tensors)]
-        branch, _, _ = self.trackers.setdefault(stack, BranchTracker()).identify(tensors, stream, digests)
-        fresh = self._since_repair is not None and (stack, branch) not in self._since_repair
-        if fresh:
-            self._since_repair.add((stack, branch))
-        return Reuse(self.threshold, branch, fresh), digests
-
-
-def with_branch(part, branch: int):
-    """``part`` naming ``branch`` if it is a reuse tag (a group of nodes numbers the branches it sees itself)."""
-    return replace(part, branch=branch) if isinstance(part, Reuse) else part
-
-
-def counts(stats) -> dict:
-    """Per stack: calls tagged and calls skipped, from a ``ChannelStats``."""
-    return {stack: {"skipped": s, "calls": c} for stack, (s, c) in sorted(stats.reuse.items())}
-
-
-def summary_line(per_stack: dict, threshold: float) -> str:
-    skipped = sum(v["skipped"] for v in per_stack.values())
-    calls = sum(v["calls"] for v in per_stack.values())
-    return f"first-block cache: skipped {skipped} of {calls} calls at threshold {threshold:g}"
 
 
 # --------------------------------------------------------------------------- a node

@@ -1,7 +1,7 @@
-"""PipeFusion's attention paths, and the quick path's mechanism: a patch's queries against buffered keys and values.
+"""The quick attention path's mechanism: a patch's queries against buffered keys and values.
 
-``PATHS`` holds the two ways a node runs one block on one patch, registered with
-``@attention_path``; each is ``(stale, idx, block, pass) -> out``:
+The two ways a node runs one block on one patch (``PATHS`` in ``diffuse.pipefusion.node``, registered
+with ``@attention_path``; each is ``(stale, idx, block, run) -> out``):
 
 - *plain*: the patch's fresh rows go into the block's buffered input over all N
   tokens, the block runs on the whole buffer, the patch's rows are taken out.
@@ -10,7 +10,7 @@
   (rotary tables) cut to the patch, and self-attention reads buffered keys and
   values. What makes patching pay, where it is right.
 
-Which one a block keeps is decided in ``diffuse.pipefusion.buffers``: both run on
+Which one a block keeps is decided in ``diffuse.pipefusion.node``: both run on
 its first patch and quick is kept only if it agrees with plain.
 
 A block's self-attention is found, not assumed: every module of the block that
@@ -44,14 +44,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
-from diffuse.plan.calltree import unflatten
 from diffuse.errors import DiffuseError
 from diffuse.measure import relative_error
 
-if TYPE_CHECKING:
-    from diffuse.pipefusion.buffers import Pass, StaleStack
 
-__all__ = ["PATHS", "AttentionBuffer", "QuickUnsupported", "attention_path", "attention_scope", "relative_error"]
+__all__ = ["AttentionBuffer", "QuickUnsupported", "attention_scope"]
 
 _REAL_SDPA = F.scaled_dot_product_attention
 _SDPA_NAMES = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
@@ -191,43 +188,3 @@ def attention_scope(block: torch.nn.Module, mode: str, tokens: int, buffer: Atte
 
 
 # --------------------------------------------------------------------------- the two paths
-
-PATHS: dict[str, Callable] = {}  # name -> (stale, idx, block, pass) -> the block's answer for the patch's rows
-
-
-def attention_path(name: str):
-    """Register an attention path under ``name``."""
-    def register(fn):
-        PATHS[name] = fn
-        return fn
-    return register
-
-
-@attention_path("plain")
-def plain(stale: StaleStack, idx: int, block, p: Pass):
-    """The whole buffered input with the patch's rows fresh; the patch's rows of the answer. While a
-    path is being chosen (``p.check``), this step's keys and values are recorded for quick to read."""
-    pt = p.patch
-    buf = stale.inputs[(pt.branch, idx)]
-    buf.narrow(pt.axis, pt.lo, pt.count).copy_(p.values[p.stream])
-    full = list(p.values)
-    full[p.stream] = buf
-    args, kwargs = unflatten(p.tree, full)
-    with nullcontext() if p.check is None else attention_scope(block, "record", pt.tokens, p.check):
-        out = block(*args, **kwargs)
-    return p.rows(out)
-
-
-@attention_path("quick")
-def quick(stale: StaleStack, idx: int, block, p: Pass):
-    """The patch's rows alone against buffered keys and values (``p.check``'s while being chosen;
-    then the linear projections of repeated inputs, like the text, are not reused either)."""
-    pt = p.patch
-    args, kwargs = unflatten(p.tree, p.cut())
-    kv = p.check if p.check is not None else stale.kv[(pt.branch, idx)]
-    memo = stale.memo.setdefault((pt.branch, idx), {}) if p.check is None else None
-    with attention_scope(block, "quick", pt.tokens, kv, pt.lo, pt.count, memo) as scope:
-        out = block(*args, **kwargs)
-    if not scope.hits:
-        raise QuickUnsupported("no self-attention over the tokens was found")
-    return out
