@@ -262,6 +262,6 @@ def run_split(model: str, kwargs: dict, tmp_path, nodes: int = 2, seed: int = 0,
 
 def _suffix(model: str) -> str:
     from diffuse.plan.planner import analyze
-    from diffuse.writers import DEFAULT_SUFFIX
+    from diffuse.client.writers import DEFAULT_SUFFIX
 
     return DEFAULT_SUFFIX[analyze(model)[1].get("output_kind", "image")]

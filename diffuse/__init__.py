@@ -3,7 +3,7 @@
 The client runs a pipeline's own code with each block stack replaced by a
 stand-in; nodes hold contiguous slices of the stacks and pass hidden states
 around a sealed ring. ``diffuse.from_pretrained`` and ``diffuse.split`` are the
-Python API (see ``diffuse.api``).
+Python API (see ``diffuse.client.api``).
 """
 
 __version__ = "0.1.0"
@@ -16,7 +16,7 @@ __all__ = ["DiffuseError", "NodeError", "RefusedModel", "WireError", "__version_
 def __getattr__(name: str):
     # the API pulls in torch and diffusers: only when it is used, so `diffuse check` stays quick
     if name in ("split", "from_pretrained"):
-        from diffuse import api
+        from diffuse.client import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'diffuse' has no attribute {name!r}")

@@ -184,7 +184,7 @@ def interleaved(tmp: str, cfg: dict, ids, rounds: int, device: str | None = None
     import torch
 
     import diffuse
-    from diffuse.api import ModelInfo, client_compute, load_whole_or_shell
+    from diffuse.client.api import ModelInfo, client_compute, load_whole_or_shell
 
     load0 = os.getloadavg()[0]
     info = ModelInfo.of(tmp)
@@ -340,7 +340,7 @@ def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype
     import torch
 
     import diffuse
-    from diffuse.api import ModelInfo, client_compute, load_whole_or_shell
+    from diffuse.client.api import ModelInfo, client_compute, load_whole_or_shell
     from diffuse.localnodes import start_local_nodes
     from diffuse.wire.transport import transport_for
 

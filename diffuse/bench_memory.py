@@ -110,7 +110,7 @@ def role(argv: list[str]) -> int:
     with open(os.path.join(path, "config.json")) as f:
         ids = _prompt(json.load(f)["vocab_size"])
     if what == "whole":
-        from diffuse.api import ModelInfo
+        from diffuse.client.api import ModelInfo
         from diffuse.plan.planner import load_model
 
         model = load_model(path, ModelInfo.of(path).subject)
@@ -154,7 +154,7 @@ def wan_role(what: str, path: str, quick: bool, rest: list[str]) -> int:
                                       torch.bfloat16)
     else:
         import diffuse
-        from diffuse.api import ModelInfo
+        from diffuse.client.api import ModelInfo
         from diffuse.plan.planner import load_denoiser_shell
 
         info = ModelInfo.of(path)

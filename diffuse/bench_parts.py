@@ -18,7 +18,7 @@ import time
 from diffuse.benchkit import mean_se
 
 NODE_PARTS = ("idle", "open", "prepare", "blocks", "blocks_cpu", "finish", "seal", "faults")  # diffuse.node.server.PARTS
-CLIENT_PARTS = ("hash", "seal", "send", "wait", "open")  # diffuse.channel.ChannelStats.seconds
+CLIENT_PARTS = ("hash", "seal", "send", "wait", "open")  # diffuse.client.channel.ChannelStats.seconds
 
 
 def process_cpu(pids: list[int]) -> float:

@@ -9,7 +9,7 @@ unchanged code imports neither.
 
 A model folder may also carry its verdict (``diffuse_verdict.json``, written by
 ``python -m diffuse.check keep DIR``; the shipped models do): the check's answer
-and the largest sizes its denoiser takes (``diffuse.dryrun.largest_sizes``),
+and the largest sizes its denoiser takes (``diffuse.client.dryrun.largest_sizes``),
 keyed by the folder's files, the libraries' versions and the installed analyzer
 plugins (``model_key``; not by the code's file times, so it holds in a fresh install).
 A first check, or a refused size, then answers from it without importing torch.
@@ -85,7 +85,7 @@ def stored(path: str, file: str | None = None) -> tuple[str | None, dict | None]
 
 def kept(path: str) -> dict | None:
     """The verdict the folder carries (``VERDICT_FILE``: ``check``, the check's answer; ``sizes``, see
-    ``diffuse.dryrun.largest_sizes``), when it was made from these very files, libraries and plugins; else None."""
+    ``diffuse.client.dryrun.largest_sizes``), when it was made from these very files, libraries and plugins; else None."""
     verdict = _read(os.path.join(path, VERDICT_FILE))
     if not isinstance(verdict, dict) or verdict.get("key") != model_key(path):
         return None
@@ -99,7 +99,7 @@ def keep(path: str) -> dict:
     verdict = {"key": model_key(path), "libraries": library_versions(),  # said for people: the key holds them
                "check": {k: v for k, v in result.items() if k not in ("model", "seconds")}}
     if result["verdict"] == SPLITTABLE and result.get("output_kind") != "text":
-        from diffuse.dryrun import largest_sizes
+        from diffuse.client.dryrun import largest_sizes
 
         verdict["sizes"] = largest_sizes(path)
     with open(os.path.join(path, VERDICT_FILE), "w") as f:
@@ -245,7 +245,7 @@ def _check(path: str, start: float) -> dict:
 def refuse_early(path: str, label: str, call) -> None:
     """What can be refused before torch and the model's library are imported (most of a first run's
     seconds): a folder that is no model, a model whose stored check refused it (``stored``), and a size of
-    ``call`` (a ``diffuse.request.PipelineCall``) above what its kept verdict says its denoiser takes
+    ``call`` (a ``diffuse.client.request.PipelineCall``) above what its kept verdict says its denoiser takes
     (``kept_refusal``; not with ``--arg``, which may change what the call's shapes are)."""
     ModelSubject.from_path(path)
     _, verdict = stored(path)
@@ -263,7 +263,7 @@ def kept_refusal(sizes: dict | None, asked: dict, label: str) -> str | None:
     where it does not decide: a call no smaller than the size made for in any of them, and above the largest
     taken in one, is refused (a size that fits means every smaller one does: the rule ``largest_taken``
     searches by)."""
-    from diffuse.dryrun import SIZE_WORDS
+    from diffuse.client.dryrun import SIZE_WORDS
 
     if not sizes or not asked:
         return None

@@ -4,10 +4,10 @@ One place for: the table of subcommands (``COMMANDS``: a new one is one entry), 
 argument parser (a mistake is one line, with "did you mean" where a flag, command or
 shipped model is near), value parsing (``positive``, ``--arg KEY=VALUE``), every flag
 check before anything loads (``check_flags``; the rules themselves, and the checks made
-once the model's config is read, live with the request: ``diffuse.request``), the typed
+once the model's config is read, live with the request: ``diffuse.client.request``), the typed
 request ``diffuse query`` builds from its flags once (``query_request``), and the error
 reporter (the root cause on the last line, exit status 2). What a command says while it
-works (the console, status lines, phases, step progress) is ``diffuse.progress``.
+works (the console, status lines, phases, step progress) is ``diffuse.client.progress``.
 
 This module imports no other part of Diffuse at load time, and a subcommand's module
 only when that subcommand runs, so ``diffuse --help`` and a flag mistake answer at once.
@@ -15,7 +15,7 @@ only when that subcommand runs, so ``diffuse --help`` and a flag mistake answer 
 A new subcommand is one entry in ``COMMANDS``, for example
 ``"serve": Command("diffuse.serve:main", "what it does", "--model DIR")``: a function
 that takes the rest of the command line and returns the exit status, and builds its
-flags with ``Parser`` (``ring_flags`` for the ring's), reports with ``diffuse.progress``'s
+flags with ``Parser`` (``ring_flags`` for the ring's), reports with ``diffuse.client.progress``'s
 ``console``, ``status`` and ``phase``, and runs its body under ``run_guarded`` for the shared error
 handling.
 """
@@ -369,10 +369,10 @@ def chat_parser() -> Parser:
 def check_flags(a: argparse.Namespace, options) -> None:
     """What the flags alone can tell, checked before anything is read or loaded (query, chat, verify): the
     plain rules here first, then each rule's owner: the split's ``options`` as the flags built them
-    (``options_of``; ``diffuse.request.check_options``), the node list (``diffuse.known_nodes``) or the network
+    (``options_of``; ``diffuse.client.request.check_options``), the node list (``diffuse.client.known_nodes``) or the network
     search (``diffuse.wire.discovery``), and the device (``diffuse.plan.devices.check_named``)."""
     from diffuse.errors import DiffuseError
-    from diffuse.request import check_options
+    from diffuse.client.request import check_options
 
     nodes = getattr(a, "nodes", None)
     if getattr(a, "discover_seconds", None) is not None and nodes != "auto":
@@ -395,7 +395,7 @@ def check_flags(a: argparse.Namespace, options) -> None:
 
         zeroconf_library()  # or how to install it, in one line
     if groups:
-        from diffuse.known_nodes import parse_nodes
+        from diffuse.client.known_nodes import parse_nodes
 
         for group in groups:
             parse_nodes(group)  # scheme, port and key of each address
@@ -410,14 +410,14 @@ def lan_nodes(a: argparse.Namespace, subject, out) -> None:
     (``diffuse.wire.discovery.heard_nodes``)."""
     if getattr(a, "nodes", None) != "auto":
         return
-    from diffuse.wire.discovery import heard_nodes
-    from diffuse.progress import status
+    from diffuse.client.lan import heard_nodes
+    from diffuse.client.progress import status
 
     a.nodes = heard_nodes(subject, getattr(a, "discover_seconds", None), lambda line: status(out, line))
 
 
 def node_groups(nodes: str) -> list[str]:
-    """``--nodes``: groups separated by ';' (each address in them is checked by ``diffuse.known_nodes``)."""
+    """``--nodes``: groups separated by ';' (each address in them is checked by ``diffuse.client.known_nodes``)."""
     from diffuse.errors import DiffuseError
 
     groups = nodes.split(";")
@@ -428,8 +428,8 @@ def node_groups(nodes: str) -> list[str]:
 
 def query_request(a: argparse.Namespace):
     """The flags of ``diffuse query`` checked (``check_flags``: what they alone can tell) and built, once, into
-    the typed request whose pieces the run's parts take (``diffuse.request.QueryRequest``)."""
-    from diffuse.request import ModelAsk, Output, PipelineCall, QueryRequest, RingAsk, TextCall
+    the typed request whose pieces the run's parts take (``diffuse.client.request.QueryRequest``)."""
+    from diffuse.client.request import ModelAsk, Output, PipelineCall, QueryRequest, RingAsk, TextCall
 
     args = key_values(a.arg)  # KEY=VALUE form
     options = options_of(a)
@@ -447,7 +447,7 @@ def chat_request(a: argparse.Namespace):
     """The flags of ``diffuse chat`` checked and built into the same typed request as a query's (the embedded
     chat model by default; its turns come from the input, so the text call holds only the first turn's images
     and the tokens an answer may take)."""
-    from diffuse.request import ModelAsk, Output, PipelineCall, QueryRequest, RingAsk, TextCall
+    from diffuse.client.request import ModelAsk, Output, PipelineCall, QueryRequest, RingAsk, TextCall
 
     from diffuse.plan.shipped import CHAT_MODEL_NAME
 
@@ -460,8 +460,8 @@ def chat_request(a: argparse.Namespace):
 
 
 def options_of(a: argparse.Namespace):
-    """The split's options (``diffuse.api.SplitOptions``) from the ring's flags (and a query's own)."""
-    from diffuse.api import SplitOptions
+    """The split's options (``diffuse.client.api.SplitOptions``) from the ring's flags (and a query's own)."""
+    from diffuse.client.api import SplitOptions
 
     return SplitOptions(local_nodes=a.local_nodes, patches=getattr(a, "patches", 1), threads=a.threads,
                         timeout=a.timeout, client_key=a.client_key, local_transport=a.local_transport,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from diffuse import cli, progress
+from diffuse import cli
+from diffuse.client import progress
 
 
 def key_main(argv: list[str]) -> int:
@@ -59,10 +60,10 @@ def verify_main(argv: list[str]) -> int:
         import torch
 
         import diffuse
-        from diffuse.api import load_whole_or_shell
-        from diffuse.dryrun import call_kwargs
+        from diffuse.client.api import load_whole_or_shell
+        from diffuse.client.dryrun import call_kwargs
         from diffuse.modelread import read_model
-        from diffuse.output import output_array
+        from diffuse.client.output import output_array
 
         q, (info, _, compute) = read_model(cli.query_request(a), out, "diffuse verify")
         with progress.phase(out, f"{os.path.basename(info.path)}: running it whole, in this process, on "

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from diffuse.errors import DiffuseError
 from diffuse.lm.client_report import head_params_held
-from diffuse.request import QueryRequest
+from diffuse.client.request import QueryRequest
 
 def audio_rate(model) -> int | None:
     """The sampling rate of the audio a model's ``generate`` returns (its audio codec's), or None for text."""
@@ -26,9 +26,9 @@ def compose_audio(q: QueryRequest, console, info, model, inputs, gen, times, t0)
     decoded (exactly as handed to the codec) are kept for ``--save-tokens``."""
     import torch
 
-    from diffuse.api import open_split
+    from diffuse.client.api import open_split
     from diffuse.plan.plugins import call_hook
-    from diffuse.writers import OutputInfo
+    from diffuse.client.writers import OutputInfo
 
     codec = model.audio_encoder
     codes: list = []

@@ -2,7 +2,7 @@
 diffuse.run`` on a folder whose config.json names its architectures.
 
 The model's own ``generate`` runs here, unmodified; its decoder layers are
-stand-ins (``diffuse.standin``) and each node keeps the key/value cache of the
+stand-ins (``diffuse.client.standin``) and each node keeps the key/value cache of the
 layers it holds (``diffuse.plan.kvcache``). The tokenizer, the processor and any
 vision tower stay here, where the prompt and the media are. The answer is
 printed as it streams, token by token.
@@ -16,9 +16,10 @@ import json
 import sys
 import time
 
-from diffuse import cli, progress
+from diffuse import cli
+from diffuse.client import progress
 from diffuse.errors import DiffuseError
-from diffuse.request import QueryRequest, TextCall
+from diffuse.client.request import QueryRequest, TextCall
 
 def generation_kwargs(text: TextCall) -> dict:
     """``generate``'s arguments from the request's ``text``; sampling is on when a sampling flag is given (or
@@ -85,11 +86,11 @@ def refuse_draws_on_device(gen: dict, whole: bool, device) -> None:
 
 def generate_text(q: QueryRequest, console, info, compute) -> dict:
     """One run of a language model (or a model that listens or composes), whole or split, as request ``q``
-    asks (``diffuse.request``), its model read (``diffuse.modelread``: ``info``, and ``compute``, where the
+    asks (``diffuse.client.request``), its model read (``diffuse.modelread``: ``info``, and ``compute``, where the
     client's ends compute); prints the answer as it comes, writes the outputs asked for, returns the report."""
     import torch
 
-    from diffuse.api import load_whole_or_shell, open_split
+    from diffuse.client.api import load_whole_or_shell, open_split
     from diffuse.compose import audio_rate, compose_audio
     from diffuse.plan.devices import inputs_on
     from diffuse.lm.client_report import held_parameters, summarize, text_split_report, top_candidates
@@ -201,7 +202,7 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
     import torch
     from transformers import DynamicCache
 
-    from diffuse.api import load_whole_or_shell, open_split
+    from diffuse.client.api import load_whole_or_shell, open_split
     from diffuse.plan.devices import inputs_on, model_device
     from diffuse.lm.client_media import chat_inputs, load_tokenizer
     from diffuse.modelread import read_model

@@ -2,10 +2,10 @@
 
 ``read_model`` finds its folder (the shipped model by default), refuses it early where a stored verdict
 says so (``diffuse.check.refuse_early``, before torch is imported), reads its config into the model's
-analysis (``diffuse.api.ModelInfo``), settles where the client's ends compute, and checks the request
-against what the model is (``diffuse.request.QueryRequest.check_for``), putting the nodes heard on the
+analysis (``diffuse.client.api.ModelInfo``), settles where the client's ends compute, and checks the request
+against what the model is (``diffuse.client.request.QueryRequest.check_for``), putting the nodes heard on the
 network in for ``--nodes auto``; a diffusion run's output path is checked too
-(``diffuse.writers.check_output_path``). Every refusal happens here, before any node is contacted.
+(``diffuse.client.writers.check_output_path``). Every refusal happens here, before any node is contacted.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import os
 from dataclasses import replace
 from typing import NamedTuple
 
-from diffuse.request import QueryRequest
+from diffuse.client.request import QueryRequest
 
 
 class ModelRead(NamedTuple):
-    """What ``read_model`` found: the model's analysis (``diffuse.api.ModelInfo``), the name it was asked by,
+    """What ``read_model`` found: the model's analysis (``diffuse.client.api.ModelInfo``), the name it was asked by,
     and where the client's ends compute (``diffuse.plan.devices.Compute``)."""
 
     info: object
@@ -33,7 +33,7 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
     status line; ``language``: the command talks to language models only (``diffuse chat``)."""
     from diffuse.check import refuse_early
     from diffuse.plan.modelfiles import resolve_model
-    from diffuse.progress import phase, status
+    from diffuse.client.progress import phase, status
 
     ask = q.model
     if ask.model is None:
@@ -48,7 +48,7 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
                q.output.quiet):
         import torch
 
-        from diffuse.api import ModelInfo
+        from diffuse.client.api import ModelInfo
         from diffuse.plan.devices import Compute
 
         if ask.threads:
@@ -61,11 +61,11 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
         raise DiffuseError(f"{info.path} is a diffusion pipeline; {command} talks to language models")
     q.check_for(info.subject.autoregressive)
     if not info.subject.autoregressive:
-        from diffuse.writers import check_output_path
+        from diffuse.client.writers import check_output_path
 
         check_output_path(q.output.out, info.draft)  # a file name no writer takes, refused before loading
     if q.ring.nodes == "auto":
-        from diffuse.wire.discovery import heard_nodes
+        from diffuse.client.lan import heard_nodes
 
         heard = heard_nodes(info.subject, q.ring.discover_seconds, lambda line: status(console, line))
         q = replace(q, ring=replace(q.ring, nodes=heard))

@@ -92,7 +92,7 @@ def plan_command(argv: list[str]) -> int:
 def _placed(a, subject, draft, dtype: str) -> tuple[SlicingPlan, Placement, list | None]:
     """The plan over the nodes ``a`` names (``--memory``: described by hand; else asked), its placement, and the
     hops measured (None for nodes described by hand)."""
-    from diffuse.known_nodes import parse_nodes
+    from diffuse.client.known_nodes import parse_nodes
     from diffuse.plan.planner import make_plan
 
     if a.patches < 1:
@@ -119,7 +119,7 @@ def _placed(a, subject, draft, dtype: str) -> tuple[SlicingPlan, Placement, list
 
 def ask_nodes(plan: SlicingPlan) -> list[Capacity]:
     """Each node's hello, read for placement (its key checked or pinned as a run would)."""
-    from diffuse.handshake import Handshake
+    from diffuse.client.handshake import Handshake
 
     hs = Handshake(plan)
     for k, stage in enumerate(plan.route):

@@ -66,7 +66,7 @@ def _whole_and_split(a):
     import torch
 
     import diffuse
-    from diffuse.api import ModelInfo
+    from diffuse.client.api import ModelInfo
     from diffuse.localnodes import start_local_nodes
     from diffuse.plan.planner import load_pipeline
     from diffuse.train.data import heldout_prompts
@@ -85,7 +85,7 @@ def _whole_and_split(a):
 
 def _diff(split: np.ndarray, whole: np.ndarray) -> np.ndarray:
     """|split - whole| in 8-bit levels."""
-    from diffuse.writers import to_uint8
+    from diffuse.client.writers import to_uint8
 
     return np.abs(to_uint8(split).astype(np.int16) - to_uint8(whole).astype(np.int16))
 
@@ -158,7 +158,7 @@ def cache_main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     import diffuse
-    from diffuse.request import checked_threshold
+    from diffuse.client.request import checked_threshold
 
     ap = _parser("cache", "What the first-block cache (--cache-threshold) costs and saves on the trained model, "
                           "beside --patches 2.")

@@ -16,7 +16,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from diffuse import cli, progress
+from diffuse import cli
+from diffuse.client import progress
 
 
 def build_parser():
@@ -33,13 +34,13 @@ def generate(a: argparse.Namespace, console) -> dict:
     (``diffuse.cli.query_request``); the model it names is read and the request checked against it
     (``diffuse.modelread``; a language model goes on in ``diffuse.lmrun``); the pipeline loads without its blocks
     and its call is checked by its own input check and its denoiser's forward run weightless at the call's
-    shapes (``diffuse.dryrun.checked_call``); the nodes start or are dialled (``diffuse.api.open_split``); the
-    pipeline's own call runs under progress (``diffuse.progress.run_with_steps``); the output is written and the
-    run reported (``diffuse.output.finish``). Everything that can be checked is checked before a node starts, and a
+    shapes (``diffuse.client.dryrun.checked_call``); the nodes start or are dialled (``diffuse.client.api.open_split``); the
+    pipeline's own call runs under progress (``diffuse.client.progress.run_with_steps``); the output is written and the
+    run reported (``diffuse.client.output.finish``). Everything that can be checked is checked before a node starts, and a
     status line says what happens at each phase, the first within a second of start."""
-    from diffuse import output
-    from diffuse.api import load_whole_or_shell, open_split
-    from diffuse.dryrun import checked_call
+    from diffuse.client import output
+    from diffuse.client.api import load_whole_or_shell, open_split
+    from diffuse.client.dryrun import checked_call
     from diffuse.modelread import read_model
 
     t0 = time.perf_counter()

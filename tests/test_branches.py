@@ -3,7 +3,7 @@
 Wan calls its transformer once per branch: from the second step the call that follows is sent ahead to
 the other group. PixArt-Sigma batches both branches in one call: the batch is cut between the groups.
 Through one group of nodes or two, one node per group or two, the output is byte for byte the same, with
-the client's memo of repeated projections (``diffuse.memo``) on for every projection, however small.
+the client's memo of repeated projections (``diffuse.client.memo``) on for every projection, however small.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ CASES = [("wan", ["--local-nodes", "2", "--branch-groups", "2"]),
 
 @pytest.mark.parametrize("name,flags", CASES, ids=["wan-1+1", "wan-2+2", "pixart-1+1"])
 def test_branches_on_two_groups_equal_the_whole_model(name, flags, models, tmp_path, diffuse_home, monkeypatch):
-    monkeypatch.setattr("diffuse.memo.MIN_ELEMENTS", 1)  # the client's memo on every projection (tiny inputs too)
+    monkeypatch.setattr("diffuse.client.memo.MIN_ELEMENTS", 1)  # the client's memo on every projection (tiny inputs too)
     model = models(name)
     kwargs = dict(families.call_args(name), num_inference_steps=3)
     whole = Reference(model, kwargs, str(tmp_path / "whole.npy"))  # side by side with the split run

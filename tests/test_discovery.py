@@ -52,7 +52,8 @@ def test_an_announcement_goes_through_its_txt_record_and_back_and_a_bad_one_is_r
 
     from zeroconf import ServiceInfo
 
-    from diffuse.wire.discovery import SERVICE_TYPE, Announced, nodes_for
+    from diffuse.client.lan import nodes_for
+    from diffuse.wire.discovery import Announced, SERVICE_TYPE
     from diffuse.errors import DiffuseError
 
     sent = _announced()

@@ -144,7 +144,7 @@ def test_a_dead_or_frozen_node_is_named_within_seconds(nodes, tmp_path, diffuse_
         assert f"node {ready['address']}:" in client.said and "dead or frozen" in client.said, client.said
         assert "Traceback" not in client.said
         # the wait it names is the wait it made: that many pings, each given that long, all unanswered
-        from diffuse.handshake import PROBE_TIMEOUT_S
+        from diffuse.client.handshake import PROBE_TIMEOUT_S
 
         said = re.search(r"no answer to (a ping|(\d+) pings in a row), each given ([\d.]+) s", client.said)
         assert said and float(said.group(3)) == PROBE_TIMEOUT_S, client.said

@@ -149,9 +149,9 @@ class WanRing:
         self.splits = []
 
     def open(self, control_log: list | None = None):
-        """A new session over the two nodes (its ``diffuse.ring.Ring``), left open until ``close``."""
+        """A new session over the two nodes (its ``diffuse.client.ring.Ring``), left open until ``close``."""
         import diffuse
-        from diffuse.handshake import Handshake
+        from diffuse.client.handshake import Handshake
 
         split = diffuse.split(self.pipe, nodes=self.pinned, timeout=30)
         request = Handshake._request
@@ -620,7 +620,7 @@ def _route(plan) -> list[list[str]]:
 
 def test_route_from_what_nodes_hold_checks_the_chain():
     from diffuse.errors import DiffuseError
-    from diffuse.handshake import route_from_slices
+    from diffuse.client.handshake import route_from_slices
 
     plan = _plan()
     new = route_from_slices(plan, [[_r("blocks", 0, 1)], [_r("blocks", 1, 4), _r("single", 0, 2)]])

@@ -74,7 +74,7 @@ def split_run(model: str, kwargs: dict, addresses, patches: int, attention: str 
     import diffusers
 
     import diffuse
-    from diffuse.output import output_array
+    from diffuse.client.output import output_array
 
     pipe = diffusers.DiffusionPipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)

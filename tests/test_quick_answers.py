@@ -163,7 +163,7 @@ def test_each_shipped_verdict_is_the_one_worked_out_afresh(name, tmp_path):
 
 def _sizes_turn_where_kept(path: str, sizes: dict) -> None:
     import diffuse
-    from diffuse.dryrun import DryPipeline, _input_check_takes, _Refused
+    from diffuse.client.dryrun import DryPipeline, _input_check_takes, _Refused
 
     pipe = diffuse.from_pretrained(path)
     info = pipe._diffuse

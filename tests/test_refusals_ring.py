@@ -58,9 +58,9 @@ def test_wire_version_mismatch_is_refused_at_hello(models, tmp_path, diffuse_hom
     model = models("wan")
     proc, ready = _node(model, "all")
     try:
-        import diffuse.handshake
+        import diffuse.client.handshake
 
-        monkeypatch.setattr(diffuse.handshake, "WIRE_VERSIONS", (99,))  # a client from the future speaks only 99
+        monkeypatch.setattr(diffuse.client.handshake, "WIRE_VERSIONS", (99,))  # a client from the future speaks only 99
         run = _client(model, [f"{ready['address']}#{ready['key']}"], tmp_path, diffuse_home, capsys)
     finally:
         proc.terminate()

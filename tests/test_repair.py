@@ -54,7 +54,7 @@ def _run(pipe, addresses, lines, on_step=None, patches=1, calls=None, repair=Non
 
 def test_killed_then_frozen_replicas_leave_the_result_unchanged(replicas):
     import diffuse
-    from diffuse.repair import AVOIDED
+    from diffuse.client.repair import AVOIDED
 
     model, nodes = replicas
     addresses = [f"{r['address']}#{r['key']}" for _, r in nodes]
@@ -92,7 +92,7 @@ def test_a_patched_step_cut_short_by_a_repair_runs_again_whole(models, diffuse_h
     """With patches the new holder has none of the stale buffers of earlier steps: after the repair
     each branch's next step runs whole (as its first did), then patches resume."""
     import diffuse
-    from diffuse.repair import AVOIDED
+    from diffuse.client.repair import AVOIDED
 
     model = models("wan")
     nodes = _nodes(model, ["1/2", "2/2", "2/2"])
@@ -119,7 +119,7 @@ def test_a_patched_step_cut_short_by_a_repair_runs_again_whole(models, diffuse_h
 
 def test_the_route_takes_one_usable_holder_per_range_and_a_failed_node_waits_its_turn():
     from diffuse.plan.contracts import Slice, SlicingPlan, ModelIdentity, StackPlan, Stage
-    from diffuse.repair import RepairPolicy, choose_route
+    from diffuse.client.repair import RepairPolicy, choose_route
 
     stack = StackPlan(path="blocks", length=4, block_class="m.Block")
     plan = SlicingPlan(model=ModelIdentity("m", "transformer", "m.Model", "h"), stacks=(stack,))
@@ -155,7 +155,7 @@ def test_the_route_takes_one_usable_holder_per_range_and_a_failed_node_waits_its
 
 def test_ranges_go_in_block_order_whatever_order_their_holders_are_listed_or_answer_in():
     from diffuse.plan.contracts import Slice, SlicingPlan, ModelIdentity, StackPlan, Stage
-    from diffuse.repair import choose_route
+    from diffuse.client.repair import choose_route
 
     stack = StackPlan(path="blocks", length=4, block_class="m.Block")
     plan = SlicingPlan(model=ModelIdentity("m", "transformer", "m.Model", "h"), stacks=(stack,))
@@ -186,7 +186,7 @@ def test_a_language_model_answers_the_same_after_a_node_dies_mid_answer(tmp_path
     import diffuse
     from conftest import THREADS
     from diffuse.lm.client_media import build_inputs
-    from diffuse.repair import AVOIDED
+    from diffuse.client.repair import AVOIDED
 
     model_dir = lm_models.build("qwen2", str(tmp_path_factory.mktemp("repair-lm") / "qwen2"))
     inputs, _ = build_inputs(model_dir, "Tell me a story about the moon.")
@@ -232,12 +232,12 @@ def test_a_dead_first_listed_replica_is_routed_around_and_a_failed_node_serves_a
     result is byte-identical to an undisturbed run. With b frozen and no replica of it, the error names b."""
     import socket
 
-    import diffuse.handshake
+    import diffuse.client.handshake
     from diffuse.errors import NodeError
-    from diffuse.repair import AVOIDED, RepairPolicy
+    from diffuse.client.repair import AVOIDED, RepairPolicy
     from diffuse.wire.sealing import load_identity
 
-    monkeypatch.setattr(diffuse.handshake, "HELLO_TIMEOUT_S", 3.0)  # a dead node's hello is not waited for long
+    monkeypatch.setattr(diffuse.client.handshake, "HELLO_TIMEOUT_S", 3.0)  # a dead node's hello is not waited for long
     model = models("wan")
     key = str(tmp_path / "a1.key")
     with socket.socket() as free:  # a1's address and key, before a1 runs

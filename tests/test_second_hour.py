@@ -84,8 +84,8 @@ def test_a_size_the_model_cannot_take_is_refused_in_one_line_before_anything_sta
 
 def test_outside_what_the_shipped_model_knows_is_one_note_each(diffuse_home):
     import diffuse
-    from diffuse.api import ModelInfo
-    from diffuse.dryrun import notes
+    from diffuse.client.api import ModelInfo
+    from diffuse.client.dryrun import notes
 
     info = ModelInfo.of("tiny-wan-shapes")
     pipe = diffuse.from_pretrained(info.path)

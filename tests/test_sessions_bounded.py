@@ -275,7 +275,7 @@ def test_sessions_of_a_vanished_client_or_a_frozen_node_are_reaped(ring_env):
 def test_a_lost_pass_names_the_hop_where_it_stopped(ring_env):
     import diffuse
     from diffuse.errors import NodeError
-    from diffuse.handshake import Handshake
+    from diffuse.client.handshake import Handshake
 
     env = ring_env
     dead = socket.socket()

@@ -13,7 +13,7 @@ from torch import nn
 
 from diffuse.errors import DiffuseError
 from diffuse.plan.contracts import StackPlan
-from diffuse.proxies import StandIn
+from diffuse.client.proxies import StandIn
 
 
 class LocalStack:

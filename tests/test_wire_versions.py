@@ -59,7 +59,7 @@ def recorded(mixed, diffuse_home):
     import diffusers
 
     import diffuse
-    from diffuse.handshake import Handshake
+    from diffuse.client.handshake import Handshake
 
     torch.set_num_threads(THREADS)
     pipe = diffusers.DiffusionPipeline.from_pretrained(mixed.model)
@@ -113,10 +113,10 @@ def test_a_version_1_node_and_a_version_2_node_serve_one_client_byte_identically
 
 
 def test_a_node_with_no_version_in_common_is_refused_naming_both_sides(mixed, tmp_path, diffuse_home, monkeypatch):
-    import diffuse.handshake
+    import diffuse.client.handshake
     from diffuse.wire.transport import transport_for
 
-    monkeypatch.setattr(diffuse.handshake, "WIRE_VERSIONS", (2,))  # a client that no longer speaks version 1
+    monkeypatch.setattr(diffuse.client.handshake, "WIRE_VERSIONS", (2,))  # a client that no longer speaks version 1
     run = _client(mixed.model, mixed.pinned, tmp_path, diffuse_home)
     assert run.returncode == 2
     said = _said(run)
@@ -132,7 +132,7 @@ def test_a_node_with_no_version_in_common_is_refused_naming_both_sides(mixed, tm
 
 def test_two_nodes_that_cannot_hand_on_to_each_other_are_refused_naming_both():
     from diffuse.errors import DiffuseError
-    from diffuse.handshake import hop_versions
+    from diffuse.client.handshake import hop_versions
 
     assert hop_versions(["tcp://a:1", "tcp://b:1", "tcp://c:1"], [[1], [1, 2], [1, 2]], [1, 2, 2]) == [1, 1, 2, 2]
     with pytest.raises(DiffuseError, match=r"nodes tcp://a:1 \(wire versions \[1\]\) and tcp://b:1 \(wire versions "
@@ -248,7 +248,7 @@ def _flood(address: str, n: int, timeout_s: float = 30.0) -> int:
 
 def test_a_hello_flood_between_a_clients_hello_and_its_open_does_not_spend_its_challenge(mixed, diffuse_home):
     import diffuse
-    from diffuse.handshake import Handshake
+    from diffuse.client.handshake import Handshake
 
     pipe = diffuse.from_pretrained(mixed.model)
     hello = Handshake.hello

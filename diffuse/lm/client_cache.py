@@ -1,11 +1,12 @@
 """The client's side of a split language model's key/value cache: a stand-in object generate holds, whose layers live on the nodes."""
 
 from __future__ import annotations
-from diffuse.plan.kvcache import EDITS
-from diffuse.plan.kvcache import _refuse_edit
-from diffuse.plan.kvcache import self_attention_part
-import torch
+
 import weakref
+
+import torch
+
+from diffuse.plan.kvcache import EDITS, _refuse_edit, self_attention_part
 
 
 class ClientCaches:

@@ -1,7 +1,7 @@
 """A language model's ends on a split client: the embedding and head stand-ins, generate's processors, the cache.
 
 A language model's stack is called with its key/value cache; the stand-in
-(``diffuse.standin``) collects every layer's call and hands the pass here
+(``diffuse.client.standin``) collects every layer's call and hands the pass here
 (``LanguageEnds.run_layers``). The client's cache gets its shadow
 (``diffuse.plan.kvcache``). Inside ``generate``, which always calls the output head,
 the pass is held back until the head is called, so that the last node runs the
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from diffuse.plan.calltree import flatten_layers
-from diffuse.changes import is_freed
+from diffuse.client.changes import is_freed
 from diffuse.errors import DiffuseError
 from diffuse.lm.client_cache import ClientCaches
 from diffuse.lm.client_embedding import EmbeddingEnd
@@ -57,7 +57,7 @@ class SideOutput(torch.Tensor):
     replaces none of its inputs (BLOOM's attention weights, T5's position biases): empty, and ``output`` says
     which returned position it stands for. A model may hand it to the next layer as it is (T5 gives block 0's
     biases to every later block): the pass then threads that output into the slot it takes there
-    (``threaded_sides``); anything else done with it is refused (``diffuse.standin.StandIn``)."""
+    (``threaded_sides``); anything else done with it is refused (``diffuse.client.standin.StandIn``)."""
 
     output: int
 
@@ -94,7 +94,7 @@ def threaded_sides(calls: list[tuple[tuple, dict]], rmap: ReturnMap) -> ReturnMa
 
 
 class LanguageEnds:
-    """The ends of a language model split by ``splitter`` (``diffuse.standin.Splitter``): its passes, its
+    """The ends of a language model split by ``splitter`` (``diffuse.client.standin.Splitter``): its passes, its
     output head answered by the last node, and its input embedding answered by the first where allowed."""
 
     def __init__(self, splitter):

@@ -1,11 +1,11 @@
 """A node's key/value caches, per session and layer, for the layers it holds."""
 
 from __future__ import annotations
-from diffuse.errors import DiffuseError
-from diffuse.plan.kvcache import cached_positions
-from diffuse.plan.kvcache import max_positions
-from diffuse.plan.kvcache import over_cap
+
 import torch
+
+from diffuse.errors import DiffuseError
+from diffuse.plan.kvcache import cached_positions, max_positions, over_cap
 
 
 class NodeCaches:

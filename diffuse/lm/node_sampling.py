@@ -1,12 +1,12 @@
 """Sampling on the last node: the session's processors rebuilt there, and the draw made there from the whole distribution."""
 
 from __future__ import annotations
-from diffuse.errors import DiffuseError
-from diffuse.lm.sampling import MAX_IDS, _is_int
-from diffuse.lm.sampling import rebuild
-from diffuse.lm.sampling import rng_digest
-from diffuse.wire.passes import DrawState
+
 import torch
+
+from diffuse.errors import DiffuseError
+from diffuse.lm.sampling import MAX_IDS, _is_int, rebuild, rng_digest
+from diffuse.wire.passes import DrawState
 
 
 class NodeSampler:

@@ -1,8 +1,9 @@
 """The last node's part of a language model's tail: its heads run, the top candidates picked exactly."""
 
 from __future__ import annotations
-from torch import nn
+
 import torch
+from torch import nn
 
 
 def stack_heads(heads: nn.ModuleList, h: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,8 @@
 """Whether a stack may be cut into patches at all: the one rule both the client and the node read."""
 
 from __future__ import annotations
-from diffuse.plan.contracts import PATCHABLE
-from diffuse.plan.contracts import ReturnMap
-from diffuse.plan.contracts import UNCUT_STEPS
 
+from diffuse.plan.contracts import PATCHABLE, UNCUT_STEPS, ReturnMap
 
 TWO_STREAMS = "its blocks carry two streams (image and text side by side)"
 

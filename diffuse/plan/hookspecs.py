@@ -49,7 +49,7 @@ def diffuse_write_output(result, path, info):
     """Write a generated result to ``path``; return the path written, or None.
 
     ``result`` is the float32 numpy array the pipeline returned with
-    ``output_type="np"``; ``info`` is a :class:`diffuse.writers.OutputInfo`
+    ``output_type="np"``; ``info`` is a :class:`diffuse.client.writers.OutputInfo`
     (kind ``"image"``/``"video"``/``"audio"``, frame rate, sample rate). Return
     None to let another writer handle this suffix or kind.
     """

@@ -21,7 +21,7 @@ text part; models that name none are not capped here): the client refuses a
 prompt longer than that before any pass (``check_prompt``), and a node refuses a
 pass that would take its cache beyond it (``NodeCaches.check_room``), in one
 line naming the cap, so a session's keys and values, and the client's replay
-history of them (``diffuse.replay``), stay within what the model was made for.
+history of them (``diffuse.client.replay``), stay within what the model was made for.
 """
 
 from __future__ import annotations

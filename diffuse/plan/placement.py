@@ -16,7 +16,7 @@ route): every node's run fits its memory less a margin, and the slowest node's s
 small as it can be; among placements as good as that, the one with the least total compute, then the
 most even. A node not measured counts at the median speed of those measured (all alike when
 none is). A model that fits no placement is refused (``DoesNotFit``) before any node loads a block,
-naming the shortfall in GiB. ``route`` is the one place a route is planned from (``diffuse.repair``);
+naming the shortfall in GiB. ``route`` is the one place a route is planned from (``diffuse.client.repair``);
 ``even_placement`` keeps the even slices, checked against the same memory.
 """
 
@@ -351,7 +351,7 @@ _reports_lock = threading.Lock()
 
 
 def note_hello(address: str, hello: dict, rtt_s: float | None = None) -> None:
-    """Remember what a node's hello said of it (``diffuse.handshake`` calls this for every hello)."""
+    """Remember what a node's hello said of it (``diffuse.client.handshake`` calls this for every hello)."""
     report = NodeReport.from_hello(address, hello, rtt_s)
     if report is None:
         return

@@ -18,7 +18,7 @@ __all__ = ["CHAT_MODEL_NAME", "SHIPPED_MODEL_NAME", "default_chat_model_dir", "d
 
 SHIPPED_MODEL_NAME = "tiny-wan-shapes"
 CHAT_MODEL_NAME = "tiny-qwen-chat"
-TRAINED = Path(__file__).resolve().parent / "trained"
+TRAINED = Path(__file__).resolve().parent.parent / "trained"
 
 
 def shipped_models() -> dict[str, str]:

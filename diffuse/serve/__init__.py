@@ -100,8 +100,8 @@ class ServeOptions:
 def analyse(models: list[str], nodes: list[str], say) -> tuple[list, list[str]]:
     """Every model analysed (its refusals, before any node starts) and its name; the counts and node lists
     checked against the models."""
-    from diffuse.api import ModelInfo
-    from diffuse.known_nodes import parse_nodes
+    from diffuse.client.api import ModelInfo
+    from diffuse.client.known_nodes import parse_nodes
 
     if not models:
         raise DiffuseError("no --model given and no shipped model found: reinstall diffuse or give --model")
@@ -242,7 +242,7 @@ def lan_nodes(models: list[str], nodes: list[str], seconds: float | None, say) -
     if "auto" not in nodes or len(nodes) != len(models):
         return nodes
     from diffuse.plan.analysis import ModelSubject
-    from diffuse.wire.discovery import nodes_on_lan
+    from diffuse.client.lan import nodes_on_lan
     from diffuse.plan.modelfiles import resolve_model
 
     auto = [k for k, spec in enumerate(nodes) if spec == "auto"]
@@ -262,7 +262,8 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffuse import cli, progress
+    from diffuse import cli
+    from diffuse.client import progress
 
     out = progress.console()
     a = build_parser().parse_args(argv)

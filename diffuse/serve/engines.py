@@ -149,7 +149,7 @@ class NodeSet:
 
     def health(self, timeout_s: float = 2.0) -> list[dict]:
         """Each node's answer to ``status`` (sessions, what it holds), or why it did not answer."""
-        from diffuse.known_nodes import parse_nodes
+        from diffuse.client.known_nodes import parse_nodes
         from diffuse.wire.transport import transport_for
 
         rows = []
@@ -179,7 +179,7 @@ class Engine:
     @contextmanager
     def split(self, target, **extra):
         """One request's sessions on the nodes, open for the ``with`` block."""
-        from diffuse.api import Split
+        from diffuse.client.api import Split
 
         split = Split(target, nodes=list(self.nodes.specs), **self.split_options, **extra)
         with LOADING:
@@ -514,9 +514,9 @@ class PipelineEngine(Engine):
         each denoising step."""
         import torch
 
-        from diffuse.request import PipelineCall
-        from diffuse.dryrun import call_kwargs
-        from diffuse.output import output_array
+        from diffuse.client.request import PipelineCall
+        from diffuse.client.dryrun import call_kwargs
+        from diffuse.client.output import output_array
 
         if not isinstance(ask.prompt, str) or not ask.prompt.strip():
             raise BadRequest("prompt must be a non-empty string", "prompt")
@@ -575,7 +575,7 @@ class PipelineEngine(Engine):
 def write_bytes(arr, suffix: str, kind: str, frame_rate=None, sample_rate=None) -> bytes:
     """The file the output writers make of ``arr`` (the same bytes ``diffuse query --out`` writes)."""
     from diffuse.plan.plugins import call_hook
-    from diffuse.writers import OutputInfo
+    from diffuse.client.writers import OutputInfo
 
     with tempfile.TemporaryDirectory(prefix="diffuse-serve-") as tmp:
         path = os.path.join(tmp, "out" + suffix)
@@ -594,7 +594,7 @@ def preview_png(arr, variant: str) -> bytes:
     import numpy as np
     from PIL import Image
 
-    from diffuse.writers import to_uint8
+    from diffuse.client.writers import to_uint8
 
     frames = arr[0] if arr.ndim == 5 else arr
     frames = to_uint8(np.asarray(frames))

@@ -3,7 +3,7 @@
 A ``StandIn`` is an ordinary ``nn.ModuleList`` of parameterless ``BlockProxy``
 modules, one per block, so the denoiser's own loop (``for block in
 self.blocks``, ``enumerate``, ``len``) runs unchanged. The first proxy ships
-the call through the ring (``diffuse.standin.Splitter.run_stack``) and answers
+the call through the ring (``diffuse.client.standin.Splitter.run_stack``) and answers
 with what the stack's last block returned; the others, called in order with
 that answer threaded back in, hand the same answer on.
 
@@ -33,7 +33,7 @@ from diffuse.lm.client_ends import SideOutput
 from diffuse.plan.contracts import StackPlan
 
 if TYPE_CHECKING:
-    from diffuse.standin import Splitter
+    from diffuse.client.standin import Splitter
 
 
 class BlockProxy(nn.Module):

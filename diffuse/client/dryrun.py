@@ -387,7 +387,7 @@ def unknown_words(tokenizer, prompt: str) -> list[str]:
 def call_kwargs(call, pipe, info) -> dict:
     """The pipeline's call arguments for ``call``: each flag given and each ``--arg`` checked against what its
     ``__call__`` takes, the folder's declared defaults, the seeded generator; checked by the pipeline's own input
-    check (``diffuse.dryrun.check_inputs``)."""
+    check (``diffuse.client.dryrun.check_inputs``)."""
     import torch
 
     params = inspect.signature(type(pipe).__call__).parameters

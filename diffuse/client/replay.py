@@ -1,5 +1,5 @@
 """A language model's passes since its cache was last started anew, kept so that a repaired route can
-rebuild the new nodes' caches exactly as they were built (``diffuse.ring.Ring``).
+rebuild the new nodes' caches exactly as they were built (``diffuse.client.ring.Ring``).
 
 Each pass is kept as its tensors' raw bytes, in one buffer, with their dtypes and shapes; what one pass
 shares with the one before (its call tree, return map and part, almost always equal from one decoding

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, replace
 
 from diffuse.errors import DiffuseError
-from diffuse.request import check_options  # the split's rules, shared with the command line's flags
+from diffuse.client.request import check_options  # the split's rules, shared with the command line's flags
 
 MODEL_DEFAULTS_FILE = "diffuse_defaults.json"  # call defaults a model folder may declare for its size
 
@@ -137,7 +137,7 @@ class SplitOptions:
     branch_groups: int = 1
     cache_threshold: float = 0.0
     ahead: bool = True
-    repair: object = None  # a diffuse.repair.RepairPolicy; None: the default policy
+    repair: object = None  # a diffuse.client.repair.RepairPolicy; None: the default policy
     embedding_on_node: bool = False
     placement: str = "planned"
     device: str | None = None
@@ -146,9 +146,9 @@ class SplitOptions:
 
 
 def open_split(ring, pipe, held, console, quiet: bool):
-    """The ``Split`` a ``diffuse query`` request's ``ring`` (a ``diffuse.request.RingAsk``) asks for, its nodes
+    """The ``Split`` a ``diffuse query`` request's ``ring`` (a ``diffuse.client.request.RingAsk``) asks for, its nodes
     started or dialled (held open until ``held``, an ``ExitStack``, closes), and which node holds what said."""
-    from diffuse.progress import phase
+    from diffuse.client.progress import phase
 
     split = Split(pipe, ring.nodes, ring.options)
     if ring.options.client_key:
@@ -181,10 +181,10 @@ class Split:
     ``SplitOptions``, as keywords (``Split(pipe, nodes, patches=2)``), or both (the keywords win)."""
 
     def __init__(self, pipe_or_model, nodes=None, options: SplitOptions | None = None, **named):
-        from diffuse.branches import parse_groups
-        from diffuse.wire.discovery import auto_nodes, check_auto
-        from diffuse.repair import RepairPolicy
-        from diffuse.known_nodes import parse_nodes
+        from diffuse.client.branches import parse_groups
+        from diffuse.client.lan import auto_nodes, check_auto
+        from diffuse.client.repair import RepairPolicy
+        from diffuse.client.known_nodes import parse_nodes
         from diffuse.localnodes import local_nodes_plan
         from diffuse.plan.placement import PLACEMENTS
 
@@ -286,8 +286,8 @@ class Split:
 
     def __enter__(self) -> "Split":
         from diffuse.plan.planner import denoiser_dtype, make_plan
-        from diffuse.ring import Ring
-        from diffuse.standin import Splitter
+        from diffuse.client.ring import Ring
+        from diffuse.client.standin import Splitter
 
         try:
             if self.nodes is None:
@@ -305,7 +305,7 @@ class Split:
                                   identity=getattr(self.local_nodes, "client", None)))
                 rings[-1].open()
             if len(rings) > 1:
-                from diffuse.branches import BranchRings
+                from diffuse.client.branches import BranchRings
 
                 self.ring = BranchRings(rings)
             else:
@@ -396,13 +396,13 @@ def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: in
     ``--nodes auto`` finds them, ``diffuse.wire.discovery``, needing ``diffuse[lan]``; ``split.discovered`` holds
     what was heard) or over ``local_nodes`` started here (default 2); a context manager. ``patches > 1``: PipeFusion.
     ``nodes`` as ``"A,B;C,D"`` (or a list of lists) forms groups, each a whole ring; a model's guidance
-    branches then run side by side, one group each (``diffuse.branches``); with local nodes,
+    branches then run side by side, one group each (``diffuse.client.branches``); with local nodes,
     ``branch_groups=G`` shares them out. ``cache_threshold=T`` (> 0): the first-block cache skips steps whose
     first block changes less than T (``diffuse.firstblock``; ``split.cache_skipped`` counts them). Options:
     ``threads`` (local nodes' torch threads; default: the client's at one patch, which keeps the bits of a whole run), ``timeout`` (seconds for one pass),
     ``client_key``, ``attention``, ``local_transport``, ``model`` (the pipeline folder, when it cannot be
     told), ``ahead`` (with patches, send the next guidance branch's call while this one finishes; default
-    True), ``repair`` (a ``diffuse.repair.RepairPolicy``: how a failed node is replaced; default: the
+    True), ``repair`` (a ``diffuse.client.repair.RepairPolicy``: how a failed node is replaced; default: the
     first usable holder of its range, the failed node avoided 30 s, doubling, then used again),
     ``embedding_on_node`` (a language model's embedding table on the first node, so passes carry token ids
     instead of hidden states; default False: the client embeds), ``placement`` ("planned": nodes that hold

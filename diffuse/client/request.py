@@ -8,14 +8,14 @@ From then on each part of the run takes only the piece it needs. The rules a req
 follow live here too (``check_options``), so the command line and ``diffuse.split`` follow the same ones.
 
 - ``ModelAsk``: which model, where the client's ends compute, and whether it runs whole here;
-- ``RingAsk``: where the nodes are and how the split runs (``diffuse.api.SplitOptions``);
-- ``PipelineCall``: a diffusion pipeline's call (``diffuse.dryrun.call_kwargs``);
+- ``RingAsk``: where the nodes are and how the split runs (``diffuse.client.api.SplitOptions``);
+- ``PipelineCall``: a diffusion pipeline's call (``diffuse.client.dryrun.call_kwargs``);
 - ``TextCall``: a language model's inputs and ``generate``'s arguments (``diffuse.lmrun``);
 - ``Output``: what the run writes, and whether it says what it does.
 
 Nothing here imports torch or the model's library: the request exists before either loads.
 
->>> from diffuse.api import SplitOptions
+>>> from diffuse.client.api import SplitOptions
 >>> call = PipelineCall(prompt="a fox", steps=4, height=64, args={"guidance_scale": 3})
 >>> call.named()
 {'prompt': ('prompt', 'a fox'), 'steps': ('num_inference_steps', 4), 'height': ('height', 64)}
@@ -55,11 +55,11 @@ class ModelAsk:
 @dataclass(frozen=True)
 class RingAsk:
     """Where the nodes are (``--nodes``, None: started here; ``auto``: heard on the network, listening
-    ``discover_seconds``), and how the split runs (``diffuse.api.SplitOptions``)."""
+    ``discover_seconds``), and how the split runs (``diffuse.client.api.SplitOptions``)."""
 
     nodes: str | None
     discover_seconds: float | None
-    options: object  # a diffuse.api.SplitOptions
+    options: object  # a diffuse.client.api.SplitOptions
 
 
 @dataclass(frozen=True)

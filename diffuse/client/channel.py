@@ -27,7 +27,7 @@ from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.wire.passes import WHOLE, Answer, ContractError, Part, Pass
 from diffuse.plan.contracts import Patch, ReturnMap, SlotRef
 
-log = logging.getLogger("diffuse.ring")
+log = logging.getLogger("diffuse.client.ring")
 
 PROBE_EVERY_S = 1.5  # while waiting for an answer, ask the nodes this often whether they are alive
 MAX_RECORDS = 4096  # per-message records a session keeps (the latest; the totals count every message)

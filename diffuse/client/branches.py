@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from diffuse.plan.calltree import digest, flatten
-from diffuse.channel import ChannelStats
+from diffuse.client.channel import ChannelStats
 from diffuse.errors import DiffuseError
 from diffuse.firstblock.client import with_branch
 from diffuse.pipefusion.client import BranchTracker, reassemble
-from diffuse.ring import NodeStats, RingStats
+from diffuse.client.ring import NodeStats, RingStats
 
 
 def parse_groups(spec: str | list) -> list:

@@ -1,5 +1,5 @@
 """What a diffusion run writes and says at its end (``finish``): the pipeline's result as an array
-(``output_array``) written by the writers' hook (``write_output``, ``diffuse.writers``, which checked the
+(``output_array``) written by the writers' hook (``write_output``, ``diffuse.client.writers``, which checked the
 path before anything loaded: ``check_output_path``), what a split run adds to the report (``split_report``),
 and the summary lines (``summarize``)."""
 
@@ -23,7 +23,7 @@ def output_array(result) -> np.ndarray:
 
 def write_output(arr: np.ndarray, out: str | None, draft: dict, pipe) -> str:
     from diffuse.plan.plugins import call_hook
-    from diffuse.writers import DEFAULT_SUFFIX, OutputInfo
+    from diffuse.client.writers import DEFAULT_SUFFIX, OutputInfo
 
     kind = draft.get("output_kind", "image")
     out = out or "out"
@@ -41,7 +41,7 @@ def write_output(arr: np.ndarray, out: str | None, draft: dict, pipe) -> str:
 def finish(result, q, pipe, kwargs: dict, split, times: dict, console) -> dict:
     """The end of a diffusion run of request ``q``: its ``result`` written (and saved as an array where asked),
     its report made (``times``: the phases' seconds, ``steps`` and the start ``t0``; ``split`` the run's
-    ``diffuse.api.Split``, None when it ran whole), summarized and written where asked; returns the report."""
+    ``diffuse.client.api.Split``, None when it ran whole), summarized and written where asked; returns the report."""
     info, out = pipe._diffuse, q.output
     arr = output_array(result)
     t0, steps = times.pop("t0"), times.pop("steps")

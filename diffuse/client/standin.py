@@ -1,6 +1,6 @@
 """Stand-ins: what the denoiser sees where its block stacks used to be.
 
-A ``StandIn`` (``diffuse.proxies``) is an ordinary ``nn.ModuleList`` of
+A ``StandIn`` (``diffuse.client.proxies``) is an ordinary ``nn.ModuleList`` of
 parameterless ``BlockProxy`` modules, one per block, so the denoiser's own loop
 runs unchanged; its first proxy ships the call through the ring (``run_stack``
 here), and a language model's stack hands every layer's call to the language
@@ -10,7 +10,7 @@ pipeline's ``__call__`` is never modified.
 With ``patches > 1`` a stack that carries one stream goes through a
 ``diffuse.pipefusion.Patcher`` (cut into token patches, pipelined through the
 ring); a stack with two streams runs uncut steps, and ``uncut`` says why. The
-memo of repeated projections is ``diffuse.memo``'s.
+memo of repeated projections is ``diffuse.client.memo``'s.
 
 A ``Splitter`` installs the stand-ins when a ring is attached and takes them
 away when it is detached: every module it replaced, every hook it registered
@@ -27,15 +27,15 @@ import time
 from torch import nn
 
 from diffuse.plan.calltree import flatten
-from diffuse.changes import Changes, guard
+from diffuse.client.changes import Changes, guard
 from diffuse.errors import DiffuseError
 from diffuse.lm.client_ends import LanguageEnds
-from diffuse.memo import RepeatMemo
+from diffuse.client.memo import RepeatMemo
 from diffuse.pipefusion.client import Patcher
 from diffuse.pipefusion.policy import why_uncut
 from diffuse.plan.contracts import PATCHABLE, CallPlan, ReturnMap, SlicingPlan, StackPlan
 from diffuse.plan.planner import learn_call
-from diffuse.proxies import StandIn
+from diffuse.client.proxies import StandIn
 
 
 class Splitter:
@@ -181,7 +181,7 @@ class Splitter:
         if self.ring is None:
             raise DiffuseError("this model's layers are held by nodes: call it inside `with diffuse.split(...)`")
         if self.tagger is not None:
-            from diffuse.request import NOT_FOR_LANGUAGE_MODELS
+            from diffuse.client.request import NOT_FOR_LANGUAGE_MODELS
 
             raise DiffuseError(NOT_FOR_LANGUAGE_MODELS)
         return self.lm.run_layers(stack, calls, cache)

@@ -29,7 +29,7 @@ from diffuse.wire import frames
 from diffuse.wire import links
 from diffuse.wire import sealing
 from diffuse.errors import DiffuseError, NodeError, WireError
-from diffuse.known_nodes import parse_node, pin_key
+from diffuse.client.known_nodes import parse_node, pin_key
 from diffuse.plan.placement import note_hello
 from diffuse.plan.contracts import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, Slice, SlicingPlan, Stage, StagePlan, \
     check_slices
@@ -167,7 +167,7 @@ class Handshake:
         hello["speaks"] = speaks
         if hello.get("compiled") is True and stage.address not in _TOLD_COMPILED:
             _TOLD_COMPILED.add(stage.address)
-            logging.getLogger("diffuse.ring").warning(
+            logging.getLogger("diffuse.client.ring").warning(
                 "node %s runs its blocks compiled (--compile): results are close to plain diffusers/transformers, "
                 "not byte-identical", stage.address[:200])
         note_hello(stage.address, hello, rtt)  # what it says of its memory and speed, for placement

@@ -12,13 +12,13 @@ import sys
 from dataclasses import dataclass, field
 
 from diffuse.plan.calltree import flatten, flatten_layers
-from diffuse.channel import Channel, ChannelStats
-from diffuse.handshake import Handshake
+from diffuse.client.channel import Channel, ChannelStats
+from diffuse.client.handshake import Handshake
 from diffuse.errors import DiffuseError, NodeError, Repaired
 from diffuse.wire.passes import Embed, LayerPass, Part, Tail
 from diffuse.plan.contracts import Patch, ReturnMap, SlicingPlan
-from diffuse.repair import RepairPolicy
-from diffuse.replay import Replay
+from diffuse.client.repair import RepairPolicy
+from diffuse.client.replay import Replay
 from diffuse.wire.tokens import data_token, token_admits
 
 
@@ -56,7 +56,7 @@ class Ring:
     history since its cache was last started anew: when a node dies, freezes or answers with an error,
     the ring closes the session, opens a new one on a route without that node (another holder of its
     range), replays the history to rebuild the caches, resends what was in flight, and says so in one
-    line. Its ``RepairPolicy`` (``diffuse.repair``) says how: by default the failed node is avoided for
+    line. Its ``RepairPolicy`` (``diffuse.client.repair``) says how: by default the failed node is avoided for
     its backoff, then used again. Without a usable holder, or once one pass has been repaired as many times as there
     are listed nodes, the error goes to the caller."""
 
