@@ -184,9 +184,9 @@ class ClientRun:
 
 
 def run_cli(argv: list[str], home: str | None = None) -> ClientRun:
-    """``diffuse ARGV`` (``diffuse.cli.main``, the command's own code) in this process: its exit status and
+    """``diffuse ARGV`` (``diffuse.cli.command.main``, the command's own code) in this process: its exit status and
     what it printed. ``home``: the DIFFUSE_HOME it sees."""
-    from diffuse.cli import main
+    from diffuse.cli.command import main
 
     return _in_process(main, argv, home)
 
@@ -195,7 +195,7 @@ def run_client(argv: list[str], home: str | None = None) -> ClientRun:
     """``python -m diffuse.run ARGV`` with its client in this process (``run.main``, the command's own code;
     a fresh interpreter per run would only add its start-up): its exit status and what it printed to stderr.
     ``home``: the DIFFUSE_HOME the run sees."""
-    from diffuse.run import main
+    from diffuse.cli.query import main
 
     return _in_process(main, argv, home)
 

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         return getattr(importlib.import_module(module), function)(argv[1:])
     from diffuse.text import plain
 
-    from diffuse.cli import Parser
+    from diffuse.flags import Parser
 
     ap = Parser(prog="diffuse bench", description=plain(__doc__.split("\n")[0]),
                                  epilog="python -m diffuse.bench quality [--help]: what patches cost in pixels and in "

@@ -135,7 +135,8 @@ def report(cfg: dict, whole: list[float], whole_out, runs: dict, nodes: list, lo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffuse.cli import Parser, check_device_flags, device_flags
+    from diffuse.cli.parsing import check_device_flags
+    from diffuse.flags import Parser, device_flags
     from diffuse.text import plain
 
     ap = Parser(prog="diffuse bench device", description=plain(__doc__.split("\n")[0]))

@@ -195,7 +195,7 @@ def report(rows: list[dict], cfg: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffuse.cli import Parser
+    from diffuse.flags import Parser
     from diffuse.text import plain
 
     ap = Parser(prog="diffuse bench links", description=plain(__doc__.split("\n")[0]))

@@ -100,7 +100,8 @@ def generate(model, ids, new: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffuse.cli import Parser, check_device_flags, device_flags
+    from diffuse.cli.parsing import check_device_flags
+    from diffuse.flags import Parser, device_flags
     from diffuse.text import plain
 
     ap = Parser(prog="diffuse bench lm", description=plain(__doc__.split("\n")[0]))

@@ -249,7 +249,7 @@ def measure(path: str, quick: bool, wan: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffuse.cli import Parser
+    from diffuse.flags import Parser
     from diffuse.text import plain
 
     ap = Parser(prog="diffuse bench memory", description=plain(__doc__.split("\n")[0]))

@@ -101,7 +101,7 @@ def _start(path: str, limits: Limits):
 def _speeds_now(plan) -> list:
     """The planner's view (``Capacity``) of the nodes of ``plan``'s route, from a fresh hello to each (as
     ``diffuse plan --nodes`` asks them)."""
-    from diffuse.plan_command import ask_nodes
+    from diffuse.cli.plan import ask_nodes
 
     return ask_nodes(plan)
 
@@ -346,7 +346,7 @@ def node_line(row: dict, per: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffuse.cli import Parser
+    from diffuse.flags import Parser
     from diffuse.text import plain
 
     ap = Parser(prog="diffuse bench placement", description=plain(__doc__.split("\n")[0]))

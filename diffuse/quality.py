@@ -50,7 +50,7 @@ def _holds(prompt: str, frames: np.ndarray) -> bool:
 
 
 def _parser(name: str, doc: str) -> argparse.ArgumentParser:
-    from diffuse.cli import Parser, positive
+    from diffuse.flags import Parser, positive
 
     ap = Parser(prog=f"diffuse bench {name}", description=doc)
     ap.add_argument("--model", default=None, help="default: the embedded trained model")

@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 import diffusers  # noqa: E402
 
 from diffuse.plan.analysis import ModelSubject  # noqa: E402
-from diffuse.check import check, print_check  # noqa: E402
+from diffuse.cli.check import check, print_check  # noqa: E402
 from diffuse.errors import PluginError, RefusedModel  # noqa: E402
 from diffuse.plan.contracts import ModelIdentity, ReturnMap, SlicingPlan, even_route  # noqa: E402
 from diffuse.plan.planner import config_draft, learn_call  # noqa: E402

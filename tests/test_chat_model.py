@@ -86,7 +86,7 @@ def test_diffuse_chat_talks_to_the_embedded_model_by_default(reference, tmp_path
 
     from rich.console import Console
 
-    from diffuse.lmrun import chat, chat_parser
+    from diffuse.cli.language import chat, chat_parser
 
     report = tmp_path / "chat.json"
     args = chat_parser().parse_args(["--threads", str(THREADS), "--local-nodes", "2", "--report", str(report)])

@@ -91,7 +91,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.parametrize("name", sorted(DECODER_DEPTH))
 def test_the_verdict_says_what_the_models_own_config_says(name, folders, diffuse_home):
-    from diffuse.check import check
+    from diffuse.cli.check import check
 
     folder = folders[name]
     config = _config(folder)
@@ -141,8 +141,8 @@ def test_an_encoders_depth_can_never_pass_for_the_decoders():
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_check_refuses_from_config_alone_with_the_reason(name, folders, diffuse_home, capsys):
-    from diffuse.check import check
-    from diffuse.cli import main
+    from diffuse.cli.check import check
+    from diffuse.cli.command import main
 
     folder = folders[name]
     config = _config(folder)
@@ -166,7 +166,7 @@ def test_an_auto_map_beside_config_json_is_refused_too(folders, tmp_path):
     """A tokenizer that ships its own code is remote code as much as a model that does."""
     import shutil
 
-    from diffuse.check import check
+    from diffuse.cli.check import check
 
     folder = str(tmp_path / "qwen2")
     shutil.copytree(folders["qwen2"], folder)
@@ -187,7 +187,7 @@ def test_query_refuses_before_any_node_starts(name, folders, tmp_path):
     folder = folders[name]
     env = subprocess_env(str(tmp_path / "home"))
     env["TMPDIR"] = str(tmp_path)  # where local nodes would write their logs
-    run = subprocess.run([sys.executable, "-m", "diffuse.cli", "query", "--model", folder, "--prompt", "x",
+    run = subprocess.run([sys.executable, "-m", "diffuse.cli.command", "query", "--model", folder, "--prompt", "x",
                           "--local-nodes", "2", "--timeout", "20"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]

@@ -79,7 +79,7 @@ def test_a_shipped_model_by_name_and_a_hub_id_in_the_local_cache_resolve_offline
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines() == [default_model_dir(), snapshot, snapshot], run.stdout
     for model, path in ((SHIPPED_MODEL_NAME, default_model_dir()), ("tiny-org/tiny-wan", snapshot)):
-        check = subprocess.run([sys.executable, "-m", "diffuse.cli", "check", model], env=env,
+        check = subprocess.run([sys.executable, "-m", "diffuse.cli.command", "check", model], env=env,
                                capture_output=True, text=True, timeout=180)
         assert check.returncode == 0 and check.stdout.splitlines()[0] == "splittable", check.stderr[-2000:]
         assert f"model {path} (transformer: WanTransformer3DModel)" in check.stdout
@@ -87,7 +87,7 @@ def test_a_shipped_model_by_name_and_a_hub_id_in_the_local_cache_resolve_offline
 
 def test_an_unknown_model_names_what_was_tried_and_what_ships(tmp_path):
     env = dict(subprocess_env(str(tmp_path)), HF_HUB_CACHE=str(tmp_path / "empty-hub"), COLUMNS="400")
-    run = subprocess.run([sys.executable, "-m", "diffuse.cli", "check", "no-org/no-model"], env=env, cwd=tmp_path,
+    run = subprocess.run([sys.executable, "-m", "diffuse.cli.command", "check", "no-org/no-model"], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=180)
     assert run.returncode == 2
     said = " ".join((run.stdout + run.stderr).split())
@@ -100,7 +100,7 @@ def test_check_remembers_a_verdict_until_the_model_changes(tmp_path, monkeypatch
 
     from rich.console import Console
 
-    from diffuse.check import print_check
+    from diffuse.cli.check import print_check
     from diffuse.plan.shipped import default_model_dir
 
     monkeypatch.setenv("DIFFUSE_HOME", str(tmp_path / "home"))

@@ -148,7 +148,7 @@ def test_split_musicgen_composes_what_transformers_composes(musicgen, diffuse_ho
 
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 def test_musicgen_from_the_command_line_writes_what_transformers_writes(musicgen, mode, tmp_path, diffuse_home):
-    """``diffuse.run`` through 3 nodes, greedy and sampling (``do_sample``, seeded; 2 nodes: above): the codes
+    """``diffuse.cli.query`` through 3 nodes, greedy and sampling (``do_sample``, seeded; 2 nodes: above): the codes
     saved equal ``generate``'s, and the .wav is byte for byte the one the same codes decode to; every step's heads,
     guidance and pick (or draw) ran on the last node."""
     import soundfile
@@ -180,7 +180,7 @@ def test_musicgen_from_the_command_line_writes_what_transformers_writes(musicgen
 
 def test_check_sizes_whisper_by_its_decoder_depth_not_the_encoders(whisper):
     """Whisper's config calls its encoder depth num_hidden_layers too: the nudge tells the settings apart."""
-    from diffuse.check import check
+    from diffuse.cli.check import check
 
     r = check(whisper["model"])
     assert [(s["path"], s["config_key"]) for s in r["stacks"]] == [("model.decoder.layers", "decoder_layers")]

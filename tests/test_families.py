@@ -100,7 +100,7 @@ def test_in_process_run_repeats_the_subprocess_and_fills_the_expected_kind(refer
     from diffusers import DiffusionPipeline
 
     import reference
-    from diffuse.check import check
+    from diffuse.cli.check import check
 
     run = _run(reference_runs, model)
     reference.import_component_libraries(run.model_dir)

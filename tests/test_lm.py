@@ -253,7 +253,7 @@ def test_the_client_refuses_a_draw_the_model_changed_after_its_head():
 
 
 def test_language_model_flags_are_checked_before_anything_starts(lm_models, capsys, tmp_path, diffuse_home):
-    from diffuse.run import main
+    from diffuse.cli.query import main
 
     model = lm_models("qwen2")
     cases = [
@@ -274,7 +274,7 @@ def test_language_model_flags_are_checked_before_anything_starts(lm_models, caps
 def test_a_three_turn_chat_keeps_one_session_and_sends_only_each_new_turn(lm_models, tmp_path, diffuse_home):
     model = lm_models("qwen2")
     report_file = tmp_path / "chat.json"
-    cmd = [sys.executable, "-m", "diffuse.cli", "chat", "--model", model, "--max-new-tokens", "4", "--threads",
+    cmd = [sys.executable, "-m", "diffuse.cli.command", "chat", "--model", model, "--max-new-tokens", "4", "--threads",
            str(THREADS), "--local-nodes", "2", "--report", str(report_file)]
     proc = subprocess.run(cmd, input="hello there\nwhat is the moon?\nthank you\n", env=subprocess_env(diffuse_home),
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -366,7 +366,7 @@ def test_check_finds_the_decoder_stack_and_its_depth_setting_from_config_alone(l
     """The decoder stack is found by what it does on a tiny probe (causal attention indexing a cache), its depth
     setting by nudging the nested text config; the vision tower, which the decoder never calls, is named and left
     on the client."""
-    from diffuse.check import check
+    from diffuse.cli.check import check
 
     r = check(lm_models("qwen2_vl"))
     assert r["verdict"] == "splittable" and r["output_kind"] == "text"

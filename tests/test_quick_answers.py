@@ -49,7 +49,7 @@ def shipped_verdicts_current():
     with other versions installed they are rightly unused, and these tests say so rather than fail."""
     import json
 
-    from diffuse.check import VERDICT_FILE, library_versions
+    from diffuse.cli.check import VERDICT_FILE, library_versions
     from diffuse.plan.shipped import shipped_models
 
     for name, path in shipped_models().items():
@@ -57,7 +57,7 @@ def shipped_verdicts_current():
             made_with = json.load(f).get("libraries")
         if made_with != library_versions():
             pytest.skip(f"{name}'s kept verdict was made with {made_with}, these libraries are {library_versions()}: "
-                        f"python -m diffuse.check keep {' '.join(shipped_models())} makes them anew")
+                        f"python -m diffuse.cli.check keep {' '.join(shipped_models())} makes them anew")
 
 
 def _diffuse(argv: list[str], home: str, program: str = RUN_AND_SAY_IMPORTS, columns: int = 400):
@@ -100,7 +100,7 @@ def test_refusals_and_checks_answer_before_torch_is_imported(tmp_path):
 def test_a_check_stored_under_the_home_answers_the_next_one_before_torch_is_imported(tmp_path, monkeypatch):
     """A model with no kept verdict of its own: its first check (here, in this process) stores the verdict under
     $DIFFUSE_HOME; the next one, in a fresh process, answers from it with nothing heavy imported."""
-    from diffuse.check import VERDICT_FILE, check
+    from diffuse.cli.check import VERDICT_FILE, check
     from diffuse.plan.shipped import default_model_dir
 
     model = tmp_path / "model"
@@ -137,11 +137,11 @@ def test_the_first_status_line_comes_before_torch_is_imported(tmp_path):
 
 @pytest.mark.parametrize("name", ["tiny-wan-shapes", "tiny-qwen-chat"])
 def test_each_shipped_verdict_is_the_one_worked_out_afresh(name, tmp_path):
-    """The kept verdict holds for the installed libraries (else ``python -m diffuse.check keep NAME`` makes it
+    """The kept verdict holds for the installed libraries (else ``python -m diffuse.cli.check keep NAME`` makes it
     anew), equals the check run now, and its size bounds are where the weightless call turns: the largest size
     it keeps goes through, the next one the pipeline's input check takes is refused by the denoiser's forward.
     Copied elsewhere the folder keeps its verdict; changed, it loses it."""
-    from diffuse.check import _check, kept
+    from diffuse.cli.check import _check, kept
     from diffuse.plan.shipped import shipped_models
 
     path = shipped_models()[name]

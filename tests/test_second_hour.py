@@ -62,13 +62,13 @@ def test_a_size_the_model_cannot_take_is_refused_in_one_line_before_anything_sta
     kept verdict set aside: the denoiser's own forward, run weightless, refuses them; the last line says so and
     names what it takes, the bounds the kept verdict refuses by (that refusal, with no torch imported:
     tests/test_quick_answers.py)."""
-    import diffuse.check
+    import diffuse.cli.check
     from diffuse.plan.shipped import default_model_dir
-    from diffuse.check import kept_refusal
+    from diffuse.cli.check import kept_refusal
 
-    with open(os.path.join(default_model_dir(), diffuse.check.VERDICT_FILE)) as f:
+    with open(os.path.join(default_model_dir(), diffuse.cli.check.VERDICT_FILE)) as f:
         kept = json.load(f)  # as shipped, whatever libraries are installed
-    monkeypatch.setattr(diffuse.check, "kept", lambda path: None)
+    monkeypatch.setattr(diffuse.cli.check, "kept", lambda path: None)
     out = tmp_path / "boat.mp4"
     run = run_client([*README_CLIENT, "--out", str(out), "--quiet"], diffuse_home)
     lines = run.stderr.strip().splitlines()
@@ -166,7 +166,8 @@ def test_version_aliases_and_did_you_mean(tmp_path, diffuse_home):
 
 
 def test_every_flag_is_described_and_help_shows_no_markup(diffuse_home):
-    from diffuse import cli
+    from diffuse.cli import command
+    from diffuse.cli import parsing
 
     for name in ("query", "chat", "node", "verify", "check", "plan", "key", "bench"):
         run = run_cli([name, "--help"], diffuse_home)
@@ -174,6 +175,6 @@ def test_every_flag_is_described_and_help_shows_no_markup(diffuse_home):
         assert "``" not in run.stdout, name
     bench_lm = run_cli(["bench", "lm", "--help"], diffuse_home)
     assert bench_lm.returncode == 0 and "`" not in bench_lm.stdout
-    for parser in (cli.query_parser(), cli.chat_parser()):
+    for parser in (parsing.query_parser(), parsing.chat_parser()):
         undescribed = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
         assert undescribed == [], undescribed

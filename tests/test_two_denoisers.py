@@ -44,7 +44,7 @@ def _block_params(model: str, component: str) -> int:
 
 
 def test_check_and_plan_list_the_stacks_of_both_experts(models):
-    from diffuse.check import check
+    from diffuse.cli.check import check
     from diffuse.plan.planner import analyze, make_plan
 
     model = models("wan22")

@@ -91,7 +91,7 @@ def test_voxtral_without_audio_gets_its_tokenizers_own_chat_format(voxtral):
 
 
 def test_check_sizes_voxtral_by_its_decoder_and_leaves_the_audio_tower_here(voxtral):
-    from diffuse.check import check
+    from diffuse.cli.check import check
 
     with open(os.path.join(voxtral["model"], "config.json")) as f:
         config = json.load(f)

@@ -22,7 +22,7 @@ starts. (Wan VACE, which does both, says so in its config and is refused
 earlier, at analysis: ``analyzers/side_stacks.py``.)
 
 ``largest_sizes`` runs the same search once for a model folder (each size alone, up to
-``SEARCH_UP_TO``) for its kept verdict (``diffuse.check.keep``); ``diffuse.check.kept_refusal`` then
+``SEARCH_UP_TO``) for its kept verdict (``diffuse.cli.check.keep``); ``diffuse.cli.check.kept_refusal`` then
 refuses a size above those bounds from the verdict alone, before torch is imported.
 
 ``notes`` gives one-line warnings where a run would go through but make little:
@@ -272,8 +272,8 @@ def largest_sizes(path: str) -> dict | None:
     """For a folder that declares the size it was made for (``diffuse_defaults.json``): that size
     (``made_for``) and, for each of height, width and frame count alone (the others as made for), the largest
     value the pipeline's input check and its denoiser's forward take, or None where nothing up to
-    ``SEARCH_UP_TO`` was refused (``largest``). Kept in the folder's verdict (``diffuse.check.keep``), so
-    ``diffuse.check.kept_refusal`` can refuse a size before torch is imported. Loads the pipeline without its blocks."""
+    ``SEARCH_UP_TO`` was refused (``largest``). Kept in the folder's verdict (``diffuse.cli.check.keep``), so
+    ``diffuse.cli.check.kept_refusal`` can refuse a size before torch is imported. Loads the pipeline without its blocks."""
     import diffuse
 
     pipe = diffuse.from_pretrained(path)

@@ -1,8 +1,8 @@
 """One ``diffuse query`` run as a typed request: what the flags ask, built once near the top and then handed
 out in pieces.
 
-``diffuse.cli.query_request`` checks the flags (``check_flags``: what the flags alone can tell) and builds a
-``QueryRequest``; once the model's config is read, ``diffuse.modelread.read_model`` checks it against what
+``diffuse.cli.parsing.query_request`` checks the flags (``check_flags``: what the flags alone can tell) and builds a
+``QueryRequest``; once the model's config is read, ``diffuse.cli.modelread.read_model`` checks it against what
 the model is (``QueryRequest.check_for``) and puts the nodes heard on the network in for ``--nodes auto``.
 From then on each part of the run takes only the piece it needs. The rules a request and a split's options
 follow live here too (``check_options``), so the command line and ``diffuse.split`` follow the same ones.
@@ -10,7 +10,7 @@ follow live here too (``check_options``), so the command line and ``diffuse.spli
 - ``ModelAsk``: which model, where the client's ends compute, and whether it runs whole here;
 - ``RingAsk``: where the nodes are and how the split runs (``diffuse.client.api.SplitOptions``);
 - ``PipelineCall``: a diffusion pipeline's call (``diffuse.client.dryrun.call_kwargs``);
-- ``TextCall``: a language model's inputs and ``generate``'s arguments (``diffuse.lmrun``);
+- ``TextCall``: a language model's inputs and ``generate``'s arguments (``diffuse.cli.language``);
 - ``Output``: what the run writes, and whether it says what it does.
 
 Nothing here imports torch or the model's library: the request exists before either loads.
@@ -184,7 +184,7 @@ def not_with_patches(patches: int) -> str:
 def check_options(patches: int, nodes_given: bool, local_nodes: int | None, branch_groups: int,
                   cache_threshold: float, autoregressive: bool | None = None) -> float:
     """The rules a split's options follow, for ``diffuse.split()`` and for the command line's flags alike (the
-    command checks them through ``diffuse.cli.check_flags`` before anything loads). ``autoregressive``:
+    command checks them through ``diffuse.cli.parsing.check_flags`` before anything loads). ``autoregressive``:
     whether the model is a language model, None while that is not known yet. Returns the cache threshold
     as a float."""
     if isinstance(patches, bool) or not isinstance(patches, int) or patches < 1:

@@ -1,4 +1,4 @@
-"""What a language model's run reports (``diffuse.lmrun``, ``diffuse.compose``): the best candidates of each step
+"""What a language model's run reports (``diffuse.cli.language``, ``diffuse.cli.compose``): the best candidates of each step
 bit for bit (``top_candidates``), the parameters the client still holds (``held_parameters``, the head's and
 the embedding's), what a split run adds (``text_split_report``: the wire's figures per token, each node's, the
 links of its route, the draws where tokens were drawn on the last node), and the summary lines

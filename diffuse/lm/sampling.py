@@ -173,7 +173,7 @@ def rebuild(described) -> list:
 
 
 def draw_on_device_refusal(device) -> str:
-    """Why a seeded draw is refused for a client on an accelerator (``diffuse.lmrun`` says it before any node starts)."""
+    """Why a seeded draw is refused for a client on an accelerator (``diffuse.cli.language`` says it before any node starts)."""
     return (f"sampling with the client on {device}: generate run whole there draws from {device}'s own generator, "
             "while the last node draws on the CPU from the client's CPU generator state, so the tokens would differ; "
             "sample with the client on the CPU (--device cpu), or decode greedily (exact on any device)")

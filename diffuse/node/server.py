@@ -302,9 +302,9 @@ def node_compute(device: str | None, dtype: str | None, path: str):
 
 def _parser():
     """The node's command line."""
-    from diffuse import cli
+    from diffuse import flags
 
-    ap = cli.Parser(prog="diffuse node", description=plain(__doc__.split("\n")[0]))
+    ap = flags.Parser(prog="diffuse node", description=plain(__doc__.split("\n")[0]))
     ap.add_argument("--model", required=True, help="the model folder (the same one the client uses), a shipped "
                     "model's name, or a Hub id in the local cache")
     ap.add_argument("--listen", default="tcp://127.0.0.1:0", help="control address to bind (port 0: pick one)")
@@ -315,19 +315,19 @@ def _parser():
                     "or ~/.config/diffuse (nodes sharing that folder share one identity: give each its own file)")
     ap.add_argument("--ephemeral-key", action="store_true", help="a fresh identity for this run only")
     ap.add_argument("--allow-client", action="append", default=None, metavar="HEXKEY",
-                    type=functools.partial(cli.hex_key, what="client public key"),
+                    type=functools.partial(flags.hex_key, what="client public key"),
                     help="serve only this client key (repeatable); a client shows its key when run with --client-key")
     ap.add_argument("--advertise-data", metavar="ADDR", help="data address peers should dial, if not the bound one")
     ap.add_argument("--wire", type=_wire, default=WIRE_VERSIONS, metavar="V[,V]",
                     help=f"the wire versions to speak (default {','.join(map(str, WIRE_VERSIONS))}; 1: hop keys sealed "
                     "to this node's long-term key; 2: agreed per session, forward secret)")
-    ap.add_argument("--max-message-mb", type=cli.positive, default=None, metavar="MB",
+    ap.add_argument("--max-message-mb", type=flags.positive, default=None, metavar="MB",
                     help=f"the most one received data frame (one tensor) may hold; a peer sending more is cut off "
                     f"before it is buffered (default {DEFAULT_MAX_MESSAGE_BYTES >> 20})")
-    ap.add_argument("--max-sessions", type=cli.positive, default=MAX_SESSIONS, metavar="N",
+    ap.add_argument("--max-sessions", type=flags.positive, default=MAX_SESSIONS, metavar="N",
                     help=f"open sessions at once, in all (default {MAX_SESSIONS}; fewer if the open-file limit "
                     "leaves no room)")
-    ap.add_argument("--max-sessions-per-client", type=cli.positive, default=MAX_SESSIONS_PER_CLIENT, metavar="N",
+    ap.add_argument("--max-sessions-per-client", type=flags.positive, default=MAX_SESSIONS_PER_CLIENT, metavar="N",
                     help=f"open sessions at once per client key (default {MAX_SESSIONS_PER_CLIENT})")
     ap.add_argument("--no-batch", action="store_true",
                     help="run every pass alone (default for a language model: decoding passes of several sessions "
@@ -339,7 +339,7 @@ def _parser():
     ap.add_argument("--max-memory", type=float, default=None, metavar="GIB",
                     help="the most this node's blocks and sessions may take, in GiB, as it tells clients planning "
                     "where slices go (default: what its cgroup or machine has available)")
-    cli.device_flags(ap, "this node's blocks")
+    flags.device_flags(ap, "this node's blocks")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone (local nodes)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
@@ -349,7 +349,7 @@ def _parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffuse import cli
+    from diffuse import flags
 
     a = _parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --compile: {why}", file=sys.stderr)
         return 2
     try:
-        cli.check_port_free(a.listen)  # before anything loads
+        flags.check_port_free(a.listen)  # before anything loads
         path = resolve_model(a.model)
         compute = node_compute(a.device, a.dtype, path)  # a device or dtype this machine lacks: refused here
         lan = discovery.Announcer(a.listen) if a.announce else None  # the library there, an address others reach

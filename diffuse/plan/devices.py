@@ -50,7 +50,7 @@ def torch_sees() -> str:
 
 def check_named(device: str | None, dtype: str | None, named_dtype: bool) -> None:
     """A command's ``--device`` (and its ``--dtype`` where ``named_dtype``) held against what torch sees here
-    before anything loads (``diffuse.cli.named_device`` says what is named): refused in one line."""
+    before anything loads (``diffuse.cli.parsing.named_device`` says what is named): refused in one line."""
     found = resolve_device(device)
     if named_dtype:
         resolve_dtype(dtype, found, None)

@@ -29,7 +29,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from diffuse.cli import Parser, positive, seconds
+    from diffuse.flags import Parser, positive, seconds
 
     ap = Parser(prog="diffuse serve", description="Serve models split over a ring of nodes on an "
                 "OpenAI-compatible HTTP API (chat, completions, images, video jobs, transcription, speech), "
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "nodes (for nodes run with --allow-client)")
     ap.add_argument("--local-transport", default="tcp", metavar="SCHEME", help="URL scheme of local nodes")
     ap.add_argument("--quiet", action="store_true", help="no line per request")
-    from diffuse.cli import device_flags
+    from diffuse.flags import device_flags
 
     device_flags(ap)
     return ap
@@ -262,7 +262,9 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffuse import cli
+    from diffuse.cli import command
+    from diffuse.cli import parsing
+    from diffuse import flags
     from diffuse.client import progress
 
     out = progress.console()
@@ -274,20 +276,20 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> None:
         nonlocal service
-        cli.check_device_flags(a)  # then the default of every load here and of the local nodes (diffuse.plan.devices)
+        parsing.check_device_flags(a)  # then the default of every load here and of the local nodes (diffuse.plan.devices)
         os.environ.update({k: v for k, v in (("DIFFUSE_DEVICE", a.device), ("DIFFUSE_DTYPE", a.dtype)) if v})
         host, port = parse_listen(a.listen)
         if host not in LOOPBACK and not a.api_key:
             raise DiffuseError(f"--listen {a.listen}: beyond loopback the service needs --api-key KEY (or "
                                "$DIFFUSE_API_KEY), which every request then sends as a bearer token")
-        cli.check_port_free(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
+        flags.check_port_free(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
         a.nodes = lan_nodes(a.model, a.nodes, a.discover_seconds, say)  # --nodes auto
         with progress.phase(out, "starting: models analysed and loaded, nodes started"):
             service = Service.start(a.model, a.nodes, ServeOptions.of(a), say)
         serve(service, host, port, a.max_body_mb << 20, quiet=a.quiet, say=say)
 
     try:
-        return cli.run_guarded(body, out, interrupted="stopped")
+        return parsing.run_guarded(body, out, interrupted="stopped")
     finally:
         if service is not None:
             service.stop()

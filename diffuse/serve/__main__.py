@@ -1,6 +1,6 @@
 import sys
 
-from diffuse.cli import quiet_libraries
+from diffuse.cli.command import quiet_libraries
 from diffuse.serve import main
 
 quiet_libraries()

@@ -14,7 +14,7 @@ def test_plugin_is_registered_through_the_entry_point():
     from importlib.metadata import entry_points
 
     assert "diffuse_ipc" in {ep.value for ep in entry_points(group="diffuse")}
-    out = subprocess.run([sys.executable, "-m", "diffuse.cli", "plugins"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "diffuse.cli.command", "plugins"], capture_output=True, text=True,
                          env=subprocess_env(), timeout=120)
     assert out.returncode == 0
     assert any(line.split()[:2] == ["ipc", "diffuse_ipc"] for line in out.stdout.splitlines())

@@ -1,235 +1,12 @@
-"""The ``diffuse`` command, and the command-line pieces every subcommand shares.
-
-One place for: the table of subcommands (``COMMANDS``: a new one is one entry), the
-argument parser (a mistake is one line, with "did you mean" where a flag, command or
-shipped model is near), value parsing (``positive``, ``--arg KEY=VALUE``), every flag
-check before anything loads (``check_flags``; the rules themselves, and the checks made
-once the model's config is read, live with the request: ``diffuse.client.request``), the typed
-request ``diffuse query`` builds from its flags once (``query_request``), and the error
-reporter (the root cause on the last line, exit status 2). What a command says while it
-works (the console, status lines, phases, step progress) is ``diffuse.client.progress``.
-
-This module imports no other part of Diffuse at load time, and a subcommand's module
-only when that subcommand runs, so ``diffuse --help`` and a flag mistake answer at once.
-
-A new subcommand is one entry in ``COMMANDS``, for example
-``"serve": Command("diffuse.serve:main", "what it does", "--model DIR")``: a function
-that takes the rest of the command line and returns the exit status, and builds its
-flags with ``Parser`` (``ring_flags`` for the ring's), reports with ``diffuse.client.progress``'s
-``console``, ``status`` and ``phase``, and runs its body under ``run_guarded`` for the shared error
-handling.
-"""
+"""The flags of ``diffuse query`` and ``diffuse chat``, every flag check before anything loads, the typed request built from them once, and the error reporter every subcommand runs under."""
 
 from __future__ import annotations
 
 import argparse
-import difflib
-import importlib
-import json
-import math
 import os
-import sys
-import warnings
-from dataclasses import dataclass
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from diffuse.flags import Parser, device_flags, key_values, positive, seconds, threshold
 
-
-# ---------------------------------------------------------------- subcommands
-
-@dataclass(frozen=True)
-class Command:
-    """A subcommand: ``target`` is "module:function", called with the rest of the command line and
-    returning the exit status; imported only when the subcommand runs."""
-
-    target: str
-    summary: str
-    usage: str = "..."
-
-    def load(self):
-        module, _, name = self.target.partition(":")
-        return getattr(importlib.import_module(module), name)
-
-
-COMMANDS: dict[str, Command] = {
-    "query": Command("diffuse.run:main", "generate with a model split over a ring (also: generate, run)"),
-    "chat": Command("diffuse.lmrun:chat_main", "talk with a language model split over a ring, turn by turn "
-                    "(default: the embedded tiny-qwen-chat)", "[--model DIR]"),
-    "node": Command("diffuse.node.server:main", "serve a slice of a model's blocks (python -m diffuse.node)"),
-    "serve": Command("diffuse.serve:main", "an OpenAI-compatible HTTP service and a page, models kept warm on a ring"),
-    "key": Command("diffuse.commands:key_main", "print this machine's node key (creating it if missing)",
-                   "[--key-file FILE]"),
-    "check": Command("diffuse.commands:check_main", "the verdict from config.json files alone: stacks, output, "
-                     "patching", "MODEL"),
-    "plan": Command("diffuse.plan_command:plan_command", "the slicing plan as JSON (--nodes N), or where its "
-                    "slices go on given nodes (--nodes ADDR,... or --memory GiB,...)", "MODEL --nodes N|ADDR,..."),
-    "verify": Command("diffuse.commands:verify_main", "run whole and split, print the largest difference",
-                      "MODEL ..."),
-    "bench": Command("diffuse.bench:main", "speed and wire use, whole and split (python -m diffuse.bench)",
-                     "[quality|cache|lm] ..."),
-    "plugins": Command("diffuse.commands:plugins_main", "list installed plugins", ""),
-}
-ALIASES = {"generate": "query", "run": "query"}
-
-
-def version() -> str:
-    try:
-        from importlib.metadata import version as installed
-
-        return installed("diffuse")
-    except Exception:  # run from a checkout that was never installed
-        return "0.1.0"
-
-
-def usage() -> str:
-    width = max(len(f"{n} {c.usage}") for n, c in COMMANDS.items())
-    lines = [f"  {f'{n} {c.usage}'.strip():{width}s}  {c.summary}" for n, c in COMMANDS.items()]
-    return ("usage: diffuse COMMAND ...   (diffuse COMMAND --help for its flags; diffuse --version)\n\ncommands:\n"
-            + "\n".join(lines) + "\n")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``diffuse COMMAND ...``. Run as the installed command (no ``argv``), the process ends as soon as
-    the command returns: everything it started is stopped by then, and the interpreter's own teardown
-    (torch's threads, imported modules) would only keep the prompt waiting."""
-    as_command = argv is None
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if as_command:
-        quiet_libraries()
-    code = dispatch(argv)
-    if as_command:
-        exit_now(code)
-    return code
-
-
-def dispatch(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(usage())
-        return 0 if argv else 2
-    if argv[0] in ("-V", "--version", "version"):
-        print(f"diffuse {version()}")
-        return 0
-    name, rest = ALIASES.get(argv[0], argv[0]), argv[1:]
-    command = COMMANDS.get(name)
-    if command is None:
-        near = difflib.get_close_matches(argv[0], [*COMMANDS, *ALIASES], n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        print(f"diffuse: unknown command {argv[0]!r}{hint}\n\n{usage()}", file=sys.stderr)
-        return 2
-    return command.load()(rest)
-
-
-def exit_now(code: int) -> None:
-    """End the process at once with ``code``, output flushed."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
-def quiet_libraries() -> None:
-    """Libraries' deprecation and future warnings are for their callers' authors, not for a user of the
-    command: off in normal output (``PYTHONWARNINGS`` or ``-W`` given explicitly still rule)."""
-    if sys.warnoptions:
-        return
-    for category in (DeprecationWarning, FutureWarning, PendingDeprecationWarning):
-        warnings.filterwarnings("ignore", category=category)
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-
-
-# ---------------------------------------------------------------- the parser and value parsing
-
-class Parser(argparse.ArgumentParser):
-    """A flag mistake is one line and exit status 2, before anything is loaded or started; an unknown
-    flag near a known one says which was meant."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {self.suggest(message)} (see --help)\n")
-
-    def suggest(self, message: str) -> str:
-        if not message.startswith("unrecognized arguments:"):
-            return message
-        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
-        hints = []
-        for word in message.split(":", 1)[1].split():
-            if word.startswith("-"):
-                near = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
-                if near:
-                    hints.append(near[0])
-        return f"{message}; did you mean {' and '.join(hints)}?" if hints else message
-
-
-def positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} is less than 1")
-    return n
-
-
-def seconds(text: str) -> float:
-    try:
-        s = float(text)
-    except ValueError:
-        s = float("nan")
-    if not math.isfinite(s) or s <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
-    return s
-
-
-def threshold(text: str) -> float:
-    """``--cache-threshold``: a finite number of 0 or more (0: off)."""
-    try:
-        t = float(text)
-    except ValueError:
-        t = float("nan")
-    if not math.isfinite(t) or t < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of 0 or more (0: off; 0.1 skips steps whose "
-                                         "first block changes less than 10%)")
-    return t
-
-
-def hex_key(text: str, what: str = "public key") -> bytes:
-    """A public key: 64 hex digits (``what``: how the refusal names it)."""
-    try:
-        key = bytes.fromhex(text.strip())
-    except ValueError:
-        key = b""
-    if len(key) != 32:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a {what} (64 hex digits, as `diffuse query --client-key FILE` or `diffuse key` "
-            "prints)")
-    return key
-
-
-def parse_value(text: str):
-    """``--arg KEY=VALUE``'s VALUE: JSON where it parses, else the string itself."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def key_values(items: list[str]) -> dict:
-    """Every ``--arg KEY=VALUE`` as a dict, in order (a repeated key: the last wins)."""
-    from diffuse.errors import DiffuseError
-
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise DiffuseError(f"--arg {item!r}: expected KEY=VALUE")
-        out[key] = parse_value(value)
-    return out
-
-
-# ---------------------------------------------------------------- the parsers of query and chat
 
 def ring_flags(ap: argparse.ArgumentParser) -> None:
     """Where the nodes are and how the client speaks to them (query, chat, verify)."""
@@ -253,18 +30,6 @@ def ring_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--client-key", metavar="FILE", help="this client's long-term identity (created 0600 if "
                     "missing; its public key is printed), for nodes run with --allow-client; default: a fresh one "
                     "per run")
-
-
-def device_flags(ap: argparse.ArgumentParser, what: str = "the client's ends of the model, and local nodes") -> None:
-    """``--device`` and ``--dtype`` (``diffuse.plan.devices``): where ``what`` computes, and in what."""
-    ap.add_argument("--device", default=None, metavar="auto|cpu|cuda|cuda:N|mps",
-                    help=f"where {what} compute (default: $DIFFUSE_DEVICE, "
-                    "else auto: the first accelerator torch sees, else the CPU); a device torch does not see is "
-                    "refused")
-    ap.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float16", "float32"),
-                    help="the compute dtype (default: $DIFFUSE_DTYPE, else auto: on an accelerator what the model "
-                    "folder declares, on the CPU what a plain from_pretrained gives, float32 for a diffusers "
-                    "pipeline)")
 
 
 def named_device(a: argparse.Namespace) -> tuple[str | None, str | None, bool] | None:
@@ -364,15 +129,13 @@ def chat_parser() -> Parser:
     return ap
 
 
-# ---------------------------------------------------------------- every flag check
-
 def check_flags(a: argparse.Namespace, options) -> None:
     """What the flags alone can tell, checked before anything is read or loaded (query, chat, verify): the
     plain rules here first, then each rule's owner: the split's ``options`` as the flags built them
     (``options_of``; ``diffuse.client.request.check_options``), the node list (``diffuse.client.known_nodes``) or the network
     search (``diffuse.wire.discovery``), and the device (``diffuse.plan.devices.check_named``)."""
-    from diffuse.errors import DiffuseError
     from diffuse.client.request import check_options
+    from diffuse.errors import DiffuseError
 
     nodes = getattr(a, "nodes", None)
     if getattr(a, "discover_seconds", None) is not None and nodes != "auto":
@@ -448,7 +211,6 @@ def chat_request(a: argparse.Namespace):
     chat model by default; its turns come from the input, so the text call holds only the first turn's images
     and the tokens an answer may take)."""
     from diffuse.client.request import ModelAsk, Output, PipelineCall, QueryRequest, RingAsk, TextCall
-
     from diffuse.plan.shipped import CHAT_MODEL_NAME
 
     options = options_of(a)
@@ -469,33 +231,6 @@ def options_of(a: argparse.Namespace):
                         cache_threshold=getattr(a, "cache_threshold", 0.0),
                         embedding_on_node=a.embedding_on_node, placement=a.placement)
 
-
-def check_port_free(listen: str) -> None:
-    """A node's ``--listen tcp://HOST:PORT``: refused in one line when PORT is taken, before anything loads
-    (port 0 and other schemes pass)."""
-    import socket
-
-    from diffuse.errors import DiffuseError
-
-    if not listen.startswith("tcp://"):
-        return
-    host, _, port = listen[6:].rpartition(":")
-    if not port.isdigit() or int(port) == 0:
-        return
-    host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: a closed port's wait passes
-        try:
-            probe.bind(("" if host in ("*", "0.0.0.0", "::") else host, int(port)))
-        except OSError as exc:
-            if exc.errno == 98 or "in use" in str(exc):
-                raise DiffuseError(f"--listen {listen}: port {port} is already in use (another node, or another "
-                                   "program): give another port, or stop what holds it") from None
-            raise DiffuseError(f"--listen {listen}: cannot listen there ({exc.strerror or exc})") from None
-
-
-# ---------------------------------------------------------------- what the user sees
 
 def report_error(out, exc: BaseException) -> int:
     """An expected failure: one clear line, no traceback, exit status 2. The line is the root cause: a
@@ -520,8 +255,3 @@ def run_guarded(body, out, interrupted: str = "interrupted") -> int:
         out.print(interrupted, highlight=False)
         return 130
     return 0
-
-
-
-if __name__ == "__main__":
-    main()  # ends the process itself

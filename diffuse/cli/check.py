@@ -8,7 +8,7 @@ by everything they rest on: a repeated check of an unchanged model with
 unchanged code imports neither.
 
 A model folder may also carry its verdict (``diffuse_verdict.json``, written by
-``python -m diffuse.check keep DIR``; the shipped models do): the check's answer
+``python -m diffuse.cli.check keep DIR``; the shipped models do): the check's answer
 and the largest sizes its denoiser takes (``diffuse.client.dryrun.largest_sizes``),
 keyed by the folder's files, the libraries' versions and the installed analyzer
 plugins (``model_key``; not by the code's file times, so it holds in a fresh install).
@@ -342,12 +342,12 @@ def _print_config(console, r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m diffuse.check keep MODEL...``: write each model folder's kept verdict (``keep``)."""
+    """``python -m diffuse.cli.check keep MODEL...``: write each model folder's kept verdict (``keep``)."""
     import argparse
 
     from diffuse.plan.modelfiles import resolve_model
 
-    ap = argparse.ArgumentParser(prog="python -m diffuse.check", description=main.__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m diffuse.cli.check", description=main.__doc__.split("\n")[0])
     ap.add_argument("action", choices=["keep"])
     ap.add_argument("models", nargs="+", metavar="MODEL", help="a model folder or a shipped model's name")
     a = ap.parse_args(argv)

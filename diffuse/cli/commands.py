@@ -1,10 +1,12 @@
-"""The small subcommands of ``diffuse``: key, check, plan, verify, plugins (the table is ``diffuse.cli.COMMANDS``)."""
+"""The small subcommands of ``diffuse``: key, check, plan, verify, plugins (the table is ``diffuse.cli.command.COMMANDS``)."""
 
 from __future__ import annotations
 
 import os
 
-from diffuse import cli
+from diffuse.cli import command
+from diffuse.cli import parsing
+from diffuse import flags
 from diffuse.client import progress
 
 
@@ -14,7 +16,7 @@ def key_main(argv: list[str]) -> int:
     from diffuse.home import config_home
     from diffuse.wire.sealing import load_identity
 
-    ap = cli.Parser(prog="diffuse key", description=key_main.__doc__.split("\n")[0].replace("``", ""))
+    ap = flags.Parser(prog="diffuse key", description=key_main.__doc__.split("\n")[0].replace("``", ""))
     ap.add_argument("--key-file", metavar="FILE", help="the identity file (default: node.key in $DIFFUSE_HOME, "
                     "else ~/.config/diffuse)")
     a = ap.parse_args(argv)
@@ -24,11 +26,11 @@ def key_main(argv: list[str]) -> int:
     def body():
         print(load_identity(path).public_hex)
 
-    return cli.run_guarded(body, out)
+    return parsing.run_guarded(body, out)
 
 
 def check_main(argv: list[str]) -> int:
-    ap = cli.Parser(prog="diffuse check", description="The verdict on a model from its config.json files alone "
+    ap = flags.Parser(prog="diffuse check", description="The verdict on a model from its config.json files alone "
                     "(no weights read): whether it splits, its block stacks, what it makes, how --patches runs.")
     ap.add_argument("model", help="a model folder, a shipped model's name, or a Hub id in the local cache")
     a = ap.parse_args(argv)
@@ -37,16 +39,16 @@ def check_main(argv: list[str]) -> int:
 
     def body():
         nonlocal code
-        from diffuse.check import print_check
+        from diffuse.cli.check import print_check
         from diffuse.plan.modelfiles import resolve_model
 
         code = print_check(resolve_model(a.model), out, cache=True)
 
-    return cli.run_guarded(body, out) or code
+    return parsing.run_guarded(body, out) or code
 
 
 def verify_main(argv: list[str]) -> int:
-    ap = cli.query_parser("diffuse verify")
+    ap = parsing.query_parser("diffuse verify")
     ap.description = ("Run the model whole and split with the same arguments; print the largest difference "
                       "(exit 0 when byte-identical, or with --patches above 1).")
     ap.add_argument("model_pos", nargs="?", metavar="MODEL", help="the model (or give --model)")
@@ -62,10 +64,10 @@ def verify_main(argv: list[str]) -> int:
         import diffuse
         from diffuse.client.api import load_whole_or_shell
         from diffuse.client.dryrun import call_kwargs
-        from diffuse.modelread import read_model
+        from diffuse.cli.modelread import read_model
         from diffuse.client.output import output_array
 
-        q, (info, _, compute) = read_model(cli.query_request(a), out, "diffuse verify")
+        q, (info, _, compute) = read_model(parsing.query_request(a), out, "diffuse verify")
         with progress.phase(out, f"{os.path.basename(info.path)}: running it whole, in this process, on "
                        f"{compute.describe()}", a.quiet):
             whole = load_whole_or_shell(info, compute, shell=False)
@@ -81,7 +83,7 @@ def verify_main(argv: list[str]) -> int:
         result["diff"] = float(np.abs(reference.astype(np.float64) - split).max())
         result["same"] = reference.tobytes() == split.tobytes()
 
-    code = cli.run_guarded(body, out)
+    code = parsing.run_guarded(body, out)
     if code:
         return code
     print(f"max abs difference, whole vs split ({a.patches} patch{'es' if a.patches > 1 else ''}): "
@@ -90,7 +92,7 @@ def verify_main(argv: list[str]) -> int:
 
 
 def plugins_main(argv: list[str]) -> int:
-    cli.Parser(prog="diffuse plugins", description="The installed plugins and the hooks each implements.") \
+    flags.Parser(prog="diffuse plugins", description="The installed plugins and the hooks each implements.") \
         .parse_args(argv)
     from diffuse.plan.plugins import plugin_manager
 

@@ -1,7 +1,7 @@
 """The model a ``diffuse query`` request names, read before anything loads.
 
 ``read_model`` finds its folder (the shipped model by default), refuses it early where a stored verdict
-says so (``diffuse.check.refuse_early``, before torch is imported), reads its config into the model's
+says so (``diffuse.cli.check.refuse_early``, before torch is imported), reads its config into the model's
 analysis (``diffuse.client.api.ModelInfo``), settles where the client's ends compute, and checks the request
 against what the model is (``diffuse.client.request.QueryRequest.check_for``), putting the nodes heard on the
 network in for ``--nodes auto``; a diffusion run's output path is checked too
@@ -31,7 +31,7 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
     """The model request ``q`` names, read and checked (see the module's docstring); the request as checked
     against it (``--nodes auto`` replaced by the nodes heard), and what was read. ``command`` opens the first
     status line; ``language``: the command talks to language models only (``diffuse chat``)."""
-    from diffuse.check import refuse_early
+    from diffuse.cli.check import refuse_early
     from diffuse.plan.modelfiles import resolve_model
     from diffuse.client.progress import phase, status
 

@@ -16,7 +16,8 @@ import json
 import sys
 import time
 
-from diffuse import cli
+from diffuse.cli import command
+from diffuse.cli import parsing
 from diffuse.client import progress
 from diffuse.errors import DiffuseError
 from diffuse.client.request import QueryRequest, TextCall
@@ -86,18 +87,18 @@ def refuse_draws_on_device(gen: dict, whole: bool, device) -> None:
 
 def generate_text(q: QueryRequest, console, info, compute) -> dict:
     """One run of a language model (or a model that listens or composes), whole or split, as request ``q``
-    asks (``diffuse.client.request``), its model read (``diffuse.modelread``: ``info``, and ``compute``, where the
+    asks (``diffuse.client.request``), its model read (``diffuse.cli.modelread``: ``info``, and ``compute``, where the
     client's ends compute); prints the answer as it comes, writes the outputs asked for, returns the report."""
     import torch
 
     from diffuse.client.api import load_whole_or_shell, open_split
-    from diffuse.compose import audio_rate, compose_audio
+    from diffuse.cli.compose import audio_rate, compose_audio
     from diffuse.plan.devices import inputs_on
     from diffuse.lm.client_report import held_parameters, summarize, text_split_report, top_candidates
     from diffuse.lm.client_media import load_config, load_tokenizer
 
     t0 = time.perf_counter()
-    gen = generation_kwargs(q.text)  # the flags were checked against the model in diffuse.cli
+    gen = generation_kwargs(q.text)  # the flags were checked against the model in diffuse.cli.command
     refuse_draws_on_device(gen, q.model.whole, compute.device)
     inputs, note = read_inputs(q.text, info)
     if note:
@@ -110,7 +111,7 @@ def generate_text(q: QueryRequest, console, info, compute) -> dict:
     model = load_whole_or_shell(info, compute, shell=not q.model.whole)
     inputs = inputs_on(inputs, compute.device)
     times = {"load": time.perf_counter() - t0}
-    if audio_rate(model) is not None:  # it composes: text in, audio out (diffuse.compose)
+    if audio_rate(model) is not None:  # it composes: text in, audio out (diffuse.cli.compose)
         return compose_audio(q, console, info, model, inputs, gen, times, t0)
     # a decoder-only model's sequences start with the prompt; an encoder-decoder's with its decoder prompt
     prompt_len = inputs["input_ids"].shape[1] if "input_ids" in inputs and not model.config.is_encoder_decoder else 0
@@ -193,7 +194,7 @@ def read_inputs(text: TextCall, info):
 
 
 def chat_parser() -> argparse.ArgumentParser:
-    return cli.chat_parser()
+    return parsing.chat_parser()
 
 
 def chat(a: argparse.Namespace, console, lines=None) -> dict:
@@ -205,9 +206,9 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
     from diffuse.client.api import load_whole_or_shell, open_split
     from diffuse.plan.devices import inputs_on, model_device
     from diffuse.lm.client_media import chat_inputs, load_tokenizer
-    from diffuse.modelread import read_model
+    from diffuse.cli.modelread import read_model
 
-    q, (info, _, compute) = read_model(cli.chat_request(a), console, "diffuse chat", language=True)
+    q, (info, _, compute) = read_model(parsing.chat_request(a), console, "diffuse chat", language=True)
     progress.status(console, f"{info.subject.denoiser_class_name}: loading it without the layers the nodes will hold")
     model = load_whole_or_shell(info, compute, shell=True)
     tokenizer = load_tokenizer(info.path)
@@ -262,6 +263,6 @@ def _stream_rows(split) -> int:
 def chat_main(argv: list[str] | None = None) -> int:
     """``diffuse chat``: 0 at the end of input, 2 for an expected failure (one line), 130 after Ctrl-C."""
     console = progress.console()
-    a = cli.chat_parser().parse_args(argv)
+    a = parsing.chat_parser().parse_args(argv)
 
-    return cli.run_guarded(lambda: chat(a, console), console, interrupted="chat ended")
+    return parsing.run_guarded(lambda: chat(a, console), console, interrupted="chat ended")

@@ -29,7 +29,8 @@ def plan_command(argv: list[str]) -> int:
     (and ``--speed``): the placement on nodes described by hand."""
     from rich.console import Console
 
-    from diffuse.cli import Parser, lan_nodes, seconds
+    from diffuse.cli.parsing import lan_nodes
+    from diffuse.flags import Parser, seconds
 
     from diffuse.wire.discovery import zeroconf_library
     from diffuse.plan.modelfiles import resolve_model
@@ -73,7 +74,7 @@ def plan_command(argv: list[str]) -> int:
             return 0
         plan, p, hops = _placed(a, subject, draft, dtype)
     except DiffuseError as exc:
-        from diffuse.run import report_error
+        from diffuse.cli.parsing import report_error
 
         return report_error(err, exc)
     if a.json:

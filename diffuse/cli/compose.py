@@ -1,6 +1,6 @@
 """A model that composes audio from text (MusicGen): its ``generate`` returns the waveform its codec decoded,
 written as .wav; split, its decoder's layers run on the nodes and the codes are picked on the last one. The
-codes it decoded are kept for ``--save-tokens``. Called by ``diffuse.lmrun.generate_text`` once the model has
+codes it decoded are kept for ``--save-tokens``. Called by ``diffuse.cli.language.generate_text`` once the model has
 loaded (``audio_rate``: a model whose config names an audio codec composes)."""
 
 from __future__ import annotations
