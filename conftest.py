@@ -41,7 +41,7 @@ def subprocess_env(tmp_home: str | None = None) -> dict:
 def node_process(args: list[str], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env: dict | None = None):
     """``python -m diffuse.node ARGS`` for tests that need nodes, not the command line itself: forked from the
     pre-imported launcher, a process of its own all the same (a plain subprocess with DIFFUSE_LAUNCHER=0)."""
-    from diffuse import launcher
+    from diffuse.local import launcher
 
     return launcher.spawn(["-m", "diffuse.node", *args], stdout=stdout, stderr=stderr,
                           env=env if env is not None else subprocess_env())

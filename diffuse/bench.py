@@ -241,7 +241,7 @@ IDEALS = {"P=2": (4 / 3, "2P/(P+1), one call at a time", None),
 def run_bench(cfg: dict, configs: list, keep: str | None) -> int:
     import torch
 
-    from diffuse.localnodes import start_local_nodes, stop_local_nodes
+    from diffuse.local.nodes import start_local_nodes, stop_local_nodes
 
     torch.set_num_threads(1)
     tmp = keep or tempfile.mkdtemp(prefix="diffuse-bench-")

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from diffuse.benchkit import inputs
     from diffuse.plan.devices import Compute, torch_sees
-    from diffuse.localnodes import start_local_nodes, stop_local_nodes
+    from diffuse.local.nodes import start_local_nodes, stop_local_nodes
 
     torch.set_num_threads(1)
     compute = Compute.of(a.device, a.dtype or "bfloat16")

@@ -139,7 +139,7 @@ def inbox_through(relay: Relay):
 
 def _nodes(path: str, relays: dict):
     """Two nodes holding half the layers each; the first advertises its data relay."""
-    from diffuse.localnodes import start_local_nodes
+    from diffuse.local.nodes import start_local_nodes
 
     return start_local_nodes(path, 2, threads=1, extra=["--log-level", "WARNING"],
                              each=[["--advertise-data", relays["data1"].address], []])

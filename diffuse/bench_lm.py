@@ -342,7 +342,7 @@ def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype
 
     import diffuse
     from diffuse.client.api import ModelInfo, client_compute, load_whole_or_shell
-    from diffuse.localnodes import start_local_nodes
+    from diffuse.local.nodes import start_local_nodes
     from diffuse.wire.transport import transport_for
 
     lengths = [max(2, cfg["prompt"] * (i + 1) // n) for i in range(n)]

@@ -167,7 +167,7 @@ def wan_role(what: str, path: str, quick: bool, rest: list[str]) -> int:
 
 
 def _run(args: list[str]) -> dict:
-    from diffuse.localnodes import node_env
+    from diffuse.local.nodes import node_env
 
     proc = subprocess.run([sys.executable, "-m", "diffuse.bench_memory", *args], env=node_env(),
                           capture_output=True, text=True, timeout=3600)
@@ -212,7 +212,7 @@ def held_bytes(path: str, nodes: int) -> tuple[list[int], int, int, int]:
 
 def measure(path: str, quick: bool, wan: bool) -> None:
     """Build the model at ``path``, run it whole and split over two local nodes, and print the peaks."""
-    from diffuse.localnodes import start_local_nodes
+    from diffuse.local.nodes import start_local_nodes
 
     pre, flag = ("wan-", ["1" if quick else "0"]) if wan else ("", [])
     one = _in_process if quick else _run

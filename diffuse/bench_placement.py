@@ -1,7 +1,7 @@
 """``python -m diffuse.bench placement``: even slices against planned ones on three unequal nodes, in one run.
 
 Three local nodes, started without ``--blocks`` (each session's plan gives them their slices), are put
-under cgroup v1 groups this bench makes (``diffuse.cgroups``): two at a third of a core and one at a full
+under cgroup v1 groups this bench makes (``diffuse.local.cgroups``): two at a third of a core and one at a full
 core, listed in that order (so that the language model's output head, which goes with the last layer, is on
 the quick node either way), every process at one torch thread. The CFS period of the nodes at a third of a
 core is ``PERIOD_US``, not the kernel's 100 ms: with that, a node that idles while the others compute
@@ -58,7 +58,7 @@ class Limits:
     """The bench's cgroups: one per node, one for this process; ``why`` says why there are none."""
 
     def __init__(self, period_us: int = PERIOD_US, shares: int | None = SHARES):
-        from diffuse.cgroups import DEFAULT_PERIOD_US, Cgroups
+        from diffuse.local.cgroups import DEFAULT_PERIOD_US, Cgroups
 
         self.groups = Cgroups(f"diffuse-bench-{os.getpid()}-{os.urandom(3).hex()}")
         self.why = self.groups.why
@@ -69,7 +69,7 @@ class Limits:
 
     def nodes(self, nodes, limits=NODES) -> None:
         """Each of ``nodes`` into a group of its own: ``limits`` gives each its name and cores."""
-        from diffuse.cgroups import DEFAULT_PERIOD_US
+        from diffuse.local.cgroups import DEFAULT_PERIOD_US
 
         if self.why:
             return
@@ -91,7 +91,7 @@ class Limits:
 
 
 def _start(path: str, limits: Limits):
-    from diffuse.localnodes import start_local_nodes
+    from diffuse.local.nodes import start_local_nodes
 
     nodes = start_local_nodes(path, len(NODES), threads=1, extra=["--log-level", "WARNING"], fixed=False)
     limits.nodes(nodes)

@@ -67,7 +67,7 @@ def _whole_and_split(a):
 
     import diffuse
     from diffuse.client.api import ModelInfo
-    from diffuse.localnodes import start_local_nodes
+    from diffuse.local.nodes import start_local_nodes
     from diffuse.plan.planner import load_pipeline
     from diffuse.train.data import heldout_prompts
 

@@ -32,7 +32,7 @@ def cached(models, tmp_path_factory, diffuse_home):
     import diffusers
 
     import diffuse
-    from diffuse.localnodes import start_local_nodes
+    from diffuse.local.nodes import start_local_nodes
 
     model = models("wan")
     kwargs = dict(families.call_args("wan"), num_inference_steps=STEPS)

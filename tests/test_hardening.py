@@ -138,7 +138,7 @@ class WanRing:
     def __init__(self, model: str):
         import diffusers
 
-        from diffuse.localnodes import start_local_nodes
+        from diffuse.local.nodes import start_local_nodes
 
         torch.set_num_threads(THREADS)
         self.nodes = start_local_nodes(model, 2, THREADS, extra=["--log-level", "INFO"])
@@ -695,7 +695,7 @@ def test_the_first_node_of_a_default_language_model_run_receives_no_token_ids(tm
 
     import diffuse
     from diffuse.wire import frames
-    from diffuse.localnodes import start_local_nodes
+    from diffuse.local.nodes import start_local_nodes
     from diffuse.lm.client_media import build_inputs
 
     model_dir = lm_models.build("qwen2", str(tmp_path_factory.mktemp("first-node") / "qwen2"))

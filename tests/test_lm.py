@@ -307,7 +307,7 @@ def test_python_api_splits_a_transformers_model_samples_and_refuses_beam_search(
     model_dir = lm_models("qwen2")
     ref = reference(lm_references, model_dir)
     sample = SAMPLINGS["top_k"]
-    from diffuse.localnodes import start_local_nodes
+    from diffuse.local.nodes import start_local_nodes
     from diffuse.wire.transport import transport_for
 
     def state(node):  # what the node says it holds for sessions now (its plain status answer)

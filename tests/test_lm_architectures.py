@@ -128,7 +128,7 @@ def test_checkpoint_whose_expert_names_no_rule_knows_is_refused_before_any_node_
     local nodes asked for are never started (a start would be recorded here)."""
     from safetensors.torch import load_file, save_file
 
-    from diffuse import localnodes
+    from diffuse.local import nodes as localnodes
 
     started = []
     monkeypatch.setattr(localnodes, "start_local_nodes", lambda *a, **k: started.append(a) or 1 / 0)

@@ -77,7 +77,7 @@ def concurrent_sessions(model: str, prompts: list[list[int]]) -> tuple[list, lis
     from concurrent.futures import ThreadPoolExecutor
 
     import diffuse
-    from diffuse.localnodes import LocalNodes, start_local_nodes
+    from diffuse.local.nodes import LocalNodes, start_local_nodes
     from diffuse.wire.transport import transport_for
 
     # one node each (the last --blocks given wins), both starting at once

@@ -16,7 +16,7 @@ def test_local_nodes_stop_when_their_client_dies_without_cleaning_up(models):
     model = models("wan")
     code = (
         "import os\n"
-        "from diffuse.localnodes import start_local_nodes\n"
+        "from diffuse.local.nodes import start_local_nodes\n"
         f"nodes = start_local_nodes({model!r}, 2, threads=1)\n"
         "print(os.getpid(), *[n.proc.pid for n in nodes], flush=True)\n"
         "os._exit(0)  # as if killed: no finally, no terminate\n"
@@ -52,7 +52,7 @@ def test_no_more_local_nodes_start_than_the_longest_stack_has_blocks():
     gets the client's thread count (one computes at a time), with patches they share the cores."""
     import torch
 
-    from diffuse.localnodes import plan_local_nodes
+    from diffuse.local.nodes import plan_local_nodes
     from diffuse.plan.contracts import StackPlan
 
     stacks = [StackPlan(path="blocks", length=4, block_class="B"), StackPlan(path="single", length=2, block_class="S")]
@@ -68,7 +68,7 @@ def test_a_launched_process_is_its_own_with_the_callers_streams_environment_and_
     """Forked from the launcher: its own pid, the stdout and stderr given, the caller's environment and
     folder, run as ``__main__``, its exit status; torch's thread counts and a seeded computation as in a
     fresh ``python -m`` (what makes split runs equal whole ones)."""
-    from diffuse import launcher
+    from diffuse.local import launcher
 
     env = subprocess_env(str(tmp_path / "home"))  # a value read at run time differs from the launcher's own
     plain = subprocess.run([sys.executable, "-m", "process_probe", "3"], env=env, cwd=tmp_path, capture_output=True,

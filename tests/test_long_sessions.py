@@ -71,7 +71,7 @@ def long_session(model_dir: str, passes: int, tmp_path) -> dict:
     import diffuse
     from diffuse.errors import DiffuseError, NodeError
     from diffuse.plan.kvcache import max_positions
-    from diffuse.localnodes import start_local_nodes
+    from diffuse.local.nodes import start_local_nodes
     from diffuse.wire.transport import transport_for
 
     torch.set_num_threads(THREADS)

@@ -410,7 +410,7 @@ def test_unequal_nodes_under_cgroup_limits_get_slices_that_fit_and_the_bytes_of_
     from conftest import run_reference
     from diffuse.plan.placement import report_of
 
-    from diffuse.cgroups import Cgroups, memory_used
+    from diffuse.local.cgroups import Cgroups, memory_used
 
     groups = Cgroups(f"diffuse-test-{os.getpid()}")
     if groups.why:

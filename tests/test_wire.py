@@ -97,7 +97,7 @@ def wan_ring(models, diffuse_home):
     import diffusers
 
     import diffuse
-    from diffuse.localnodes import start_local_nodes
+    from diffuse.local.nodes import start_local_nodes
 
     torch.set_num_threads(THREADS)
     model = models("wan")

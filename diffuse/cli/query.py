@@ -49,7 +49,7 @@ def generate(a: argparse.Namespace, console) -> dict:
     q, (info, name, compute) = read_model(q, console)
     whole, quiet = q.model.whole, q.output.quiet
     if q.ring.nodes is None and not whole:
-        from diffuse.localnodes import warm_launcher
+        from diffuse.local.nodes import warm_launcher
 
         warm_launcher()  # its imports run while this process loads the model
     if info.subject.autoregressive:

@@ -133,7 +133,7 @@ class SplitOptions:
     attention: str = "auto"
     local_transport: str = "tcp"
     model: str | None = None
-    started: object = None  # local nodes already started by the caller (a diffuse.localnodes.LocalNodes)
+    started: object = None  # local nodes already started by the caller (a diffuse.local.nodes.LocalNodes)
     branch_groups: int = 1
     cache_threshold: float = 0.0
     ahead: bool = True
@@ -185,7 +185,7 @@ class Split:
         from diffuse.client.lan import auto_nodes, check_auto
         from diffuse.client.repair import RepairPolicy
         from diffuse.client.known_nodes import parse_nodes
-        from diffuse.localnodes import local_nodes_plan
+        from diffuse.local.nodes import local_nodes_plan
         from diffuse.plan.placement import PLACEMENTS
 
         o = replace(options or SplitOptions(), **named)
@@ -261,7 +261,7 @@ class Split:
 
     def start_local_nodes(self):
         """This run's own nodes, which serve this run's client identity only."""
-        from diffuse.localnodes import start_local_nodes
+        from diffuse.local.nodes import start_local_nodes
         from diffuse.wire.sealing import load_identity
 
         return start_local_nodes(self.info.path, self.local.count, self.local.threads, scheme=self.local_transport,

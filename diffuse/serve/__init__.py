@@ -182,7 +182,7 @@ class Service:
                 failed.append(exc)
 
         if not nodes:
-            from diffuse.localnodes import warm_launcher
+            from diffuse.local.nodes import warm_launcher
 
             warm_launcher()
         starter = threading.Thread(target=start_nodes, name="start-nodes", daemon=True)
@@ -212,8 +212,8 @@ class Service:
 
         if spec is not None:
             return NodeSet([s.strip() for s in spec.split(",") if s.strip()])
-        from diffuse.localnodes import plan_local_nodes
-        from diffuse.localnodes import start_local_nodes
+        from diffuse.local.nodes import plan_local_nodes
+        from diffuse.local.nodes import start_local_nodes
 
         plan = plan_local_nodes(opts.local_nodes, info.draft["stacks"], 1, opts.threads)
         for note in plan.notes:

@@ -140,7 +140,7 @@ class NodeSet:
     """The nodes that hold one model's blocks: started here, or given by address."""
 
     specs: list[str]  # "ADDRESS#KEY" (or bare addresses, keys pinned on first use)
-    local: object = None  # a diffuse.localnodes.LocalNodes when started here
+    local: object = None  # a diffuse.local.nodes.LocalNodes when started here
 
     def stop(self) -> None:
         if self.local is not None:

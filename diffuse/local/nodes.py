@@ -1,6 +1,6 @@
 """Starting node processes on this machine (``--local-nodes N``) and stopping them.
 
-Nodes are forked from a pre-imported launcher (``diffuse.launcher``), so each is ready in well under a
+Nodes are forked from a pre-imported launcher (``diffuse.local.launcher``), so each is ready in well under a
 second plus its block loading; ``DIFFUSE_LAUNCHER=0`` starts them as plain ``python -m diffuse.node``
 processes instead."""
 
@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from diffuse import launcher
+from diffuse.local import launcher
 from diffuse.errors import DiffuseError
 
 READY_TIMEOUT_S = 180.0

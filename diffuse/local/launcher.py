@@ -2,7 +2,7 @@
 already imported what they need.
 
 A node spends seconds importing torch, diffusers and transformers before it loads a single block.
-The launcher (``python -m diffuse.launcher``, one per client process and environment, started on first
+The launcher (``python -m diffuse.local.launcher``, one per client process and environment, started on first
 use) imports all that once, runs no torch op and starts no thread of its own, and forks each node on
 request. A forked node is its own process with its own pid, the stdin/stdout/stderr the caller gave,
 the caller's environment and working directory; it runs its module as ``__main__`` as
@@ -36,6 +36,7 @@ OFF = ("0", "off", "no", "false")
 VOLATILE_ENV = ("DIFFUSE_HOME", "DIFFUSE_LAUNCHER", "PYTEST_CURRENT_TEST")
 PRELOAD = ("diffuse.node.server", "diffuse.plan.analysis", "diffuse.plan.planner", "diffuse.plan.plugins", "diffuse.wire.sealing",
            "diffuse.node.stage", "diffuse.plan.modelfiles", "diffuse.lm.heads", "diffuse.lm.embedding", "diffuse.lm.sampling",
+           "diffuse.lm.node_tail", "diffuse.lm.node_sampling",
            "diffusers.models.transformers", "transformers.modeling_utils", "transformers.generation")
 
 
@@ -99,7 +100,7 @@ class Launcher:
         self.log = tempfile.TemporaryFile("w+")  # what it says before it is ready, for the warning if it fails
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "diffuse.launcher", "--fd", str(theirs.fileno()), "--exit-with",
+                [sys.executable, "-m", "diffuse.local.launcher", "--fd", str(theirs.fileno()), "--exit-with",
                  str(os.getpid())], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log,
                 pass_fds=(theirs.fileno(),), env=env, cwd=cwd)
         finally:
@@ -318,7 +319,7 @@ def _running(pid: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m diffuse.launcher", description="fork local nodes on request "
+    ap = argparse.ArgumentParser(prog="python -m diffuse.local.launcher", description="fork local nodes on request "
                                  "(started by the client; not a command for people)")
     ap.add_argument("--fd", type=int, required=True, help="the Unix socket (SOCK_SEQPACKET) to the client")
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone")
