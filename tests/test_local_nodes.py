@@ -92,7 +92,7 @@ def test_without_the_launcher_or_when_it_fails_nodes_start_as_plain_processes(tm
     one warning line, then plain subprocesses from then on."""
     code = (
         "import subprocess, sys\n"
-        "from diffuse import launcher\n"
+        "from diffuse.local import launcher\n"
         "launcher.READY_TIMEOUT_S = float(sys.argv[1])\n"
         "for _ in range(2):\n"
         "    p = launcher.spawn(['-m', 'platform'], stdout=subprocess.PIPE)\n"

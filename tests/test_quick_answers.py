@@ -24,10 +24,11 @@ README_CLIENT = ["--prompt", "a paper boat", "--steps", "30", "--height", "480",
 # runs ``diffuse ARGV`` as the command does, then says on stderr which heavy libraries it imported
 RUN_AND_SAY_IMPORTS = (
     "import sys\n"
-    "from diffuse import cli\n"
-    "code = cli.dispatch(sys.argv[1:])\n"
+    "from diffuse import flags\n"
+    "from diffuse.cli import command\n"
+    "code = command.dispatch(sys.argv[1:])\n"
     f"print('imported:', *[m for m in {HEAVY!r} if m in sys.modules], file=sys.stderr)\n"
-    "cli.exit_now(code)\n"
+    "flags.exit_now(code)\n"
 )
 # marks on stderr the moment torch starts being imported, then runs ``diffuse ARGV``
 MARK_TORCH = (
@@ -38,8 +39,9 @@ MARK_TORCH = (
     "            print('importing torch', file=sys.stderr, flush=True)\n"
     "            sys.meta_path.remove(self)\n"
     "sys.meta_path.insert(0, Mark())\n"
-    "from diffuse import cli\n"
-    "cli.exit_now(cli.dispatch(sys.argv[1:]))\n"
+    "from diffuse import flags\n"
+    "from diffuse.cli import command\n"
+    "flags.exit_now(command.dispatch(sys.argv[1:]))\n"
 )
 
 
