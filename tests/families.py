@@ -59,7 +59,7 @@ def _seed(seed: int) -> None:
 
 
 def _tok(kind: str, **kw):
-    from diffuse.tiny_tokenizers import build_word_tokenizer
+    from diffuse.train.tokenizers import build_word_tokenizer
 
     return build_word_tokenizer(kind, **kw)
 

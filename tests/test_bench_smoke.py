@@ -53,7 +53,7 @@ def test_bench_placement_links_and_memory_quick_print_their_figures(diffuse_home
     """The three benches of placement, at their tiniest, in one process: even against planned slices with the
     planner's prediction beside each figure, a slowed client link against its floor, and peak memory per
     process against what each holds."""
-    code = ("import sys; from diffuse.bench import main; "
+    code = ("import sys; from diffuse.bench.command import main; "
             "sys.exit(max(main([name, '--quick']) for name in ('placement', 'links', 'memory')))")
     proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(diffuse_home), capture_output=True,
                           text=True, timeout=300)

@@ -57,7 +57,7 @@ COMMANDS: dict[str, Command] = {
                     "slices go on given nodes (--nodes ADDR,... or --memory GiB,...)", "MODEL --nodes N|ADDR,..."),
     "verify": Command("diffuse.cli.commands:verify_main", "run whole and split, print the largest difference",
                       "MODEL ..."),
-    "bench": Command("diffuse.bench:main", "speed and wire use, whole and split (python -m diffuse.bench)",
+    "bench": Command("diffuse.bench.command:main", "speed and wire use, whole and split (python -m diffuse.bench)",
                      "[quality|cache|lm] ..."),
     "plugins": Command("diffuse.cli.commands:plugins_main", "list installed plugins", ""),
 }

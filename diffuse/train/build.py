@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from diffuse.tiny_tokenizers import build_word_tokenizer
+from diffuse.train.tokenizers import build_word_tokenizer
 
 from .data import FRAMES, SIZE, WORDS
 

@@ -17,9 +17,9 @@ Two models, each run in ``--pairs`` pairs (default ``PAIRS``) on the same three 
 also have every node measure its own speed), then the slices planned from what the nodes say at hello (their
 speeds, all their passes so far, and the links the client measured):
 
-- the diffusion bench model (``diffuse.bench``'s Wan transformer, here with ``WAN["layers"]`` blocks),
+- the diffusion bench model (``diffuse.bench.diffusion``'s Wan transformer, here with ``WAN["layers"]`` blocks),
   driven with fixed inputs for its guided steps, two calls a step, the first two steps not timed: s/step;
-- the language-model bench model (``diffuse.bench_lm``'s Qwen2, here with ``LM["layers"]`` layers),
+- the language-model bench model (``diffuse.bench.lm``'s Qwen2, here with ``LM["layers"]`` layers),
   greedy: tokens/s after the first token.
 
 Beside each measured figure, the prediction for the route that ran: the planner's (``diffuse.plan.placement``:
@@ -221,31 +221,31 @@ def diffusion(tmp: str, cfg: dict, limits: Limits, count: int = 1) -> list[dict]
     import torch
 
     import diffuse
-    from diffuse import bench
+    from diffuse.bench import diffusion
 
     path = os.path.join(tmp, "wan")
-    bench.build_model(path, cfg)
+    diffusion.build_model(path, cfg)
     tokens = cfg["frames"] * (cfg["size"] // 2) ** 2
-    x = bench.inputs(cfg)
+    x = diffusion.inputs(cfg)
     nodes = _start(path, limits)
     spec = [f"{n.address}#{n.key}" for n in nodes]
 
     def run(placement: str):
-        transformer = bench.load_transformer(path)
+        transformer = diffusion.load_transformer(path)
         watch, held = Watch(limits, nodes), []
 
         def mark(step: int) -> None:
-            if step == bench.TIMED_FROM:
+            if step == diffusion.TIMED_FROM:
                 watch.take(held[0])
 
         with diffuse.split(transformer, nodes=spec, placement=placement, timeout=600, model=path) as split:
             held.append(split)
-            times, latent = bench.denoise(transformer, x, cfg["steps"], mark)
+            times, latent = diffusion.denoise(transformer, x, cfg["steps"], mark)
             watch.take()
-        return split, watch, dict(s=statistics.mean(times[bench.TIMED_FROM:]), latent=latent)
+        return split, watch, dict(s=statistics.mean(times[diffusion.TIMED_FROM:]), latent=latent)
 
     try:
-        pairs = _pairs(run, count, 2, max(1, cfg["steps"] - bench.TIMED_FROM), path,
+        pairs = _pairs(run, count, 2, max(1, cfg["steps"] - diffusion.TIMED_FROM), path,
                        tokens * cfg["heads"] * cfg["head_dim"] * 4)
     finally:
         nodes.stop()
@@ -260,10 +260,10 @@ def language_model(tmp: str, cfg: dict, limits: Limits, count: int = 1) -> list[
     import torch
 
     import diffuse
-    from diffuse import bench_lm
+    from diffuse.bench import lm
 
     path = os.path.join(tmp, "lm")
-    bench_lm.build(path, cfg)
+    lm.build(path, cfg)
     ids = torch.randint(0, cfg["vocab"], (1, cfg["prompt"]), generator=torch.Generator().manual_seed(0))
     nodes = _start(path, limits)
     spec = [f"{n.address}#{n.key}" for n in nodes]
@@ -272,9 +272,9 @@ def language_model(tmp: str, cfg: dict, limits: Limits, count: int = 1) -> list[
         model = diffuse.from_pretrained(path)
         watch = Watch(limits, nodes)
         with diffuse.split(model, nodes=spec, placement=placement, timeout=600) as split:
-            bench_lm.generate(model, ids, 2)  # warm-up: the session open, the call plans learnt
+            lm.generate(model, ids, 2)  # warm-up: the session open, the call plans learnt
             watch.take(split)
-            new, clock = bench_lm.generate(model, ids, cfg["new"])
+            new, clock = lm.generate(model, ids, cfg["new"])
             watch.take()
         return split, watch, dict(s=1 / clock.per_second, tokens=new)
 

@@ -5,7 +5,7 @@ its own, into a temp folder (not committed, not part of the test suite):
 
 - a causal language model at Qwen2.5-1.5B's geometry (``QWEN25_15B``: 28 layers, hidden 1536, vocabulary
   151,936, tied embeddings), run greedy (``generate``);
-- a diffusion transformer at Wan2.1-T2V-1.3B's (``diffuse.bench_device.WAN_1_3B``: 30 blocks, hidden 1536,
+- a diffusion transformer at Wan2.1-T2V-1.3B's (``diffuse.bench.device.WAN_1_3B``: 30 blocks, hidden 1536,
   FFN 8960, text 4096 wide), the transformer alone, driven as a guided pipeline drives it (two calls a step,
   ``WAN_STEPS`` steps) on fixed inputs: a small latent (``WAN_LATENT``), so that the peaks are the weights'
   rather than one video's activations, and the text encoder's output as random 4096-wide states. The text
@@ -129,7 +129,7 @@ def role(argv: list[str]) -> int:
 
 
 def wan_geometry(quick: bool) -> dict:
-    from diffuse.bench_device import QUICK as WAN_QUICK, WAN_1_3B
+    from diffuse.bench.device import QUICK as WAN_QUICK, WAN_1_3B
 
     return dict(WAN_QUICK if quick else WAN_1_3B, **WAN_LATENT, steps=WAN_STEPS)
 
@@ -140,8 +140,8 @@ def wan_role(what: str, path: str, quick: bool, rest: list[str]) -> int:
     last two print their peak and a digest of the latent they end with."""
     import torch
 
-    from diffuse import bench_device
-    from diffuse.benchkit import inputs
+    from diffuse.bench import device as bench_device
+    from diffuse.bench.kit import inputs
 
     cpu, cfg = torch.device("cpu"), wan_geometry(quick)
     if what == "build":
@@ -169,7 +169,7 @@ def wan_role(what: str, path: str, quick: bool, rest: list[str]) -> int:
 def _run(args: list[str]) -> dict:
     from diffuse.local.nodes import node_env
 
-    proc = subprocess.run([sys.executable, "-m", "diffuse.bench_memory", *args], env=node_env(),
+    proc = subprocess.run([sys.executable, "-m", "diffuse.bench.memory", *args], env=node_env(),
                           capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{args[0]} failed: {proc.stderr[-3000:]}")

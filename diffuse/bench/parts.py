@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 
-from diffuse.benchkit import mean_se
+from diffuse.bench.kit import mean_se
 
 NODE_PARTS = ("idle", "open", "prepare", "blocks", "blocks_cpu", "finish", "seal", "faults")  # diffuse.node.server.PARTS
 CLIENT_PARTS = ("hash", "seal", "send", "wait", "open")  # diffuse.client.channel.ChannelStats.seconds

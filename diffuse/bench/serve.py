@@ -35,7 +35,7 @@ def build(out_dir: str, cfg: dict) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from diffuse.bench_lm import build as build_model
+    from diffuse.bench.lm import build as build_model
 
     build_model(out_dir, cfg, family="Llama")
     vocab = {f"w{i}": i for i in range(cfg["vocab"] - 1)}

@@ -31,9 +31,9 @@ import sys
 import tempfile
 import time
 
-from diffuse import bench_parts as parts
-from diffuse.bench_parts import step_ratios
-from diffuse.benchkit import GUIDANCE, inputs, mean_se
+from diffuse.bench import parts
+from diffuse.bench.parts import step_ratios
+from diffuse.bench.kit import GUIDANCE, inputs, mean_se
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -91,7 +91,7 @@ def denoise(transformer, x: dict, steps: int, on_step=None) -> tuple[list[float]
 
 def split_run(path: str, nodes, x: dict, steps: int, patches: int, whole_tr, groups: int = 1,
               ahead: bool = True) -> dict:
-    """One split configuration stepped in turn with the whole model (``diffuse.bench_parts.paired``): per step
+    """One split configuration stepped in turn with the whole model (``diffuse.bench.parts.paired``): per step
     both one's seconds, the processes' CPU, and what the client and each node spent per call in the timed steps."""
     import diffuse
 
@@ -176,25 +176,8 @@ def patch_times(path: str, cfg: dict, x: dict, patches: int, repeat: int = 3) ->
     return result
 
 
-SUBCOMMANDS = {  # python -m diffuse.bench NAME ...: the module and function that run it
-    "quality": ("diffuse.quality", "main"),  # the quality table on the trained model
-    "cache": ("diffuse.quality", "cache_main"),  # the first-block cache's speed and quality
-    "serve": ("diffuse.serve.bench", "main"),  # the service: warm against cold, concurrent streams against one
-    "lm": ("diffuse.bench_lm", "main"),  # a language model whole and split
-    "device": ("diffuse.bench_device", "main"),  # a Wan2.1-1.3B-shaped model on one device, whole against 2 nodes
-    "placement": ("diffuse.bench_placement", "main"),  # even slices against planned ones on unequal nodes
-    "links": ("diffuse.bench_links", "main"),  # a language model over a slowed client link, against its floor
-    "memory": ("diffuse.bench_memory", "main"),  # peak memory per process at a real model's geometry
-}
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] and argv[0] in SUBCOMMANDS:  # each in its own module
-        import importlib
-
-        module, function = SUBCOMMANDS[argv[0]]
-        return getattr(importlib.import_module(module), function)(argv[1:])
+    """``python -m diffuse.bench`` with no benchmark named: the diffusion bench."""
     from diffuse.text import plain
 
     from diffuse.flags import Parser
@@ -390,6 +373,3 @@ def report_parts(runs: dict, whole_step: float) -> None:
         for stack, m in r.get("paths", {}).items():
             agree = "" if m["agreement"] is None else f", agreement {m['agreement']:.1e}"
             print(f"  attention {name}: {stack} {m['path']}{agree}")
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """``python -m diffuse.bench links``: a language model over two nodes with the client's link slowed.
 
-The language-model bench model (``diffuse.bench_lm``) is served by two local nodes holding half of its
+The language-model bench model (``diffuse.bench.lm``) is served by two local nodes holding half of its
 layers each; every process at one torch thread and, where cgroups can be made, in a group of one core
 weighted ``cpu.shares`` 8192 (as ``bench placement`` makes them), so that other work on a busy machine does
 not decide the compute the floor is made of. The client reaches them through relays that this bench
@@ -151,7 +151,7 @@ def run_one(path: str, cfg: dict, spec: list[str], relays: dict, name: str, dela
     import torch
 
     import diffuse
-    from diffuse import bench_lm
+    from diffuse.bench import lm
 
     for r in relays.values():
         r.set(delay, rate)
@@ -159,9 +159,9 @@ def run_one(path: str, cfg: dict, spec: list[str], relays: dict, name: str, dela
     model = diffuse.from_pretrained(path)
     with inbox_through(relays["inbox"]):
         with diffuse.split(model, nodes=spec, timeout=600) as split:
-            bench_lm.generate(model, ids, 2)  # warm-up: the session open, its call plans learnt
-            new, clock = bench_lm.generate(model, ids, cfg["new"])
-    hops = bench_lm.per_token_hops(split, cfg["new"])
+            lm.generate(model, ids, 2)  # warm-up: the session open, its call plans learnt
+            new, clock = lm.generate(model, ids, cfg["new"])
+    hops = lm.per_token_hops(split, cfg["new"])
     stats = split.ring.channel_stats
     prefill = stats.messages[-cfg["new"]]["bytes_out"] + stats.returns[-cfg["new"]][1]
     return dict(name=name, delay=delay, rate=rate, clock=clock, tokens=new, prefill_bytes=prefill,
@@ -204,18 +204,18 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from diffuse import bench_lm
-    from diffuse.bench_placement import SHARES, Limits
+    from diffuse.bench import lm
+    from diffuse.bench.placement import SHARES, Limits
 
     torch.set_num_threads(1)
-    cfg = dict(bench_lm.QUICK if a.quick else bench_lm.FULL)
+    cfg = dict(lm.QUICK if a.quick else lm.FULL)
     runs = QUICK_RUNS if a.quick else RUNS
     limits = Limits(100_000, SHARES)
     tmp = tempfile.mkdtemp(prefix="diffuse-bench-links-")
     relays = {name: Relay() for name in ("control1", "control2", "data1", "inbox")}
     nodes = None
     try:
-        bench_lm.build(tmp, cfg)
+        lm.build(tmp, cfg)
         print(f"model: Qwen2ForCausalLM, {cfg['layers']} layers, hidden {cfg['hidden']}, FFN {cfg['ffn']}, "
               f"vocabulary {cfg['vocab']}, random weights; prompt {cfg['prompt']} tokens, {cfg['new']} new, greedy; "
               f"2 local nodes, half the layers each; every process at 1 torch thread", flush=True)

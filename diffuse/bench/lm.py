@@ -12,7 +12,7 @@ split adds, and the cap that work alone puts on its rate), and where a token's
 time goes: the client's generate loop, hashing, sealing, waiting; on each node
 opening, checking and assembling, the layers, handing on, sealing; the hops.
 In the same rounds a bare ring of 1 and of 2 worker processes runs the same
-layers with nothing of Diffuse between them (``diffuse.bench_bare``): what a
+layers with nothing of Diffuse between them (``diffuse.bench.bare``): what a
 plain ring of processes over ZeroMQ reaches on this machine at this size, and
 each split's rate as a fraction of it.
 
@@ -34,12 +34,12 @@ import tempfile
 import threading
 import time
 
-from diffuse import bench_parts as parts
-from diffuse.bench_bare import BareRing
-from diffuse.bench_parts import mean_se
+from diffuse.bench import parts
+from diffuse.bench.bare import BareRing
+from diffuse.bench.parts import mean_se
 
 FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, prompt=64, new=32)
-BARE = {"bare ring, 1 process": 1, "bare ring, 2 processes": 2}  # diffuse.bench_bare: the floor of a ring
+BARE = {"bare ring, 1 process": 1, "bare ring, 2 processes": 2}  # diffuse.bench.bare: the floor of a ring
 QUICK = dict(layers=4, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=512, prompt=16, new=8)
 
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_rates(rows: dict) -> None:
     """Each configuration's tokens/s against whole, first token and whether its tokens are whole's; then each
-    split's rate as a fraction of the bare ring's of as many processes (``diffuse.bench_bare``)."""
+    split's rate as a fraction of the bare ring's of as many processes (``diffuse.bench.bare``)."""
     goals = {"split, 2 nodes": "   goal >= 0.95"}
     names = [n for n in ("whole", "split, 1 node", "split, 2 nodes", *BARE) if n in rows]
     for name in names:

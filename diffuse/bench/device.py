@@ -70,11 +70,11 @@ def sync(device) -> None:
 
 
 def denoise(transformer, x: dict, steps: int, device, dtype) -> tuple[list[float], "torch.Tensor"]:
-    """The guided Euler loop of ``diffuse.bench`` on ``device``: the latent kept in float32 and handed to the
+    """The guided Euler loop of ``diffuse.bench.diffusion`` on ``device``: the latent kept in float32 and handed to the
     transformer in ``dtype``, as a pipeline does; the seconds of each step's two calls, synchronised."""
     import torch
 
-    from diffuse.benchkit import GUIDANCE
+    from diffuse.bench.kit import GUIDANCE
 
     latent = x["latent"].to(device)
     text, negative = x["text"].to(device, dtype), x["negative"].to(device, dtype)
@@ -111,7 +111,7 @@ def split_run(path: str, spec: str, x: dict, steps: int, patches: int, device, d
 def report(cfg: dict, whole: list[float], whole_out, runs: dict, nodes: list, loads: tuple) -> None:
     import torch
 
-    from diffuse.benchkit import mean_se, ratio
+    from diffuse.bench.kit import mean_se, ratio
     from diffuse.plan.placement import report_of
 
     mw, sw = mean_se(whole[TIMED_FROM:])
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     import torch
 
-    from diffuse.benchkit import inputs
+    from diffuse.bench.kit import inputs
     from diffuse.plan.devices import Compute, torch_sees
     from diffuse.local.nodes import start_local_nodes, stop_local_nodes
 

@@ -116,7 +116,7 @@ class BareRing:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         try:
             for k in range(n):
-                code = (f"from diffuse.bench_bare import worker; worker({model_dir!r}, {k * self.layers // n}, "
+                code = (f"from diffuse.bench.bare import worker; worker({model_dir!r}, {k * self.layers // n}, "
                         f"{(k + 1) * self.layers // n})")
                 self.procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE,
                                                    stdout=subprocess.PIPE, text=True))
