@@ -78,7 +78,7 @@ def test_bf16_ring_on_cpu_nodes_explicit_and_auto_equals_plain_diffusers_whole_i
     there, and so do the nodes). The second node rehearses a GPU node's asynchronous answers
     (``DIFFUSE_REHEARSE_ASYNC``: each answer copied, and sealed only once the next pass has run or the node
     has nothing else to do), so their order and bytes are checked here too."""
-    from diffuse.plan.placement import report_of
+    from diffuse.plan.reports import report_of
 
     wan = models("wan")
     kwargs = families.call_args("wan")

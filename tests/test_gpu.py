@@ -108,7 +108,7 @@ def test_a_mixed_ring_one_gpu_node_one_cpu_node_runs_and_its_difference_is_measu
                                                                                      diffuse_home):
     """Each slice computes on its own device, so the bits differ from either whole run: the difference is what
     ``diffuse verify`` prints, measured here and shown (``-s``), with each node's device from its hello."""
-    from diffuse.plan.placement import report_of
+    from diffuse.plan.reports import report_of
 
     model, kwargs = models("wan"), families.call_args("wan")
     procs, addresses = [], []

@@ -19,8 +19,10 @@ import sys
 import pytest
 
 from conftest import TESTS, THREADS, node_process, run_cli, run_client, subprocess_env
-from diffuse.plan.placement import (GIB, MARGIN_MIN_BYTES, BlockCost, Capacity, DoesNotFit, NodeReport, even_placement,
-                               place, rooms)
+from diffuse.plan.needs import GIB, BlockCost
+from diffuse.plan.placement import MARGIN_MIN_BYTES, Capacity, DoesNotFit, rooms
+from diffuse.plan.reports import NodeReport
+from diffuse.plan.solver import even_placement, place
 from diffuse.plan.contracts import split_evenly
 
 MIB = 1 << 20
@@ -88,7 +90,7 @@ def test_planner_with_passes_in_flight_finds_the_least_slowest_share_an_exhausti
 def _brute_one_at_a_time(blocks, nodes, hop):
     """Every contiguous placement in node order (a node may take none), passes one at a time: the least pass
     time (used nodes' shares, the hops between the ends used, ``LEAVE_OUT`` of the compute per node left out)."""
-    from diffuse.plan.placement import LEAVE_OUT, LEAVE_OUT_S, _speeds
+    from diffuse.plan.solver import LEAVE_OUT, LEAVE_OUT_S, _speeds
 
     L, n = len(blocks), len(nodes)
     room, speeds = rooms(nodes), _speeds(nodes)[0]
@@ -127,7 +129,7 @@ def test_link_aware_planning_finds_the_quickest_pass_and_drops_a_hop_over_a_slow
                 place(blocks, nodes, links=hop)
             continue
         p = place(blocks, nodes, links=hop)
-        from diffuse.plan.placement import leave_out_s
+        from diffuse.plan.solver import leave_out_s
 
         penalty = leave_out_s(p.speeds, sum(b.weight_bytes for b in blocks))
         assert p.pass_s + penalty * (n - len(p.used)) == pytest.approx(want, rel=1e-9), (case, _runs(p))
@@ -235,7 +237,7 @@ def test_a_hello_report_is_read_whatever_it_holds():
 def test_block_costs_are_the_bytes_the_headers_give(models):
     """Per block, its tensors' bytes as the safetensors headers lay them out (float32 files, float32 compute)."""
     from diffuse.plan.analysis import ModelSubject
-    from diffuse.plan.placement import _header, block_costs
+    from diffuse.plan.needs import _header, block_costs
     from diffuse.plan.planner import analyze
 
     path = models("flux")  # two stacks
@@ -320,7 +322,7 @@ def test_planned_slices_leave_out_a_node_without_room_and_generate_the_tokens_of
         assert f"{names[1]} holds nothing: it has room for no block" in shown.stdout
         assert re.search(rf"client -> {names[0]}: \d+\.\d\d ms round trip, ", shown.stdout), shown.stdout
 
-        from diffuse.plan.placement import report_of
+        from diffuse.plan.reports import report_of
 
         tokens, report = tmp_path / "tokens.json", tmp_path / "report.json"
         argv = ["--model", lm_model, "--prompt", PROMPT, "--max-new-tokens", "6", "--threads", str(THREADS),
@@ -408,7 +410,7 @@ def test_unequal_nodes_under_cgroup_limits_get_slices_that_fit_and_the_bytes_of_
 
     import families
     from conftest import run_reference
-    from diffuse.plan.placement import report_of
+    from diffuse.plan.reports import report_of
 
     from diffuse.local.cgroups import Cgroups, memory_used
 

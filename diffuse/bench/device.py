@@ -112,7 +112,7 @@ def report(cfg: dict, whole: list[float], whole_out, runs: dict, nodes: list, lo
     import torch
 
     from diffuse.bench.kit import mean_se, ratio
-    from diffuse.plan.placement import report_of
+    from diffuse.plan.reports import report_of
 
     mw, sw = mean_se(whole[TIMED_FROM:])
     print(f"\nresults (a step's two transformer calls, mean of steps {TIMED_FROM + 1}..{cfg['steps']} +- one "

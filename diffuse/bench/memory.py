@@ -193,7 +193,7 @@ def held_bytes(path: str, nodes: int) -> tuple[list[int], int, int, int]:
     client loaded without its blocks keeps mapped until the first call has taught it a stack's return map; its
     weights are read only where shapes do not decide that map)."""
     from diffuse.plan.analysis import ModelSubject
-    from diffuse.plan.placement import _header, block_costs
+    from diffuse.plan.needs import _header, block_costs
     from diffuse.plan.contracts import split_evenly
     from diffuse.plan.planner import analyze
 

@@ -110,7 +110,9 @@ def _prediction(caps: list, plan, path: str, route, tokens: int, nbytes: int):
     """The planner's ``Placement`` of ``route`` (some of ``plan``'s route), costed with ``caps`` and the links
     measured, for passes of ``tokens`` tokens handing on ``nbytes``."""
     from diffuse.plan.analysis import ModelSubject
-    from diffuse.plan.placement import block_costs, link_hops, placement_of
+    from diffuse.client.routing import link_hops
+    from diffuse.plan.needs import block_costs
+    from diffuse.plan.solver import placement_of
 
     blocks = block_costs(ModelSubject.from_path(path), plan.stacks, plan.compute_dtype)
     order = {s.address: i for i, s in enumerate(plan.route)}

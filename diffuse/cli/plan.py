@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 import os
 
+from diffuse.client.routing import PLACEMENTS, capacities, link_hops
 from diffuse.errors import DiffuseError
-from diffuse.plan.placement import (DEFAULT_CONTEXT, GIB, MARGIN_FRACTION, MARGIN_MIN_BYTES, PLACEMENTS, Capacity,
-                               Placement, _dtype_size, block_costs, capacities, context_tokens, even_placement,
-                               link_hops, load_dtype, pass_bytes, per_pass, place, report_of)
-from diffuse.wire.links import route_lines
 from diffuse.plan.contracts import SlicingPlan, Stage
+from diffuse.plan.needs import (DEFAULT_CONTEXT, GIB, _dtype_size, block_costs, context_tokens, load_dtype, pass_bytes,
+                                per_pass)
+from diffuse.plan.placement import MARGIN_FRACTION, MARGIN_MIN_BYTES, Capacity, Placement
+from diffuse.plan.reports import report_of
+from diffuse.plan.solver import even_placement, place
+from diffuse.wire.links import route_lines
 
 
 def _floats(text: str, what: str) -> list[float]:
@@ -31,10 +34,9 @@ def plan_command(argv: list[str]) -> int:
 
     from diffuse.cli.parsing import lan_nodes
     from diffuse.flags import Parser, seconds
-
-    from diffuse.wire.discovery import zeroconf_library
     from diffuse.plan.modelfiles import resolve_model
     from diffuse.plan.planner import analyze, make_plan
+    from diffuse.wire.discovery import zeroconf_library
 
     ap = Parser(prog="diffuse plan", description="the slicing plan, and where its slices go")
     ap.add_argument("model")

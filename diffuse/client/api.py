@@ -186,7 +186,7 @@ class Split:
         from diffuse.client.repair import RepairPolicy
         from diffuse.client.known_nodes import parse_nodes
         from diffuse.local.nodes import local_nodes_plan
-        from diffuse.plan.placement import PLACEMENTS
+        from diffuse.client.routing import PLACEMENTS
 
         o = replace(options or SplitOptions(), **named)
         check_auto(nodes, o.discover_seconds)

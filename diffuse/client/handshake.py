@@ -30,7 +30,7 @@ from diffuse.wire import links
 from diffuse.wire import sealing
 from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.client.known_nodes import parse_node, pin_key
-from diffuse.plan.placement import note_hello
+from diffuse.plan.reports import note_hello
 from diffuse.plan.contracts import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, Slice, SlicingPlan, Stage, StagePlan, \
     check_slices
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from diffuse.errors import DiffuseError
-from diffuse.plan.placement import route as placement_route
+from diffuse.client.routing import route as placement_route
 from diffuse.plan.contracts import Slice, SlicingPlan, Stage, even_route
 
 AVOID_FIRST_S = 30.0

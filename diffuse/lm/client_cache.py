@@ -6,7 +6,7 @@ import weakref
 
 import torch
 
-from diffuse.plan.kvcache import EDITS, _refuse_edit, self_attention_part
+from diffuse.plan.kvcache import EDITS, refuse_edit, self_attention_part
 
 
 class ClientCaches:
@@ -31,7 +31,7 @@ class ClientCaches:
                                         getattr(cache, "cross_attention_cache", None)) if p is not None}.values():
             for name in EDITS:
                 if callable(getattr(part, name, None)):
-                    setattr(part, name, _refuse_edit(name))
+                    setattr(part, name, refuse_edit(name))
 
     @staticmethod
     def shadow(cache, layers: range, hidden: torch.Tensor) -> None:

@@ -23,18 +23,18 @@ DEFAULT_PERIOD_US = 100_000  # the kernel's own
 
 def own_v1_group(controller: str) -> str | None:
     """This process's innermost cgroup v1 folder for ``controller`` (None where there is none)."""
-    from diffuse.plan.placement import _cgroup_dirs
+    from diffuse.plan.reports import cgroup_dirs
 
-    found = [d for d, version in _cgroup_dirs(controller) if version == "v1"]
+    found = [d for d, version in cgroup_dirs(controller) if version == "v1"]
     return found[0] if found else None
 
 
 def memory_used(folder: str) -> int:
     """Bytes a v1 memory group holds, less its inactive file cache (what a limit would squeeze first)."""
-    from diffuse.plan.placement import _stat_value
+    from diffuse.plan.reports import stat_value
 
     with open(os.path.join(folder, "memory.usage_in_bytes")) as f:
-        return int(f.read()) - _stat_value(folder, "total_inactive_file")
+        return int(f.read()) - stat_value(folder, "total_inactive_file")
 
 
 def _write(path: str, value) -> None:

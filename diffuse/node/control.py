@@ -50,7 +50,7 @@ from diffuse.wire import frames
 from diffuse.wire import safecbor
 from diffuse.wire import sealing
 from diffuse.errors import DiffuseError
-from diffuse.plan.placement import node_report
+from diffuse.plan.reports import node_report
 from diffuse.plan.contracts import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, StagePlan
 
 log = logging.getLogger("diffuse.node.server")

@@ -39,7 +39,7 @@ from diffuse.home import config_home
 from diffuse.node.compute import MAX_PASS_LOG, PARTS, Arrived, ComputeThread  # noqa: F401 (the limits, said here too)
 from diffuse.node.control import NodeControl, refusal
 from diffuse.wire.links import NextHop
-from diffuse.plan.placement import SpeedBook
+from diffuse.plan.reports import SpeedBook
 from diffuse.plan.contracts import WIRE_VERSIONS, StackPlan, parse_slices
 from diffuse.processes import alive
 from diffuse.node.sessions import SessionTable

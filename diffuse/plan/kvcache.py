@@ -79,7 +79,7 @@ def cached_positions(cache) -> int:
 EDITS = ("reorder_cache", "crop", "batch_repeat_interleave", "batch_select_indices")  # what beams and drafts do
 
 
-def _refuse_edit(name: str):
+def refuse_edit(name: str):
     def refuse(*_args, **_kwargs):
         raise DiffuseError(f"generate called cache.{name}(): beam search and assisted decoding reorder, crop or "
                            "repeat the cache, whose keys and values live on the nodes, so Diffuse refuses them "
