@@ -265,3 +265,10 @@ def _suffix(model: str) -> str:
     from diffuse.client.writers import DEFAULT_SUFFIX
 
     return DEFAULT_SUFFIX[analyze(model)[1].get("output_kind", "image")]
+
+
+def hello_report(address: str):
+    """What a node's hello says of it now, read as the client reads it (``NodeReport``)."""
+    from diffuse.client.heard import Heard
+
+    return Heard().ask(address)

@@ -15,7 +15,7 @@ Decided from config.json and a weightless build, so ``diffuse check``, ``diffuse
 plan``, ``diffuse query`` and ``diffuse.split`` all refuse it in the same line
 before any node starts. (A denoiser that works between blocks without saying so
 in its config is still caught by the dry call of ``diffuse query``,
-``diffuse.client.dryrun``.)
+``diffuse.client.weightless``.)
 """
 
 from __future__ import annotations

@@ -343,7 +343,7 @@ def test_huge_claims_are_cut_off_before_they_are_buffered(target):
 def _open_as(node: Target, identity, next_address: str = "tcp://127.0.0.1:1") -> dict:
     """A well-formed sealed open of an empty slice from ``identity``, its next hop ``next_address``: the
     node's sealed answer, opened (with the session id and its hop key into the node added)."""
-    from diffuse.plan.contracts import StagePlan
+    from diffuse.plan.messages import StagePlan
     from diffuse.wire.sealing import open_control, seal_control
 
     hello = node.ask({"op": "hello", "wire": [1]})

@@ -78,7 +78,7 @@ def test_bf16_ring_on_cpu_nodes_explicit_and_auto_equals_plain_diffusers_whole_i
     there, and so do the nodes). The second node rehearses a GPU node's asynchronous answers
     (``DIFFUSE_REHEARSE_ASYNC``: each answer copied, and sealed only once the next pass has run or the node
     has nothing else to do), so their order and bytes are checked here too."""
-    from diffuse.plan.reports import report_of
+    from conftest import hello_report
 
     wan = models("wan")
     kwargs = families.call_args("wan")
@@ -101,7 +101,7 @@ def test_bf16_ring_on_cpu_nodes_explicit_and_auto_equals_plain_diffusers_whole_i
         assert float32.returncode == 2
         assert "this node computes in bfloat16 (--dtype bfloat16); the client asks float32" in float32.stderr
         for _, address in nodes:
-            seen = report_of(address.split("#")[0])
+            seen = hello_report(address.split("#")[0])
             assert seen.device == "cpu" and seen.dtype == "bfloat16", seen
             assert seen.holds and {d for _, _, d in seen.holds} == {"bfloat16"}, seen.holds
     finally:

@@ -109,7 +109,7 @@ class Fuzzer:
         """An open sealed to the node by a stranger, right in every field but one or two (a fresh challenge
         from ``hello``, a fresh session id, 32-byte keys, a stage plan of this model): it passes the open's
         first checks and is refused by a later one."""
-        from diffuse.plan.contracts import StagePlan
+        from diffuse.plan.messages import StagePlan
 
         r = self.rng
         stage = StagePlan(hello["model"], "float32", (), "tcp://127.0.0.1:1").to_dict()

@@ -108,7 +108,7 @@ def test_a_mixed_ring_one_gpu_node_one_cpu_node_runs_and_its_difference_is_measu
                                                                                      diffuse_home):
     """Each slice computes on its own device, so the bits differ from either whole run: the difference is what
     ``diffuse verify`` prints, measured here and shown (``-s``), with each node's device from its hello."""
-    from diffuse.plan.reports import report_of
+    from conftest import hello_report
 
     model, kwargs = models("wan"), families.call_args("wan")
     procs, addresses = [], []
@@ -125,7 +125,7 @@ def test_a_mixed_ring_one_gpu_node_one_cpu_node_runs_and_its_difference_is_measu
         said = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
         print(f"mixed ring ({DEVICE} node, cpu node) against whole on {_name()}: {said}")
         assert "max abs difference, whole vs split" in said, said
-        devices = [report_of(a.split("#")[0]).device for a in addresses]
+        devices = [hello_report(a.split("#")[0]).device for a in addresses]
         assert devices[0].startswith(DEVICE) and devices[1] == "cpu", devices
     finally:
         for proc in procs:

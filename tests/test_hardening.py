@@ -264,7 +264,7 @@ def test_bad_messages_are_logged_and_the_node_keeps_serving(wan):
 
 def _stage_payload(ring, k: int, sid: bytes, challenge) -> dict:
     """A well-formed sealed-open payload for route position ``k`` (only the session id is wrong)."""
-    from diffuse.plan.contracts import StagePlan
+    from diffuse.plan.messages import StagePlan
 
     plan = ring.plan
     stage = StagePlan(plan.model.content_hash, plan.compute_dtype, plan.route[k].slices,

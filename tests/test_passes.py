@@ -7,7 +7,8 @@ import pytest
 
 from diffuse.wire.passes import (WHOLE, Answer, ContractError, DrawState, Embed, LayerPass, Pass, Reuse, Tail,
                             checked_tree)
-from diffuse.plan.contracts import Patch, ReturnMap, SlotRef
+from diffuse.plan.contracts import ReturnMap
+from diffuse.plan.messages import Patch, SlotRef
 
 TREE = {"args": [{"$t": 0}], "kwargs": {"temb": {"$t": 1}, "scale": 1.0}}
 RMAP = ReturnMap(single=True, outputs=[0], names=["args[0]"])

@@ -21,7 +21,8 @@ from diffuse.pipefusion.client import BranchTracker, Patcher, patch_ranges, toke
 from diffuse.pipefusion.node import PATHS, PatchRun, StaleStack
 from diffuse.pipefusion.node_attention import AttentionBuffer, QuickUnsupported, attention_scope
 from diffuse.pipefusion.policy import why_uncut
-from diffuse.plan.contracts import PATCHABLE, UNCUT_STEPS, Patch, ReturnMap
+from diffuse.plan.contracts import PATCHABLE, UNCUT_STEPS, ReturnMap
+from diffuse.plan.messages import Patch
 
 STEPS = 3  # step 1 runs whole, steps 2 and 3 are cut into patches
 

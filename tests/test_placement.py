@@ -322,7 +322,7 @@ def test_planned_slices_leave_out_a_node_without_room_and_generate_the_tokens_of
         assert f"{names[1]} holds nothing: it has room for no block" in shown.stdout
         assert re.search(rf"client -> {names[0]}: \d+\.\d\d ms round trip, ", shown.stdout), shown.stdout
 
-        from diffuse.plan.reports import report_of
+        from conftest import hello_report
 
         tokens, report = tmp_path / "tokens.json", tmp_path / "report.json"
         argv = ["--model", lm_model, "--prompt", PROMPT, "--max-new-tokens", "6", "--threads", str(THREADS),
@@ -332,7 +332,7 @@ def test_planned_slices_leave_out_a_node_without_room_and_generate_the_tokens_of
         assert refused.returncode != 0
         assert f"even slices do not fit these nodes: {names[1]} would take" in " ".join(refused.stderr.split())
         assert run_cli(["plan", lm_model, "--nodes", addresses], diffuse_home).returncode == 0
-        assert not any(report_of(n).holds for n in names)  # refused before any node loaded a layer
+        assert not any(hello_report(n).holds for n in names)  # refused before any node loaded a layer
         for session in range(2):  # the second session is planned from the speeds the first one measured
             run = run_client(argv, diffuse_home)
             assert run.returncode == 0, run.stderr[-3000:]
@@ -350,7 +350,7 @@ def test_planned_slices_leave_out_a_node_without_room_and_generate_the_tokens_of
             with open(os.path.join(lm_model, "config.json")) as f:
                 layers = json.load(f)["num_hidden_layers"]
             assert all(n["cache_bytes"] > 0 for n in rep["node_stats"]) and layers == 4
-            seen = [report_of(n) for n in names]
+            seen = [hello_report(n) for n in names]
             assert seen[1].available < MARGIN_MIN_BYTES and not seen[1].holds and not seen[1].speed
             assert seen[0].device == "cpu" and seen[0].dtype == "float32" and seen[0].threads == THREADS
         # both nodes that ran layers measured their speed, kept for this model
@@ -410,7 +410,7 @@ def test_unequal_nodes_under_cgroup_limits_get_slices_that_fit_and_the_bytes_of_
 
     import families
     from conftest import run_reference
-    from diffuse.plan.reports import report_of
+    from conftest import hello_report
 
     from diffuse.local.cgroups import Cgroups, memory_used
 
@@ -441,7 +441,7 @@ def test_unequal_nodes_under_cgroup_limits_get_slices_that_fit_and_the_bytes_of_
         with pytest.raises(DoesNotFit, match=rf"even slices do not fit these nodes: {names[2]} would take"):
             with diffuse.split(pipe, nodes=addresses, placement="even"):
                 pass
-        reports = [report_of(n) for n in names]
+        reports = [hello_report(n) for n in names]
         assert [r.cpus for r in reports] == [1.0, 0.333, 0.333]
         assert reports[2].limit == limit and reports[2].source == "cgroup v1"
 
@@ -454,7 +454,7 @@ def test_unequal_nodes_under_cgroup_limits_get_slices_that_fit_and_the_bytes_of_
         assert run.returncode == 0, run.stderr[-3000:]
         shown = run_cli(["plan", model, "--nodes", addresses], diffuse_home)  # fresh hellos: what each holds now
         assert shown.returncode == 0, shown.stderr
-        reports = [report_of(n) for n in names]
+        reports = [hello_report(n) for n in names]
         assert [len(r.holds) for r in reports][2] == 1  # the small node: one block, less than an even share
         assert sum(len(r.holds) for r in reports) == 6 and all(r.speed for r in reports)  # each measured itself
         assert all(p.poll() is None for p in procs)  # nobody was killed

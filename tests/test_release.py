@@ -1,5 +1,5 @@
 """A split is undone on release: the model holds its own modules and hooks again, and runs as it did once its
-handed-out weights are loaded again (``diffuse.client.changes``, ``diffuse.client.standin.Splitter.release``)."""
+handed-out weights are loaded again (``diffuse.changes``, ``diffuse.client.standin.Splitter.release``)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def hooks_of(model: torch.nn.Module) -> dict:
 
 def only_refusals_added(model: torch.nn.Module, hooks: dict) -> bool:
     """Whether the hooks of ``model`` are ``hooks`` but for one more on each module whose weights are freed (on
-    the meta device): the refusal that says so (``diffuse.client.changes.guard``)."""
+    the meta device): the refusal that says so (``diffuse.changes.guard``)."""
     now = hooks_of(model)
     for name, m in model.named_modules(remove_duplicate=False):
         freed = any(p.device.type == "meta" for p in m.parameters())

@@ -56,7 +56,7 @@ class Hostile:
     def __init__(self, env: WanRing, k: int, dtype: str = "float32", next: str | None = None,
                  address: str | None = None):
         from diffuse.wire import frames
-        from diffuse.plan.contracts import StagePlan
+        from diffuse.plan.messages import StagePlan
         from diffuse.wire.transport import transport_for
         from diffuse.wire.sealing import load_identity, open_control, seal_control
 

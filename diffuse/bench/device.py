@@ -112,7 +112,7 @@ def report(cfg: dict, whole: list[float], whole_out, runs: dict, nodes: list, lo
     import torch
 
     from diffuse.bench.kit import mean_se, ratio
-    from diffuse.plan.reports import report_of
+    from diffuse.client.heard import Heard
 
     mw, sw = mean_se(whole[TIMED_FROM:])
     print(f"\nresults (a step's two transformer calls, mean of steps {TIMED_FROM + 1}..{cfg['steps']} +- one "
@@ -129,7 +129,7 @@ def report(cfg: dict, whole: list[float], whole_out, runs: dict, nodes: list, lo
     print(f"  speedup P=2: {sp:.2f}x +- {ss:.2f}   ideal 1.60x (4P/(2P+1), two stages; here both on one device)   "
           f"max |P=2 - whole| {float((runs['P=2']['out'] - whole_out).abs().max()):.2e}")
     for n in nodes:
-        seen = report_of(n.address)
+        seen = Heard().ask(n.address)
         free = f"{seen.available / 2**30:.1f} GiB free" if seen and seen.available is not None else "memory not said"
         print(f"  node {n.address}: {seen.device if seen else '?'} in {seen.dtype if seen else '?'}, {free} at hello")
 

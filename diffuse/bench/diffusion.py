@@ -140,7 +140,8 @@ def patch_times(path: str, cfg: dict, x: dict, patches: int, repeat: int = 3) ->
 
     from diffuse.plan.calltree import flatten
     from diffuse.pipefusion.node import StaleStack
-    from diffuse.plan.contracts import Patch, ReturnMap
+    from diffuse.plan.contracts import ReturnMap
+    from diffuse.plan.messages import Patch
 
     transformer = load_transformer(path)
     block = transformer.blocks[0]

@@ -205,12 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from diffuse.bench import lm
-    from diffuse.bench.placement import SHARES, Limits
+    from diffuse.bench.placement import SHARES, CgroupLimits
 
     torch.set_num_threads(1)
     cfg = dict(lm.QUICK if a.quick else lm.FULL)
     runs = QUICK_RUNS if a.quick else RUNS
-    limits = Limits(100_000, SHARES)
+    limits = CgroupLimits(100_000, SHARES)
     tmp = tempfile.mkdtemp(prefix="diffuse-bench-links-")
     relays = {name: Relay() for name in ("control1", "control2", "data1", "inbox")}
     nodes = None

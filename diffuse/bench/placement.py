@@ -54,7 +54,7 @@ LM = dict(layers=12, hidden=768, heads=12, kv_heads=4, ffn=2048, vocab=4096, pro
 LM_QUICK = dict(layers=3, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, prompt=8, new=4)
 
 
-class Limits:
+class CgroupLimits:
     """The bench's cgroups: one per node, one for this process; ``why`` says why there are none."""
 
     def __init__(self, period_us: int = PERIOD_US, shares: int | None = SHARES):
@@ -90,7 +90,7 @@ class Limits:
             self.groups.close()
 
 
-def _start(path: str, limits: Limits):
+def _start(path: str, limits: CgroupLimits):
     from diffuse.local.nodes import start_local_nodes
 
     nodes = start_local_nodes(path, len(NODES), threads=1, extra=["--log-level", "WARNING"], fixed=False)
@@ -98,15 +98,15 @@ def _start(path: str, limits: Limits):
     return nodes
 
 
-def _speeds_now(plan) -> list:
+def _speeds_now(plan, heard) -> list:
     """The planner's view (``Capacity``) of the nodes of ``plan``'s route, from a fresh hello to each (as
-    ``diffuse plan --nodes`` asks them)."""
+    ``diffuse plan --nodes`` asks them), kept in ``heard``."""
     from diffuse.cli.plan import ask_nodes
 
-    return ask_nodes(plan)
+    return ask_nodes(plan, heard)
 
 
-def _prediction(caps: list, plan, path: str, route, tokens: int, nbytes: int):
+def _prediction(heard, caps: list, plan, path: str, route, tokens: int, nbytes: int):
     """The planner's ``Placement`` of ``route`` (some of ``plan``'s route), costed with ``caps`` and the links
     measured, for passes of ``tokens`` tokens handing on ``nbytes``."""
     from diffuse.plan.analysis import ModelSubject
@@ -119,7 +119,7 @@ def _prediction(caps: list, plan, path: str, route, tokens: int, nbytes: int):
     rows = [()] * len(plan.route)
     for stage in route:
         rows[order[stage.address]] = stage.slices
-    hops = link_hops([s.address for s in plan.route], nbytes, [c.hop_s for c in caps])
+    hops = link_hops(heard, [s.address for s in plan.route], nbytes, [c.hop_s for c in caps])
     return placement_of(blocks, caps, rows, tokens, hops)
 
 
@@ -150,7 +150,7 @@ class Watch:
     """The timed part of one run, read at its start and end: the load, the last pass sent before it, each node's
     process CPU seconds and its group's ``cpu.stat``, the client's own CPU seconds."""
 
-    def __init__(self, limits: Limits, nodes):
+    def __init__(self, limits: CgroupLimits, nodes):
         self.limits, self.nodes, self.at, self.seq = limits, nodes, [], 0
 
     def take(self, split=None) -> None:
@@ -208,8 +208,8 @@ def _pairs(run, count: int, calls: int, passes: int, path: str, nbytes: int) -> 
             split, watch, m = run(placement)
             if placement == "even":
                 plan = split.plan
-                caps = _speeds_now(plan)  # as the even run left them: what the planned run is planned from
-            p = _prediction(caps, plan, path, split.plan.route, 1, nbytes)  # speeds per pass, as a route is planned
+                caps = _speeds_now(plan, split.repair.heard)  # as the even run left them: the planned run's plan
+            p = _prediction(split.repair.heard, caps, plan, path, split.plan.route, 1, nbytes)  # per pass, as routed
             pair[placement] = dict(m, nodes=calls * p.pass_s, route=_slices(split.plan.route), caps=caps,
                                    client=(watch.at[1]["client"] - watch.at[0]["client"]) / passes,
                                    rows=watch.rows(split, p, calls * passes), others=watch.others(),
@@ -218,7 +218,7 @@ def _pairs(run, count: int, calls: int, passes: int, path: str, nbytes: int) -> 
     return out
 
 
-def diffusion(tmp: str, cfg: dict, limits: Limits, count: int = 1) -> list[dict]:
+def diffusion(tmp: str, cfg: dict, limits: CgroupLimits, count: int = 1) -> list[dict]:
     """Pairs of runs, even then planned, on the diffusion bench model: seconds per step, measured and predicted."""
     import torch
 
@@ -256,7 +256,7 @@ def diffusion(tmp: str, cfg: dict, limits: Limits, count: int = 1) -> list[dict]
     return pairs
 
 
-def language_model(tmp: str, cfg: dict, limits: Limits, count: int = 1) -> list[dict]:
+def language_model(tmp: str, cfg: dict, limits: CgroupLimits, count: int = 1) -> list[dict]:
     """Pairs of runs, even then planned, on the language-model bench model: seconds per token, measured and
     predicted."""
     import torch
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    limits = Limits(a.period_us, a.shares)
+    limits = CgroupLimits(a.period_us, a.shares)
     tmp = tempfile.mkdtemp(prefix="diffuse-bench-placement-")
     try:
         wan, lm = (WAN_QUICK, LM_QUICK) if a.quick else (WAN, LM)

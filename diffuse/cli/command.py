@@ -8,7 +8,7 @@ loads, the typed request and the error reporter are ``diffuse.cli.command.parsin
 it works is ``diffuse.client.progress``.
 
 A new subcommand is one entry in ``COMMANDS``, for example
-``"serve": Command("diffuse.serve:main", "what it does", "--model DIR")``: a function that takes the
+``"serve": Command("diffuse.serve.command:main", "what it does", "--model DIR")``: a function that takes the
 rest of the command line and returns the exit status, builds its flags with ``diffuse.flags.Parser``
 (``diffuse.cli.command.parsing.ring_flags`` for the ring's), and runs its body under
 ``diffuse.cli.command.parsing.run_guarded`` for the shared error handling.
@@ -48,7 +48,8 @@ COMMANDS: dict[str, Command] = {
     "chat": Command("diffuse.cli.language:chat_main", "talk with a language model split over a ring, turn by turn "
                     "(default: the embedded tiny-qwen-chat)", "[--model DIR]"),
     "node": Command("diffuse.node.server:main", "serve a slice of a model's blocks (python -m diffuse.node)"),
-    "serve": Command("diffuse.serve:main", "an OpenAI-compatible HTTP service and a page, models kept warm on a ring"),
+    "serve": Command("diffuse.serve.command:main", "an OpenAI-compatible HTTP service and a page, models kept warm "
+                     "on a ring"),
     "key": Command("diffuse.cli.commands:key_main", "print this machine's node key (creating it if missing)",
                    "[--key-file FILE]"),
     "check": Command("diffuse.cli.commands:check_main", "the verdict from config.json files alone: stacks, output, "

@@ -5,15 +5,14 @@ from __future__ import annotations
 import math
 import os
 
+from diffuse.client.heard import Heard
 from diffuse.client.routing import PLACEMENTS, capacities, link_hops
 from diffuse.errors import DiffuseError
 from diffuse.plan.contracts import SlicingPlan, Stage
 from diffuse.plan.needs import (DEFAULT_CONTEXT, GIB, _dtype_size, block_costs, context_tokens, load_dtype, pass_bytes,
                                 per_pass)
 from diffuse.plan.placement import MARGIN_FRACTION, MARGIN_MIN_BYTES, Capacity, Placement
-from diffuse.plan.reports import report_of
 from diffuse.plan.solver import even_placement, place
-from diffuse.wire.links import route_lines
 
 
 def _floats(text: str, what: str) -> list[float]:
@@ -74,7 +73,8 @@ def plan_command(argv: list[str]) -> int:
                 raise DiffuseError("--nodes must be at least 1")
             print(make_plan(subject, draft, [f"node{i + 1}" for i in range(n)], compute_dtype=dtype).to_json())
             return 0
-        plan, p, hops = _placed(a, subject, draft, dtype)
+        heard = Heard()  # what the nodes' hellos say, and the links measured
+        plan, p, hops = _placed(a, subject, draft, dtype, heard)
     except DiffuseError as exc:
         from diffuse.cli.parsing import report_error
 
@@ -87,14 +87,14 @@ def plan_command(argv: list[str]) -> int:
         print(line)
     if hops is not None:
         print("\nlinks, as measured (a hop costs half the round trip, plus the bytes it carries at the throughput):")
-        for line in route_lines([s.address for s in plan.route]):
+        for line in heard.route_lines([s.address for s in plan.route]):
             print(f"  {line}")
     return 0
 
 
-def _placed(a, subject, draft, dtype: str) -> tuple[SlicingPlan, Placement, list | None]:
+def _placed(a, subject, draft, dtype: str, heard: Heard) -> tuple[SlicingPlan, Placement, list | None]:
     """The plan over the nodes ``a`` names (``--memory``: described by hand; else asked), its placement, and the
-    hops measured (None for nodes described by hand)."""
+    hops measured (None for nodes described by hand); ``heard`` keeps what the nodes' hellos said."""
     from diffuse.client.known_nodes import parse_nodes
     from diffuse.plan.planner import make_plan
 
@@ -112,27 +112,27 @@ def _placed(a, subject, draft, dtype: str) -> tuple[SlicingPlan, Placement, list
     else:
         nodes = parse_nodes(a.nodes)
         plan = make_plan(subject, draft, [x for x, _ in nodes], [k for _, k in nodes], dtype)
-        caps = ask_nodes(plan)
-        hops = link_hops([s.address for s in plan.route], pass_bytes(plan, subject, dtype), [c.hop_s for c in caps])
+        caps = ask_nodes(plan, heard)
+        hops = link_hops(heard, [s.address for s in plan.route], pass_bytes(plan, subject, dtype), [c.hop_s for c in caps])
     blocks = block_costs(subject, plan.stacks, dtype, a.context)
     if a.placement == "even":
         return plan, even_placement(blocks, caps, links=hops, depth=a.patches), hops
     return plan, place(blocks, caps, links=hops, depth=a.patches), hops
 
 
-def ask_nodes(plan: SlicingPlan) -> list[Capacity]:
+def ask_nodes(plan: SlicingPlan, heard: Heard) -> list[Capacity]:
     """Each node's hello, read for placement (its key checked or pinned as a run would)."""
     from diffuse.client.handshake import Handshake
 
-    hs = Handshake(plan)
+    hs = Handshake(plan, heard=heard)
     for k, stage in enumerate(plan.route):
         hs.hello(k)
-        if report_of(stage.address) is None:
+        if heard.report_of(stage.address) is None:
             raise DiffuseError(f"{stage.address} says nothing of its memory or speed (a node older than "
                                "placement): plan with --memory instead")
     from diffuse.plan.analysis import ModelSubject
 
-    return capacities(plan.route, plan.compute_dtype, plan.model.content_hash,
+    return capacities(heard, plan.route, plan.compute_dtype, plan.model.content_hash,
                       per_pass(ModelSubject.from_path(plan.model.path)))
 
 

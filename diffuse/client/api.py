@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, replace
 
 from diffuse.errors import DiffuseError
+from diffuse.client.readout import SplitReadout
 from diffuse.client.request import check_options  # the split's rules, shared with the command line's flags
 
 MODEL_DEFAULTS_FILE = "diffuse_defaults.json"  # call defaults a model folder may declare for its size
@@ -176,7 +177,7 @@ def open_split(ring, pipe, held, console, quiet: bool):
     return split
 
 
-class Split:
+class Split(SplitReadout):
     """A pipeline (or denoiser) split over a ring for the duration of a ``with`` block. Options come as a
     ``SplitOptions``, as keywords (``Split(pipe, nodes, patches=2)``), or both (the keywords win)."""
 
@@ -334,60 +335,6 @@ class Split:
             if self.local_nodes is not None:
                 self.local_nodes.stop(hurry)
                 self.local_nodes = None
-
-    # what the run did, for summaries and tests
-    @property
-    def rings(self) -> list:
-        """One ring per group of nodes (one in all, unless guidance branches run on groups)."""
-        return list(self._rings)
-
-    @property
-    def node_reports(self) -> list[dict]:
-        return self.ring.node_reports if self.ring else []
-
-    @property
-    def patch_calls(self) -> dict | None:
-        patcher = self.patcher or (self.splitter.patcher if self.splitter else None)
-        return patcher.calls if patcher else None
-
-    @property
-    def patch_ahead(self) -> dict | None:
-        """Cut calls answered by passes sent ahead ("used"), and passes sent ahead in vain ("dropped")."""
-        patcher = self.patcher or (self.splitter.patcher if self.splitter else None)
-        return patcher.ahead if patcher else None
-
-    @property
-    def patches_used(self) -> dict | None:
-        """Per stack: patches asked, patches actually used, and why fewer."""
-        patcher = self.patcher or (self.splitter.patcher if self.splitter else None)
-        return patcher.used if patcher else None
-
-    @property
-    def uncut(self) -> dict[str, str]:
-        """Stacks whose steps ran uncut although patches > 1, and why."""
-        return dict(self.splitter.uncut) if self.splitter else {}
-
-    @property
-    def cache(self) -> dict:
-        """The first-block cache per stack: calls tagged and calls skipped (empty when it is off)."""
-        from diffuse.firstblock.client import counts
-
-        return counts(self.ring.channel_stats) if self.ring is not None else {}
-
-    @property
-    def cache_skipped(self) -> int:
-        """Calls whose step the first-block cache skipped, all stacks together."""
-        return sum(v["skipped"] for v in self.cache.values())
-
-    @property
-    def cache_calls(self) -> int:
-        """Calls the first-block cache decided on (skipped or computed in full), all stacks together."""
-        return sum(v["calls"] for v in self.cache.values())
-
-    def attention_paths(self) -> dict:
-        from diffuse.pipefusion.client import attention_paths
-
-        return attention_paths(self.node_reports)
 
 
 def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: int = 1, **options) -> Split:

@@ -25,7 +25,8 @@ from diffuse.wire.slots import SLOT_CACHE_BYTES, SlotCache
 from diffuse.plan.devices import device_of, to_device, to_host
 from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.wire.passes import WHOLE, Answer, ContractError, Part, Pass
-from diffuse.plan.contracts import Patch, ReturnMap, SlotRef
+from diffuse.plan.contracts import ReturnMap
+from diffuse.plan.messages import Patch, SlotRef
 
 log = logging.getLogger("diffuse.client.ring")
 

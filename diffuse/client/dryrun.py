@@ -1,29 +1,21 @@
 """Sizes checked before work starts: the pipeline's own call, run weightless.
 
-``check_sizes`` runs the pipeline's ``__call__`` on a copy of it whose denoiser
-is rebuilt from its config on the meta device: its tensors have shapes and no
-data, so its forward costs milliseconds, reads no weight and starts no node.
-The rest of the call is the pipeline's own (the prompt is encoded once, and
-kept for the further probes and for the real call), and it stops once the first
-denoiser call has gone through the denoiser's own forward at the call's shapes
-(or at the scheduler's first step, whichever comes first). A size the model
-cannot take fails there exactly as it would after loading and starting nodes,
-and is refused in one line that names the largest sizes it does take. A failure the dry call
-cannot stand for (an operation with no meta kernel, a pipeline that reads a
-tensor's values before its first step) skips the check: it never refuses a
-call the model would run.
-
-The same dry call watches each block stack of the denoiser (``NotAChain``): its
-blocks must be called in list order, each handed every tensor the block before
-it returned, untouched. That is what lets one pass through the nodes stand for
-the whole stack; a denoiser that adds to a block's output before the next block
-or keeps each block's output is refused here, in one line, before any node
-starts. (Wan VACE, which does both, says so in its config and is refused
-earlier, at analysis: ``analyzers/side_stacks.py``.)
+``check_sizes`` runs the pipeline's ``__call__`` with its denoiser weightless
+(``diffuse.client.weightless.DryPipeline``): it reads no weight and starts no
+node, and the prompt it encodes is kept for the real call (``hand_over``). A
+size the model cannot take fails there exactly as it would after loading and
+starting nodes, and is refused in one line that names the largest sizes it
+does take. A failure the dry call cannot stand for skips the check: it never
+refuses a call the model would run. A stack whose blocks are not called as a
+chain (``NotAChain``) is refused there too, before any node starts.
 
 ``largest_sizes`` runs the same search once for a model folder (each size alone, up to
 ``SEARCH_UP_TO``) for its kept verdict (``diffuse.cli.check.keep``); ``diffuse.cli.check.kept_refusal`` then
 refuses a size above those bounds from the verdict alone, before torch is imported.
+
+``call_kwargs`` turns a ``PipelineCall`` into the pipeline's call arguments,
+checked by the pipeline's own input check (``check_inputs``); ``checked_call``
+adds the size check and the notes.
 
 ``notes`` gives one-line warnings where a run would go through but make little:
 a size other than the one a model folder declares it was made for
@@ -37,170 +29,11 @@ import json
 import time
 
 from diffuse.errors import DiffuseError
+from diffuse.client.weightless import DryPipeline, NotAChain, _Refused, _Skip
 
 SEARCH_S = 6.0  # at most this long looking for the largest size taken, per size
 SIZE_ARGS = ("height", "width", "num_frames")
 SIZE_WORDS = {"height": "px high", "width": "px wide", "num_frames": "frames"}
-
-
-class _FirstStep(Exception):
-    """The first denoiser call went through (or the scheduler's first step came first): the call's shapes fit."""
-
-
-class _Refused(Exception):
-    def __init__(self, cause: BaseException):
-        super().__init__(str(cause))
-        self.cause = cause
-
-
-class NotAChain(DiffuseError):
-    """A stack's blocks, in the dry call, were not called as a chain: in list order, each handed what the one
-    before it returned, as it returned it (the stand-in answers for all of them at once)."""
-
-
-def _watch_chains(meta, stacks: list[str]) -> list:
-    """Hooks on each stack of the weightless denoiser that raise ``NotAChain`` where the denoiser calls a block
-    out of order, or calls it without every tensor the block before returned, untouched (work between blocks,
-    such as a residual added after some of them, or a block's output used elsewhere than in the next block's
-    call); the hooks, to remove."""
-    from diffuse.plan.calltree import flatten, encode_value
-
-    hooks = []
-    for path in stacks:
-        try:
-            blocks = meta.get_submodule(path)
-        except AttributeError:
-            continue
-        seen = {"next": 0, "out": []}
-
-        def before(module, args, kwargs, i, path=path, seen=seen):
-            if i and i != seen["next"]:
-                raise NotAChain(f"{path}[{i}] is called after {path}[{seen['next'] - 1}]: the denoiser does not run "
-                                "this stack as a chain in list order, so it cannot be split")
-            try:
-                given = {id(t) for t in flatten(args, kwargs)[1]}
-            except DiffuseError:  # a call that cannot travel: the split says so itself, not this check
-                return
-            if i and any(id(t) not in given for t in seen["out"]):
-                raise NotAChain(f"the denoiser does not hand {path}[{i}] what {path}[{i - 1}] returned, as it "
-                                f"returned it (it works between the blocks, e.g. adds something to their output, or "
-                                f"uses a block's output elsewhere): {path} is not a plain chain, so it cannot be split")
-
-        def after(module, args, kwargs, out, i, seen=seen):
-            try:
-                outs = encode_value(out)[1]
-            except DiffuseError:  # an answer that cannot travel: the split says so itself, not this check
-                outs = []
-            seen["next"], seen["out"] = i + 1, outs
-
-        for i, block in enumerate(blocks):
-            hooks.append(block.register_forward_pre_hook(
-                lambda m, a, k, i=i, f=before: f(m, a, k, i), with_kwargs=True))
-            hooks.append(block.register_forward_hook(
-                lambda m, a, k, o, i=i, f=after: f(m, a, k, o, i), with_kwargs=True))
-    return hooks
-
-
-def _meta_copy(module):
-    """``module`` rebuilt from its config on the meta device (no weights, no memory), or None."""
-    import torch
-
-    config = getattr(module, "config", None)
-    if config is None:
-        return None
-    try:
-        with torch.device("meta"):
-            if hasattr(type(module), "from_config") and not hasattr(module, "generation_config"):
-                return type(module).from_config(config)  # diffusers
-            return type(module)(config)  # transformers
-    except Exception:
-        return None
-
-
-class DryPipeline:
-    """A pipeline's call with its denoiser weightless: see the module's docstring."""
-
-    def __init__(self, pipe, denoiser: str, stacks: list[str] = ()):
-        self.pipe, self.denoiser = pipe, denoiser
-        self.meta = _meta_copy(getattr(pipe, denoiser, None))
-        if self.meta is None:
-            raise _Skip(f"{denoiser} cannot be rebuilt from its config")
-        self.stacks = list(stacks)  # watched: their blocks must be called as a chain (``NotAChain``)
-        self.prompt: tuple | None = None  # encode_prompt's (args, kwargs, answer), kept from the first call
-
-    def run(self, kwargs: dict) -> None:
-        """The call with ``kwargs`` up to its first scheduler step. Raises ``_Refused`` when the denoiser's
-        forward refuses these shapes, ``_Skip`` when the dry call cannot tell."""
-        import copy
-
-        import torch
-
-        dry = copy.copy(self.pipe)
-        dry.__dict__ = dict(self.pipe.__dict__)
-        scheduler = copy.deepcopy(self.pipe.scheduler)
-
-        def first_step(*_, **__):
-            raise _FirstStep()
-
-        scheduler.step = first_step
-        object.__setattr__(dry, "scheduler", scheduler)
-        meta, forward = self.meta, type(self.meta).forward
-
-        def checked_forward(*args, **kw):
-            to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v  # noqa: E731
-            hooks = _watch_chains(meta, self.stacks)
-            try:
-                forward(meta, *map(to_meta, args), **{k: to_meta(v) for k, v in kw.items()})
-            except NotAChain:
-                raise
-            except Exception as exc:
-                raise _Refused(exc) from None
-            finally:
-                for h in hooks:
-                    h.remove()
-            raise _FirstStep()  # the first call went through at these shapes
-
-        meta.forward = checked_forward
-        object.__setattr__(dry, self.denoiser, meta)
-        encode = getattr(self.pipe, "encode_prompt", None)
-        if encode is not None:
-            def kept(*args, **kw):
-                if self.prompt is None:
-                    self.prompt = (args, kw, encode(*args, **kw))
-                return _cloned(self.prompt[2])  # what the dry call does to them leaves the kept answer as it was
-
-            object.__setattr__(dry, "encode_prompt", kept)
-        kwargs = dict(kwargs, generator=torch.Generator("cpu").manual_seed(0))
-        try:
-            with torch.no_grad():
-                type(self.pipe).__call__(dry, **kwargs)
-        except (_FirstStep, NotAChain) as done:
-            if isinstance(done, NotAChain):
-                raise
-            return
-        except _Refused as r:
-            if "meta" in str(r.cause).lower():  # no meta kernel, or a value read: the dry call cannot tell
-                raise _Skip(str(r.cause)) from None
-            raise
-        except Exception as exc:
-            raise _Skip(f"{type(exc).__name__}: {exc}") from None
-        finally:
-            del meta.forward
-        raise _Skip("the call ended without a scheduler step")
-
-
-def _cloned(value):
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cloned(v) for v in value)
-    return value
-
-
-class _Skip(Exception):
-    """The dry call cannot stand for the real one here."""
 
 
 def check_sizes(pipe, kwargs: dict, info, label: str, split: bool = True) -> None:
@@ -274,9 +107,9 @@ def largest_sizes(path: str) -> dict | None:
     value the pipeline's input check and its denoiser's forward take, or None where nothing up to
     ``SEARCH_UP_TO`` was refused (``largest``). Kept in the folder's verdict (``diffuse.cli.check.keep``), so
     ``diffuse.cli.check.kept_refusal`` can refuse a size before torch is imported. Loads the pipeline without its blocks."""
-    import diffuse
+    from diffuse.client.api import from_pretrained
 
-    pipe = diffuse.from_pretrained(path)
+    pipe = from_pretrained(path)
     info = pipe._diffuse
     made_for = {k: v for k, v in info.call_defaults().items() if k in SIZE_ARGS}
     if not made_for or not info.subject.denoiser:

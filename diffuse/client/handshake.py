@@ -4,7 +4,7 @@
 address, model hash, the slices it holds (nodes started with ``--blocks``), the
 wire versions it speaks, a one-time challenge, and its report for placement
 (memory, blocks held, threads, device, measured speed; remembered with the
-hello's round trip by ``diffuse.plan.placement.note_hello``; a node whose hello
+hello's round trip by ``diffuse.client.heard.Heard.note_hello``; a node whose hello
 passes every check below is the only one whose report is kept). The client offers the
 versions it speaks; each node's is the highest both speak, and each data hop's
 is the highest its two ends speak (a node that speaks only an older version
@@ -30,9 +30,10 @@ from diffuse.wire import links
 from diffuse.wire import sealing
 from diffuse.errors import DiffuseError, NodeError, WireError
 from diffuse.client.known_nodes import parse_node, pin_key
-from diffuse.plan.reports import note_hello
-from diffuse.plan.contracts import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, Slice, SlicingPlan, Stage, StagePlan, \
+from diffuse.client.heard import Heard
+from diffuse.plan.contracts import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, Slice, SlicingPlan, Stage, \
     check_slices
+from diffuse.plan.messages import StagePlan
 
 HELLO_TIMEOUT_S = 10.0
 OPEN_TIMEOUT_S = 600.0  # opening may load blocks from disk
@@ -104,7 +105,8 @@ def hop_versions(addresses: list[str], speaks: list[list[int]], chosen: list[int
 class Handshake:
     """Control requests to the nodes of one session's route."""
 
-    def __init__(self, plan: SlicingPlan, client_key: str | None = None, attention: str = "auto"):
+    def __init__(self, plan: SlicingPlan, client_key: str | None = None, attention: str = "auto",
+                 heard: Heard | None = None):
         from diffuse.wire.transport import transport_for
 
         if not plan.route:
@@ -112,6 +114,7 @@ class Handshake:
         for stage in plan.route:
             parse_node(stage.address + (f"#{stage.key}" if stage.key else ""))
         self.plan = plan
+        self.heard = heard if heard is not None else Heard()  # what hellos and links said, for placement
         self.transports = [transport_for(s.address) for s in plan.route]
         self.identity = sealing.load_identity(client_key)
         self.attention = attention
@@ -170,9 +173,9 @@ class Handshake:
             logging.getLogger("diffuse.client.ring").warning(
                 "node %s runs its blocks compiled (--compile): results are close to plain diffusers/transformers, "
                 "not byte-identical", stage.address[:200])
-        note_hello(stage.address, hello, rtt)  # what it says of its memory and speed, for placement
+        self.heard.note_hello(stage.address, hello, rtt)  # what it says of its memory and speed, for placement
         if expect_key is None:  # the link to it: a few sealed pings, unless measured in the last minutes
-            links.measure_client_link(self.transports[k], stage.address, self.identity, key)
+            self.heard.client_link(self.transports[k], stage.address, self.identity, key)
         self.wire[stage.address] = best
         hello["at"] = time.monotonic()
         return hello
@@ -208,7 +211,7 @@ class Handshake:
                     payload.update(next_control=plan.route[k + 1].address, next_key=self.keys[k + 1])
                 reply = self.sealed(k, "open", payload, OPEN_TIMEOUT_S)
                 if k + 1 < len(plan.route):
-                    links.note(stage.address, plan.route[k + 1].address, links.Link.from_dict(reply.get("link")))
+                    self.heard.note_link(stage.address, plan.route[k + 1].address, links.Link.from_dict(reply.get("link")))
                 self.opened.append(k)
                 self.uncut.update(s for s in reply.get("uncut") or () if isinstance(s, str))
         except BaseException:

@@ -12,7 +12,6 @@ import time
 import numpy as np
 
 from diffuse.errors import DiffuseError
-from diffuse.wire.links import route_lines
 
 def output_array(result) -> np.ndarray:
     arr = result[0] if not isinstance(result, (np.ndarray,)) else result
@@ -72,7 +71,7 @@ def split_report(split, options) -> dict:
         client_block_params=split.splitter.held_block_parameters(), client_reused=split.splitter.reused,
         node_params=[r.get("params") for r in split.node_reports], node_stats=split.node_reports,
         messages=st.messages, returns=st.returns,
-        links=[line for r in split.rings for line in route_lines([s.address for s in r.plan.route])])
+        links=[line for r in split.rings for line in split.repair.heard.route_lines([s.address for s in r.plan.route])])
     if len(split.rings) > 1:
         ring = split.ring
         report["branches"] = {"groups": len(split.rings), "ahead_used": ring.ahead_used,

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from diffuse.errors import DiffuseError
+from diffuse.client.heard import Heard
 from diffuse.client.routing import route as placement_route
 from diffuse.plan.contracts import Slice, SlicingPlan, Stage, even_route
 
@@ -71,7 +72,8 @@ class RepairPolicy:
     first-block cache) starts again there. One policy may serve several rings (branch groups): its
     listeners then hear of a repair of any of them. ``placement``: how nodes that hold nothing fixed
     share the stacks, at the start and after a repair ("planned" or "even", ``diffuse.plan.placement``); ``depth``:
-    the passes in flight at once the planned placement is made for (the run's patches)."""
+    the passes in flight at once the planned placement is made for (the run's patches); ``heard``: the nodes'
+    hellos and the links measured by its rings (``diffuse.client.heard``), which placement plans from."""
 
     avoid_first_s: float = AVOID_FIRST_S
     avoid_max_s: float = AVOID_MAX_S
@@ -80,6 +82,7 @@ class RepairPolicy:
     listeners: list = field(default_factory=list)
     placement: str = "planned"
     depth: int = 1  # passes in flight at once (patches), which the planned placement is made for
+    heard: Heard = field(default_factory=Heard)  # what this policy's rings heard of their nodes, planned from
 
     def avoid_s(self, failures_before: int) -> float:
         """How long a node is avoided after a failure, given its failures in a row before this one."""
@@ -98,7 +101,7 @@ class RepairPolicy:
 
     def choose(self, plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, usable: list[bool]) -> SlicingPlan:
         """The route to use (``choose_route``); a policy that prefers other holders overrides this."""
-        return choose_route(plan, candidates, held, usable, self.placement, self.depth)
+        return choose_route(plan, candidates, held, usable, self.placement, self.depth, self.heard)
 
     def listen(self, hook) -> None:
         """Run ``hook()`` after every repair of a ring using this policy (once, however often it is given)."""
@@ -149,7 +152,7 @@ def _gap(plan: SlicingPlan, ranges: list[tuple]) -> str | None:
 
 
 def choose_route(plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, usable: list[bool],
-                 placement: str = "planned", depth: int = 1) -> SlicingPlan:
+                 placement: str = "planned", depth: int = 1, heard: Heard | None = None) -> SlicingPlan:
     """The plan routed through one usable holder per range, the ranges in block order.
 
     ``held[i]``: the slices candidate ``i`` said it holds (None: whatever it is asked for);
@@ -161,7 +164,8 @@ def choose_route(plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, u
     if not live:
         raise DiffuseError("no listed node is left to route through")
     if all(held[i] is None for i in live):  # nodes that load what they are asked for: slices planned for them
-        return placement_route(plan, [candidates[i] for i in live], placement, depth)
+        return placement_route(heard if heard is not None else Heard(), plan, [candidates[i] for i in live], placement,
+                               depth)
     if any(held[i] is None for i in live):
         # such nodes with others: an even split over the usable ones
         stages = [candidates[i] for i in live]

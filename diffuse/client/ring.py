@@ -16,7 +16,8 @@ from diffuse.client.channel import Channel, ChannelStats
 from diffuse.client.handshake import Handshake
 from diffuse.errors import DiffuseError, NodeError, Repaired
 from diffuse.wire.passes import Embed, LayerPass, Part, Tail
-from diffuse.plan.contracts import Patch, ReturnMap, SlicingPlan
+from diffuse.plan.contracts import ReturnMap, SlicingPlan
+from diffuse.plan.messages import Patch
 from diffuse.client.repair import RepairPolicy
 from diffuse.client.replay import Replay
 from diffuse.wire.tokens import data_token, token_admits
@@ -72,7 +73,8 @@ class Ring:
         self.candidates = plan.route  # every listed node; the route uses one holder per range
         self.timeout_s = timeout_s
         self.attention, self.client_key = attention, client_key
-        self.handshake = Handshake(plan, client_key, attention)
+        self.repair = repair if repair is not None else RepairPolicy()
+        self.handshake = Handshake(plan, client_key, attention, self.repair.heard)
         if identity is not None:
             self.handshake.identity = identity
         self.identity = self.handshake.identity
@@ -81,7 +83,6 @@ class Ring:
         self.node_reports: list[dict] = []
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.repairs: list[str] = []  # one line per repair
-        self.repair = repair if repair is not None else RepairPolicy()
         self._held: list = []  # per candidate: the slices its hello named (None: loads what it is asked)
         self._answered: list[bool] = []  # per candidate: it answered the survey's hello
         self._streak = 0  # repairs since a pass was last answered
@@ -121,7 +122,7 @@ class Ring:
         if len(self.candidates) == 1:
             self._held, self._answered = [None], [True]
             return
-        everyone = Handshake(self.plan.with_route(self.candidates), self.client_key, self.attention)
+        everyone = Handshake(self.plan.with_route(self.candidates), self.client_key, self.attention, self.repair.heard)
         self._held, self._answered, errors = [], [], []
         for k in range(len(self.candidates)):
             try:
@@ -141,7 +142,7 @@ class Ring:
                 self.say(f"{exc}: routing around it")
 
     def _open(self, plan: SlicingPlan) -> None:
-        self.handshake = Handshake(plan, self.client_key, self.attention)
+        self.handshake = Handshake(plan, self.client_key, self.attention, self.repair.heard)
         self.handshake.identity = self.identity
         t = self.handshake.transports[0]
         hs, admits = self.handshake, getattr(t, "admits", False)

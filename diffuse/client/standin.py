@@ -27,7 +27,7 @@ import time
 from torch import nn
 
 from diffuse.plan.calltree import flatten
-from diffuse.client.changes import Changes, guard
+from diffuse.changes import Changes, guard
 from diffuse.errors import DiffuseError
 from diffuse.lm.client_ends import LanguageEnds
 from diffuse.client.memo import RepeatMemo

@@ -67,7 +67,7 @@ def takes_audio_in_chat(config) -> bool:
 def _chat_processor(model_dir: str):
     from transformers import AutoProcessor
 
-    from diffuse.lm.client_media import _first_line
+    from diffuse.lm.client_loading import _first_line
 
     try:
         return AutoProcessor.from_pretrained(model_dir)
@@ -85,7 +85,7 @@ def build_audio_chat_inputs(model_dir: str, audio: str, prompt: str) -> dict:
     mistake is one line; the processor then reads it itself."""
     import torch
 
-    from diffuse.lm.client_media import _first_line
+    from diffuse.lm.client_loading import _first_line
 
     processor = _chat_processor(model_dir)
     extractor = getattr(processor, "feature_extractor", None)

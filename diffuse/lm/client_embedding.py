@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from diffuse.client.changes import is_freed
+from diffuse.changes import is_freed
 from diffuse.lm.embedding import TEXT_INPUTS, embedding_path, embedding_stays, placeholder
 from diffuse.errors import DiffuseError
 from diffuse.lm.heads import head_path

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from diffuse.plan.calltree import flatten_layers
-from diffuse.client.changes import is_freed
+from diffuse.changes import is_freed
 from diffuse.errors import DiffuseError
 from diffuse.lm.client_cache import ClientCaches
 from diffuse.lm.client_embedding import EmbeddingEnd

@@ -15,7 +15,7 @@ import functools
 import torch
 from torch import nn
 
-from diffuse.client.changes import is_freed
+from diffuse.changes import is_freed
 from diffuse.errors import DiffuseError
 from diffuse.wire.passes import Tail
 from diffuse.lm.client_shortlist import ShortlistCheck

@@ -6,7 +6,6 @@ links of its route, the draws where tokens were drawn on the last node), and the
 
 from __future__ import annotations
 
-from diffuse.wire.links import route_lines
 
 TOP_SAVED = 8  # candidates per step written to --report: ids and exact values
 
@@ -65,7 +64,7 @@ def text_split_report(split, new_tokens: int) -> dict:
         **embedding_report(split.splitter),
         node_stats=[dict(r, address=s.address, bytes_per_token_in=r.get("bytes_in", 0) / per_token)
                     for s, r in zip(split.plan.route, split.node_reports)],
-        links=route_lines([s.address for s in split.plan.route]), messages=st.messages)
+        links=split.repair.heard.route_lines([s.address for s in split.plan.route]), messages=st.messages)
     draw = split.splitter.last_draw
     if draw is not None:  # the tokens were drawn on the last node (diffuse.lm.sampling)
         report["sampling"] = {"draws": draw.draws, "generator_states_sent": draw.states_sent,

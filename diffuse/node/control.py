@@ -51,7 +51,8 @@ from diffuse.wire import safecbor
 from diffuse.wire import sealing
 from diffuse.errors import DiffuseError
 from diffuse.plan.reports import node_report
-from diffuse.plan.contracts import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, StagePlan
+from diffuse.plan.contracts import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError
+from diffuse.plan.messages import StagePlan
 
 log = logging.getLogger("diffuse.node.server")
 

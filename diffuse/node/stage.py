@@ -38,7 +38,8 @@ from diffuse.lm.node_cache import NodeCaches
 from diffuse.lm.node_layers import embed_spec
 from diffuse.wire.passes import WHOLE, Answer, Pass as Message, checked_tree
 from diffuse.pipefusion.node import StaleStack
-from diffuse.plan.contracts import ReturnMap, Slice, SlotRef, StagePlan
+from diffuse.plan.contracts import ReturnMap, Slice
+from diffuse.plan.messages import SlotRef, StagePlan
 from diffuse.wire.kinds import kind_for
 
 __all__ = ["NODE_BUFFER_BYTES", "STALE_BYTES", "BlockStore", "Prepared", "StageSession"]

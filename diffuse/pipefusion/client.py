@@ -22,7 +22,8 @@ import torch
 
 from diffuse.plan.calltree import digest
 from diffuse.errors import Repaired
-from diffuse.plan.contracts import Patch, ReturnMap, split_evenly
+from diffuse.plan.contracts import ReturnMap, split_evenly
+from diffuse.plan.messages import Patch
 from diffuse.pipefusion.policy import QUICK_TOLERANCE
 
 

@@ -26,7 +26,8 @@ from diffuse.measure import relative_error
 from diffuse.pipefusion.node_attention import AttentionBuffer, QuickUnsupported, attention_scope
 from diffuse.pipefusion.policy import QUICK_TOLERANCE, why_uncut
 from diffuse.plan.calltree import unflatten
-from diffuse.plan.contracts import PATCHABLE, Patch, ReturnMap
+from diffuse.plan.contracts import PATCHABLE, ReturnMap
+from diffuse.plan.messages import Patch
 from diffuse.wire.kinds import PassKind, kind
 from collections.abc import Callable
 

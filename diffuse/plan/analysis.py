@@ -7,6 +7,8 @@ each may add only the fields it declared.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 from dataclasses import dataclass, field
@@ -203,40 +205,35 @@ def _fellow_denoisers(path: str, model_index: dict, denoiser: str) -> list[str]:
     return found
 
 
+@functools.cache
 def denoisers_class():
     """``Denoisers``, defined on first use (importing torch only then: ``diffuse check`` answers from its cache
-    without it)."""
-    global _DENOISERS
-    if _DENOISERS is None:
-        import torch.nn
+    without it); one class for the process, so instances of it compare as one type."""
+    import torch.nn
 
-        class Denoisers(torch.nn.Module):
-            """Several denoiser components of one pipeline as one module, each a child under its component name,
-            so that their stacks are addressed, split and served as one model's: ``transformer.blocks`` and
-            ``transformer_2.blocks``. It only holds them; the pipeline calls each component itself."""
+    class Denoisers(torch.nn.Module):
+        """Several denoiser components of one pipeline as one module, each a child under its component name,
+        so that their stacks are addressed, split and served as one model's: ``transformer.blocks`` and
+        ``transformer_2.blocks``. It only holds them; the pipeline calls each component itself."""
 
-            def __init__(self, parts: dict):
-                super().__init__()
-                for name, module in parts.items():
-                    self.add_module(name, module)
+        def __init__(self, parts: dict):
+            super().__init__()
+            for name, module in parts.items():
+                self.add_module(name, module)
 
-            @classmethod
-            def from_config(cls, config: dict):
-                """Each component built from its own config by its own class (``build_model``)."""
-                parts = {}
-                for name, cfg in config.items():
-                    lib, class_name = cfg[DENOISER_ENTRY]
-                    parts[name] = build_model(_component_class(lib, class_name), cfg)
-                return cls(parts)
+        @classmethod
+        def from_config(cls, config: dict):
+            """Each component built from its own config by its own class (``build_model``)."""
+            parts = {}
+            for name, cfg in config.items():
+                lib, class_name = cfg[DENOISER_ENTRY]
+                parts[name] = build_model(_component_class(lib, class_name), cfg)
+            return cls(parts)
 
-            def forward(self, *args, **kwargs):
-                raise TypeError("Denoisers holds several denoiser components; the pipeline calls each of them")
+        def forward(self, *args, **kwargs):
+            raise TypeError("Denoisers holds several denoiser components; the pipeline calls each of them")
 
-        _DENOISERS = Denoisers
-    return _DENOISERS
-
-
-_DENOISERS = None
+    return Denoisers
 
 
 def build_model(cls, config: dict):

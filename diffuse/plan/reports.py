@@ -312,28 +312,3 @@ class NodeReport:
             return None
         key = {"single": "s_per_gib_single", "pass": "s_per_gib_pass"}.get(per, "s_per_gib_token")
         return s.get(key, s["s_per_gib_token"])
-
-
-_reports: dict[str, NodeReport] = {}
-
-
-_reports_lock = threading.Lock()
-
-
-def note_hello(address: str, hello: dict, rtt_s: float | None = None) -> None:
-    """Remember what a node's hello said of it (``diffuse.client.handshake`` calls this for every hello)."""
-    report = NodeReport.from_hello(address, hello, rtt_s)
-    if report is None:
-        return
-    with _reports_lock:
-        _reports.pop(address, None)
-        _reports[address] = report
-        while len(_reports) > MAX_REPORTS:
-            _reports.pop(next(iter(_reports)))
-
-
-def report_of(address: str) -> NodeReport | None:
-    """The node's latest report, if it came in the last ``REPORT_FRESH_S``."""
-    with _reports_lock:
-        r = _reports.get(address)
-    return r if r is not None and time.monotonic() - r.at <= REPORT_FRESH_S else None

@@ -1,7 +1,7 @@
 import sys
 
 from diffuse.cli.command import quiet_libraries
-from diffuse.serve import main
+from diffuse.serve.command import main
 
 quiet_libraries()
 sys.exit(main())

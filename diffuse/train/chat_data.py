@@ -17,6 +17,8 @@ smaller pieces down to single bytes.
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import json
 import random
@@ -133,14 +135,9 @@ def _made_up(rng: random.Random) -> str:
             return w
 
 
-_KNOWN: set | None = None
-
-
-def _known_words() -> set:
-    global _KNOWN
-    if _KNOWN is None:
-        _KNOWN = set(corpus_words())
-    return _KNOWN
+@functools.cache
+def _known_words() -> frozenset:
+    return frozenset(corpus_words())
 
 
 @dataclass

@@ -9,9 +9,9 @@ less that round trip (what sealing and copying the bytes cost counts as the link
 them too).
 When a route is built, each node measures its next hop the same way at ``open`` (the client names the
 next node's control address and key inside the sealed open) and says what it found in its reply. The
-client keeps both here, per pair of ends (``note``, ``known``), for the planner (``diffuse.plan.placement``:
-a hop costs half its link's round trip plus the bytes it carries over the throughput) and for a run's
-summary (``route_lines``).
+client keeps both, per pair of ends, in what it has heard of its nodes (``diffuse.client.heard``), for the
+planner (a hop costs half its link's round trip plus the bytes it carries over the throughput) and for a
+run's summary.
 """
 
 from __future__ import annotations
@@ -110,62 +110,10 @@ def measure(transport, address: str, own: sealing.Identity, peer_key: bytes, pin
     return Link(rtt, probe / extra if extra > 0 else None, time.monotonic())
 
 
-# --------------------------------------------------------------------------- what is known of links
-
-_links: dict[tuple[str, str], Link] = {}
-_lock = threading.Lock()
-
-
-def note(src: str, dst: str, link: Link | None) -> None:
-    """Keep ``link`` as the one from ``src`` to ``dst`` (addresses, or ``CLIENT``)."""
-    if link is None:
-        return
-    with _lock:
-        _links.pop((src, dst), None)
-        _links[(src, dst)] = link
-        while len(_links) > MAX_LINKS:
-            _links.pop(next(iter(_links)))
-
-
-def known(src: str, dst: str, fresh_s: float = FRESH_S) -> Link | None:
-    """The link from ``src`` to ``dst`` measured in the last ``fresh_s``; a client's link is taken as the same
-    both ways."""
-    now = time.monotonic()
-    with _lock:
-        for key in ((src, dst), (dst, src)) if CLIENT in (src, dst) else ((src, dst),):
-            link = _links.get(key)
-            if link is not None and now - link.at <= fresh_s:
-                return link
-    return None
-
-
-def measure_client_link(transport, address: str, own: sealing.Identity, peer_key: bytes) -> Link | None:
-    """The client's link to a node, measured unless a fresh one is known; None where the node does not take
-    link pings (an older node) or does not answer them."""
-    link = known(CLIENT, address)
-    if link is not None:
-        return link
-    try:
-        link = measure(transport, address, own, peer_key)
-    except (DiffuseError, WireError):
-        return None
-    note(CLIENT, address, link)
-    return link
-
-
 def route_ends(addresses: list[str]) -> list[tuple[str, str]]:
     """The hops of a route through ``addresses``: the client to the first, node to node, the last home."""
     ends = [CLIENT, *addresses, CLIENT]
     return list(zip(ends, ends[1:]))
-
-
-def route_lines(addresses: list[str]) -> list[str]:
-    """Each hop of a route with its link as measured (or "not measured")."""
-    out = []
-    for src, dst in route_ends(addresses):
-        link = known(src, dst)
-        out.append(f"{src} -> {dst}: {link.describe() if link else 'not measured'}")
-    return out
 
 
 class NextHop:

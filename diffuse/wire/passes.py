@@ -6,7 +6,7 @@ the call plan and return map when they are new to the nodes, and exactly one
 *part* that says which kind of pass it is:
 
 - ``Whole``: a plain call, every block of the stack run in order;
-- ``Patch`` (``diffuse.plan.contracts``): a PipeFusion patch, run against stale buffers;
+- ``Patch`` (``diffuse.plan.messages``): a PipeFusion patch, run against stale buffers;
 - ``Reuse``: a whole step tagged for the first-block cache (``diffuse.firstblock``);
 - ``LayerPass``: a language model's pass, its cache kind and freshness, each
   layer's own call plan where it differs, and optionally the token ids' slot
@@ -39,7 +39,8 @@ from typing import Any, Union
 
 from diffuse.plan.calltree import DICT, TENSOR, TUPLE
 from diffuse.plan.kvcache import STATE
-from diffuse.plan.contracts import ContractError, Patch, ReturnMap, SlotRef, _is_int, _short
+from diffuse.plan.contracts import ContractError, ReturnMap, _is_int, _short
+from diffuse.plan.messages import Patch, SlotRef
 
 __all__ = ["Answer", "ContractError", "DrawState", "Embed", "LayerPass", "Pass", "Part", "Patch", "Reuse", "Tail",
            "WHOLE", "Whole", "checked_tree"]

@@ -1,0 +1,56 @@
+"""The endpoints of ``diffuse serve`` that generate nothing: the page at ``/`` (its files in ``page/``), the models
+(``/v1/models``) and the ring's health (``/health``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from fastapi.responses import FileResponse, JSONResponse
+
+from diffuse.serve.plumbing import ApiError
+
+PAGE = Path(__file__).resolve().parent / "page"
+
+
+def _info_routes(app, service) -> None:
+    """The page, the models, the ring's health."""
+
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(PAGE / "index.html", media_type="text/html")
+
+    @app.get("/page/{name}", include_in_schema=False)
+    async def page_file(name: str):
+        f = PAGE / name
+        if "/" in name or not f.is_file():
+            raise ApiError(404, f"no such file: {name}", code="not_found")
+        types = {".js": "text/javascript", ".css": "text/css"}
+        return FileResponse(f, media_type=types.get(f.suffix, "application/octet-stream"))
+
+    # ------------------------------------------------------------------------------------------- models and health
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [e.describe() for e in service.engines.values()]}
+
+    @app.get("/v1/models/{name}")
+    async def model(name: str):
+        e = service.engines.get(name)
+        if e is None:
+            raise ApiError(404, f"the model {name!r} does not exist here", code="model_not_found", param="model")
+        return e.describe()
+
+    @app.get("/health")
+    async def health():
+        loop = asyncio.get_running_loop()
+        rows = {}
+        for name, e in service.engines.items():
+            nodes = await loop.run_in_executor(None, e.nodes.health)
+            rows[name] = {"kind": e.kind, "nodes": nodes, **e.load_status()}
+        ok = all(n["alive"] for r in rows.values() for n in r["nodes"])
+        return JSONResponse({"ok": ok, "models": rows, "uptime_s": round(time.time() - service.started, 1)},
+                            status_code=200 if ok else 503)
