@@ -43,7 +43,7 @@ def node_process(args: list[str], stdout=subprocess.PIPE, stderr=subprocess.DEVN
     pre-imported launcher, a process of its own all the same (a plain subprocess with DIFFUSE_LAUNCHER=0)."""
     from diffuse.local import launcher
 
-    return launcher.spawn(["-m", "diffuse.node", *args], stdout=stdout, stderr=stderr,
+    return launcher.POOL.spawn(["-m", "diffuse.node", *args], stdout=stdout, stderr=stderr,
                           env=env if env is not None else subprocess_env())
 
 

@@ -74,7 +74,7 @@ def test_a_launched_process_is_its_own_with_the_callers_streams_environment_and_
     plain = subprocess.run([sys.executable, "-m", "process_probe", "3"], env=env, cwd=tmp_path, capture_output=True,
                            text=True, timeout=120)
     with open(tmp_path / "err.log", "w") as err:
-        proc = launcher.spawn(["-m", "process_probe", "3"], stdout=subprocess.PIPE, stderr=err, env=env, cwd=tmp_path)
+        proc = launcher.POOL.spawn(["-m", "process_probe", "3"], stdout=subprocess.PIPE, stderr=err, env=env, cwd=tmp_path)
     assert isinstance(proc, launcher.LaunchedProcess)
     said = json.loads(proc.stdout.readline())
     assert proc.wait(30) == 3 == plain.returncode
@@ -95,7 +95,7 @@ def test_without_the_launcher_or_when_it_fails_nodes_start_as_plain_processes(tm
         "from diffuse.local import launcher\n"
         "launcher.READY_TIMEOUT_S = float(sys.argv[1])\n"
         "for _ in range(2):\n"
-        "    p = launcher.spawn(['-m', 'platform'], stdout=subprocess.PIPE)\n"
+        "    p = launcher.POOL.spawn(['-m', 'platform'], stdout=subprocess.PIPE)\n"
         "    print(type(p).__name__, p.stdout.read().strip() != '', p.wait(30), flush=True)\n"
     )
     off = subprocess.run([sys.executable, "-c", code, "120"], env=dict(subprocess_env(), DIFFUSE_LAUNCHER="0"),

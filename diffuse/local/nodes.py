@@ -49,7 +49,7 @@ def node_env() -> dict:
 
 def warm_launcher() -> None:
     """Start the nodes' launcher now, without waiting: its imports overlap with the client's own loading."""
-    launcher.warm(node_env())
+    launcher.POOL.warm(node_env())
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def start_local_nodes(model: str, n: int, threads: int | None = None, start: Loc
                     "--exit-with", str(os.getpid()), *extra, *(each[i] if each else [])]
             if threads:
                 args += ["--threads", str(threads)]
-            proc = launcher.spawn(args, stdout=subprocess.PIPE, stderr=log_fd, env=env)
+            proc = launcher.POOL.spawn(args, stdout=subprocess.PIPE, stderr=log_fd, env=env)
             os.close(log_fd)
             nodes.append(LocalNode(proc, log_path, "", ""))
         for i, node in enumerate(nodes):
