@@ -133,3 +133,21 @@ def test_a_default_run_on_sana_equals_plain_diffusers_at_default_settings(models
     reference = reference.result()
     split = np.load(tmp_path / "split.npy")
     assert split.tobytes() == reference.tobytes(), f"max abs diff {np.abs(split - reference).max()}"
+
+
+def test_two_splits_in_one_process_hear_only_their_own_nodes(models, diffuse_home, one_thread):
+    """What a client hears of its nodes (their hellos, the links it measured) belongs to the split that heard
+    it: two splits open at once in one process, each over its own local node, never plan from the other's."""
+    import diffuse
+
+    model = models("wan")
+    with diffuse.split(diffuse.from_pretrained(model), local_nodes=1) as first, \
+            diffuse.split(diffuse.from_pretrained(model), local_nodes=1) as second:
+        mine, theirs = [s.address for s in first.plan.route], [s.address for s in second.plan.route]
+        assert mine and theirs and not set(mine) & set(theirs)
+        assert first.repair.heard is not second.repair.heard
+        for heard, own, other in ((first.repair.heard, mine, theirs), (second.repair.heard, theirs, mine)):
+            assert all(heard.report_of(a) is not None for a in own)  # its own nodes' hellos, for placement
+            assert all(heard.report_of(a) is None for a in other)  # and nothing of the other split's
+            assert all(heard.link("client", a) is not None for a in own)
+            assert all(heard.link("client", a) is None for a in other)
