@@ -35,7 +35,7 @@ def _reference(script: str, args: list[str]) -> None:
 
 @no_cuda
 def test_a_device_torch_does_not_see_is_refused_in_one_line_before_anything_loads(models, diffuse_home):
-    import diffuse.node.server
+    import diffuse.node.command
 
     wan = models("wan")
     for argv, run in ((["--model", wan, "--device", "cuda"], None),
@@ -47,7 +47,7 @@ def test_a_device_torch_does_not_see_is_refused_in_one_line_before_anything_load
 
             said = io.StringIO()
             with contextlib.redirect_stderr(said):
-                code = diffuse.node.server.main(argv)
+                code = diffuse.node.command.main(argv)
             text = said.getvalue()
         else:
             done = run(argv, diffuse_home)

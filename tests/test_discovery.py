@@ -94,7 +94,7 @@ def test_an_announcement_goes_through_its_txt_record_and_back_and_a_bad_one_is_r
 def test_without_zeroconf_announcing_and_discovering_say_how_to_install_it(monkeypatch, capsys, diffuse_home):
     """The flags, and ``diffuse.split(..., nodes="auto")`` with its ``discover_seconds``, each refused in one line
     before anything loads."""
-    from diffuse.node import server as node
+    from diffuse.node import command as node
 
     monkeypatch.setitem(sys.modules, "zeroconf", None)  # as where it is not installed
     said = run_cli(["plan", "tiny-wan-shapes", "--nodes", "auto"], diffuse_home)

@@ -100,7 +100,7 @@ def served(folders, tmp_path_factory):
     except subprocess.TimeoutExpired:
         proc.kill()
     for role in ROLES:  # every node the service started ended with it
-        assert subprocess.run(["pgrep", "-f", f"diffuse.node.server --model {folders[role]} "]).returncode == 1
+        assert subprocess.run(["pgrep", "-f", f"diffuse.node --model {folders[role]} "]).returncode == 1
 
 
 def query(tmp_path, *argv: str) -> dict:

@@ -47,7 +47,7 @@ COMMANDS: dict[str, Command] = {
     "query": Command("diffuse.cli.query:main", "generate with a model split over a ring (also: generate, run)"),
     "chat": Command("diffuse.cli.language:chat_main", "talk with a language model split over a ring, turn by turn "
                     "(default: the embedded tiny-qwen-chat)", "[--model DIR]"),
-    "node": Command("diffuse.node.server:main", "serve a slice of a model's blocks (python -m diffuse.node)"),
+    "node": Command("diffuse.node.command:main", "serve a slice of a model's blocks (python -m diffuse.node)"),
     "serve": Command("diffuse.serve.command:main", "an OpenAI-compatible HTTP service and a page, models kept warm "
                      "on a ring"),
     "key": Command("diffuse.cli.commands:key_main", "print this machine's node key (creating it if missing)",

@@ -5,6 +5,8 @@ first hello and each node's to its next hop said at open (``note_link``); the pl
 (``report_of``, ``link``: ``diffuse.client.routing``) and a run's summary prints them (``route_lines``). One
 ``Heard`` belongs to whoever opens rings: a ``diffuse.split`` makes its own, a service one for its models,
 so two of them in one process never see each other's nodes. Both tables are bounded, oldest out first.
+It also keeps the block costs placement read from a model's headers (``costs``), so a repair plans
+without reading them again.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Heard:
         self._reports: OrderedDict[str, NodeReport] = OrderedDict()
         self._links: OrderedDict[tuple[str, str], Link] = OrderedDict()
         self._lock = threading.Lock()
+        self.costs: dict = {}  # the block costs read for placement, by model, stacks and dtype (block_costs)
 
     def note_hello(self, address: str, hello: dict, rtt_s: float | None = None) -> None:
         """Remember what a node's hello said of it (the handshake calls this for every hello)."""

@@ -18,10 +18,11 @@ from diffuse.local.launcher import MAX_MESSAGE
 from diffuse.processes import alive
 
 
-PRELOAD = ("diffuse.node.server", "diffuse.plan.analysis", "diffuse.plan.planner", "diffuse.plan.plugins", "diffuse.wire.sealing",
-           "diffuse.node.stage", "diffuse.plan.modelfiles", "diffuse.lm.heads", "diffuse.lm.embedding", "diffuse.lm.sampling",
-           "diffuse.lm.node_tail", "diffuse.lm.node_sampling",
-           "diffusers.models.transformers", "transformers.modeling_utils", "transformers.generation")
+PRELOAD = ("diffuse.node.server", "diffuse.node.command", "diffuse.node.stage", "diffuse.plan.analysis",
+           "diffuse.plan.planner", "diffuse.plan.plugins", "diffuse.plan.modelfiles", "diffuse.wire.sealing",
+           "diffuse.lm.heads", "diffuse.lm.embedding", "diffuse.lm.sampling", "diffuse.lm.node_tail",
+           "diffuse.lm.node_sampling", "diffusers.models.transformers", "transformers.modeling_utils",
+           "transformers.generation")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from diffuse.lm.node_layers import joint_tails
 if TYPE_CHECKING:
     from diffuse.node.compute import ComputeThread, Incoming
 
-log = logging.getLogger("diffuse.node.server")
+log = logging.getLogger("diffuse.node")
 
 
 class TakenItems:

@@ -28,7 +28,7 @@ from diffuse.errors import DiffuseError
 from diffuse.plan.modelfiles import fp32_kept, load_into, located, renamed_for, weight_map
 from diffuse.plan.contracts import Slice, StackPlan
 
-log = logging.getLogger("diffuse.node.server")
+log = logging.getLogger("diffuse.node")
 
 MAX_DTYPES = 2  # compute dtypes a node without --blocks keeps copies of its blocks in (sessions keep their own)
 

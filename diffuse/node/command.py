@@ -7,14 +7,7 @@ then serves until stopped.
 """
 
 from __future__ import annotations
-from diffuse.errors import DiffuseError
-from diffuse.home import config_home
-from diffuse.node.server import MAX_SESSIONS
-from diffuse.node.server import MAX_SESSIONS_PER_CLIENT
-from diffuse.node.server import Node
-from diffuse.node.server import NodeOptions
-from diffuse.plan.contracts import WIRE_VERSIONS
-from diffuse.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
+
 import argparse
 import functools
 import json
@@ -22,7 +15,18 @@ import logging
 import os
 import signal
 import sys
+
 import torch
+
+from diffuse.wire import discovery
+from diffuse.text import plain
+from diffuse.errors import DiffuseError
+from diffuse.home import config_home
+from diffuse.node.server import MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, Node, NodeOptions
+from diffuse.plan.contracts import WIRE_VERSIONS
+from diffuse.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
+
+log = logging.getLogger("diffuse.node")
 
 
 def keep_freed_memory() -> bool:

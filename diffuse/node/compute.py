@@ -18,7 +18,7 @@ from diffuse.errors import DiffuseError, MalformedHeader, WireError
 from diffuse.node.batches import TakenItems
 from diffuse.node.stage import NODE_BUFFER_BYTES, Prepared
 
-log = logging.getLogger("diffuse.node.server")
+log = logging.getLogger("diffuse.node")
 
 MAX_PASS_LOG = 4096  # per-pass records a session keeps (bytes in, busy time): the latest, with running totals
 # where a call's time went on a node, in the order of its per-call record (after the sequence number): the

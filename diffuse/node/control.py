@@ -54,7 +54,7 @@ from diffuse.plan.reports import node_report
 from diffuse.plan.contracts import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError
 from diffuse.plan.messages import StagePlan
 
-log = logging.getLogger("diffuse.node.server")
+log = logging.getLogger("diffuse.node")
 
 CHALLENGE_PERIOD_S = 150.0  # a challenge is good until the end of the period after the one it was made in
 CHALLENGE_BYTES = 8 + 12 + 16  # period number, random, MAC

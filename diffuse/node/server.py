@@ -13,15 +13,9 @@ goes on serving, whatever a message holds.
 
 from __future__ import annotations
 
-import argparse
 import collections
-import functools
-import json
 import logging
-import os
 import queue
-import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -39,7 +33,7 @@ from diffuse.plan.contracts import StackPlan, parse_slices
 from diffuse.processes import alive
 from diffuse.node.sessions import SessionTable
 
-log = logging.getLogger("diffuse.node.server")
+log = logging.getLogger("diffuse.node")
 
 MAX_QUEUED = 256  # data messages waiting for the compute thread; more are dropped (and logged)
 MAX_SESSIONS = 256  # open sessions in all (each holds a socket toward its next hop)

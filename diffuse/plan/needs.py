@@ -31,8 +31,6 @@ _SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "
           "I8": 1, "U8": 1, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}
 
 
-_costs_cache: dict[tuple, list[BlockCost]] = {}
-
 
 def _header(path: str) -> dict:
     """A safetensors file's header: tensor name -> {dtype, shape, data_offsets} (no tensor data is read)."""
@@ -82,15 +80,17 @@ def context_tokens(subject, context: int | None = None) -> int:
     return min(want, most) if isinstance(most, int) and most > 0 else want
 
 
-def block_costs(subject, stacks, dtype: str, context: int | None = None) -> list[BlockCost]:
+def block_costs(subject, stacks, dtype: str, context: int | None = None,
+                cache: dict | None = None) -> list[BlockCost]:
     """Each block of ``stacks`` (in order) as a node holds it in ``dtype``: its weight bytes from the
     safetensors headers, and for a language model its cache at ``context`` tokens (default
-    ``DEFAULT_CONTEXT``, at most the model's longest)."""
+    ``DEFAULT_CONTEXT``, at most the model's longest). ``cache``: where the caller keeps what was read, so
+    that planning the same model again reads nothing (a client's ``Heard.costs``)."""
     from diffuse.plan.modelfiles import located, renamed_for, weight_map
 
     key = (subject.path, subject.denoiser, dtype, context, tuple((s.path, s.length) for s in stacks))
-    if key in _costs_cache:
-        return _costs_cache[key]
+    if cache is not None and key in cache:
+        return cache[key]
     size = _dtype_size(dtype)
     skeleton = subject.meta_denoiser()
     wmap = located(renamed_for(weight_map(subject.component_dir), skeleton), skeleton, [s.path for s in stacks])
@@ -120,7 +120,8 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None) -> list
             out.append(BlockCost(st.path, i, total, state))
     if out and head:
         out[-1] = dataclasses.replace(out[-1], end_bytes=out[-1].end_bytes + head, end_compute=head)
-    _costs_cache[key] = out
+    if cache is not None:
+        cache[key] = out
     return out
 
 
