@@ -1,6 +1,6 @@
 """Placement: the planner against an exhaustive search, the nodes' reports, and planned slices through real nodes.
 
-The planner (``diffuse.plan.placement.place``) is a pure function, checked here against every placement there is
+The planner (``diffuse.plan.solver.place``) is a pure function, checked here against every placement there is
 on small cases. Through real node processes: a node that says it has no room for a block (``--max-memory``)
 is left out of the route, an even split that would not fit is refused before anything is loaded, naming
 the node and the shortfall, and the tokens generated over the planned slices are the tokens plain

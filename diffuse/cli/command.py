@@ -4,14 +4,14 @@ dispatch to the one asked for.
 This module imports only ``diffuse.flags`` at load time, and a subcommand's module only when that
 subcommand runs, so ``diffuse --help`` and a flag mistake answer at once. The flags every process's
 command shares are ``diffuse.flags``; those of ``query`` and ``chat``, every flag check before anything
-loads, the typed request and the error reporter are ``diffuse.cli.command.parsing``. What a command says while
+loads, the typed request and the error reporter are ``diffuse.cli.parsing``. What a command says while
 it works is ``diffuse.client.progress``.
 
 A new subcommand is one entry in ``COMMANDS``, for example
 ``"serve": Command("diffuse.serve.command:main", "what it does", "--model DIR")``: a function that takes the
 rest of the command line and returns the exit status, builds its flags with ``diffuse.flags.Parser``
-(``diffuse.cli.command.parsing.ring_flags`` for the ring's), and runs its body under
-``diffuse.cli.command.parsing.run_guarded`` for the shared error handling.
+(``diffuse.cli.parsing.ring_flags`` for the ring's), and runs its body under
+``diffuse.cli.parsing.run_guarded`` for the shared error handling.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def check_flags(a: argparse.Namespace, options) -> None:
 
 def lan_nodes(a: argparse.Namespace, subject, out) -> None:
     """``--nodes auto``: replaced by the nodes announced on the local network that serve ``subject``'s model
-    (``diffuse.wire.discovery.heard_nodes``)."""
+    (``diffuse.client.lan.heard_nodes``)."""
     if getattr(a, "nodes", None) != "auto":
         return
     from diffuse.client.lan import heard_nodes

@@ -157,7 +157,7 @@ def choose_route(plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, u
 
     ``held[i]``: the slices candidate ``i`` said it holds (None: whatever it is asked for);
     ``usable[i]``: it answered and is not being avoided; ``placement``: how nodes that hold nothing
-    fixed share the stacks (``diffuse.plan.placement.route``). Raises DiffuseError naming a range no usable
+    fixed share the stacks (``diffuse.client.routing.route``). Raises DiffuseError naming a range no usable
     node holds when no complete route is left (the caller says which nodes were lost), or when the
     model fits no placement on them."""
     live = [i for i in range(len(candidates)) if usable[i]]

@@ -8,7 +8,7 @@ model's ends at its last layer (``run_layers``, ``diffuse.lm.client_ends``). The
 pipeline's ``__call__`` is never modified.
 
 With ``patches > 1`` a stack that carries one stream goes through a
-``diffuse.pipefusion.Patcher`` (cut into token patches, pipelined through the
+``diffuse.pipefusion.client.Patcher`` (cut into token patches, pipelined through the
 ring); a stack with two streams runs uncut steps, and ``uncut`` says why. The
 memo of repeated projections is ``diffuse.client.memo``'s.
 

@@ -13,7 +13,7 @@ first-block cache technique, applied per node).
 
 The client tags each call with a ``Reuse`` part (``diffuse.wire.passes``; on the wire
 ``{"reuse": {"t": T, "branch": b, "fresh": bool}}``):
-``b`` tells guidance branches apart (``diffuse.pipefusion.BranchTracker``), so
+``b`` tells guidance branches apart (``diffuse.pipefusion.client.BranchTracker``), so
 each branch decides for itself; ``fresh`` asks for a full step (after a repair,
 nodes new to the session hold nothing). The block-0 node marks the call
 ``skip`` for the next hops; the last node's result says ``skipped``.

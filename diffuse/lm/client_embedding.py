@@ -1,6 +1,6 @@
 """A language model's input embedding on a split client, when the first node holds its table.
 
-Inside the split model's forward the embedding's stand-in (``diffuse.lm.embedding.EmbedStandIn``) answers a
+Inside the split model's forward the embedding's stand-in (``diffuse.lm.client_embedding.EmbedStandIn``) answers a
 placeholder; the first decoder layer must get that placeholder unchanged, and the pass then carries the token
 ids in its place for the first node to embed (``diffuse.lm.client_ends.LanguageEnds.run_layers``). Where the table goes
 is decided once, on the model's own forward, before any stand-in is in place.

@@ -32,7 +32,7 @@ class HeadEnd:
         self.ends = ends  # the LanguageEnds this end belongs to (diffuse.lm.client_ends)
         self.head: tuple[str, nn.Module] | None = None  # the output head: (path, the original)
         self.head_freed = self.head_tied = False
-        self.head_list = False  # the head is a list of heads side by side (diffuse.lm.heads.HeadListStandIn)
+        self.head_list = False  # the head is a list of heads side by side (diffuse.lm.client_head.HeadListStandIn)
         self._heads_answer: tuple | None = None  # (the hidden state, every head's logits) while the heads are called
         # whether the head reads rows of the final norm's output as it is (None: not known yet); a model that
         # works on them in between (T5 scales them) gets its passes sent at once and its head run here
@@ -159,7 +159,7 @@ class HeadEnd:
 
     def run_head_of(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Head ``index`` of a list of heads, on ``x``: the first head called in a held-back pass sends it (every
-        head runs on the last node, ``diffuse.lm.heads.stack_heads``), every head then answers its part of that answer;
+        head runs on the last node, ``diffuse.lm.node_tail.stack_heads``), every head then answers its part of that answer;
         each must read the same hidden state."""
         path, original = self.head
         heads = len(original)

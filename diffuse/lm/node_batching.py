@@ -21,7 +21,7 @@ rows (``run_batch``):
   the stack's last node, the tails that read one row each run their output
   head as one product over all those rows, each row still answered with the
   candidates and value bits its tail alone gives (``diffuse.lm.node_layers.joint_tails``,
-  ``diffuse.lm.heads.JointHead``).
+  ``diffuse.lm.node_tail.JointHead``).
 
 Whatever does not fit (a cache layer other than a plain growing one, such as a
 sliding window; a prefill; a mask already present; a layer that asks the

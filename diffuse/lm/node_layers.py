@@ -1,7 +1,7 @@
 """A language model's pass on a node: its layers with the session's cache, the embedding, the tail and sampling.
 
 The session keeps each stack's key/value cache for the layers held here
-(``diffuse.plan.kvcache.NodeCaches``); layers whose call differs from the first
+(``diffuse.lm.node_cache.NodeCaches``); layers whose call differs from the first
 layer's get their own call plan. A pass whose first layer's input slot carries
 token ids (``Embed``) is embedded by the node holding the first layer, with the
 table it loads on first use (``diffuse.lm.embedding``). On the last node the
@@ -76,7 +76,7 @@ def _stream(p, out):
 def joint_tails(passes: list[tuple], outs: list) -> None:
     """The tails of a batch's passes (``diffuse.lm.node_batching``) that read one row each with the same final norm, head
     and number of candidates, run together: each pass's norm alone, the head over all their rows in one product
-    (``diffuse.lm.heads.JointHead``), each row's candidates and their bits as its tail alone gives them. Sets
+    (``diffuse.lm.node_tail.JointHead``), each row's candidates and their bits as its tail alone gives them. Sets
     ``tail_answer`` on each pass so answered; the others' tails run alone, as before. ``passes``: (session, pass)
     pairs; ``outs``: each pass's last layer's output."""
     from diffuse.lm.node_tail import joint_head
@@ -114,7 +114,7 @@ def joint_tails(passes: list[tuple], outs: list) -> None:
 def run_tail(sess, hidden: torch.Tensor, tail: Tail) -> dict:
     """Final norm, the rows decoding needs, output head; the best candidates or the whole rows; with a
     ``draw``, also the token generate's processors and sampling pick from the whole last row. A list of heads
-    runs whole, laid out as generate reads it (``diffuse.lm.heads.stack_heads``), its ids as int32."""
+    runs whole, laid out as generate reads it (``diffuse.lm.node_tail.stack_heads``), its ids as int32."""
     from diffuse.lm.node_tail import stack_heads, top_candidates
 
     norm, head = sess.store.tail(tail.norm, sess.tail_dtype)

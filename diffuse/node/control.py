@@ -3,7 +3,7 @@
 ``hello`` gives the node's key, data address, model hash, the slices it holds
 (``--blocks``), the wire versions it speaks and the one it chose (the highest
 the client also offers), a one-time challenge, and its report for placement
-(``diffuse.plan.placement.node_report``: memory available to it, blocks it holds,
+(``diffuse.plan.reports.node_report``: memory available to it, blocks it holds,
 threads, CPUs, device, dtype, measured speed); at wire version 2 also a
 fresh X25519 key for the open's key agreement (``sealing.agree``). ``ping``
 says whether the node is alive and still has a session; it is answered while

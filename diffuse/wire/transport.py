@@ -170,7 +170,7 @@ class Transport(Protocol):
     ``admits = True``, for a transport that admits data connections before it takes any of their bytes: its
     ``serve`` and ``inbox`` then take ``admit``, a callable ``(user: bytes, password: bytes) -> bool`` asked
     about each new connection, and its ``outbox`` takes ``credentials``, the ``(user, password)`` a sending end
-    presents (a session id and the token ``diffuse.node.sessions.data_token`` makes); the core passes them only to
+    presents (a session id and the token ``diffuse.wire.tokens.data_token`` makes); the core passes them only to
     a transport that says so. Optional: ``exchange(address, messages, timeout_s)``, several control requests in
     turn on one connection, each reply with the seconds from its send, which ``diffuse.wire.links`` measures a link's
     round trip with (without it, each request's connection is counted in the round trip)."""
