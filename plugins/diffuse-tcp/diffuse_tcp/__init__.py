@@ -1,7 +1,7 @@
 """A Diffuse transport plugin for ``tcpstream://`` addresses: the ring over plain TCP streams.
 
 It shares no code with the built-in ZeroMQ transport: standard-library sockets,
-length-prefixed messages (``diffuse_tcp.streams``), and nothing of Diffuse but
+length-prefixed messages (``diffuse_tcp.framing``), and nothing of Diffuse but
 its public transport contract, ``diffuse.wire.transport``. Sealing, envelopes and
 replay counters are the core's, the same for every scheme, so a ring over it is
 as exact and as sealed as one over ZeroMQ.

@@ -26,10 +26,11 @@ def test_plugin_is_registered_through_the_entry_point_and_serves_its_scheme_only
 
 
 def test_its_docstring_examples_hold():
+    import diffuse_tcp.framing
     import diffuse_tcp.streams
 
-    result = doctest.testmod(diffuse_tcp.streams)
-    assert result.attempted >= 5 and result.failed == 0
+    results = [doctest.testmod(m) for m in (diffuse_tcp.framing, diffuse_tcp.streams)]
+    assert sum(r.attempted for r in results) >= 5 and sum(r.failed for r in results) == 0
 
 
 class Served:
