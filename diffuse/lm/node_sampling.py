@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from diffuse.errors import DiffuseError
-from diffuse.lm.sampling import MAX_IDS, _is_int, rebuild, rng_digest
+from diffuse.lm.sampling import MAX_IDS, rebuild, rng_digest
+from diffuse.plan.contracts import is_int
 from diffuse.wire.passes import DrawState
 
 
@@ -57,12 +58,12 @@ class NodeSampler:
     def _update_history(self, history) -> None:
         """The token history the processors read (one row per row they answer: the logits have as many, or twice
         as many under guidance)."""
-        if not (isinstance(history, dict) and _is_int(history.get("keep")) and isinstance(history.get("add"), list)):
+        if not (isinstance(history, dict) and is_int(history.get("keep")) and isinstance(history.get("add"), list)):
             raise DiffuseError("malformed token history")
         keep, add = history["keep"], history["add"]
         batch = len(add)
         if not 0 <= keep <= self.history.shape[1] or not 0 < batch <= MAX_IDS \
-                or not all(isinstance(r, list) and len(r) == len(add[0]) and all(_is_int(t) for t in r) for r in add):
+                or not all(isinstance(r, list) and len(r) == len(add[0]) and all(is_int(t) for t in r) for r in add):
             raise DiffuseError("malformed token history")
         if keep and self.history.shape[0] != batch:
             raise DiffuseError("the token history kept is for another batch")

@@ -42,6 +42,7 @@ import torch
 
 from diffuse.errors import DiffuseError
 from diffuse.wire.passes import DrawState
+from diffuse.plan.contracts import is_int
 
 # The processors a node rebuilds, with their constructor's parameters (read from the instance under the same
 # names) and what each holds: "float", "int", "ids" (token ids, a tensor or a list), "lengths" (None, an int, or
@@ -69,10 +70,6 @@ PROCESSORS: dict[str, dict[str, str]] = {
 MAX_IDS = 1 << 16  # token ids one parameter may list
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _read(value, kind: str):
     """A parameter's value as plain data, or raise ValueError when it is not of its kind."""
     if isinstance(value, torch.Tensor):
@@ -82,19 +79,19 @@ def _read(value, kind: str):
             raise ValueError("a tensor of the wrong kind")
         value = value.tolist()
     if kind == "float":
-        if isinstance(value, float) or _is_int(value):
+        if isinstance(value, float) or is_int(value):
             return float(value) if isinstance(value, float) else value
     elif kind == "int":
-        if _is_int(value):
+        if is_int(value):
             return value
     elif kind == "ids":
-        value = [value] if _is_int(value) else value
-        if isinstance(value, (list, tuple)) and len(value) <= MAX_IDS and all(_is_int(v) for v in value):
+        value = [value] if is_int(value) else value
+        if isinstance(value, (list, tuple)) and len(value) <= MAX_IDS and all(is_int(v) for v in value):
             return list(value)
     elif kind == "lengths":
-        if value is None or _is_int(value):
+        if value is None or is_int(value):
             return value
-        if isinstance(value, (list, tuple)) and len(value) <= MAX_IDS and all(_is_int(v) for v in value):
+        if isinstance(value, (list, tuple)) and len(value) <= MAX_IDS and all(is_int(v) for v in value):
             return list(value)
     raise ValueError(f"not {kind}")
 

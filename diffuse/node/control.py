@@ -53,6 +53,7 @@ from diffuse.errors import DiffuseError
 from diffuse.plan.reports import node_report
 from diffuse.plan.contracts import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError
 from diffuse.plan.messages import StagePlan
+from diffuse.plan.contracts import is_int
 
 log = logging.getLogger("diffuse.node")
 
@@ -67,13 +68,9 @@ def refusal(text: str) -> dict:
     return {"ok": False, "error": text}
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _versions(x) -> list[int]:
     """The wire versions a peer says it speaks (what is not a small list of integers speaks nothing)."""
-    return sorted({v for v in x[:16] if _is_int(v)}) if isinstance(x, list) else []
+    return sorted({v for v in x[:16] if is_int(v)}) if isinstance(x, list) else []
 
 
 class Challenges:
@@ -239,7 +236,7 @@ class NodeControl:
     def open(self, p: dict, sender: bytes) -> dict:
         node = self.node
         wire, speaks = p.get("wire", 1), list(self.speaks)  # an open without "wire" comes from a version-1 client
-        if not _is_int(wire) or wire not in speaks:
+        if not is_int(wire) or wire not in speaks:
             return refusal(f"the open uses wire version {str(wire)[:16]}; this node speaks {speaks}")
         common = set(_versions(p.get("offered"))) & set(speaks)
         if common and max(common) != wire:

@@ -34,7 +34,8 @@ class ContractError(DiffuseError):
     """Data that should follow one of these contracts does not."""
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
+    """An int that is not a bool (JSON and CBOR from peers: ``True`` is no count)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -84,7 +85,7 @@ def check_slices(given: Any, lengths: dict[str, int]) -> list[Slice]:
         if isinstance(s, Slice):
             s = s.to_dict()
         ok = (isinstance(s, dict) and set(s) == {"stack", "start", "stop"} and isinstance(s["stack"], str)
-              and _is_int(s["start"]) and _is_int(s["stop"]))
+              and is_int(s["start"]) and is_int(s["stop"]))
         if not ok:
             raise ContractError(f"malformed slice {_short(s)}: expected {{stack, start, stop}}")
         sl = Slice(s["stack"], s["start"], s["stop"])
@@ -222,7 +223,7 @@ class ReturnMap:
                 and isinstance(d.get("names"), list) and len(d["names"]) == len(d["outputs"])):
             raise ContractError(f"malformed return map {_short(d)}")
         outs = d["outputs"]
-        if not outs or any(o is not None and (not _is_int(o) or o < 0) for o in outs):
+        if not outs or any(o is not None and (not is_int(o) or o < 0) for o in outs):
             raise ContractError("a return map's outputs are slot numbers or None")
         taken = [o for o in outs if o is not None]
         if not taken or len(set(taken)) != len(taken) or (slots is not None and max(taken) >= slots):
@@ -232,7 +233,7 @@ class ReturnMap:
         if not all(n is None or isinstance(n, str) for n in d["names"]):
             raise ContractError("a return map's names are strings or None")
         sides = d.get("sides", [])
-        if not isinstance(sides, list) or any(not _is_int(j) or not 0 < j < len(outs) or outs[j] is None
+        if not isinstance(sides, list) or any(not is_int(j) or not 0 < j < len(outs) or outs[j] is None
                                               for j in sides) or len(set(sides)) != len(sides):
             raise ContractError("a return map's sides are distinct threaded positions after the first")
         return cls(single=d["single"], outputs=list(outs), names=list(d["names"]), sides=tuple(sorted(sides)))

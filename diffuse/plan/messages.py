@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from diffuse.plan.contracts import ContractError, Slice, _is_int, _short, check_slices
+from diffuse.plan.contracts import ContractError, Slice, is_int, _short, check_slices
 
 ATTENTION_PATHS = ("auto", "plain")  # what a session may ask of PipeFusion's attention (auto: quick where verified)
 
@@ -57,7 +57,7 @@ class StagePlan:
         if d["attention"] not in ATTENTION_PATHS:
             raise ContractError(f"unknown attention path {d['attention']!r:.64} ({' or '.join(ATTENTION_PATHS)})")
         hops = (d.get("wire_in", 1), d.get("wire_out", 1))
-        if not all(_is_int(v) for v in hops):
+        if not all(is_int(v) for v in hops):
             raise ContractError("the stage plan's wire_in and wire_out must be integers")
         return cls(d["model_hash"], d["dtype"], tuple(check_slices(d["slices"], lengths)), d["next"], d["attention"],
                    *hops)
@@ -86,7 +86,7 @@ class SlotRef:
 
     @classmethod
     def from_wire(cls, w: Any, frames: int) -> "SlotRef":
-        if isinstance(w, list) and len(w) in (2, 3) and w[0] == "f" and _is_int(w[1]) and 0 <= w[1] < frames:
+        if isinstance(w, list) and len(w) in (2, 3) and w[0] == "f" and is_int(w[1]) and 0 <= w[1] < frames:
             if len(w) == 2:
                 return cls(frame=w[1])
             if isinstance(w[2], bytes):
@@ -121,7 +121,7 @@ class Patch:
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(w, dict) or set(w) != names:
             raise ContractError(f"malformed patch {_short(w)}")
-        if not isinstance(w["uncut"], bool) or not all(_is_int(w[n]) and w[n] >= 0 for n in names - {"uncut"}):
+        if not isinstance(w["uncut"], bool) or not all(is_int(w[n]) and w[n] >= 0 for n in names - {"uncut"}):
             raise ContractError("a patch's fields are whole numbers (uncut: true or false)")
         p = cls(**w)
         if not p.uncut and (p.count < 1 or p.lo + p.count > p.tokens):

@@ -22,6 +22,7 @@ from diffuse.errors import MalformedHeader, WireError
 from diffuse.plan.contracts import SESSION_ID_BYTES
 from diffuse.wire import safecbor
 from diffuse.wire import sealing as seal
+from diffuse.plan.contracts import is_int
 
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -51,10 +52,6 @@ MAX_FRAMES = 1 << 16
 MAX_DIMS = 32
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _check_meta(meta) -> tuple[torch.dtype, tuple[int, ...]]:
     """A tensor's description from an (authenticated) header, checked before it is trusted."""
     if not isinstance(meta, dict) or not isinstance(meta.get("dtype"), str) or not isinstance(meta.get("shape"), list):
@@ -63,7 +60,7 @@ def _check_meta(meta) -> tuple[torch.dtype, tuple[int, ...]]:
     if dtype is None:
         raise WireError(f"unknown tensor dtype {meta['dtype'][:32]!r} on the wire")
     shape = meta["shape"]
-    if len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+    if len(shape) > MAX_DIMS or not all(is_int(d) and d >= 0 for d in shape):
         raise WireError(f"malformed tensor shape in the header (at most {MAX_DIMS} non-negative integers)")
     return dtype, tuple(shape)
 
@@ -99,13 +96,13 @@ def envelope_of(frames: list[bytes]) -> dict:
     env = safecbor.loads(raw, safecbor.ENVELOPE, "envelope")
     if not {"v", "s", "c", "n"} <= set(env):
         raise WireError("envelope lacks version, session, counter or frame count")
-    if not _is_int(env["v"]):
+    if not is_int(env["v"]):
         raise WireError("envelope's wire version is not an integer")
     if not isinstance(env["s"], bytes) or len(env["s"]) != SESSION_ID_BYTES:
         raise WireError(f"envelope's session id is not {SESSION_ID_BYTES} bytes")
-    if not _is_int(env["c"]) or not 1 <= env["c"] < COUNTER_LIMIT:
+    if not is_int(env["c"]) or not 1 <= env["c"] < COUNTER_LIMIT:
         raise WireError("envelope's counter is not an integer in [1, 2**64)")
-    if not _is_int(env["n"]) or not 2 <= env["n"] <= MAX_FRAMES:
+    if not is_int(env["n"]) or not 2 <= env["n"] <= MAX_FRAMES:
         raise WireError(f"envelope's frame count is not an integer in [2, {MAX_FRAMES}]")
     return env
 

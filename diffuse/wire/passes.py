@@ -39,7 +39,7 @@ from typing import Any, Union
 
 from diffuse.plan.calltree import DICT, TENSOR, TUPLE
 from diffuse.plan.kvcache import STATE
-from diffuse.plan.contracts import ContractError, ReturnMap, _is_int, _short
+from diffuse.plan.contracts import ContractError, ReturnMap, is_int, _short
 from diffuse.plan.messages import Patch, SlotRef
 
 __all__ = ["Answer", "ContractError", "DrawState", "Embed", "LayerPass", "Pass", "Part", "Patch", "Reuse", "Tail",
@@ -85,7 +85,7 @@ class Reuse:
             raise ContractError("malformed reuse: a map of t, branch and fresh")
         t, b, fresh = x["t"], x["branch"], x["fresh"]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0 \
-                or not _is_int(b) or not 0 <= b < 1 << 16 or not isinstance(fresh, bool):
+                or not is_int(b) or not 0 <= b < 1 << 16 or not isinstance(fresh, bool):
             raise ContractError("malformed reuse: t a number >= 0, branch a small integer, fresh true or false")
         if skip is not None and not isinstance(skip, bool):
             raise ContractError("malformed skip: true or false")
@@ -145,8 +145,8 @@ class Tail:
     @classmethod
     def from_wire(cls, x: Any) -> "Tail":
         if not isinstance(x, dict) or not {"rows", "top"} <= set(x) <= {"norm", "rows", "top", "draw"} \
-                or not isinstance(x["rows"], list) or len(x["rows"]) != 2 or not all(_is_int(r) for r in x["rows"]) \
-                or not _is_int(x["top"]) or not (x.get("norm") is None or isinstance(x["norm"], str)):
+                or not isinstance(x["rows"], list) or len(x["rows"]) != 2 or not all(is_int(r) for r in x["rows"]) \
+                or not is_int(x["top"]) or not (x.get("norm") is None or isinstance(x["norm"], str)):
             raise ContractError("malformed tail")
         draw = DrawState.from_wire(x["draw"]) if x.get("draw") is not None else None
         return cls(x.get("norm"), tuple(x["rows"]), x["top"], draw)
@@ -173,7 +173,7 @@ class Embed:
     def from_wire(cls, x: Any, slots: int) -> "Embed":
         import torch
 
-        if not isinstance(x, dict) or not _is_int(x.get("slot")) or not isinstance(x.get("dtype"), str):
+        if not isinstance(x, dict) or not is_int(x.get("slot")) or not isinstance(x.get("dtype"), str):
             raise ContractError("malformed embed: a map of slot (an integer) and dtype (a name)")
         if not 0 <= x["slot"] < slots:
             raise ContractError("embed names a slot that does not carry the stack's hidden state")
@@ -295,12 +295,12 @@ class Pass:
         """A call from a peer, checked whole (``frames``: the tensor frames its message carried)."""
         if header.get("op") != cls.op:
             raise ContractError(f"not a call: op {_short(header.get('op'))}")
-        if not _is_int(header.get("seq")):
+        if not is_int(header.get("seq")):
             raise ContractError("a call must carry an integer seq")
         if not isinstance(header.get("stack"), str):
             raise ContractError(f"a call must name its stack, not {_short(header.get('stack'))}")
         asked = header.get("slot_bytes")
-        if asked is not None and (not _is_int(asked) or asked < 0):
+        if asked is not None and (not is_int(asked) or asked < 0):
             raise ContractError(f"the client asks to keep {str(asked)[:24]} bytes of tensors for its session")
         if not isinstance(header.get("slots"), list) or len(header["slots"]) > MAX_TREE_NODES:
             raise ContractError("a call must list its slots")
@@ -335,7 +335,7 @@ class Answer:
 
     @classmethod
     def from_wire(cls, header: dict) -> "Answer":
-        if header.get("op") != cls.op or not _is_int(header.get("seq")):
+        if header.get("op") != cls.op or not is_int(header.get("seq")):
             raise ContractError(f"not an answer: op {_short(header.get('op'))} #{_short(header.get('seq'))}")
         if not isinstance(header.get("stack"), str):
             raise ContractError("an answer must name its stack")
@@ -383,7 +383,7 @@ def checked_tree(tree: Any, what: str, slots: int | None = None) -> dict:
             raise ContractError(f"malformed {what}: a {type(x).__name__} where a value or a one-key marker belongs")
         (k, v), = x.items()
         if k == TENSOR:
-            if not _is_int(v) or v < 0 or (slots is not None and v >= slots):
+            if not is_int(v) or v < 0 or (slots is not None and v >= slots):
                 raise ContractError(f"malformed {what}: tensor number {str(v)[:24]} is not one of its "
                                     f"{slots if slots is not None else 'slots'}")
         elif k == TUPLE and isinstance(v, list) or k == DICT and isinstance(v, dict) and all(
