@@ -86,13 +86,14 @@ def resolve(target: str, known) -> str | None:
 
 
 def graph(mods: dict[str, Path]) -> dict[str, dict[str, int]]:
-    """module -> {module among ``mods`` it imports at run time: the line}."""
+    """module -> {module among ``mods`` it imports: the line} (``TYPE_CHECKING`` imports too: a circle through
+    one is still a circle to a reader)."""
     edges: dict[str, dict[str, int]] = {}
     for name, path in mods.items():
         edges[name] = {}
         for imp in imports(path, name):
             to = resolve(imp.target, mods)
-            if to and to != name and not imp.typing_only:
+            if to and to != name:
                 edges[name].setdefault(to, imp.line)
     return edges
 
@@ -163,8 +164,8 @@ def wrong_way(mods: dict[str, Path], base: Path = ROOT) -> list[str]:
 
 
 def test_the_reader_sees_a_planted_circle_and_a_planted_wrong_way_import(tmp_path):
-    """The graph reader on files of its own: relative and function-level imports count, ``TYPE_CHECKING``
-    ones make no circle (they are still arrows), a literal ``import_module`` is an import."""
+    """The graph reader on files of its own: relative, function-level and ``TYPE_CHECKING`` imports count,
+    and a literal ``import_module`` is an import."""
     pkg = tmp_path / "diffuse"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")

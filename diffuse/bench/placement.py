@@ -172,7 +172,7 @@ class Watch:
         """Per node (in ``NODES`` order) what the timed part measured against ``p``'s prediction: its slice, the
         passes it ran, their mean busy, block wall and block CPU seconds, its process's CPU seconds a pass, and
         its group's throttling."""
-        from diffuse.node.compute import PARTS
+        from diffuse.node.batches import PARTS
 
         a, b = self.at[0], self.at[-1]
         reports = {s.address: r for s, r in zip(split.plan.route, split.node_reports)}

@@ -21,7 +21,6 @@ layers does nothing with what a layer returns but pass it on to the next
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,9 +30,6 @@ from diffuse.errors import DiffuseError
 from diffuse.plan.kvcache import is_cache
 from diffuse.lm.client_ends import SideOutput
 from diffuse.plan.contracts import StackPlan
-
-if TYPE_CHECKING:
-    from diffuse.client.standin import Splitter
 
 
 class BlockProxy(nn.Module):
@@ -50,7 +46,7 @@ class BlockProxy(nn.Module):
 
 
 class StandIn(nn.ModuleList):
-    def __init__(self, stack: StackPlan, splitter: "Splitter"):
+    def __init__(self, stack: StackPlan, splitter):  # the Splitter that owns it (diffuse.client.standin)
         super().__init__([BlockProxy(self, i) for i in range(stack.length)])
         self.stack = stack
         self._splitter = (splitter,)

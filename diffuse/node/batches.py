@@ -1,22 +1,20 @@
 """What the node's compute thread took from its queue at once (``diffuse.node.compute``): run in arrival order,
 except that decoding passes of different sessions that fit together run through the layers as one batch
 (``diffuse.lm.node_batching``); the last node's tails of such a batch share one product of the output head
-(``diffuse.lm.node_layers.joint_tails``); each session's message then goes as for a lone pass."""
+(``diffuse.lm.node_layers.joint_tails``); each session's message then goes as for a lone pass. An opened data message is an ``Incoming``; where its
+time went is counted in ``PARTS``."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from diffuse.lm.node_batching import batch_key, run_batch
 from diffuse.plan.devices import PassClock
 from diffuse.lm.node_layers import joint_tails
-
-if TYPE_CHECKING:
-    from diffuse.node.compute import ComputeThread, Incoming
+from diffuse.node.stage import Prepared
 
 log = logging.getLogger("diffuse.node")
 
@@ -24,7 +22,7 @@ log = logging.getLogger("diffuse.node")
 class TakenItems:
     """The batching side of ``thread`` (a ``diffuse.node.compute.ComputeThread``), on its node's counters."""
 
-    def __init__(self, thread: "ComputeThread"):
+    def __init__(self, thread):
         self.thread = thread
         self.node = thread.node
 
@@ -66,7 +64,7 @@ class TakenItems:
                 log.warning("dropped a data message that failed unexpectedly (%s); still serving", type(exc).__name__)
                 log.debug("dropped", exc_info=True)
 
-    def _partners(self, e: "Incoming", entries: list) -> list["Incoming"]:
+    def _partners(self, e: Incoming, entries: list) -> list[Incoming]:
         """Messages among ``entries`` that can run in one batch with ``e``: each the earliest waiting message of
         a session other than ``e``'s (prepared here, in its session's order), with ``e``'s batch key."""
         if e.pass_ is None and e.reply is None:
@@ -88,7 +86,7 @@ class TakenItems:
                 found.append(f)
         return found
 
-    def _batch(self, group: list["Incoming"]) -> None:
+    def _batch(self, group: list[Incoming]) -> None:
         """Decoding passes of different sessions through the layers as one batch (``diffuse.lm.node_batching``); each
         session's tail (jointly where they fit) and message then as for a lone pass. What cannot be batched runs
         one by one."""
@@ -133,3 +131,38 @@ class TakenItems:
             m.timed("finish", w1)
         for m in group:
             self.thread.send(m)
+
+
+class Incoming:
+    """A data message opened on the compute thread: its session, header and tensors; once prepared, the pass
+    to run (``pass_``) or the message to send at once (``reply``); its batch key (``diffuse.lm.node_batching``); where
+    its time went (``parts``: wall seconds of each stage, for ``python -m diffuse.bench``)."""
+
+    __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key", "busy", "t0", "parts")
+
+    def __init__(self, sess, header: dict, tensors: list, malformed: str | None, t0: float = 0.0):
+        self.sess, self.header, self.tensors, self.malformed = sess, header, tensors, malformed
+        self.t0 = t0 or time.perf_counter()  # when it began to be opened
+        self.pass_: Prepared | None = None
+        self.reply: tuple[dict, list] | None = None
+        self.key: tuple | None = None
+        self.busy = 0.0  # seconds its preparing and running took
+        self.parts = dict.fromkeys(PARTS, 0.0)
+
+    def timed(self, part: str, since: float) -> float:
+        """Add the wall time from ``since`` to ``part``; the time now."""
+        now = time.perf_counter()
+        self.parts[part] += now - since
+        return now
+
+    def spent(self, seconds: float) -> None:
+        """Count ``seconds`` of work on this message (the compute thread's own CPU time: waiting for a core
+        another process holds is not work) in its session's busy time, and per call in its busy log."""
+        self.busy += seconds
+        self.sess.busy_s += seconds
+
+
+# where a call's time went on a node, in the order of its per-call record (after the sequence number): the
+# compute thread idle before it, opening its frames, checking it, its blocks (wall, then CPU), building what it
+# hands on, sealing and sending that, and the page faults its blocks took
+PARTS = ("idle", "open", "prepare", "blocks", "blocks_cpu", "finish", "seal", "faults")

@@ -15,16 +15,12 @@ from diffuse.wire import frames
 from diffuse.lm.node_batching import MAX_BATCH
 from diffuse.plan.devices import Outgoing, PassClock, to_device
 from diffuse.errors import DiffuseError, MalformedHeader, WireError
-from diffuse.node.batches import TakenItems
+from diffuse.node.batches import PARTS, Incoming, TakenItems
 from diffuse.node.stage import NODE_BUFFER_BYTES, Prepared
 
 log = logging.getLogger("diffuse.node")
 
 MAX_PASS_LOG = 4096  # per-pass records a session keeps (bytes in, busy time): the latest, with running totals
-# where a call's time went on a node, in the order of its per-call record (after the sequence number): the
-# compute thread idle before it, opening its frames, checking it, its blocks (wall, then CPU), building what it
-# hands on, sealing and sending that, and the page faults its blocks took
-PARTS = ("idle", "open", "prepare", "blocks", "blocks_cpu", "finish", "seal", "faults")
 
 
 def _keep(records: list, record: list) -> None:
@@ -51,35 +47,6 @@ class Arrived:
 
     def __init__(self, raw: list, env: dict, hop, plain: bytes):
         self.raw, self.env, self.hop, self.plain = raw, env, hop, plain
-
-
-class Incoming:
-    """A data message opened on the compute thread: its session, header and tensors; once prepared, the pass
-    to run (``pass_``) or the message to send at once (``reply``); its batch key (``diffuse.lm.node_batching``); where
-    its time went (``parts``: wall seconds of each stage, for ``python -m diffuse.bench``)."""
-
-    __slots__ = ("sess", "header", "tensors", "malformed", "pass_", "reply", "key", "busy", "t0", "parts")
-
-    def __init__(self, sess, header: dict, tensors: list, malformed: str | None, t0: float = 0.0):
-        self.sess, self.header, self.tensors, self.malformed = sess, header, tensors, malformed
-        self.t0 = t0 or time.perf_counter()  # when it began to be opened
-        self.pass_: Prepared | None = None
-        self.reply: tuple[dict, list] | None = None
-        self.key: tuple | None = None
-        self.busy = 0.0  # seconds its preparing and running took
-        self.parts = dict.fromkeys(PARTS, 0.0)
-
-    def timed(self, part: str, since: float) -> float:
-        """Add the wall time from ``since`` to ``part``; the time now."""
-        now = time.perf_counter()
-        self.parts[part] += now - since
-        return now
-
-    def spent(self, seconds: float) -> None:
-        """Count ``seconds`` of work on this message (the compute thread's own CPU time: waiting for a core
-        another process holds is not work) in its session's busy time, and per call in its busy log."""
-        self.busy += seconds
-        self.sess.busy_s += seconds
 
 
 class ComputeThread:

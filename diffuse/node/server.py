@@ -25,7 +25,8 @@ import torch
 from diffuse.wire import frames
 from diffuse.wire import sealing
 from diffuse.errors import DiffuseError, WireError
-from diffuse.node.compute import MAX_PASS_LOG, PARTS, Arrived, ComputeThread  # noqa: F401 (the limits, said here too)
+from diffuse.node.batches import PARTS  # noqa: F401 (said here too)
+from diffuse.node.compute import MAX_PASS_LOG, Arrived, ComputeThread  # noqa: F401 (the limits, said here too)
 from diffuse.node.control import NodeControl, refusal
 from diffuse.wire.links import NextHop
 from diffuse.plan.reports import SpeedBook
