@@ -119,3 +119,17 @@ def test_check_remembers_a_verdict_until_the_model_changes(tmp_path, monkeypatch
     config.write_text(config.read_text().replace('"num_layers": 4', '"num_layers": 3'))
     changed = lines()
     assert "(cached)" not in changed[1] and "blocks: 3 x WanTransformerBlock" in changed[3]
+
+
+def test_every_subcommand_and_benchmark_names_a_function_that_exists():
+    """The tables the commands dispatch from (``diffuse COMMAND``, ``python -m diffuse.bench NAME``) name their
+    modules as strings, imported only when one runs: each must import and give a function."""
+    import importlib
+
+    from diffuse.bench.command import SUBCOMMANDS
+    from diffuse.cli.command import COMMANDS
+
+    targets = [c.target.partition(":")[::2] for c in COMMANDS.values()] + list(SUBCOMMANDS.values())
+    assert len(targets) >= 15
+    missing = [f"{m}:{f}" for m, f in targets if not callable(getattr(importlib.import_module(m), f, None))]
+    assert not missing, f"a command names what is not there: {missing}"
