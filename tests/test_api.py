@@ -105,7 +105,7 @@ def test_the_readme_example_runs_as_written_and_is_exact_at_default_threads(tmp_
     kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg != "generator"}
     model = ast.literal_eval(next(n for n in ast.walk(ast.parse(example)) if isinstance(n, ast.Call)
                                   and getattr(n.func, "attr", "") == "from_pretrained").args[0])
-    from diffuse.plan.modelfiles import resolve_model
+    from diffuse.plan.resolve import resolve_model
 
     reference = Reference(resolve_model(model), kwargs, str(tmp_path / "reference.npy"), seed=7, threads=0)
     run = subprocess.run([sys.executable, "-c", script], env=subprocess_env(diffuse_home), capture_output=True,

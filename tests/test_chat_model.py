@@ -46,7 +46,7 @@ def reference(tmp_path_factory) -> dict:
 
 
 def test_the_chat_model_ships_beside_the_default_pipeline_and_resolves_by_name():
-    from diffuse.plan.modelfiles import resolve_model
+    from diffuse.plan.resolve import resolve_model
 
     shipped = shipped_models()
     assert list(shipped)[0] == "tiny-wan-shapes" and shipped["tiny-wan-shapes"] == default_model_dir()

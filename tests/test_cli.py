@@ -60,7 +60,7 @@ def _fake_hub_cache(root, repo_id: str, source: str) -> str:
 def _resolve_in(env: dict, *models: str) -> subprocess.CompletedProcess:
     """resolve_model for each model, and for a Hub id diffusers' own resolver too (what from_pretrained loads
     from), in one fresh process: huggingface_hub reads HF_HUB_CACHE once, at import."""
-    code = ("import sys; from diffusers import DiffusionPipeline; from diffuse.plan.modelfiles import resolve_model\n"
+    code = ("import sys; from diffusers import DiffusionPipeline; from diffuse.plan.resolve import resolve_model\n"
             "for model in sys.argv[1:]:\n"
             "    print(resolve_model(model))\n"
             "    if '/' in model: print(DiffusionPipeline.download(model))\n")

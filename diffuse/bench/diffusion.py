@@ -35,7 +35,9 @@ from diffuse.bench import parts
 from diffuse.bench.parts import step_ratios
 from diffuse.bench.kit import GUIDANCE, inputs, mean_se
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from diffuse.home import libraries_offline  # noqa: E402
+
+libraries_offline()
 
 FULL = dict(heads=12, head_dim=128, ffn=8960, layers=4, text_dim=4096, text_len=512, frames=3, size=32, steps=10)
 QUICK = dict(heads=4, head_dim=32, ffn=512, layers=4, text_dim=64, text_len=32, frames=3, size=16, steps=4)

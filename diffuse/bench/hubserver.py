@@ -122,140 +122,145 @@ class HubServer:
         return None
 
 
-def _handler(hub: HubServer):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+class _Handler(BaseHTTPRequestHandler):
+    """The Hub's file API, answered from ``hub`` (set on the class ``_handler`` makes)."""
 
-        def log_message(self, *args):  # the log is hub.log
-            pass
+    hub: "HubServer"
+    protocol_version = "HTTP/1.1"
 
-        def do_HEAD(self):
-            self._serve(body=False)
+    def log_message(self, *args):  # the log is hub.log
+        pass
 
-        def do_GET(self):
-            self._serve(body=True)
+    def do_HEAD(self):
+        self._serve(body=False)
 
-        def _answer(self, status: int, payload=None, headers: dict | None = None, body: bool = True):
-            data = b"" if payload is None else json.dumps(payload).encode()
-            self.send_response(status)
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            if body:
-                self.wfile.write(data)
+    def do_GET(self):
+        self._serve(body=True)
 
-        def _error(self, status: int, code: str, message: str, body: bool):
-            self._answer(status, {"error": message}, {"X-Error-Code": code, "X-Error-Message": message}, body)
+    def _answer(self, status: int, payload=None, headers: dict | None = None, body: bool = True):
+        data = b"" if payload is None else json.dumps(payload).encode()
+        self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
 
-        def _serve(self, body: bool):
-            url = urllib.parse.urlsplit(self.path)
-            parts = [urllib.parse.unquote(p) for p in url.path.split("/") if p]
-            who = parts.pop(0)[1:] if parts and parts[0].startswith("~") else ""
-            entry = {"who": who, "method": self.command, "repo": "", "file": "", "range": None, "sent": 0,
-                     "status": 0}
-            try:
-                self._route(parts, urllib.parse.parse_qs(url.query), entry, body)
-            except (BrokenPipeError, ConnectionResetError):
-                entry["status"] = entry["status"] or -1
-            finally:
-                with hub._lock:
-                    hub.log.append(entry)
+    def _error(self, status: int, code: str, message: str, body: bool):
+        self._answer(status, {"error": message}, {"X-Error-Code": code, "X-Error-Message": message}, body)
 
-        def _route(self, parts: list[str], query: dict, entry: dict, body: bool):
-            if parts[:2] == ["api", "models"]:
-                if len(parts) == 2:
-                    entry["status"] = 200
-                    return self._answer(200, _search(hub, query), body=body)
-                rest = parts[2:]
-                if "tree" in rest[:-1]:  # the file list (snapshot_download's): every file, one page
-                    at = rest.index("tree")
-                    found = self._repo("/".join(rest[:at]), rest[at + 1], entry, body)
-                    if found:
-                        entry["status"] = 200
-                        return self._answer(200, _tree(*found), body=body)
-                    return None
-                revision = rest[rest.index("revision") + 1] if "revision" in rest[:-1] else "main"
-                repo_id = "/".join(rest[:rest.index("revision")] if "revision" in rest[:-1] else rest)
-                found = self._repo(repo_id, revision, entry, body)
+    def _serve(self, body: bool):
+        url = urllib.parse.urlsplit(self.path)
+        parts = [urllib.parse.unquote(p) for p in url.path.split("/") if p]
+        who = parts.pop(0)[1:] if parts and parts[0].startswith("~") else ""
+        entry = {"who": who, "method": self.command, "repo": "", "file": "", "range": None, "sent": 0,
+                 "status": 0}
+        try:
+            self._route(parts, urllib.parse.parse_qs(url.query), entry, body)
+        except (BrokenPipeError, ConnectionResetError):
+            entry["status"] = entry["status"] or -1
+        finally:
+            with self.hub._lock:
+                self.hub.log.append(entry)
+
+    def _route(self, parts: list[str], query: dict, entry: dict, body: bool):
+        if parts[:2] == ["api", "models"]:
+            if len(parts) == 2:
+                entry["status"] = 200
+                return self._answer(200, _search(self.hub, query), body=body)
+            rest = parts[2:]
+            if "tree" in rest[:-1]:  # the file list (snapshot_download's): every file, one page
+                at = rest.index("tree")
+                found = self._repo("/".join(rest[:at]), rest[at + 1], entry, body)
                 if found:
-                    repo, sha = found
                     entry["status"] = 200
-                    return self._answer(200, _info(repo_id, repo, sha, "blobs" in query), body=body)
+                    return self._answer(200, _tree(*found), body=body)
                 return None
-            if len(parts) >= 5 and parts[2] == "resolve":
-                repo_id, revision, path = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
-                entry.update(repo=repo_id, file=path)
-                found = self._repo(repo_id, revision, entry, body)
-                if found:
-                    self._file(*found, path, entry, body)
-                return None
-            entry["status"] = 404
-            return self._error(404, "EntryNotFound", f"no route {'/'.join(parts)}", body)
-
-        def _repo(self, repo_id: str, revision: str, entry: dict, body: bool):
-            entry["repo"] = repo_id
-            repo = hub.repos.get(repo_id)
-            if repo is None:
-                entry["status"] = 401
-                return self._error(401, "RepoNotFound", f"Repository {repo_id} not found", body)
-            if repo.token and self.headers.get("Authorization") != f"Bearer {repo.token}":
-                entry["status"] = 401
-                return self._error(401, "GatedRepo", f"Access to model {repo_id} is restricted: you must have "
-                                   "access to it and be authenticated to access it", body)
-            sha = repo.main if revision == "main" else revision
-            if sha not in repo.commits:
-                entry["status"] = 404
-                return self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}", body)
-            return repo, sha
-
-        def _file(self, repo: Repo, sha: str, path: str, entry: dict, body: bool):
-            listed = repo.files[sha].get(path)
-            if listed is None:
-                entry["status"] = 404
-                return self._error(404, "EntryNotFound", f"{path} does not exist at {sha}", body)
-            size, digest = listed
-            start, stop = 0, size
-            asked = self.headers.get("Range")
-            if asked:
-                try:
-                    a, b = asked.removeprefix("bytes=").split("-")
-                    start, stop = (int(a), min(int(b) + 1, size)) if a else (max(size - int(b), 0), size)
-                except ValueError:
-                    entry["status"] = 416
-                    return self._answer(416, {"error": f"bad range {asked}"}, body=body)
-                entry["range"] = (start, stop)
-            fault = hub._fault(path) if body else None
-            if fault is not None and fault.after is None:
-                entry["status"] = 500
-                return self._answer(500, {"error": "internal error (a planted fault)"}, body=body)
-            status = 206 if asked else 200
-            entry["status"] = status
-            self.send_response(status)
-            self.send_header("X-Repo-Commit", sha)
-            self.send_header("ETag", f'"{digest}"')
-            self.send_header("Accept-Ranges", "bytes")
-            self.send_header("Content-Length", str(stop - start))
-            if asked:
-                self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{size}")
-            self.end_headers()
-            if not body:
-                return None
-            limit = stop - start if fault is None else min(fault.after, stop - start)
-            with open(os.path.join(repo.commits[sha], path), "rb") as f:
-                f.seek(start)
-                while entry["sent"] < limit:
-                    chunk = f.read(min(64 << 10, limit - entry["sent"]))
-                    hub._throttle(len(chunk))
-                    self.wfile.write(chunk)
-                    entry["sent"] += len(chunk)
-            if fault is not None:
-                self.close_connection = True
-                self.connection.shutdown(2)
+            revision = rest[rest.index("revision") + 1] if "revision" in rest[:-1] else "main"
+            repo_id = "/".join(rest[:rest.index("revision")] if "revision" in rest[:-1] else rest)
+            found = self._repo(repo_id, revision, entry, body)
+            if found:
+                repo, sha = found
+                entry["status"] = 200
+                return self._answer(200, _info(repo_id, repo, sha, "blobs" in query), body=body)
             return None
+        if len(parts) >= 5 and parts[2] == "resolve":
+            repo_id, revision, path = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
+            entry.update(repo=repo_id, file=path)
+            found = self._repo(repo_id, revision, entry, body)
+            if found:
+                self._file(*found, path, entry, body)
+            return None
+        entry["status"] = 404
+        return self._error(404, "EntryNotFound", f"no route {'/'.join(parts)}", body)
 
-    return Handler
+    def _repo(self, repo_id: str, revision: str, entry: dict, body: bool):
+        entry["repo"] = repo_id
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            entry["status"] = 401
+            return self._error(401, "RepoNotFound", f"Repository {repo_id} not found", body)
+        if repo.token and self.headers.get("Authorization") != f"Bearer {repo.token}":
+            entry["status"] = 401
+            return self._error(401, "GatedRepo", f"Access to model {repo_id} is restricted: you must have "
+                               "access to it and be authenticated to access it", body)
+        sha = repo.main if revision == "main" else revision
+        if sha not in repo.commits:
+            entry["status"] = 404
+            return self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}", body)
+        return repo, sha
+
+    def _file(self, repo: Repo, sha: str, path: str, entry: dict, body: bool):
+        listed = repo.files[sha].get(path)
+        if listed is None:
+            entry["status"] = 404
+            return self._error(404, "EntryNotFound", f"{path} does not exist at {sha}", body)
+        size, digest = listed
+        start, stop = 0, size
+        asked = self.headers.get("Range")
+        if asked:
+            try:
+                a, b = asked.removeprefix("bytes=").split("-")
+                start, stop = (int(a), min(int(b) + 1, size)) if a else (max(size - int(b), 0), size)
+            except ValueError:
+                entry["status"] = 416
+                return self._answer(416, {"error": f"bad range {asked}"}, body=body)
+            entry["range"] = (start, stop)
+        fault = self.hub._fault(path) if body else None
+        if fault is not None and fault.after is None:
+            entry["status"] = 500
+            return self._answer(500, {"error": "internal error (a planted fault)"}, body=body)
+        status = 206 if asked else 200
+        entry["status"] = status
+        self.send_response(status)
+        self.send_header("X-Repo-Commit", sha)
+        self.send_header("ETag", f'"{digest}"')
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Content-Length", str(stop - start))
+        if asked:
+            self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{size}")
+        self.end_headers()
+        if not body:
+            return None
+        limit = stop - start if fault is None else min(fault.after, stop - start)
+        with open(os.path.join(repo.commits[sha], path), "rb") as f:
+            f.seek(start)
+            while entry["sent"] < limit:
+                chunk = f.read(min(64 << 10, limit - entry["sent"]))
+                self.hub._throttle(len(chunk))
+                self.wfile.write(chunk)
+                entry["sent"] += len(chunk)
+        if fault is not None:
+            self.close_connection = True
+            self.connection.shutdown(2)
+        return None
+
+
+
+def _handler(hub: HubServer):
+    return type("Handler", (_Handler,), {"hub": hub})
 
 
 def _info(repo_id: str, repo: Repo, sha: str, blobs: bool) -> dict:

@@ -26,7 +26,9 @@ import numpy as np
 
 from diffuse.text import plain
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from diffuse.home import libraries_offline  # noqa: E402
+
+libraries_offline()
 
 
 def _generate(pipe, prompt: str, steps: int, seed: int) -> np.ndarray:

@@ -345,14 +345,14 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m diffuse.cli.check keep MODEL...``: write each model folder's kept verdict (``keep``)."""
     import argparse
 
-    from diffuse.plan.modelfiles import resolve_model
+    from diffuse.plan.resolve import resolve_model
 
     ap = argparse.ArgumentParser(prog="python -m diffuse.cli.check", description=main.__doc__.split("\n")[0])
     ap.add_argument("action", choices=["keep"])
     ap.add_argument("models", nargs="+", metavar="MODEL", help="a model folder or a shipped model's name")
     a = ap.parse_args(argv)
     for model in a.models:
-        path = resolve_model(model)
+        path = resolve_model(model, "headers")
         verdict = keep(path)
         print(f"{os.path.join(path, VERDICT_FILE)}: {verdict['check']['verdict']}"
               f"{'; sizes ' + json.dumps(verdict['sizes']['largest']) if verdict.get('sizes') else ''}")

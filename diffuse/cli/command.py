@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from diffuse.flags import exit_now
 from diffuse.flags import quiet_libraries
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from diffuse.home import libraries_offline  # noqa: E402
+
+libraries_offline()
 
 
 # ---------------------------------------------------------------- subcommands

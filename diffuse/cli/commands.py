@@ -40,9 +40,9 @@ def check_main(argv: list[str]) -> int:
     def body():
         nonlocal code
         from diffuse.cli.check import print_check
-        from diffuse.plan.modelfiles import resolve_model
+        from diffuse.plan.resolve import resolve_model
 
-        code = print_check(resolve_model(a.model), out, cache=True)
+        code = print_check(resolve_model(a.model, "headers"), out, cache=True)
 
     return parsing.run_guarded(body, out) or code
 

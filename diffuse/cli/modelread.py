@@ -32,7 +32,7 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
     against it (``--nodes auto`` replaced by the nodes heard), and what was read. ``command`` opens the first
     status line; ``language``: the command talks to language models only (``diffuse chat``)."""
     from diffuse.cli.check import refuse_early
-    from diffuse.plan.modelfiles import resolve_model
+    from diffuse.plan.resolve import resolve_model
     from diffuse.client.progress import phase, status
 
     ask = q.model
@@ -41,9 +41,11 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
 
         path, name = default_model_dir(), SHIPPED_MODEL_NAME
     else:
-        path, name = resolve_model(ask.model), ask.model
+        path, name = resolve_model(ask.model, "headers"), ask.model
     where = "" if os.path.basename(path.rstrip("/")) == name else f" from {path}"
-    refuse_early(path, name, q.call)
+    refuse_early(path, name, q.call)  # a Hub model refused here has sent its configs and headers only
+    if ask.model is not None:
+        path = resolve_model(ask.model, "client")
     with phase(console, f"{command}: {name}{where}; reading its config (importing torch and its library)",
                q.output.quiet):
         import torch

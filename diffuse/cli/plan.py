@@ -33,7 +33,7 @@ def plan_command(argv: list[str]) -> int:
 
     from diffuse.cli.parsing import lan_nodes
     from diffuse.flags import Parser, seconds
-    from diffuse.plan.modelfiles import resolve_model
+    from diffuse.plan.resolve import resolve_model
     from diffuse.plan.planner import analyze, make_plan
     from diffuse.wire.discovery import zeroconf_library
 
@@ -62,7 +62,7 @@ def plan_command(argv: list[str]) -> int:
             zeroconf_library()  # or how to install it, before anything loads
         elif a.discover_seconds is not None:
             raise DiffuseError("--discover-seconds applies with --nodes auto")
-        path = resolve_model(a.model)
+        path = resolve_model(a.model, "headers")
         subject, draft = analyze(path)
         dtype = a.dtype or load_dtype(subject)
         _dtype_size(dtype)

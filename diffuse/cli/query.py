@@ -14,7 +14,9 @@ import contextlib
 import os
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from diffuse.home import libraries_offline  # noqa: E402
+
+libraries_offline()
 
 from diffuse.cli import parsing
 from diffuse import flags

@@ -35,8 +35,9 @@ class ModelInfo:
     draft: dict
 
     @classmethod
-    def of(cls, model: str | None) -> "ModelInfo":
-        from diffuse.plan.modelfiles import resolve_model
+    def of(cls, model: str | None, role: str = "client") -> "ModelInfo":
+        """``model`` found (``resolve_model``; a Hub id fetched as far as ``role`` needs) and analysed."""
+        from diffuse.plan.resolve import resolve_model
         from diffuse.plan.planner import analyze
 
         if model is None:
@@ -44,7 +45,7 @@ class ModelInfo:
 
             path = default_model_dir()
         else:
-            path = resolve_model(model)
+            path = resolve_model(model, role)
         return cls(path, *analyze(path))  # refusals happen here, before anything is loaded
 
     @property
@@ -84,10 +85,18 @@ def load_whole_or_shell(info: "ModelInfo", compute, shell: bool):
     carries ``info`` (``_diffuse``), so that splitting it, checking its call and reporting on it read no folder
     again (``model_info``)."""
     from diffuse.plan.devices import place
+    from diffuse.plan.hubmodel import complete_model, partial_model
     from diffuse.plan.planner import load_model, load_pipeline
 
+    if not shell:
+        complete_model(info.path)  # a Hub model's folder, as a client holds it: the nodes' blocks too
     if info.subject.autoregressive:
-        pipe = place(load_model(info.path, info.subject, compute.dtype), compute.device)
+        pipe = load_model(info.path, info.subject, compute.dtype)
+        if shell and partial_model(info.path):  # the blocks nodes hold were not fetched here: never to be run
+            for st in info.draft["stacks"]:
+                for block in list(pipe.get_submodule(st.path))[1:]:
+                    block.to("meta")
+        pipe = place(pipe, compute.device)
     else:
         pipe = load_pipeline(info.path, info.subject, info.draft["stacks"] if shell else None, compute.dtype)
         for part in pipe.components.values():

@@ -44,7 +44,8 @@ class LocalNodes(list):
 
 def node_env() -> dict:
     """The environment local nodes start in."""
-    return dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    offline = os.environ.get("DIFFUSE_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "0"))
+    return dict(os.environ, HF_HUB_OFFLINE="1", DIFFUSE_HUB_OFFLINE=offline, PYTHONUNBUFFERED="1")
 
 
 def warm_launcher() -> None:

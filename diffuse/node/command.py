@@ -134,18 +134,20 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s node %(levelname)s %(message)s")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from diffuse.home import libraries_offline
+
+    libraries_offline()
     keep_freed_memory()
     if a.threads:
         torch.set_num_threads(a.threads)
-    from diffuse.plan.modelfiles import resolve_model
+    from diffuse.plan.resolve import resolve_model
 
     if a.compile and (why := compile_unavailable()):
         print(f"error: --compile: {why}", file=sys.stderr)
         return 2
     try:
         flags.check_port_free(a.listen)  # before anything loads
-        path = resolve_model(a.model)
+        path = resolve_model(a.model, "node")  # a Hub id: configs and headers; the slice comes as it loads
         compute = node_compute(a.device, a.dtype, path)  # a device or dtype this machine lacks: refused here
         lan = discovery.Announcer(a.listen) if a.announce else None  # the library there, an address others reach
         log.info("loading %s%s on %s", a.model, f" (blocks {a.blocks})" if a.blocks else "", compute.describe())

@@ -14,6 +14,7 @@ file is ever taken for complete that is not.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -24,10 +25,10 @@ import time
 import urllib.error
 
 from diffuse.errors import DiffuseError
-from diffuse.plan.hub import RETRIES, BACKOFF_S, HubRef, file_url, hub_failure, read_range, request
+from diffuse.plan.hub import RETRIES, HubRef, backoff_s, file_url, hub_failure, read_range, request
 
 CHUNK = 1 << 20  # bytes read and written at a time
-NOTE_EVERY = 16 << 20  # bytes fetched between two writes of a partial file's note
+NOTE_EVERY_S = 1.0  # seconds between two writes of a partial file's note while fetching (what a kill may lose)
 GAP = 64 << 10  # ranges closer than this are fetched as one (fewer requests, a little more data)
 
 
@@ -80,6 +81,22 @@ def missing(wanted, held) -> list[list[int]]:
         else:
             joined.append([a, b])
     return joined
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK * 8), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 class Progress:
@@ -135,42 +152,66 @@ class RepoFile:
         self.note_path = _note_path(self.local)
 
     def _note(self) -> dict | None:
-        try:
-            with open(self.note_path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
+        return _read_json(self.note_path)
 
     def complete(self) -> bool:
-        """Every byte here (no note), of the listed size; a file of another size is damaged and removed."""
+        """Every byte here and checked: its note says so (sealed) and the file is as it was sealed. A file changed
+        since (or found with no note) is checked against the Hub's sha256 again, and removed if it differs (or
+        where the Hub gives none), so that it is fetched anew."""
         if not os.path.isfile(self.local):
             return False
-        if self._note() is None:
-            if os.path.getsize(self.local) == self.size:
-                return True
-            print(f"{self.local} is damaged ({os.path.getsize(self.local)} bytes, the Hub lists {self.size}): "
-                  "fetching it again", file=sys.stderr)
-            os.unlink(self.local)
+        note = self._note()
+        if note is not None and not note.get("sealed"):
+            return False
+        st = os.stat(self.local)
+        if note is not None and note.get("size") == st.st_size == self.size and note.get("mtime_ns") == st.st_mtime_ns:
+            return True
+        if st.st_size == self.size and self.sha256 and _sha256(self.local) == self.sha256:
+            self._write_note(None)
+            return True
+        print(f"{self.local} is damaged ({st.st_size} bytes, changed since it was fetched and checked): "
+              "fetching it again", file=sys.stderr)
+        os.unlink(self.local)
+        if note is not None:
+            os.unlink(self.note_path)
         return False
 
     def held(self) -> list[list[int]]:
         if self.complete():
             return [[0, self.size]]
         note = self._note()
-        if note is None or note.get("size") != self.size or os.path.getsize(self.local) != self.size:
+        if note is None or note.get("sealed") or note.get("size") != self.size or \
+                not os.path.isfile(self.local) or os.path.getsize(self.local) != self.size:
             return []
         return note["spans"]
 
     def to_fetch(self, spans) -> list[list[int]]:
         return missing(spans, self.held())
 
+    @classmethod
+    def at(cls, local: str) -> "RepoFile | None":
+        """The partial file at ``local`` as its note describes it (repo, commit, path); None where it has no note."""
+        note = _read_json(_note_path(local))
+        if not note or "repo" not in note:
+            return None
+        folder = local[: len(local) - len(note["path"])]
+        return cls(HubRef(note["repo"]), note["commit"], folder, note["path"], note["size"], note.get("sha256"))
+
     def fetch(self, spans, progress: Progress | None = None) -> None:
-        """Hold ``spans`` (lists of [start, stop)); the whole file once every byte is held (sha256 checked)."""
+        """Hold ``spans`` (lists of [start, stop)); the whole file once every byte is held (sha256 checked).
+        Processes fetching the same file take turns (a lock beside it) and fetch only what the other left."""
+        if not self.to_fetch(spans):
+            return
+        os.makedirs(os.path.dirname(self.local), exist_ok=True)
+        with open(_note_path(self.local)[: -len(".json")] + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._fetch_locked(spans, progress)
+
+    def _fetch_locked(self, spans, progress) -> None:
         todo = self.to_fetch(spans)
         if not todo:
             return
         held = self.held()
-        os.makedirs(os.path.dirname(self.local), exist_ok=True)
         if not held:
             with open(self.local, "wb") as f:
                 f.truncate(self.size)  # sparse: the ranges not fetched take no disk
@@ -192,7 +233,7 @@ class RepoFile:
             self._seal()
 
     def _fetch_span(self, fd: int, a: int, b: int, held: list, progress) -> list:
-        at, since_note, tries = a, 0, 0
+        at, noted, tries = a, time.monotonic(), 0
         while at < b:
             try:
                 with request(file_url(self.ref.repo, self.commit, self.path), self.ref,
@@ -206,39 +247,42 @@ class RepoFile:
                             raise ConnectionResetError("the answer ended early")
                         os.pwrite(fd, chunk, at)
                         at += len(chunk)
-                        since_note += len(chunk)
                         if progress is not None:
                             progress.add(len(chunk))
-                        if since_note >= NOTE_EVERY:
+                        if time.monotonic() - noted >= NOTE_EVERY_S:
                             held = merged(held + [[a, at]])
                             self._write_note(held)
-                            since_note = 0
+                            noted = time.monotonic()
             except (ConnectionError, TimeoutError, urllib.error.URLError) as exc:
                 tries += 1
                 if tries >= RETRIES:
                     raise hub_failure(exc, self.ref) from None
-                time.sleep(BACKOFF_S * 2 ** (tries - 1))
+                time.sleep(backoff_s(tries))
         return merged(held + [[a, b]])
 
-    def _write_note(self, held: list) -> None:
-        tmp = self.note_path + ".tmp"
+    def _write_note(self, held: list | None) -> None:
+        """The note beside the file: the spans held, or (``held`` None) that it is complete and checked."""
+        note = {"repo": self.ref.repo, "commit": self.commit, "path": self.path, "size": self.size,
+                "sha256": self.sha256}
+        if held is None:
+            note.update(sealed=True, mtime_ns=os.stat(self.local).st_mtime_ns)
+        else:
+            note["spans"] = merged(held)
+        tmp = f"{self.note_path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"size": self.size, "sha256": self.sha256, "spans": merged(held)}, f)
+            json.dump(note, f)
         os.replace(tmp, self.note_path)
 
     def _seal(self) -> None:
-        """Every byte held: checked against the Hub's sha256, then the note goes (the file is complete)."""
+        """Every byte held: checked against the Hub's sha256, then sealed (the note says it is complete)."""
         if self.sha256:
-            h = hashlib.sha256()
-            with open(self.local, "rb") as f:
-                for chunk in iter(lambda: f.read(CHUNK * 8), b""):
-                    h.update(chunk)
-            if h.hexdigest() != self.sha256:
+            digest = _sha256(self.local)
+            if digest != self.sha256:
                 os.unlink(self.local)
                 os.unlink(self.note_path)
-                raise DiffuseError(f"{self.ref}: {self.path} arrived damaged (sha256 {h.hexdigest()[:12]}…, the Hub "
+                raise DiffuseError(f"{self.ref}: {self.path} arrived damaged (sha256 {digest[:12]}…, the Hub "
                                    f"lists {self.sha256[:12]}…); it was removed: run again to fetch it anew")
-        os.unlink(self.note_path)
+        self._write_note(None)
 
     def header(self) -> tuple[int, dict]:
         """A safetensors file's header (its length and its JSON), fetched and held where it is not yet."""
@@ -279,3 +323,25 @@ def spans_of(header: tuple[int, dict], keys) -> list[list[int]]:
         a, b = meta[k]["data_offsets"]
         out.append([8 + n + a, 8 + n + b])
     return merged(out)
+
+
+def hold(needs: dict[str, list[str]], say=None) -> None:
+    """Every tensor ``needs`` names (safetensors file -> tensor names) held on this disk: in a partial file of a
+    Hub model, the byte ranges of those not held yet are fetched first (one progress line for them all). A file
+    with no note is complete, or not a Hub model's: nothing to do."""
+    todo = []
+    for local, keys in needs.items():
+        f = RepoFile.at(local)
+        if f is None:
+            continue
+        spans = f.to_fetch(spans_of(f.header(), keys))
+        if spans:
+            todo.append((f, spans))
+    if not todo:
+        return
+    total = sum(b - a for _, spans in todo for a, b in spans)
+    check_room(os.path.dirname(todo[0][0].local), total, f"{todo[0][0].ref}'s tensors")
+    progress = Progress(str(todo[0][0].ref), total, say)
+    for f, spans in todo:
+        f.fetch(spans, progress)
+    progress.end()

@@ -26,7 +26,12 @@ from diffuse.errors import DiffuseError
 
 _REF = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+?)(?:@(?P<revision>[\w./-]+))?$")
 RETRIES = 5  # tries of one request that meets a server error or a dropped connection
-BACKOFF_S = float(os.environ.get("DIFFUSE_FETCH_BACKOFF", "1"))  # the first wait between tries; doubled after each
+
+
+def backoff_s(tries: int) -> float:
+    """The wait before try ``tries + 1``: ``DIFFUSE_FETCH_BACKOFF`` seconds (default 1) after the first, doubled
+    after each further one."""
+    return float(os.environ.get("DIFFUSE_FETCH_BACKOFF", "1")) * 2 ** (tries - 1)
 
 
 @dataclass(frozen=True)
@@ -114,7 +119,7 @@ def request(url: str, ref: HubRef | str, method: str = "GET", headers: dict | No
     last = None
     for attempt in range(RETRIES):
         if attempt:
-            time.sleep(BACKOFF_S * 2 ** (attempt - 1))
+            time.sleep(backoff_s(attempt))
         try:
             return _OPENER.open(urllib.request.Request(url, headers=sent, method=method), timeout=timeout)
         except urllib.error.HTTPError as exc:

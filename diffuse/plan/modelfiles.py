@@ -1,4 +1,4 @@
-"""Finding a model on disk and reading a denoiser's weights without loading the rest."""
+"""Reading a denoiser's weights without loading the rest (finding the model: ``diffuse.plan.resolve``)."""
 
 from __future__ import annotations
 
@@ -11,40 +11,6 @@ from diffuse.errors import DiffuseError
 # (index, single file) names: diffusers components, then transformers models
 WEIGHTS_NAMES = (("diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.safetensors"),
                  ("model.safetensors.index.json", "model.safetensors"))
-
-
-def resolve_model(model: str) -> str:
-    """A local model folder for ``model``: a path; the name of a model shipped in the package
-    (``tiny-wan-shapes``, ``tiny-qwen-chat``, see ``diffuse.plan.shipped.shipped_models``); or a Hugging Face
-    Hub id already in the local cache, found offline where ``DiffusionPipeline.from_pretrained`` finds it (the
-    snapshot that ``refs/main`` names under ``HF_HUB_CACHE``)."""
-    if os.path.isdir(model):
-        return os.path.abspath(model)
-    if os.path.exists(model):
-        raise DiffuseError(f"{model} is a file; --model wants a diffusers pipeline folder")
-    from diffuse.plan.shipped import shipped_models
-
-    shipped = shipped_models()
-    if model in shipped:
-        return shipped[model]
-    from huggingface_hub import constants, snapshot_download
-
-    try:
-        return snapshot_download(model, local_files_only=True)
-    except Exception as exc:  # not cached, or not a hub id at all
-        import difflib
-
-        near = difflib.get_close_matches(model, list(shipped), n=1)
-        hint = f"did you mean {near[0]!r}? " if near else ""
-        get = (f"hf download {model} --local-dir DIR" if model.count("/") == 1 and not model.startswith(("/", "."))
-               else "hf download ORG/NAME --local-dir DIR")
-        raise DiffuseError(
-            f"model {model!r} not found: no folder {os.path.abspath(model)}, no shipped model of that name (shipped: "
-            f"{', '.join(shipped) or 'none'}), and not in the Hugging Face cache {constants.HF_HUB_CACHE} "
-            f"({type(exc).__name__}); {hint}give a diffusers pipeline folder (model_index.json and a folder per "
-            f"component) or a transformers model folder (config.json naming its architectures, *.safetensors), "
-            f"fetched with `{get}` on a machine that reaches the Hub"
-        ) from exc
 
 
 def weight_map(component_dir: str) -> dict[str, str]:
@@ -316,6 +282,7 @@ def load_into(module, prefix: str, wmap: dict[str, str], dtype=None, skip=None, 
     converted = wmap.converted if isinstance(wmap, WeightMap) else {}
     state, made = {}, {}
     params = module.state_dict(keep_vars=True)
+    _hold_read(params, prefix, wmap, converted, skip)
     for name, current in params.items():
         if skip is not None and skip(name):
             continue
@@ -338,6 +305,24 @@ def load_into(module, prefix: str, wmap: dict[str, str], dtype=None, skip=None, 
         state[name] = t
     module.load_state_dict(state, strict=skip is None, assign=True)
     return len(state)
+
+
+def _hold_read(params, prefix: str, wmap, converted: dict, skip) -> None:
+    """The tensors ``load_into`` is about to read fetched first where they sit in a partial file of a Hub model
+    (``diffuse.plan.fetching.hold``): a node's slice comes by range as it loads it."""
+    from diffuse.plan.fetching import hold
+
+    needs: dict[str, list[str]] = {}
+    for name in params:
+        full = prefix + name
+        if (skip is not None and skip(name)) or full not in wmap and full not in converted:
+            continue
+        if full in converted:
+            for key, _, file in converted[full].sources:
+                needs.setdefault(file, []).append(key)
+        else:
+            needs.setdefault(wmap[full], []).append(wmap.source(full) if isinstance(wmap, WeightMap) else full)
+    hold(needs)
 
 
 def _opened_on_cpu(fn: str, files: dict):

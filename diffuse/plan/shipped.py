@@ -7,7 +7,7 @@ Qwen2-architecture chat model trained here too (``python -m diffuse.train
 chat``), the default of ``diffuse chat``. Every folder under
 ``diffuse/trained/`` holding a pipeline (model_index.json) or a transformers
 model (config.json) is a shipped model, and ``--model NAME`` finds it by its
-folder name (see ``diffuse.plan.modelfiles.resolve_model``).
+folder name (see ``diffuse.plan.resolve.resolve_model``).
 """
 
 from __future__ import annotations

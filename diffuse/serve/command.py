@@ -21,7 +21,9 @@ import threading
 import time
 from dataclasses import dataclass, fields
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from diffuse.home import libraries_offline  # noqa: E402
+
+libraries_offline()
 
 from diffuse.errors import DiffuseError  # noqa: E402
 
@@ -244,10 +246,10 @@ def lan_nodes(models: list[str], nodes: list[str], seconds: float | None, say) -
         return nodes
     from diffuse.plan.analysis import ModelSubject
     from diffuse.client.lan import nodes_on_lan
-    from diffuse.plan.modelfiles import resolve_model
+    from diffuse.plan.resolve import resolve_model
 
     auto = [k for k, spec in enumerate(nodes) if spec == "auto"]
-    found = nodes_on_lan([ModelSubject.from_path(resolve_model(models[k])).content_hash() for k in auto], seconds,
+    found = nodes_on_lan([ModelSubject.from_path(resolve_model(models[k], "headers")).content_hash() for k in auto], seconds,
                          say)
     nodes = list(nodes)
     for k, spec in zip(auto, found):

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from diffuse.home import libraries_offline  # noqa: E402
+
+libraries_offline()
 
 import torch
 

@@ -23,7 +23,9 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from diffuse.home import libraries_offline  # noqa: E402
+
+libraries_offline()
 
 from . import chat_data
 

@@ -16,7 +16,9 @@ import json
 import os
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from diffuse.home import libraries_offline  # noqa: E402
+
+libraries_offline()
 
 import numpy as np
 import torch

@@ -1,0 +1,213 @@
+"""A model named by its Hub id, made a folder on this disk holding what one process runs of it.
+
+``fetch_model(ref, role)`` gives the folder of ``ref`` at the commit the Hub names for it now (offline: the
+commit fetched last for that name), holding:
+
+- ``"headers"``: every file but the weights, and each safetensors file's header (kilobytes). What
+  ``diffuse check`` and ``diffuse plan`` read: the analysis, the verdict and each block's bytes come from these.
+- ``"node"``: the same; a node's slice is fetched as it loads it (``diffuse.plan.fetching.hold``, called by
+  ``load_into``), by range where the file holds other tensors too. A node never fetches an encoder, a VAE or a
+  block it does not hold.
+- ``"client"``: every component whole but the split ones (the denoiser; a language model itself), and of those
+  only the tensors the client keeps: all but the stacks' blocks, and each stack's first block (the client runs
+  it once, at the first call, to learn what the stack returns).
+- ``"whole"``: everything (the reference a split run is compared with).
+
+Only what loaders read is fetched: safetensors weights (never ``.bin``, ``.onnx``, ``.gguf`` and the like, nor a
+``.fp16.``-style variant beside the plain file), the components a diffusers ``model_index.json`` names, and no
+media of the model card. ``.diffuse/hub.json`` in the folder says which repo and commit it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from diffuse.errors import DiffuseError
+from diffuse.plan.fetching import Progress, RepoFile, check_room, repo_root, spans_of
+from diffuse.plan.hub import HubRef, Listing, listing, offline
+
+ROLES = ("headers", "node", "client", "whole")
+MARKER = os.path.join(".diffuse", "hub.json")
+_SKIPPED = (".bin", ".pt", ".pth", ".ckpt", ".onnx", ".onnx_data", ".gguf", ".msgpack", ".h5", ".tflite", ".ot",
+            ".png", ".jpg", ".jpeg", ".gif", ".webp", ".mp4", ".mp3", ".wav", ".pb", ".mlmodel")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def hub_folder(folder: str) -> dict | None:
+    """{"repo", "commit", "revision"} of a folder ``fetch_model`` made, else None."""
+    try:
+        with open(os.path.join(folder, MARKER)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def fetch_model(ref: HubRef, role: str = "whole", say=None) -> str:
+    """The folder of ``ref`` holding what ``role`` needs (see the module's docstring); fetched where it lacks it."""
+    if role not in ROLES:
+        raise ValueError(f"role {role!r}: one of {ROLES}")
+    found = _listing(ref)
+    folder = os.path.join(repo_root(ref.repo), found.commit)
+    files = {p: RepoFile(ref, found.commit, folder, p, *found.files[p]) for p in loaded_files(found)}
+    weights = {p: f for p, f in files.items() if p.endswith(".safetensors")}
+    plain = [f for p, f in files.items() if p not in weights]
+    _fetch_whole(ref, plain, "its configs", say)
+    for f in weights.values():
+        f.header()
+    if role == "whole":
+        _fetch_whole(ref, list(weights.values()), "its weights", say)
+    elif role == "client":
+        _fetch_for_client(ref, folder, weights, say)
+    _mark(folder, found, ref)
+    return folder
+
+
+def complete_model(folder: str, say=None) -> None:
+    """Every file of a folder ``fetch_model`` made fetched (a whole run from a client's folder)."""
+    mark = hub_folder(folder)
+    if mark is not None:
+        fetch_model(HubRef(mark["repo"], mark["commit"]), "whole", say)
+
+
+def partial_model(folder: str) -> bool:
+    """Whether a folder ``fetch_model`` made lacks some bytes of its weights (a client's, a node's)."""
+    if hub_folder(folder) is None:
+        return False
+    return any(name.endswith(".diffuse.json") for _, _, names in os.walk(folder) for name in names)
+
+
+def loaded_files(found: Listing) -> list[str]:
+    """The files of a repo that Diffuse's loaders read (see the module's docstring)."""
+    paths = set(found.files)
+    diffusers = "model_index.json" in paths
+    components = None
+    if diffusers:
+        components = {p.split("/", 1)[0] for p in paths if "/" in p}
+    out = []
+    for p in sorted(paths):
+        name = p.rsplit("/", 1)[-1]
+        if name.lower().endswith(_SKIPPED) or name.startswith(".") or p.startswith((".", "onnx/", "flax/")):
+            continue
+        if diffusers and "/" not in p and p.endswith(".safetensors"):
+            continue  # a single-file checkpoint beside the pipeline's folders: from_pretrained reads the folders
+        if diffusers and "/" in p and p.split("/", 1)[0] not in components:
+            continue
+        if p.endswith(".safetensors") and _is_variant(p, paths):
+            continue
+        out.append(p)
+    return out
+
+
+def _is_variant(path: str, paths: set) -> bool:
+    """``x.fp16.safetensors`` (or a shard of one) where the plain weights are there too."""
+    folder, name = os.path.split(path)
+    parts = name.split(".")
+    if len(parts) < 3:
+        return False
+    stem = re.sub(r"-\d{5}-of-\d{5}$", "", parts[0])
+    return any(os.path.split(q)[0] == folder and q.rsplit("/", 1)[-1].startswith(stem) and
+               q.rsplit("/", 1)[-1].count(".") == 1 and q.endswith(".safetensors") for q in paths)
+
+
+def _listing(ref: HubRef) -> Listing:
+    """The Hub's listing of ``ref`` (kept with the folder, and the name's commit kept, for offline runs); offline,
+    the one kept."""
+    root = repo_root(ref.repo)
+    revision = ref.revision or "main"
+    if offline():
+        commit = revision if _COMMIT.match(revision) else _read(os.path.join(root, "refs", revision))
+        kept = commit and os.path.join(root, commit, ".diffuse", "listing.json")
+        if kept and os.path.isfile(kept):
+            with open(kept) as f:
+                return Listing.from_json(json.load(f))
+        raise DiffuseError(f"{ref} is not fetched here and the Hub may not be reached (HF_HUB_OFFLINE is set): run "
+                           "once without HF_HUB_OFFLINE to fetch it")
+    found = listing(ref)
+    keep = os.path.join(root, found.commit, ".diffuse")
+    os.makedirs(keep, exist_ok=True)
+    _write(os.path.join(keep, "listing.json"), json.dumps(found.as_json()))
+    os.makedirs(os.path.join(root, "refs"), exist_ok=True)
+    if not _COMMIT.match(revision) and "/" not in revision:
+        _write(os.path.join(root, "refs", revision), found.commit)
+    return found
+
+
+def _fetch_whole(ref: HubRef, files: list, what: str, say) -> None:
+    todo = [f for f in files if not f.complete()]
+    if not todo:
+        return
+    spans = {f: f.to_fetch([[0, f.size]]) for f in todo}
+    total = sum(b - a for s in spans.values() for a, b in s)
+    check_room(todo[0].local.rsplit(os.sep, 1)[0], total, f"{ref}'s {what}")
+    progress = Progress(f"{ref} ({what})", total, say)
+    for f in todo:
+        f.fetch([[0, f.size]], progress)
+    progress.end()
+
+
+def _fetch_for_client(ref: HubRef, folder: str, weights: dict, say) -> None:
+    """Components whole but the split ones; of those, every tensor but the blocks past each stack's first."""
+    from diffuse.plan.planner import analyze
+
+    subject, draft = analyze(folder)  # a model Diffuse refuses is refused here, before any weights come
+    split_dirs = {os.path.normpath(d) for d in subject.component_dirs().values()}
+    split = {p: f for p, f in weights.items() if os.path.normpath(os.path.dirname(f.local)) in split_dirs}
+    _fetch_whole(ref, [f for p, f in weights.items() if p not in split], "its other components", say)
+    far = remote_keys(subject, draft["stacks"])
+    todo = []
+    for f in split.values():
+        header = f.header()
+        keys = [k for k in header[1] if k != "__metadata__" and (f.local, k) not in far]
+        spans = f.to_fetch(spans_of(header, keys))
+        if spans:
+            todo.append((f, spans))
+    total = sum(b - a for _, s in todo for a, b in s)
+    if todo:
+        check_room(folder, total, f"{ref}'s client tensors")
+        progress = Progress(f"{ref} (the client's tensors)", total, say)
+        for f, spans in todo:
+            f.fetch(spans, progress)
+        progress.end()
+
+
+def remote_keys(subject, stacks) -> set[tuple[str, str]]:
+    """(file, tensor name in it) of every block past the first of each stack: what only nodes hold."""
+    from diffuse.plan.modelfiles import located, renamed_for
+
+    skeleton = subject.meta_denoiser()
+    paths = [s["path"] if isinstance(s, dict) else s.path for s in stacks]
+    wmap = located(renamed_for(subject.weight_map(), skeleton), skeleton, paths)
+    out = set()
+    for path in paths:
+        blocks = skeleton.get_submodule(path)
+        for i in range(1, len(blocks)):
+            for name in blocks[i].state_dict():
+                full = f"{path}.{i}.{name}"
+                if full in wmap.converted:
+                    out.update((file, key) for key, _, file in wmap.converted[full].sources)
+                elif full in wmap:
+                    out.add((wmap[full], wmap.source(full)))
+    return out
+
+
+def _mark(folder: str, found: Listing, ref: HubRef) -> None:
+    os.makedirs(os.path.join(folder, ".diffuse"), exist_ok=True)
+    _write(os.path.join(folder, MARKER), json.dumps({"repo": found.repo, "commit": found.commit,
+                                                      "revision": ref.revision or "main"}))
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _write(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -1,0 +1,54 @@
+"""Where a model named on the command line is: a folder, a model shipped in the package, or a Hub id."""
+
+from __future__ import annotations
+
+import os
+
+from diffuse.errors import DiffuseError
+
+
+def resolve_model(model: str, role: str = "whole") -> str:
+    """A local model folder for ``model``: a path; the name of a model shipped in the package
+    (``tiny-wan-shapes``, ``tiny-qwen-chat``, see ``diffuse.plan.shipped.shipped_models``); or a Hugging Face
+    Hub id, ``ORG/NAME[@REVISION]``, fetched as far as ``role`` needs (``diffuse.plan.hubmodel``: "headers",
+    "node", "client", "whole"). Offline (``HF_HUB_OFFLINE``) a Hub id is what was fetched here before, or a
+    snapshot in the Hugging Face cache (``hf download``)."""
+    if os.path.isdir(model):
+        return os.path.abspath(model)
+    if os.path.exists(model):
+        raise DiffuseError(f"{model} is a file; --model wants a diffusers pipeline folder")
+    from diffuse.plan.shipped import shipped_models
+
+    shipped = shipped_models()
+    if model in shipped:
+        return shipped[model]
+    from diffuse.plan.hub import hub_ref, offline
+
+    ref = hub_ref(model)
+    if ref is not None:
+        from diffuse.plan.hubmodel import fetch_model
+
+        try:
+            return fetch_model(ref, role)
+        except DiffuseError as exc:
+            if not offline():
+                raise
+            fetched_here = exc  # offline and not fetched here: perhaps in the Hugging Face cache
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return snapshot_download(model, local_files_only=True)
+    except Exception as exc:  # not cached, or not a hub id at all
+        if ref is not None:
+            raise fetched_here from None
+        import difflib
+
+        near = difflib.get_close_matches(model, list(shipped), n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise DiffuseError(
+            f"model {model!r} not found: no folder {os.path.abspath(model)}, no shipped model of that name (shipped: "
+            f"{', '.join(shipped) or 'none'}), and not a Hub id (ORG/NAME[@REVISION]) nor in the Hugging Face cache "
+            f"{constants.HF_HUB_CACHE} ({type(exc).__name__}); {hint}give a diffusers pipeline folder "
+            "(model_index.json and a folder per component), a transformers model folder (config.json naming its "
+            "architectures, *.safetensors), or a Hub id"
+        ) from exc

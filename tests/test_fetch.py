@@ -1,0 +1,241 @@
+"""Models named by their Hub id, fetched from a Hub on loopback that the tests start (``diffuse.bench.hubserver``:
+model info with its file list, ``resolve`` with HEAD headers and Range GETs, a gated repo), ``HF_ENDPOINT``
+pointing at it. What each process fetched is read from the server's own access log, and what a split run
+makes is compared with plain diffusers run whole on the same repo, downloaded by ``huggingface_hub``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import TESTS, THREADS, node_process, subprocess_env
+
+REPO = "org/tiny-wan"
+DENOISER = "transformer/diffusion_pytorch_model.safetensors"
+KWARGS = {"prompt": "a red circle moving right", "height": 32, "width": 32, "num_frames": 9,
+          "num_inference_steps": 3, "guidance_scale": 5.0}
+TOKEN = "hf_testtoken"
+
+
+def tensor_spans(path: str) -> tuple[int, dict[str, tuple[int, int]]]:
+    """A safetensors file's header length and each tensor's byte range in the file, read here from its bytes."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        meta = json.loads(f.read(n))
+    return n, {k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1]) for k, v in meta.items()
+               if k != "__metadata__"}
+
+
+def block_bytes(spans: dict, blocks) -> int:
+    return sum(b - a for k, (a, b) in spans.items() if k.startswith("blocks.") and int(k.split(".")[1]) in blocks)
+
+
+def ranges_of(hub, who: str, file: str) -> list[tuple[int, int]]:
+    """The byte ranges ``who`` was sent of ``file`` (a GET without a range: all of it)."""
+    out = []
+    for e in hub.log:
+        if e["who"] == who and e["file"] == file and e["method"] == "GET" and e["sent"]:
+            start = e["range"][0] if e.get("range") else 0
+            out.append((start, start + e["sent"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hub():
+    from diffuse.bench.hubserver import HubServer
+    from diffuse.plan.shipped import shipped_models
+
+    with HubServer() as server:
+        server.source = shipped_models()["tiny-wan-shapes"]
+        server.commit = server.publish(REPO, server.source, pipeline_tag="text-to-video")
+        server.publish("org/gated", server.source, token=TOKEN)
+        yield server
+
+
+def hub_env(hub, who: str, home, **more) -> dict:
+    """A process's environment: its own Hugging Face home and Diffuse home, the loopback Hub (log entries tagged
+    ``who``), fetching allowed, short waits between retries."""
+    env = subprocess_env(str(home / "diffuse"))
+    for name in ("HF_HUB_CACHE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        env.pop(name, None)
+    env.update({"HF_HOME": str(home / "hf"), "HF_ENDPOINT": hub.endpoint(who), "DIFFUSE_HUB_OFFLINE": "0",
+                "DIFFUSE_FETCH_BACKOFF": "0.05", **more})
+    return env
+
+
+def start_node(hub, who: str, home, blocks: str, log):
+    proc = node_process(["--model", REPO, "--blocks", blocks, "--ephemeral-key", "--threads", str(THREADS)],
+                        stderr=log, env=hub_env(hub, who, home))
+    line = proc.stdout.readline()
+    assert line, f"node {who} ended: {open(log.name).read()[-3000:]}"
+    return proc, json.loads(line)
+
+
+def diffuse_cli(hub, who: str, home, *argv, timeout: float = 120, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "diffuse.cli", *argv], env=hub_env(hub, who, home, **env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def split_run(hub, tmp_path_factory):
+    """Two nodes (blocks 1/2 and 2/2) and a client, each with a Hugging Face home of its own, all naming the model
+    by its Hub id; the first range read of the denoiser's file is cut after 300 kB (a dropped connection)."""
+    from diffuse.bench.hubserver import Fault
+
+    root = tmp_path_factory.mktemp("fetch-split")
+    hub.faults.append(Fault(DENOISER, after=300_000))
+    logs = {w: open(root / f"{w}.log", "w+") for w in ("node-a", "node-b")}
+    nodes = []
+    try:
+        for who, blocks in (("node-a", "1/2"), ("node-b", "2/2")):
+            nodes.append(start_node(hub, who, root / who, blocks, logs[who]))
+        out = root / "split.npy"
+        cmd = [sys.executable, "-m", "diffuse.run", "--model", REPO, "--seed", "0", "--threads", str(THREADS),
+               "--nodes", ",".join(f"{r['address']}#{r['key']}" for _, r in nodes), "--save-array", str(out),
+               "--quiet", "--timeout", "120"]
+        for k, v in KWARGS.items():
+            cmd += ["--arg", f"{k}={json.dumps(v)}"]
+        run = subprocess.run(cmd, env=hub_env(hub, "client", root / "client"), capture_output=True, text=True,
+                             timeout=300)
+        logs_text = {w: (f.seek(0), f.read())[1] for w, f in logs.items()}
+        yield {"run": run, "out": out, "root": root, "logs": logs_text}
+    finally:
+        for proc, _ in nodes:
+            proc.kill()
+            proc.wait(10)
+        for f in logs.values():
+            f.close()
+
+
+def test_a_split_run_from_a_hub_id_is_identical_to_the_whole_model_downloaded_from_the_same_repo(hub, split_run):
+    run = split_run["run"]
+    assert run.returncode == 0, run.stderr[-3000:]
+    root = split_run["root"]
+    env = hub_env(hub, "reference", root / "reference", HF_HUB_OFFLINE="0")
+    got = subprocess.run([sys.executable, "-c", f"from huggingface_hub import snapshot_download as s; print(s({REPO!r}))"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr[-2000:]
+    folder = got.stdout.strip().splitlines()[-1]
+    ref = subprocess.run([sys.executable, os.path.join(TESTS, "reference.py"), "--model", folder, "--kwargs",
+                          json.dumps(KWARGS), "--seed", "0", "--threads", str(THREADS), "--out", str(root / "ref.npy")],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    assert np.load(split_run["out"]).tobytes() == np.load(root / "ref.npy").tobytes()
+
+
+def test_each_node_fetches_its_slice_and_the_client_none_of_the_nodes_blocks(hub, split_run):
+    assert split_run["run"].returncode == 0, split_run["run"].stderr[-3000:]
+    n, spans = tensor_spans(os.path.join(hub.source, DENOISER))
+    blocks = sorted({int(k.split(".")[1]) for k in spans if k.startswith("blocks.")})
+    half = len(blocks) // 2
+    for who, mine in (("node-a", blocks[:half]), ("node-b", blocks[half:])):
+        got = ranges_of(hub, who, DENOISER)
+        slice_bytes = block_bytes(spans, mine)
+        assert sum(b - a for a, b in got) <= 1.05 * slice_bytes, (who, got, slice_bytes)
+        others = [span for k, span in spans.items() if k.startswith("blocks.") and int(k.split(".")[1]) not in mine]
+        assert not [r for r in got for o in others if r[0] < o[1] and o[0] < r[1]], f"{who} fetched others' blocks"
+        for other in ("vae/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors"):
+            header = tensor_spans(os.path.join(hub.source, other))[0]
+            assert sum(b - a for a, b in ranges_of(hub, who, other)) <= 16 + header, (who, other)
+        assert "fetching org/tiny-wan" in split_run["logs"][who]  # progress on the node's console
+    far = [span for k, span in spans.items() if k.startswith("blocks.") and int(k.split(".")[1]) >= 1]
+    client = ranges_of(hub, "client", DENOISER)
+    assert client and not [r for r in client for o in far if r[0] < o[1] and o[0] < r[1]], client
+    # the first range read of the denoiser was cut: it was taken up again where it stopped, not from its start
+    assert hub.faults[0].used
+
+
+def test_check_reads_configs_and_headers_only(hub, tmp_path):
+    check = diffuse_cli(hub, "check", tmp_path, "check", REPO)
+    assert check.returncode == 0, check.stderr[-2000:]
+    assert check.stdout.startswith("splittable"), check.stdout
+    for path in (DENOISER, "vae/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors"):
+        header = tensor_spans(os.path.join(hub.source, path))[0]
+        assert hub.fetched("check", path) <= 16 + header, path
+    assert hub.fetched("check") < 100_000
+
+
+def test_an_interrupted_fetch_resumes_where_it_stopped(tmp_path):
+    """A node's slice fetched at 1.5 MB/s, the node killed midway, started again: the second start fetches what
+    the first did not (at most a second's worth twice), and nothing more."""
+    from diffuse.bench.hubserver import HubServer
+    from diffuse.plan.shipped import shipped_models
+
+    source = shipped_models()["tiny-wan-shapes"]
+    rate = 1_500_000
+    with HubServer(rate=rate) as slow:
+        slow.publish(REPO, source)
+        log = open(tmp_path / "node.log", "w+")
+        proc = node_process(["--model", REPO, "--blocks", "1/2", "--ephemeral-key"], stderr=log,
+                            env=hub_env(slow, "first", tmp_path / "home"))
+        deadline = time.monotonic() + 60
+        while slow.fetched("first", DENOISER) < 2_000_000:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        first = slow.fetched("first", DENOISER)
+        again = start_node(slow, "second", tmp_path / "home", "1/2", log)[0]
+        again.kill()
+        again.wait(10)
+        second = slow.fetched("second", DENOISER)
+        n, spans = tensor_spans(os.path.join(source, DENOISER))
+        slice_bytes = block_bytes(spans, range(2))
+        assert second < slice_bytes - 1_000_000, (first, second, slice_bytes)
+        assert first + second <= 1.05 * slice_bytes + rate, (first, second, slice_bytes)
+
+
+def one_line(proc) -> str:
+    """The one line a refused command said (``diffuse check`` gives its verdict, or why none, on stdout)."""
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stdout[-1000:], proc.stderr[-2000:])
+    return lines[0]
+
+
+def test_bad_names_and_a_missing_token_end_in_one_line_each_with_a_retry_that_works(hub, tmp_path):
+    assert "no model org/nope" in one_line(diffuse_cli(hub, "bad", tmp_path, "check", "org/nope"))
+    assert "no revision 'v9'" in one_line(diffuse_cli(hub, "bad", tmp_path, "check", f"{REPO}@v9"))
+    assert diffuse_cli(hub, "bad", tmp_path, "check", f"{REPO}@{hub.commit}").returncode == 0
+    gated = one_line(diffuse_cli(hub, "bad", tmp_path, "check", "org/gated"))
+    assert "gated" in gated and "HF_TOKEN" in gated, gated
+    assert diffuse_cli(hub, "bad", tmp_path, "check", "org/gated", HF_TOKEN=TOKEN).returncode == 0
+
+
+def test_offline_no_network_and_server_errors(hub, tmp_path):
+    offline = one_line(diffuse_cli(hub, "off", tmp_path / "a", "check", REPO, DIFFUSE_HUB_OFFLINE="1"))
+    assert "HF_HUB_OFFLINE" in offline, offline
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    unreachable = one_line(diffuse_cli(hub, "off", tmp_path / "a", "check", REPO, HF_ENDPOINT=closed))
+    assert "cannot reach" in unreachable, unreachable
+    from diffuse.bench.hubserver import Fault
+
+    hub.faults.append(Fault("model_index.json"))  # answered 500 once: retried
+    assert diffuse_cli(hub, "off", tmp_path / "a", "check", REPO).returncode == 0
+    # fetched once, the model is checked offline from what this machine holds
+    assert diffuse_cli(hub, "off", tmp_path / "a", "check", REPO, DIFFUSE_HUB_OFFLINE="1").returncode == 0
+
+
+def test_a_damaged_cached_file_is_fetched_again(hub, tmp_path):
+    assert diffuse_cli(hub, "damage", tmp_path, "check", REPO).returncode == 0
+    folder = tmp_path / "hf" / "hub" / "diffuse" / "models--org--tiny-wan" / hub.commit
+    config = folder / "transformer" / "config.json"
+    size = config.stat().st_size
+    config.write_bytes(b"x" * size)  # same size, other bytes
+    before = hub.fetched("damage", "transformer/config.json")
+    again = diffuse_cli(hub, "damage", tmp_path, "check", REPO)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "damaged" in again.stderr
+    assert hub.fetched("damage", "transformer/config.json") == 2 * before
+    assert json.loads(config.read_text())["_class_name"] == "WanTransformer3DModel"
