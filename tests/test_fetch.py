@@ -86,6 +86,14 @@ def diffuse_cli(hub, who: str, home, *argv, timeout: float = 120, **env) -> subp
                           capture_output=True, text=True, timeout=timeout)
 
 
+def client_run(hub, who: str, home, pinned: str, out) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "diffuse.run", "--model", REPO, "--seed", "0", "--threads", str(THREADS),
+           "--nodes", pinned, "--save-array", str(out), "--quiet", "--timeout", "120"]
+    for k, v in KWARGS.items():
+        cmd += ["--arg", f"{k}={json.dumps(v)}"]
+    return subprocess.run(cmd, env=hub_env(hub, who, home), capture_output=True, text=True, timeout=300)
+
+
 @pytest.fixture(scope="module")
 def split_run(hub, tmp_path_factory):
     """Two nodes (blocks 1/2 and 2/2) and a client, each with a Hugging Face home of its own, all naming the model
@@ -99,16 +107,11 @@ def split_run(hub, tmp_path_factory):
     try:
         for who, blocks in (("node-a", "1/2"), ("node-b", "2/2")):
             nodes.append(start_node(hub, who, root / who, blocks, logs[who]))
+        pinned = ",".join(f"{r['address']}#{r['key']}" for _, r in nodes)
         out = root / "split.npy"
-        cmd = [sys.executable, "-m", "diffuse.run", "--model", REPO, "--seed", "0", "--threads", str(THREADS),
-               "--nodes", ",".join(f"{r['address']}#{r['key']}" for _, r in nodes), "--save-array", str(out),
-               "--quiet", "--timeout", "120"]
-        for k, v in KWARGS.items():
-            cmd += ["--arg", f"{k}={json.dumps(v)}"]
-        run = subprocess.run(cmd, env=hub_env(hub, "client", root / "client"), capture_output=True, text=True,
-                             timeout=300)
+        run = client_run(hub, "client", root / "client", pinned, out)
         logs_text = {w: (f.seek(0), f.read())[1] for w, f in logs.items()}
-        yield {"run": run, "out": out, "root": root, "logs": logs_text}
+        yield {"run": run, "out": out, "root": root, "logs": logs_text, "pinned": pinned}
     finally:
         for proc, _ in nodes:
             proc.kill()
@@ -239,3 +242,21 @@ def test_a_damaged_cached_file_is_fetched_again(hub, tmp_path):
     assert "damaged" in again.stderr
     assert hub.fetched("damage", "transformer/config.json") == 2 * before
     assert json.loads(config.read_text())["_class_name"] == "WanTransformer3DModel"
+
+
+def test_a_node_holding_another_commit_is_refused_at_open_naming_both(hub, split_run, tmp_path):
+    """The repo moves on (a new commit on main); a client of the new commit meets the nodes of the old one."""
+    import shutil
+
+    assert split_run["run"].returncode == 0, split_run["run"].stderr[-3000:]
+    newer = tmp_path / "newer"
+    shutil.copytree(hub.source, newer)
+    (newer / "README.md").write_text("the card, edited\n")
+    commit = hub.publish(REPO, str(newer))
+    try:
+        run = client_run(hub, "newer", tmp_path, split_run["pinned"], tmp_path / "o.npy")
+        said = [ln for ln in run.stderr.splitlines() if ln.strip()]
+        assert run.returncode != 0 and len(said) == 1, run.stderr[-3000:]
+        assert hub.commit[:12] in said[0] and commit[:12] in said[0] and f"{REPO}@{commit}" in said[0], said
+    finally:
+        hub.publish(REPO, hub.source)  # main back where it was for any test after this one

@@ -106,8 +106,11 @@ class HubServer:
         if not self.rate:
             return
         with self._lock:
+            now = time.monotonic()
             start, sent = self._sent_at
-            self._sent_at[1] = sent + n
+            if start + sent / self.rate < now - 0.05:  # idle a while: no credit saved up for a burst
+                start, sent = now, 0
+            self._sent_at = [start, sent + n]
             due = start + (sent + n) / self.rate
         wait = due - time.monotonic()
         if wait > 0:

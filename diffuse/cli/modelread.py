@@ -41,11 +41,12 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
 
         path, name = default_model_dir(), SHIPPED_MODEL_NAME
     else:
-        path, name = resolve_model(ask.model, "headers"), ask.model
+        quiet = (lambda line: None) if q.output.quiet else None
+        path, name = resolve_model(ask.model, "headers", quiet), ask.model
     where = "" if os.path.basename(path.rstrip("/")) == name else f" from {path}"
     refuse_early(path, name, q.call)  # a Hub model refused here has sent its configs and headers only
     if ask.model is not None:
-        path = resolve_model(ask.model, "client")
+        path = resolve_model(ask.model, "client", quiet)
     with phase(console, f"{command}: {name}{where}; reading its config (importing torch and its library)",
                q.output.quiet):
         import torch

@@ -27,6 +27,7 @@ from diffuse.plan.devices import Compute, place
 from diffuse.errors import DiffuseError
 from diffuse.plan.modelfiles import fp32_kept, load_into, located, renamed_for, weight_map
 from diffuse.plan.contracts import Slice, StackPlan
+from diffuse.plan.fetching import hub_commit, hub_folder
 
 log = logging.getLogger("diffuse.node")
 
@@ -44,6 +45,8 @@ class BlockStore:
         self.stacks = {s.path: s for s in stacks}
         self.component_dir = f"{model_path}/{subject.denoiser}"
         self.model_hash = self.subject.content_hash()  # of every denoiser component, when a pipeline has several
+        self.model_commit = hub_commit(model_path)  # a Hub model's commit, "" for a folder of one's own
+        self.model_repo = (hub_folder(model_path) or {}).get("repo", model_path)
         self.blocks: dict[tuple[str, int], torch.nn.Module] = {}
         self.fixed: list[Slice] | None = None  # set by --blocks: the node holds exactly these
         self.native: dict[tuple[str, int], torch.dtype] = {}  # what each block loads as, asked for no dtype

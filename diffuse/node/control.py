@@ -263,6 +263,10 @@ class NodeControl:
         if stage.wire_in not in speaks or stage.wire_out not in speaks:
             return refusal(f"asked for wire versions {stage.wire_in} in, {stage.wire_out} out; "
                            f"this node speaks {speaks}")
+        if stage.model_commit and node.store.model_commit and stage.model_commit != node.store.model_commit:
+            return refusal(f"this node holds {node.store.model_repo} at commit {node.store.model_commit[:12]}, the "
+                           f"client runs commit {stage.model_commit[:12]}: start both with "
+                           f"{node.store.model_repo}@{stage.model_commit}")
         if stage.model_hash != node.store.model_hash:
             return refusal("this node serves a different model (content hash differs): "
                            "start it with the same model folder as the client")

@@ -260,6 +260,7 @@ class ModelIdentity:
     denoiser: str  # pipeline component name, e.g. "transformer"
     denoiser_class: str
     content_hash: str  # blake2b over the denoiser's config and weight layout (not the weight data)
+    commit: str = ""  # a model fetched from the Hub: the commit every node must hold (diffuse.plan.hubmodel)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,19 @@ NOTE_EVERY_S = 1.0  # seconds between two writes of a partial file's note while 
 GAP = 64 << 10  # ranges closer than this are fetched as one (fewer requests, a little more data)
 
 
+MARKER = os.path.join(".diffuse", "hub.json")  # in a folder made from a Hub repo: {"repo", "commit", "revision"}
+
+
+def hub_folder(folder: str) -> dict | None:
+    """{"repo", "commit", "revision"} of a folder made from a Hub repo (``diffuse.plan.hubmodel``), else None."""
+    return _read_json(os.path.join(folder, MARKER))
+
+
+def hub_commit(folder: str) -> str:
+    """The commit a folder made from a Hub repo holds; "" for any other folder."""
+    return (hub_folder(folder) or {}).get("commit", "")
+
+
 def hub_cache() -> str:
     """``huggingface_hub``'s cache folder, read from the environment now (``HF_HUB_CACHE``, ``HF_HOME``)."""
     if os.environ.get("HF_HUB_CACHE"):
@@ -125,7 +138,8 @@ class Progress:
                 f"({100 * self.done / max(self.total, 1):.0f}%), {_size(rate)}/s{eta}")
 
     def end(self) -> None:
-        if self.total:
+        """The last line: said where the fetch was long enough to matter (a megabyte, or a line said before)."""
+        if self.total >= 1 << 20 or self.last > self.started:
             self.say(self.line() + f" in {_duration(time.monotonic() - self.started)}")
 
 

@@ -25,23 +25,13 @@ import os
 import re
 
 from diffuse.errors import DiffuseError
-from diffuse.plan.fetching import Progress, RepoFile, check_room, repo_root, spans_of
+from diffuse.plan.fetching import MARKER, Progress, RepoFile, check_room, hub_folder, repo_root, spans_of
 from diffuse.plan.hub import HubRef, Listing, listing, offline
 
 ROLES = ("headers", "node", "client", "whole")
-MARKER = os.path.join(".diffuse", "hub.json")
 _SKIPPED = (".bin", ".pt", ".pth", ".ckpt", ".onnx", ".onnx_data", ".gguf", ".msgpack", ".h5", ".tflite", ".ot",
             ".png", ".jpg", ".jpeg", ".gif", ".webp", ".mp4", ".mp3", ".wav", ".pb", ".mlmodel")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
-
-
-def hub_folder(folder: str) -> dict | None:
-    """{"repo", "commit", "revision"} of a folder ``fetch_model`` made, else None."""
-    try:
-        with open(os.path.join(folder, MARKER)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def fetch_model(ref: HubRef, role: str = "whole", say=None) -> str:

@@ -34,6 +34,7 @@ class StagePlan:
     attention: str = "auto"
     wire_in: int = 1
     wire_out: int = 1
+    model_commit: str = ""  # a Hub model's commit (``diffuse.plan.hubmodel``); "" for a folder of one's own
 
     def slice_of(self, stack: str) -> Slice | None:
         return next((s for s in self.slices if s.stack == stack), None)
@@ -43,16 +44,18 @@ class StagePlan:
              "next": self.next, "attention": self.attention}
         if (self.wire_in, self.wire_out) != (1, 1):  # a node that speaks only version 1 is told exactly what it knows
             d.update(wire_in=self.wire_in, wire_out=self.wire_out)
+        if self.model_commit:  # only for a Hub model: a node of a folder, or an older node, is told what it knows
+            d["model_commit"] = self.model_commit
         return d
 
     @classmethod
     def from_dict(cls, d: Any, lengths: dict[str, int]) -> "StagePlan":
         base = {"model_hash", "dtype", "slices", "next", "attention"}
-        if not isinstance(d, dict) or set(d) not in (base, base | {"wire_in", "wire_out"}):
+        if not isinstance(d, dict) or set(d) - {"model_commit"} not in (base, base | {"wire_in", "wire_out"}):
             raise ContractError(f"malformed stage plan {_short(d)}: expected model_hash, dtype, slices, next, "
                                 "attention (and wire_in, wire_out)")
-        for name in ("model_hash", "dtype", "next", "attention"):
-            if not isinstance(d[name], str):
+        for name in ("model_hash", "dtype", "next", "attention", "model_commit"):
+            if not isinstance(d.get(name, ""), str):
                 raise ContractError(f"the stage plan's {name} must be a string")
         if d["attention"] not in ATTENTION_PATHS:
             raise ContractError(f"unknown attention path {d['attention']!r:.64} ({' or '.join(ATTENTION_PATHS)})")
@@ -60,7 +63,7 @@ class StagePlan:
         if not all(is_int(v) for v in hops):
             raise ContractError("the stage plan's wire_in and wire_out must be integers")
         return cls(d["model_hash"], d["dtype"], tuple(check_slices(d["slices"], lengths)), d["next"], d["attention"],
-                   *hops)
+                   *hops, d.get("model_commit", ""))
 
 
 # --------------------------------------------------------------------------- on the data path

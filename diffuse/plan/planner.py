@@ -12,6 +12,7 @@ import dataclasses
 
 from diffuse.plan.analysis import ModelSubject, StackCall, run_analyzers
 from diffuse.errors import DiffuseError, RefusedModel
+from diffuse.plan.fetching import hub_commit
 from diffuse.plan.contracts import PATCHABLE, UNCUT_STEPS, CallPlan, ModelIdentity, ReturnMap, SlicingPlan, even_route
 
 CONFIG_FIELDS = {"stacks": list}  # what the core reads from the config phase (others are optional)
@@ -48,7 +49,7 @@ def make_plan(subject: ModelSubject, draft: dict, addresses: list[str] = (), key
     return SlicingPlan(
         model=ModelIdentity(
             path=subject.path, denoiser=subject.denoiser, denoiser_class=subject.denoiser_class_name,
-            content_hash=subject.content_hash(),
+            content_hash=subject.content_hash(), commit=hub_commit(subject.path),
         ),
         stacks=stacks,
         output_kind=draft.get("output_kind", "image"),

@@ -7,12 +7,13 @@ import os
 from diffuse.errors import DiffuseError
 
 
-def resolve_model(model: str, role: str = "whole") -> str:
+def resolve_model(model: str, role: str = "whole", say=None) -> str:
     """A local model folder for ``model``: a path; the name of a model shipped in the package
     (``tiny-wan-shapes``, ``tiny-qwen-chat``, see ``diffuse.plan.shipped.shipped_models``); or a Hugging Face
     Hub id, ``ORG/NAME[@REVISION]``, fetched as far as ``role`` needs (``diffuse.plan.hubmodel``: "headers",
     "node", "client", "whole"). Offline (``HF_HUB_OFFLINE``) a Hub id is what was fetched here before, or a
-    snapshot in the Hugging Face cache (``hf download``)."""
+    snapshot in the Hugging Face cache (``hf download``). ``say``: where fetching says its progress (default: standard
+    error; ``lambda line: None`` for none)."""
     if os.path.isdir(model):
         return os.path.abspath(model)
     if os.path.exists(model):
@@ -29,7 +30,7 @@ def resolve_model(model: str, role: str = "whole") -> str:
         from diffuse.plan.hubmodel import fetch_model
 
         try:
-            return fetch_model(ref, role)
+            return fetch_model(ref, role, say)
         except DiffuseError as exc:
             if not offline():
                 raise
