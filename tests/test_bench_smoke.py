@@ -72,3 +72,20 @@ def test_bench_placement_links_and_memory_quick_print_their_figures(diffuse_home
         assert re.search(rf"  {who}: +\d+\.\d\d GiB +holds \d+\.\d\d GiB .*goal <= \d+\.\d\d GiB: (met|not met)",
                          out), out
     assert "tokens split equal tokens whole: True" in out
+
+
+def test_bench_fetch_prints_each_machines_bytes_against_the_whole_model(diffuse_home):
+    """One round: every machine's row for both checkpoints; a node of 4 fetches about half of what a node of 2
+    does (the same configs and headers, half the blocks), and every node less than the client."""
+    code = "import sys; from diffuse.bench.command import main; sys.exit(main(['fetch', '--rounds', '1']))"
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(diffuse_home), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = re.findall(r"^(one file|4 shards) +(whole|client|node \d/\d) +([\d,]+) +(\d\.\d{3}) +\d+\.\d{3} \(",
+                      proc.stdout, re.M)
+    assert len(rows) == 2 * 8, proc.stdout
+    for checkpoint in ("one file", "4 shards"):
+        got = {who: int(b.replace(",", "")) for c, who, b, _ in rows if c == checkpoint}
+        assert all(got[f"node {k}/2"] < got["client"] < got["whole"] for k in (1, 2)), got
+        for k in range(1, 5):
+            assert abs(2 * got[f"node {k}/4"] - got[f"node {(k + 1) // 2}/2"]) < 200_000, got

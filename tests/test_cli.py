@@ -92,7 +92,8 @@ def test_an_unknown_model_names_what_was_tried_and_what_ships(tmp_path):
     assert run.returncode == 2
     said = " ".join((run.stdout + run.stderr).split())
     assert f"no folder {tmp_path / 'no-org' / 'no-model'}" in said and "shipped: tiny-wan-shapes" in said
-    assert f"not in the Hugging Face cache {tmp_path / 'empty-hub'}" in said
+    assert f"not fetched here nor in the Hugging Face cache {tmp_path / 'empty-hub'}" in said
+    assert "the Hub may not be reached (HF_HUB_OFFLINE is set)" in said
 
 
 def test_check_remembers_a_verdict_until_the_model_changes(tmp_path, monkeypatch):

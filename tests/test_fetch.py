@@ -166,6 +166,14 @@ def test_check_reads_configs_and_headers_only(hub, tmp_path):
         header = tensor_spans(os.path.join(hub.source, path))[0]
         assert hub.fetched("check", path) <= 16 + header, path
     assert hub.fetched("check") < 100_000
+    # diffuse plan says what each node and the client will fetch, from the same headers
+    plan = diffuse_cli(hub, "check", tmp_path, "plan", REPO, "--memory", "1,1")
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    n, spans = tensor_spans(os.path.join(hub.source, DENOISER))
+    node1, node2 = (block_bytes(spans, r) / 1e6 for r in (range(2), range(2, 4)))
+    assert f"node1 {node1:.1f} MB, node2 {node2:.1f} MB (their blocks)" in plan.stdout, plan.stdout
+    assert f"{REPO}@{hub.commit[:12]}: 4 blocks" in plan.stdout
+    assert hub.fetched("check") < 100_000
 
 
 def test_an_interrupted_fetch_resumes_where_it_stopped(tmp_path):
@@ -260,3 +268,38 @@ def test_a_node_holding_another_commit_is_refused_at_open_naming_both(hub, split
         assert hub.commit[:12] in said[0] and commit[:12] in said[0] and f"{REPO}@{commit}" in said[0], said
     finally:
         hub.publish(REPO, hub.source)  # main back where it was for any test after this one
+
+
+def test_a_language_model_by_hub_id_answers_token_for_token_and_its_client_leaves_the_layers(hub, tmp_path,
+                                                                                             monkeypatch):
+    """The shipped chat model published as ``org/tiny-chat``: ``diffuse query`` on 2 local nodes answers as plain
+    transformers does run whole on the same files; a client's fetch leaves every decoder layer past the first."""
+    from diffuse.plan.shipped import shipped_models
+
+    chat = shipped_models()["tiny-qwen-chat"]
+    hub.publish("org/tiny-chat", chat)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "in-process"))
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint("lm-client"))
+    monkeypatch.setenv("DIFFUSE_HUB_OFFLINE", "0")
+    from diffuse.plan.hub import hub_ref
+    from diffuse.plan.hubmodel import fetch_model
+
+    fetch_model(hub_ref("org/tiny-chat"), "client", say=lambda line: None)
+    n, spans = tensor_spans(os.path.join(chat, "model.safetensors"))
+    far = [s for k, s in spans.items() if k.startswith("model.layers.") and int(k.split(".")[2]) >= 1]
+    got = ranges_of(hub, "lm-client", "model.safetensors")
+    assert got and not [r for r in got for o in far if r[0] < o[1] and o[0] < r[1]], got
+    assert sum(b - a for a, b in got) <= os.path.getsize(os.path.join(chat, "model.safetensors")) - \
+        sum(b - a for a, b in far)
+
+    prompt, out = "Compute 12 + 30", tmp_path / "ref.json"
+    ref = subprocess.run([sys.executable, os.path.join(TESTS, "lm_reference.py"), "--model", chat, "--prompt", prompt,
+                          "--max-new-tokens", "12", "--threads", str(THREADS), "--out", str(out)],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    tokens = tmp_path / "tokens.json"
+    run = diffuse_cli(hub, "lm", tmp_path, "query", "--model", "org/tiny-chat", "--prompt", prompt, "--max-new-tokens",
+                      "12", "--threads", str(THREADS), "--local-nodes", "2", "--save-tokens", str(tokens), "--quiet",
+                      "--timeout", "120", timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(tokens.read_text())["new_tokens"] == json.loads(out.read_text())["new_tokens"]

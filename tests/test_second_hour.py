@@ -162,7 +162,7 @@ def test_version_aliases_and_did_you_mean(tmp_path, diffuse_home):
     assert command.returncode == 2 and "did you mean 'query'?" in command.stderr
     model = run_cli(["check", "tiny-wan-shape"], diffuse_home)
     assert model.returncode == 2 and "did you mean 'tiny-wan-shapes'?" in " ".join(model.stdout.split())
-    assert "hf download ORG/NAME --local-dir DIR" in " ".join(model.stdout.split())
+    assert "or a Hub id, ORG/NAME[@REVISION], fetched as it runs" in " ".join(model.stdout.split())
 
 
 def test_every_flag_is_described_and_help_shows_no_markup(diffuse_home):

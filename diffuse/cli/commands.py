@@ -32,7 +32,8 @@ def key_main(argv: list[str]) -> int:
 def check_main(argv: list[str]) -> int:
     ap = flags.Parser(prog="diffuse check", description="The verdict on a model from its config.json files alone "
                     "(no weights read): whether it splits, its block stacks, what it makes, how --patches runs.")
-    ap.add_argument("model", help="a model folder, a shipped model's name, or a Hub id in the local cache")
+    ap.add_argument("model", help="a model folder, a shipped model's name, or a Hub id, ORG/NAME[@REVISION] (only "
+                    "configs and headers are fetched)")
     a = ap.parse_args(argv)
     out = progress.console(stderr=False)
     code = 0

@@ -60,7 +60,8 @@ def query_parser(prog: str = "diffuse query") -> Parser:
                 "makes an image, a video or audio; a transformers model folder answers in text. Flags not given "
                 "are not passed, so the model's own defaults hold.")
     ap.add_argument("--model", help="a diffusers pipeline folder or a transformers model folder, a shipped model's "
-                    "name, or a Hub id in the local cache (default: the shipped tiny-wan-shapes)")
+                    "name, or a Hub id, ORG/NAME[@REVISION], fetched as far as this client needs (default: the shipped "
+                    "tiny-wan-shapes)")
     ap.add_argument("--prompt", help="what to make (a language model: the text to answer)")
     ap.add_argument("--negative-prompt", help="what to steer away from (the pipeline's negative_prompt)")
     ap.add_argument("--steps", type=positive, help="denoising steps (default: the pipeline's)")

@@ -9,6 +9,8 @@ from diffuse.client.heard import Heard
 from diffuse.client.routing import PLACEMENTS, capacities, link_hops
 from diffuse.errors import DiffuseError
 from diffuse.plan.contracts import SlicingPlan, Stage
+from diffuse.plan.fetching import hub_folder
+from diffuse.plan.hubmodel import downloads
 from diffuse.plan.needs import (DEFAULT_CONTEXT, GIB, _dtype_size, block_costs, context_tokens, load_dtype, pass_bytes,
                                 per_pass)
 from diffuse.plan.placement import MARGIN_FRACTION, MARGIN_MIN_BYTES, Capacity, Placement
@@ -136,12 +138,18 @@ def ask_nodes(plan: SlicingPlan, heard: Heard) -> list[Capacity]:
                       per_pass(ModelSubject.from_path(plan.model.path)))
 
 
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
+
+
 def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int | None = None) -> list[str]:
     """The placement in words: what the model needs, the table, and the expected times."""
     weights = sum(b.weight_bytes for b in p.blocks)
     state = sum(b.state_bytes for b in p.blocks)
     stacks = ", ".join(f"{s.path} ({s.length})" for s in plan.stacks)
-    head = (f"{os.path.basename(os.path.normpath(subject.path))}: {len(p.blocks)} blocks [{stacks}], "
+    hub = hub_folder(subject.path)
+    name = f"{hub['repo']}@{hub['commit'][:12]}" if hub else os.path.basename(os.path.normpath(subject.path))
+    head = (f"{name}: {len(p.blocks)} blocks [{stacks}], "
             f"{weights / GIB:.2f} GiB of weights in {dtype}")
     if state:
         head += f", {state / GIB:.2f} GiB of cache per session at {context_tokens(subject, context)} tokens"
@@ -151,6 +159,11 @@ def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int 
     lines += [f"on {len(p.nodes)} node(s), {len(p.used)} used; margin {MARGIN_FRACTION:.0%} of each node's "
               f"memory (at least {MARGIN_MIN_BYTES >> 20} MiB):", ""]
     lines += p.lines()
+    fetched = downloads(subject, plan.stacks, [p.rows[i] for i in p.used])
+    if fetched is not None:
+        nodes, client = fetched
+        each = ", ".join(f"{p.nodes[i].name} {_mb(n)}" for i, n in zip(p.used, nodes))
+        lines += ["", f"fetched from the Hub (as stored): {each} (their blocks); the client {_mb(client)}"]
     if any(p.measured):
         hops = " + ".join(f"{h * 1000:.2f}" for h in p.hops)
         lines += ["", f"per token: slowest node {p.slowest_s:.3g} s; one pass through every used node in turn "

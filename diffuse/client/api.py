@@ -62,8 +62,8 @@ class ModelInfo:
 
 
 def from_pretrained(model: str | None = None, device: str | None = None, dtype: str | None = None):
-    """The pipeline at ``model`` (a folder, a shipped model's name, a Hub id in the local cache; None:
-    the embedded model), loaded by diffusers from safetensors without the blocks the nodes will hold;
+    """The pipeline at ``model`` (a folder, a shipped model's name, a Hub id ``ORG/NAME[@REVISION]``, fetched as
+    far as the client needs; None: the embedded model), loaded by diffusers from safetensors without the blocks the nodes will hold;
     or a transformers model (a folder whose config.json names its architectures), loaded by
     transformers (its decoder layers are freed when it is split). ``device`` and ``dtype`` as the
     command line's ``--device`` and ``--dtype`` (``diffuse.plan.devices``; default ``auto``: the CPU, or the

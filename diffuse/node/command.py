@@ -86,7 +86,8 @@ def _parser():
 
     ap = flags.Parser(prog="diffuse node", description=plain(__doc__.split("\n")[0]))
     ap.add_argument("--model", required=True, help="the model folder (the same one the client uses), a shipped "
-                    "model's name, or a Hub id in the local cache")
+                    "model's name, or a Hub id, ORG/NAME[@REVISION] (its configs, headers and this node's slice are "
+                    "fetched)")
     ap.add_argument("--listen", default="tcp://127.0.0.1:0", help="control address to bind (port 0: pick one)")
     ap.add_argument("--blocks", help='the slice to hold: "2/3" (2nd of 3 even slices of every stack), "all", or '
                     '"blocks[0:20]"; default: load what each session asks for')

@@ -25,7 +25,7 @@ import time
 import urllib.error
 
 from diffuse.errors import DiffuseError
-from diffuse.plan.hub import RETRIES, HubRef, backoff_s, file_url, hub_failure, read_range, request
+from diffuse.plan.hub import RETRIES, HubRef, backoff_s, file_url, hub_failure, request
 
 CHUNK = 1 << 20  # bytes read and written at a time
 NOTE_EVERY_S = 1.0  # seconds between two writes of a partial file's note while fetching (what a kill may lose)
@@ -299,25 +299,25 @@ class RepoFile:
         self._write_note(None)
 
     def header(self) -> tuple[int, dict]:
-        """A safetensors file's header (its length and its JSON), fetched and held where it is not yet."""
-        if self.held() and any(a == 0 and b >= 8 for a, b in self.held()):
+        """A safetensors file's header (its length and its JSON), fetched and held where it is not yet (each byte
+        once: its length first, then the rest)."""
+        for _ in range(2):  # a damaged header is fetched once more
+            self.fetch([[0, 8]])
             with open(self.local, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
-            if any(a == 0 and b >= 8 + n for a, b in self.held()):
-                with open(self.local, "rb") as f:
-                    f.seek(8)
-                    try:
-                        return n, json.loads(f.read(n))
-                    except ValueError:
-                        pass  # damaged: fetched again below
-                os.unlink(self.local)
-        (n,) = struct.unpack("<Q", read_range(self.ref, self.ref.repo, self.commit, self.path, 0, 8))
-        if n > 100 << 20 or 8 + n > self.size:
-            raise DiffuseError(f"{self.ref}: {self.path} is not a safetensors file (header of {n} bytes)")
-        self.fetch([[0, 8 + n]])
-        with open(self.local, "rb") as f:
-            f.seek(8)
-            return n, json.loads(f.read(n))
+            if n > 100 << 20 or 8 + n > self.size:
+                raise DiffuseError(f"{self.ref}: {self.path} is not a safetensors file (header of {n} bytes)")
+            self.fetch([[0, 8 + n]])
+            with open(self.local, "rb") as f:
+                f.seek(8)
+                try:
+                    return n, json.loads(f.read(n))
+                except ValueError:
+                    pass
+            os.unlink(self.local)
+            if os.path.exists(self.note_path):
+                os.unlink(self.note_path)
+        raise DiffuseError(f"{self.ref}: {self.path} has a header that is not JSON: is it a safetensors file?")
 
 
 def check_room(folder: str, needed: int, what: str) -> None:

@@ -187,21 +187,3 @@ def listing(ref: HubRef) -> Listing:
 
 def file_url(repo: str, commit: str, path: str) -> str:
     return f"{endpoint()}/{repo}/resolve/{commit}/{urllib.parse.quote(path)}"
-
-
-def read_range(ref: HubRef | str, repo: str, commit: str, path: str, start: int, stop: int) -> bytes:
-    """Bytes ``start``..``stop`` of a file, whole (a short answer is a failure)."""
-    with request(file_url(repo, commit, path), ref, headers={"Range": f"bytes={start}-{stop - 1}"}) as r:
-        data = r.read()
-    if len(data) != stop - start:
-        raise DiffuseError(f"{ref}: asked bytes {start}-{stop} of {path}, got {len(data)}: try again")
-    return data
-
-
-def search(words: str = "", sort: str = "downloads", task: str | None = None, limit: int = 50) -> list[dict]:
-    """The Hub's model search: rows of id, downloads, likes, pipeline_tag, tags."""
-    query = {"search": words, "sort": sort, "direction": "-1", "limit": str(limit)}
-    if task:
-        query["pipeline_tag"] = task
-    with request(f"{endpoint()}/api/models?{urllib.parse.urlencode(query)}", "the Hub's search") as r:
-        return json.loads(r.read())

@@ -162,24 +162,70 @@ def _fetch_for_client(ref: HubRef, folder: str, weights: dict, say) -> None:
         progress.end()
 
 
-def remote_keys(subject, stacks) -> set[tuple[str, str]]:
-    """(file, tensor name in it) of every block past the first of each stack: what only nodes hold."""
+def block_keys(subject, stacks) -> dict[tuple[str, int], set[tuple[str, str]]]:
+    """(stack path, block index) -> the (file, tensor name in it) that block is read from."""
     from diffuse.plan.modelfiles import located, renamed_for
 
     skeleton = subject.meta_denoiser()
     paths = [s["path"] if isinstance(s, dict) else s.path for s in stacks]
     wmap = located(renamed_for(subject.weight_map(), skeleton), skeleton, paths)
-    out = set()
+    out: dict[tuple[str, int], set[tuple[str, str]]] = {}
     for path in paths:
-        blocks = skeleton.get_submodule(path)
-        for i in range(1, len(blocks)):
-            for name in blocks[i].state_dict():
+        for i, block in enumerate(skeleton.get_submodule(path)):
+            keys = out.setdefault((path, i), set())
+            for name in block.state_dict():
                 full = f"{path}.{i}.{name}"
                 if full in wmap.converted:
-                    out.update((file, key) for key, _, file in wmap.converted[full].sources)
+                    keys.update((file, key) for key, _, file in wmap.converted[full].sources)
                 elif full in wmap:
-                    out.add((wmap[full], wmap.source(full)))
+                    keys.add((wmap[full], wmap.source(full)))
     return out
+
+
+def remote_keys(subject, stacks) -> set[tuple[str, str]]:
+    """(file, tensor name in it) of every block past the first of each stack: what only nodes hold."""
+    return {k for (_, i), keys in block_keys(subject, stacks).items() if i >= 1 for k in keys}
+
+
+def downloads(subject, stacks, rows) -> tuple[list[int], int] | None:
+    """What each node of a placement fetches of a Hub model's folder (its blocks' tensors, as stored; ``rows``:
+    each node's slices) and what the client fetches (see the module's docstring); None for a folder of one's own."""
+    folder = subject.path
+    found = _read(os.path.join(folder, ".diffuse", "listing.json"))
+    if hub_folder(folder) is None or found is None:
+        return None
+    listed = Listing.from_json(json.loads(found))
+    sizes: dict[tuple[str, str], int] = {}
+
+    def size(file: str, key: str) -> int:
+        if (file, key) not in sizes:
+            header = _local_header(file)
+            for k, v in header[1].items():
+                if k != "__metadata__":
+                    sizes[(file, k)] = v["data_offsets"][1] - v["data_offsets"][0]
+        return sizes[(file, key)]
+
+    blocks = block_keys(subject, stacks)
+    nodes = [sum(size(*k) for sl in row if not sl.empty for i in range(sl.start, sl.stop)
+                 for k in blocks[(sl.stack, i)]) for row in rows]
+    split_dirs = {os.path.normpath(d) for d in subject.component_dirs().values()}
+    far = {k for (_, i), keys in blocks.items() if i >= 1 for k in keys}
+    client = 0
+    for p in loaded_files(listed):
+        local = os.path.join(folder, p)
+        if p.endswith(".safetensors") and os.path.normpath(os.path.dirname(local)) in split_dirs:
+            n = _local_header(local)[0]
+            client += 8 + n + sum(size(local, k) for k in _local_header(local)[1] if k != "__metadata__"
+                                  and (local, k) not in far)
+        else:
+            client += listed.files[p][0]
+    return nodes, client
+
+
+def _local_header(path: str) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return n, json.loads(f.read(n))
 
 
 def _mark(folder: str, found: Listing, ref: HubRef) -> None:

@@ -40,16 +40,23 @@ def resolve_model(model: str, role: str = "whole", say=None) -> str:
     try:
         return snapshot_download(model, local_files_only=True)
     except Exception as exc:  # not cached, or not a hub id at all
-        if ref is not None:
-            raise fetched_here from None
+        from diffuse.plan.fetching import repo_root
+
+        if ref is not None and os.path.isdir(repo_root(ref.repo)):
+            raise fetched_here from None  # fetched here in part: what it lacks
         import difflib
 
         near = difflib.get_close_matches(model, list(shipped), n=1)
         hint = f"did you mean {near[0]!r}? " if near else ""
+        if ref is not None:
+            tried = (f"not fetched here nor in the Hugging Face cache {constants.HF_HUB_CACHE}, and the Hub may not "
+                     "be reached (HF_HUB_OFFLINE is set); run once without HF_HUB_OFFLINE to fetch it, or ")
+        else:
+            tried = (f"and not a Hub id (ORG/NAME[@REVISION]) nor in the Hugging Face cache {constants.HF_HUB_CACHE} "
+                     f"({type(exc).__name__}); ")
         raise DiffuseError(
             f"model {model!r} not found: no folder {os.path.abspath(model)}, no shipped model of that name (shipped: "
-            f"{', '.join(shipped) or 'none'}), and not a Hub id (ORG/NAME[@REVISION]) nor in the Hugging Face cache "
-            f"{constants.HF_HUB_CACHE} ({type(exc).__name__}); {hint}give a diffusers pipeline folder "
-            "(model_index.json and a folder per component), a transformers model folder (config.json naming its "
-            "architectures, *.safetensors), or a Hub id"
+            f"{', '.join(shipped) or 'none'}), {tried}{hint}give a diffusers pipeline folder (model_index.json and "
+            "a folder per component), a transformers model folder (config.json naming its architectures, "
+            "*.safetensors), or a Hub id, ORG/NAME[@REVISION], fetched as it runs"
         ) from exc
