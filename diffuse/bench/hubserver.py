@@ -293,7 +293,12 @@ def _search(hub: HubServer, query: dict) -> list[dict]:
     for row in rows:
         row.pop("siblings")
     key = (query.get("sort") or ["downloads"])[0]
-    if key in ("downloads", "likes", "trending_score", "trendingScore"):
-        rows.sort(key=lambda r: -r.get("likes" if key == "likes" else "downloads", 0))
+    trending = {rid: r.card.get("trending", r.card.get("downloads", 0)) for rid, r in hub.repos.items()}
+    if key == "likes":
+        rows.sort(key=lambda r: -r.get("likes", 0))
+    elif key in ("trending_score", "trendingScore"):
+        rows.sort(key=lambda r: -trending[r["id"]])
+    else:
+        rows.sort(key=lambda r: -r.get("downloads", 0))
     limit = int((query.get("limit") or [len(rows)])[0])
     return rows[:limit]

@@ -50,6 +50,8 @@ COMMANDS: dict[str, Command] = {
     "chat": Command("diffuse.cli.language:chat_main", "talk with a language model split over a ring, turn by turn "
                     "(default: the embedded tiny-qwen-chat)", "[--model DIR]"),
     "node": Command("diffuse.node.command:main", "serve a slice of a model's blocks (python -m diffuse.node)"),
+    "host": Command("diffuse.cli.host:main", "host a slice of a Hub model as a node; with no model, choose one "
+                    "in a browser over the Hub's search", "[ORG/NAME --blocks K/N]"),
     "serve": Command("diffuse.serve.command:main", "an OpenAI-compatible HTTP service and a page, models kept warm "
                      "on a ring"),
     "key": Command("diffuse.cli.commands:key_main", "print this machine's node key (creating it if missing)",

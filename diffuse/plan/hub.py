@@ -187,3 +187,22 @@ def listing(ref: HubRef) -> Listing:
 
 def file_url(repo: str, commit: str, path: str) -> str:
     return f"{endpoint()}/{repo}/resolve/{commit}/{urllib.parse.quote(path)}"
+
+
+SORTS = {"downloads": "downloads", "trending": "trendingScore", "likes": "likes"}  # what `diffuse host` offers
+
+
+def search(words: str = "", sort: str = "downloads", task: str | None = None, limit: int = 40) -> list[dict]:
+    """The Hub's model search, best first by ``sort`` (a key of ``SORTS``): rows with id, downloads, likes,
+    pipeline_tag, tags."""
+    query = {"search": words, "sort": SORTS.get(sort, sort), "direction": "-1", "limit": str(limit)}
+    if task:
+        query["pipeline_tag"] = task
+    with request(f"{endpoint()}/api/models?{urllib.parse.urlencode(query)}", "the Hub's search") as r:
+        try:
+            rows = json.loads(r.read())
+        except ValueError:
+            rows = None
+    if not isinstance(rows, list):
+        raise DiffuseError(f"{endpoint()} answered a search Diffuse cannot read; is HF_ENDPOINT a Hugging Face Hub?")
+    return [row for row in rows if isinstance(row, dict) and isinstance(row.get("id"), str)]

@@ -191,10 +191,9 @@ def downloads(subject, stacks, rows) -> tuple[list[int], int] | None:
     """What each node of a placement fetches of a Hub model's folder (its blocks' tensors, as stored; ``rows``:
     each node's slices) and what the client fetches (see the module's docstring); None for a folder of one's own."""
     folder = subject.path
-    found = _read(os.path.join(folder, ".diffuse", "listing.json"))
-    if hub_folder(folder) is None or found is None:
+    listed = stored_listing(folder)
+    if listed is None:
         return None
-    listed = Listing.from_json(json.loads(found))
     sizes: dict[tuple[str, str], int] = {}
 
     def size(file: str, key: str) -> int:
@@ -220,6 +219,12 @@ def downloads(subject, stacks, rows) -> tuple[list[int], int] | None:
         else:
             client += listed.files[p][0]
     return nodes, client
+
+
+def stored_listing(folder: str) -> Listing | None:
+    """The Hub's listing kept with a folder ``fetch_model`` made (sizes and sha256s of the repo's files)."""
+    found = _read(os.path.join(folder, ".diffuse", "listing.json"))
+    return Listing.from_json(json.loads(found)) if hub_folder(folder) is not None and found else None
 
 
 def _local_header(path: str) -> tuple[int, dict]:
