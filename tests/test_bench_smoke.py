@@ -77,7 +77,7 @@ def test_bench_placement_links_and_memory_quick_print_their_figures(diffuse_home
 def test_bench_fetch_prints_each_machines_bytes_against_the_whole_model(diffuse_home):
     """One round: every machine's row for both checkpoints; a node of 4 fetches about half of what a node of 2
     does (the same configs and headers, half the blocks), and every node less than the client."""
-    code = "import sys; from diffuse.bench.command import main; sys.exit(main(['fetch', '--rounds', '1']))"
+    code = "import sys; from diffuse.bench.command import main; sys.exit(main(['fetch', '--quick']))"
     proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(diffuse_home), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -89,3 +89,5 @@ def test_bench_fetch_prints_each_machines_bytes_against_the_whole_model(diffuse_
         assert all(got[f"node {k}/2"] < got["client"] < got["whole"] for k in (1, 2)), got
         for k in range(1, 5):
             assert abs(2 * got[f"node {k}/4"] - got[f"node {(k + 1) // 2}/2"]) < 200_000, got
+    over = re.findall(r"^(?:one file|4 shards) +node \d/\d .* ([\d,]+) +(\d+\.\d{3})$", proc.stdout, re.M)
+    assert len(over) == 2 * 6 and all(float(r) <= 1.05 for _, r in over), over  # its tensors, + configs, headers

@@ -13,6 +13,7 @@ with its spread (min-max).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -48,8 +49,9 @@ def _sharded(source: str, into: str, shards: int) -> str:
     return into
 
 
-def _fetch_as(hub, who: str, root: str, what, repo: str) -> tuple[int, float]:
-    """(bytes sent, seconds) for one machine's fetch in a fresh home: ``what`` is "whole", "client" or (k, n)."""
+def _fetch_as(hub, who: str, root: str, what, repo: str) -> tuple[int, float, int]:
+    """(bytes sent, seconds, bytes of its slice's tensors as stored: 0 but for a node) for one machine's fetch in
+    a fresh home: ``what`` is "whole", "client" or (k, n)."""
     from diffuse.plan.fetching import hold
     from diffuse.plan.hub import hub_ref
     from diffuse.plan.hubmodel import block_keys, fetch_model
@@ -57,7 +59,7 @@ def _fetch_as(hub, who: str, root: str, what, repo: str) -> tuple[int, float]:
 
     os.environ.update(HF_HOME=os.path.join(root, who), HF_ENDPOINT=hub.endpoint(who), DIFFUSE_HUB_OFFLINE="0")
     quiet = lambda line: None  # noqa: E731
-    t0 = time.perf_counter()
+    t0, own = time.perf_counter(), 0
     if isinstance(what, str):
         fetch_model(hub_ref(repo), what, quiet)
     else:
@@ -72,7 +74,14 @@ def _fetch_as(hub, who: str, root: str, what, repo: str) -> tuple[int, float]:
                 for file, key in keys[(sl.stack, i)]:
                     needs.setdefault(file, []).append(key)
         hold(needs, quiet)
-    return hub.fetched(who), time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        for file, names in needs.items():
+            with open(file, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                meta = json.loads(f.read(n))
+            own += sum(meta[k]["data_offsets"][1] - meta[k]["data_offsets"][0] for k in names)
+        return hub.fetched(who), seconds, own
+    return hub.fetched(who), time.perf_counter() - t0, own
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=50e6, help="the server's bytes a second (default 50e6)")
     ap.add_argument("--rounds", type=int, default=3, help="fresh fetches per figure (default 3)")
     ap.add_argument("--shards", type=int, default=4, help="shards of the sharded copy's denoiser (default 4)")
+    ap.add_argument("--quick", action="store_true", help="one round (as --rounds 1)")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.rounds = 1
     saved = {k: os.environ.get(k) for k in ("HF_HOME", "HF_ENDPOINT", "DIFFUSE_HUB_OFFLINE")}
     root = tempfile.mkdtemp(prefix="diffuse-bench-fetch-")
     try:
@@ -98,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             analyze(source)  # the libraries the analysis imports, imported before any clock starts
             print(f"tiny-wan-shapes from a loopback Hub at {a.rate / 1e6:.0f} MB/s; medians of {a.rounds} fresh "
                   "fetches (min-max); bytes from the server's log")
-            print(f"{'checkpoint':<11} {'machine':<14} {'bytes':>12} {'of whole':>9} {'seconds':>18} {'of whole':>9}")
+            print(f"{'checkpoint':<11} {'machine':<14} {'bytes':>12} {'of whole':>9} {'seconds':>18} {'of whole':>9} "
+                  f"{'its tensors':>12} {'bytes / them':>12}")
             run = 0
             for label, (repo, _) in repos.items():
                 whos = [("whole", "whole"), ("client", "client")] + \
@@ -110,13 +123,14 @@ def main(argv: list[str] | None = None) -> int:
                         run += 1
                         got.append(_fetch_as(hub, f"r{run}", root, what, repo))
                     figures[name] = got
-                whole_b = statistics.median(b for b, _ in figures["whole"])
-                whole_s = statistics.median(s for _, s in figures["whole"])
+                whole_b = statistics.median(b for b, _, _ in figures["whole"])
+                whole_s = statistics.median(s for _, s, _ in figures["whole"])
                 for name, got in figures.items():
-                    b, s = [x for x, _ in got], [y for _, y in got]
+                    b, s, own = [x[0] for x in got], [x[1] for x in got], got[0][2]
                     spread = f"{statistics.median(s):.3f} ({min(s):.3f}-{max(s):.3f})"
+                    mine = f"{own:>12,} {statistics.median(b) / own:>12.3f}" if own else f"{'':>12} {'':>12}"
                     print(f"{label:<11} {name:<14} {statistics.median(b):>12,.0f} {statistics.median(b) / whole_b:>9.3f} "
-                          f"{spread:>18} {statistics.median(s) / whole_s:>9.3f}")
+                          f"{spread:>18} {statistics.median(s) / whole_s:>9.3f} {mine}")
     finally:
         for k, v in saved.items():
             if v is None:
