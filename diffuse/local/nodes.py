@@ -112,6 +112,9 @@ def start_local_nodes(model: str, n: int, threads: int | None = None, start: Loc
     ``client=``, ``fixed=``, ``each=``)."""
     from diffuse.wire.transport import transport_for
 
+    from diffuse.plan.hubmodel import complete_model
+
+    complete_model(model)  # a Hub model's blocks, fetched here with progress: these nodes together hold them all
     start = start or LocalStart(**given)
     scheme, extra, groups, client, fixed, each = (start.scheme, start.extra, start.groups, start.client,
                                                   start.fixed, start.each)
