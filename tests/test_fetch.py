@@ -97,11 +97,11 @@ def client_run(hub, who: str, home, pinned: str, out) -> subprocess.CompletedPro
 @pytest.fixture(scope="module")
 def split_run(hub, tmp_path_factory):
     """Two nodes (blocks 1/2 and 2/2) and a client, each with a Hugging Face home of its own, all naming the model
-    by its Hub id; the first range read of the denoiser's file is cut after 300 kB (a dropped connection)."""
+    by its Hub id; the first read of over 1 MB of the denoiser's file is cut after 300 kB (a dropped connection)."""
     from diffuse.bench.hubserver import Fault
 
     root = tmp_path_factory.mktemp("fetch-split")
-    hub.faults.append(Fault(DENOISER, after=300_000))
+    hub.faults.append(Fault(DENOISER, after=300_000, longer=1_000_000))
     logs = {w: open(root / f"{w}.log", "w+") for w in ("node-a", "node-b")}
     nodes = []
     try:
@@ -154,8 +154,11 @@ def test_each_node_fetches_its_slice_and_the_client_none_of_the_nodes_blocks(hub
     far = [span for k, span in spans.items() if k.startswith("blocks.") and int(k.split(".")[1]) >= 1]
     client = ranges_of(hub, "client", DENOISER)
     assert client and not [r for r in client for o in far if r[0] < o[1] and o[0] < r[1]], client
-    # the first range read of the denoiser was cut: it was taken up again where it stopped, not from its start
-    assert hub.faults[0].used
+    # the first long read of the denoiser was cut: it was taken up again where it stopped, not from its start
+    cut = next(e for e in hub.log if e["file"] == DENOISER and e["sent"] == 300_000 and e["range"] and
+               e["range"][1] - e["range"][0] > 1_000_000)
+    assert any(e["who"] == cut["who"] and e["file"] == DENOISER and e["range"] and e["status"] == 206 and
+               e["range"][0] == cut["range"][0] + 300_000 for e in hub.log), cut
 
 
 def test_check_reads_configs_and_headers_only(hub, tmp_path):
@@ -303,3 +306,40 @@ def test_a_language_model_by_hub_id_answers_token_for_token_and_its_client_leave
                       "--timeout", "120", timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(tokens.read_text())["new_tokens"] == json.loads(out.read_text())["new_tokens"]
+
+
+def test_bytes_held_but_never_checked_are_checked_and_an_empty_file_is_made(hub, tmp_path, monkeypatch):
+    """A process stopped while it checked a fetched file's digest leaves every byte held and nothing sealed: the
+    next fetch checks and seals it, fetching nothing again. A file of no bytes is made and sealed too."""
+    from diffuse.plan.fetching import RepoFile
+    from diffuse.plan.hub import hub_ref, listing
+
+    folder = tmp_path / "small"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"a": 1}')
+    (folder / "empty.txt").write_text("")
+    (folder / "model.safetensors").write_bytes(open(os.path.join(hub.source, "text_encoder", "model.safetensors"),
+                                                    "rb").read())
+    hub.publish("org/small", str(folder))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint("small"))
+    monkeypatch.setenv("DIFFUSE_HUB_OFFLINE", "0")
+    ref = hub_ref("org/small")
+    found = listing(ref)
+    store = tmp_path / "store"
+    files = {p: RepoFile(ref, found.commit, str(store), p, *found.files[p]) for p in found.files}
+    weights = files["model.safetensors"]
+    weights.fetch([[0, weights.size]])
+    assert weights.complete() and found.files["model.safetensors"][1] and not found.files["config.json"][1]
+    note = json.loads(open(weights.note_path).read())
+    note.pop("sealed"), note.pop("mtime_ns")
+    with open(weights.note_path, "w") as f:
+        json.dump(dict(note, spans=[[0, weights.size]]), f)  # as a process killed while it hashed leaves it
+    sent = hub.fetched("small")
+    assert not weights.complete()
+    weights.fetch([[0, weights.size]])
+    assert weights.complete() and hub.fetched("small") == sent
+    files["empty.txt"].fetch([[0, 0]])
+    assert files["empty.txt"].complete() and os.path.getsize(files["empty.txt"].local) == 0
+    files["config.json"].fetch([[0, files["config.json"].size]])  # kept in git: checked by its blob id
+    assert files["config.json"].complete() and json.loads(open(files["config.json"].local).read()) == {"a": 1}

@@ -38,25 +38,35 @@ class Repo:
 
 @dataclass
 class Fault:
-    """One transfer to spoil once: of a file whose path ends with ``suffix``; ``after`` bytes sent before the
-    connection is dropped (None: answered 500 at once)."""
+    """One transfer to spoil once: of a file whose path ends with ``suffix``, asking more than ``longer`` bytes;
+    ``after`` bytes sent before the connection is dropped (None: answered 500 at once)."""
 
     suffix: str
     after: int | None = None
+    longer: int = 0
     used: bool = False
 
 
-def _listing(folder: str) -> dict[str, tuple[int, str]]:
+LFS = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt", ".onnx", ".png", ".jpg", ".gif", ".mp4", ".wav")
+
+
+def _listing(folder: str) -> dict[str, tuple[int, str, str | None]]:
+    """path -> (size, its git blob id, its sha256 where the Hub keeps it in LFS: weights and media, as repos'
+    .gitattributes have them; None for a file kept in git, which the Hub lists by blob id alone)."""
     out = {}
     for here, dirs, files in os.walk(folder):
         dirs.sort()
         for name in sorted(files):
             full = os.path.join(here, name)
-            h = hashlib.sha256()
+            size = os.path.getsize(full)
+            sha, blob = hashlib.sha256(), hashlib.sha1(f"blob {size}\0".encode())
             with open(full, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-            out[os.path.relpath(full, folder).replace(os.sep, "/")] = (os.path.getsize(full), h.hexdigest())
+                    sha.update(chunk)
+                    blob.update(chunk)
+            lfs = name.endswith(LFS) or size > 10 << 20
+            out[os.path.relpath(full, folder).replace(os.sep, "/")] = (size, blob.hexdigest(),
+                                                                       sha.hexdigest() if lfs else None)
     return out
 
 
@@ -116,10 +126,10 @@ class HubServer:
         if wait > 0:
             time.sleep(wait)
 
-    def _fault(self, path: str) -> Fault | None:
+    def _fault(self, path: str, length: int) -> Fault | None:
         with self._lock:
             for f in self.faults:
-                if not f.used and path.endswith(f.suffix):
+                if not f.used and path.endswith(f.suffix) and length > f.longer:
                     f.used = True
                     return f
         return None
@@ -220,7 +230,8 @@ class _Handler(BaseHTTPRequestHandler):
         if listed is None:
             entry["status"] = 404
             return self._error(404, "EntryNotFound", f"{path} does not exist at {sha}", body)
-        size, digest = listed
+        size, blob, lfs_sha = listed
+        digest = lfs_sha or blob
         start, stop = 0, size
         asked = self.headers.get("Range")
         if asked:
@@ -231,7 +242,7 @@ class _Handler(BaseHTTPRequestHandler):
                 entry["status"] = 416
                 return self._answer(416, {"error": f"bad range {asked}"}, body=body)
             entry["range"] = (start, stop)
-        fault = self.hub._fault(path) if body else None
+        fault = self.hub._fault(path, stop - start) if body else None
         if fault is not None and fault.after is None:
             entry["status"] = 500
             return self._answer(500, {"error": "internal error (a planted fault)"}, body=body)
@@ -268,10 +279,12 @@ def _handler(hub: HubServer):
 
 def _info(repo_id: str, repo: Repo, sha: str, blobs: bool) -> dict:
     siblings = []
-    for path, (size, digest) in repo.files[sha].items():
+    for path, (size, blob, digest) in repo.files[sha].items():
         s = {"rfilename": path}
         if blobs:
-            s.update(size=size, blobId=digest[:40], lfs={"sha256": digest, "size": size, "pointerSize": 134})
+            s.update(size=size, blobId=blob)
+            if digest:
+                s["lfs"] = {"sha256": digest, "size": size, "pointerSize": 134}
         siblings.append(s)
     card = repo.card
     return {"id": repo_id, "modelId": repo_id, "sha": sha, "private": False, "gated": "auto" if repo.token else False,
@@ -281,8 +294,9 @@ def _info(repo_id: str, repo: Repo, sha: str, blobs: bool) -> dict:
 
 
 def _tree(repo: Repo, sha: str) -> list[dict]:
-    return [{"type": "file", "oid": digest[:40], "size": size, "path": path,
-             "lfs": {"oid": digest, "size": size, "pointerSize": 134}} for path, (size, digest) in repo.files[sha].items()]
+    return [{"type": "file", "oid": blob, "size": size, "path": path,
+             **({"lfs": {"oid": digest, "size": size, "pointerSize": 134}} if digest else {})}
+            for path, (size, blob, digest) in repo.files[sha].items()]
 
 
 def _search(hub: HubServer, query: dict) -> list[dict]:

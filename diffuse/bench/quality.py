@@ -74,7 +74,7 @@ def _whole_and_split(a):
     from diffuse.train.data import heldout_prompts
 
     torch.set_num_threads(1)
-    info = ModelInfo.of(a.model)
+    info = ModelInfo.of(a.model, "whole")  # it runs the pipeline whole
     model = info.path
     prompts = heldout_prompts()[: a.prompts]
     whole_pipe = load_pipeline(model)

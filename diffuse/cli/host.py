@@ -75,9 +75,13 @@ def browse(market) -> tuple[str, str] | None:
     import curses
 
     os.environ.setdefault("ESCDELAY", "25")
-    with _quiet_while_drawn():
+    with _quiet_while_drawn() as said:
         market.search()
-        return curses.wrapper(lambda screen: Browser(screen, market).run())
+        chosen = curses.wrapper(lambda screen: Browser(screen, market).run())
+    kept = said.getvalue().strip().splitlines()
+    if kept:  # what was said while the screen was up, said now (its last lines)
+        print("\n".join(kept[-20:]), file=sys.stderr)
+    return chosen
 
 
 class Browser:

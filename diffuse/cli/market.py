@@ -18,13 +18,9 @@ MARGIN = 1.1  # what holding a model's bytes takes in memory, counted as this mu
 
 
 def size_text(n: float | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return "?"
+    from diffuse.plan.fetchprogress import size_text as sized
+
+    return "?" if n is None else sized(n)
 
 
 @dataclass
@@ -95,6 +91,7 @@ class Market:
         self._lock = threading.Lock()
         self._generation = 0
         self._known: dict[str, Row] = {}
+        self._judging = threading.Lock()
 
     def search(self) -> None:
         """The rows for the current words, sort and task (judged from then on, in the background)."""
@@ -122,8 +119,12 @@ class Market:
 
     def judge(self, row: Row) -> Row:
         """``row``'s verdict, size and what this machine holds of it, from its configs and headers."""
-        if row.judged:
-            return row
+        with self._judging:  # the background thread and a page opened meanwhile never read one model at once
+            if not row.judged:
+                self._judge(row)
+        return row
+
+    def _judge(self, row: Row) -> None:
         from diffuse.cli.check import check
         from diffuse.plan.fetching import hub_folder
         from diffuse.plan.hub import HubRef
@@ -133,7 +134,7 @@ class Market:
             row.folder = fetch_model(HubRef(row.repo), "headers", say=lambda line: None)
             row.commit = hub_folder(row.folder)["commit"]
             listed = stored_listing(row.folder)
-            weights = [p for p in loaded_files(listed) if p.endswith(".safetensors")]
+            weights = [p for p in loaded_files(listed, row.folder) if p.endswith(".safetensors")]
             row.size = sum(listed.files[p][0] for p in weights)
             row.check = check(row.folder, cache=True)
             row.splittable = row.check["verdict"] == "splittable"
@@ -151,7 +152,6 @@ class Market:
         if self.machine.device == "CPU":
             self.machine.device = _device()
         row.judged = True
-        return row
 
     def details(self, row: Row) -> dict:
         """The model's card (its first lines), files (largest first) and, if it splits, what each node of 2, 3
@@ -164,7 +164,8 @@ class Market:
             return out
         out["card"] = _card_lines(os.path.join(row.folder, "README.md"))
         listed = stored_listing(row.folder)
-        out["files"] = sorted(((p, listed.files[p][0]) for p in loaded_files(listed)), key=lambda f: -f[1])
+        out["files"] = sorted(((p, listed.files[p][0]) for p in loaded_files(listed, row.folder)),
+                              key=lambda f: -f[1])
         if row.splittable:
             out["plans"] = _plans(row.folder)
         return out

@@ -85,14 +85,15 @@ def load_whole_or_shell(info: "ModelInfo", compute, shell: bool):
     carries ``info`` (``_diffuse``), so that splitting it, checking its call and reporting on it read no folder
     again (``model_info``)."""
     from diffuse.plan.devices import place
-    from diffuse.plan.hubmodel import complete_model, partial_model
+    from diffuse.plan.fetching import partial_folder
+    from diffuse.plan.hubmodel import complete_model
     from diffuse.plan.planner import load_model, load_pipeline
 
     if not shell:
         complete_model(info.path)  # a Hub model's folder, as a client holds it: the nodes' blocks too
     if info.subject.autoregressive:
         pipe = load_model(info.path, info.subject, compute.dtype)
-        if shell and partial_model(info.path):  # the blocks nodes hold were not fetched here: never to be run
+        if shell and partial_folder(info.path):  # the blocks nodes hold were not fetched here: never to be run
             for st in info.draft["stacks"]:
                 for block in list(pipe.get_submodule(st.path))[1:]:
                     block.to("meta")

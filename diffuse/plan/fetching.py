@@ -3,12 +3,13 @@
 A model at one commit is a folder, ``<HF hub cache>/diffuse/models--ORG--NAME/<commit>/``, laid out as the repo
 is, so the loaders read it as any model folder. A file is complete there, or it is *partial*: as large as on the
 Hub but holding only some byte ranges (a sparse file: the ranges not fetched take no disk), with a note beside it
-(``.NAME.diffuse.json``: its size, its sha256, the ranges held). A safetensors file a node holds part of is
-partial: its header and the tensors of its slice. A whole file is fetched the same way and its note removed once
-every byte is there and its sha256 is the Hub's, so an interrupted fetch resumes from the ranges held, and no
+(``.NAME.diffuse.json``: its size, its digest, the ranges held). A safetensors file a node holds part of is
+partial: its header and the tensors of its slice. A whole file is fetched the same way and sealed (its note says
+so, with the file's size and modification time) once every byte is there and its digest is the Hub's (the sha256
+of a file in LFS, the git blob id of one in git), so an interrupted fetch resumes from the ranges held, and no
 file is ever taken for complete that is not.
 
-``Progress`` says, every few seconds, what is fetched of how much, the rate and the time left.
+Progress lines: ``diffuse.plan.fetchprogress``.
 """
 
 from __future__ import annotations
@@ -21,15 +22,17 @@ import os
 import shutil
 import struct
 import sys
+import threading
 import time
 import urllib.error
 
 from diffuse.errors import DiffuseError
-from diffuse.plan.hub import RETRIES, HubRef, backoff_s, file_url, hub_failure, request
+from diffuse.plan.fetchprogress import Progress, size_text
+from diffuse.plan.hub import RETRIES, HubRef, backoff_s, file_url, hub_failure, offline, request
 
 CHUNK = 1 << 20  # bytes read and written at a time
 NOTE_EVERY_S = 1.0  # seconds between two writes of a partial file's note while fetching (what a kill may lose)
-GAP = 64 << 10  # ranges closer than this are fetched as one (fewer requests, a little more data)
+GAP = 0  # ranges this close are fetched as one; none: a node takes no byte of another's tensors
 
 
 MARKER = os.path.join(".diffuse", "hub.json")  # in a folder made from a Hub repo: {"repo", "commit", "revision"}
@@ -43,6 +46,20 @@ def hub_folder(folder: str) -> dict | None:
 def hub_commit(folder: str) -> str:
     """The commit a folder made from a Hub repo holds; "" for any other folder."""
     return (hub_folder(folder) or {}).get("commit", "")
+
+
+def partial_folder(folder: str) -> bool:
+    """Whether a folder made from a Hub repo lacks some bytes of its files (a client's, a node's): a note there
+    that is not sealed."""
+    if hub_folder(folder) is None:
+        return False
+    for here, _, names in os.walk(folder):
+        for name in names:
+            if name.endswith(".diffuse.json"):
+                note = _read_json(os.path.join(here, name))
+                if not (note or {}).get("sealed"):
+                    return True
+    return False
 
 
 def hub_cache() -> str:
@@ -104,6 +121,23 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def _git_blob(path: str) -> str:
+    """A file's git blob id (sha1 of ``blob <size>\\0`` and its bytes), as the Hub lists a file kept in git."""
+    h = hashlib.sha1(f"blob {os.path.getsize(path)}\0".encode())
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK * 8), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _range_start(content_range: str | None) -> int | None:
+    """The first byte a ``Content-Range: bytes A-B/SIZE`` answer holds."""
+    try:
+        return int(content_range.split()[1].split("-")[0])
+    except (AttributeError, IndexError, ValueError):
+        return None
+
+
 def _read_json(path: str) -> dict | None:
     try:
         with open(path) as f:
@@ -112,66 +146,31 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-class Progress:
-    """Bytes fetched of ``total``, said every ``every`` seconds and at the end through ``say`` (default: a line
-    on standard error)."""
-
-    def __init__(self, label: str, total: int, say=None, every: float = 2.0):
-        self.label, self.total, self.done = label, total, 0
-        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.every = every
-        self.started = self.last = time.monotonic()
-
-    def add(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self.last >= self.every:
-            self.last = now
-            self.say(self.line())
-
-    def line(self) -> str:
-        spent = max(time.monotonic() - self.started, 1e-6)
-        rate = self.done / spent
-        left = (self.total - self.done) / rate if rate > 0 else float("inf")
-        eta = "" if self.done >= self.total else f", {_duration(left)} left"
-        return (f"fetching {self.label}: {_size(self.done)} of {_size(self.total)} "
-                f"({100 * self.done / max(self.total, 1):.0f}%), {_size(rate)}/s{eta}")
-
-    def end(self) -> None:
-        """The last line: said where the fetch was long enough to matter (a megabyte, or a line said before)."""
-        if self.total >= 1 << 20 or self.last > self.started:
-            self.say(self.line() + f" in {_duration(time.monotonic() - self.started)}")
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
-
-
-def _duration(s: float) -> str:
-    if s == float("inf"):
-        return "unknown time"
-    return f"{s:.0f} s" if s < 90 else f"{s / 60:.0f} min" if s < 5400 else f"{s / 3600:.1f} h"
-
-
 class RepoFile:
-    """One file of a repo at one commit, on this disk: complete, partial (some ranges held) or absent."""
+    """One file of a repo at one commit, on this disk: complete, partial (some ranges held) or absent. Its
+    digest, to check it by: the Hub's sha256 (an LFS file), else its git blob id (``blob``, a plain git file)."""
 
-    def __init__(self, ref: HubRef, commit: str, folder: str, path: str, size: int, sha256: str | None):
-        self.ref, self.commit, self.path, self.size, self.sha256 = ref, commit, path, size, sha256
+    def __init__(self, ref: HubRef, commit: str, folder: str, path: str, size: int, sha256: str | None,
+                 blob: str | None = None):
+        self.ref, self.commit, self.path, self.size, self.sha256, self.blob = ref, commit, path, size, sha256, blob
         self.local = os.path.join(folder, path)
         self.note_path = _note_path(self.local)
 
     def _note(self) -> dict | None:
         return _read_json(self.note_path)
 
+    def _digest_ok(self) -> bool | None:
+        """Whether the bytes here are the Hub's (None: the Hub gave nothing to check them by)."""
+        if self.sha256:
+            return _sha256(self.local) == self.sha256
+        if self.blob:
+            return _git_blob(self.local) == self.blob
+        return None
+
     def complete(self) -> bool:
         """Every byte here and checked: its note says so (sealed) and the file is as it was sealed. A file changed
-        since (or found with no note) is checked against the Hub's sha256 again, and removed if it differs (or
-        where the Hub gives none), so that it is fetched anew."""
+        since (or found with no note) is checked against the Hub's digest again and removed if it differs, so that
+        it is fetched anew; one the Hub gives no digest for is kept offline, fetched anew online."""
         if not os.path.isfile(self.local):
             return False
         note = self._note()
@@ -180,7 +179,8 @@ class RepoFile:
         st = os.stat(self.local)
         if note is not None and note.get("size") == st.st_size == self.size and note.get("mtime_ns") == st.st_mtime_ns:
             return True
-        if st.st_size == self.size and self.sha256 and _sha256(self.local) == self.sha256:
+        ok = self._digest_ok() if st.st_size == self.size else False
+        if ok or (ok is None and offline()):
             self._write_note(None)
             return True
         print(f"{self.local} is damaged ({st.st_size} bytes, changed since it was fetched and checked): "
@@ -204,37 +204,43 @@ class RepoFile:
 
     @classmethod
     def at(cls, local: str) -> "RepoFile | None":
-        """The partial file at ``local`` as its note describes it (repo, commit, path); None where it has no note."""
+        """The file at ``local`` as its note describes it (repo, commit, path); None where it has no note."""
         note = _read_json(_note_path(local))
         if not note or "repo" not in note:
             return None
         folder = local[: len(local) - len(note["path"])]
-        return cls(HubRef(note["repo"]), note["commit"], folder, note["path"], note["size"], note.get("sha256"))
+        return cls(HubRef(note["repo"]), note["commit"], folder, note["path"], note["size"], note.get("sha256"),
+                   note.get("blob"))
 
     def fetch(self, spans, progress: Progress | None = None) -> None:
-        """Hold ``spans`` (lists of [start, stop)); the whole file once every byte is held (sha256 checked).
+        """Hold ``spans`` (lists of [start, stop)); the whole file once every byte is held (its digest checked).
         Processes fetching the same file take turns (a lock beside it) and fetch only what the other left."""
-        if not self.to_fetch(spans):
+        if not self.to_fetch(spans) and not self._unsealed_whole() and (self.size or self.complete()):
             return
         os.makedirs(os.path.dirname(self.local), exist_ok=True)
         with open(_note_path(self.local)[: -len(".json")] + ".lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             self._fetch_locked(spans, progress)
 
+    def _unsealed_whole(self) -> bool:
+        """Every byte held but not yet checked (a process stopped while it checked them)."""
+        note = self._note()
+        return bool(note) and not note.get("sealed") and merged(note.get("spans") or []) == [[0, self.size]]
+
     def _fetch_locked(self, spans, progress) -> None:
         todo = self.to_fetch(spans)
-        if not todo:
-            return
         held = self.held()
-        if not held:
+        if todo and not held:
+            self._write_note([])  # first: a file with no note beside it would be taken for one to check
             with open(self.local, "wb") as f:
                 f.truncate(self.size)  # sparse: the ranges not fetched take no disk
-            held = []
-        self._write_note(held)
+        elif not self.size and not self.complete():
+            open(self.local, "wb").close()
         fd = os.open(self.local, os.O_WRONLY)
         try:
             for a, b in todo:
                 held = self._fetch_span(fd, a, b, held, progress)
+                self._write_note(held)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise DiffuseError(f"the disk holding {os.path.dirname(self.local)} is full: free space there (or "
@@ -242,19 +248,20 @@ class RepoFile:
             raise
         finally:
             os.close(fd)
-        self._write_note(held)
-        if merged(held) == [[0, self.size]]:
+        if merged(held) == [[0, self.size]] and (todo or self._unsealed_whole()) or not self.size:
             self._seal()
 
     def _fetch_span(self, fd: int, a: int, b: int, held: list, progress) -> list:
-        at, noted, tries = a, time.monotonic(), 0
+        at, tries = a, 0
+        noted = time.monotonic()
         while at < b:
             try:
                 with request(file_url(self.ref.repo, self.commit, self.path), self.ref,
                              headers={"Range": f"bytes={at}-{b - 1}"}) as r:
-                    if r.status != 206 and not (r.status == 200 and at == 0 and b == self.size):
-                        raise DiffuseError(f"{self.ref}: {self.path} was not served by range (HTTP {r.status}); "
-                                           "is HF_ENDPOINT a Hugging Face Hub?")
+                    whole = r.status == 200 and at == 0 and b == self.size
+                    if not whole and (r.status != 206 or _range_start(r.headers.get("Content-Range")) != at):
+                        raise DiffuseError(f"{self.ref}: {self.path} was not served the range asked for (HTTP "
+                                           f"{r.status}, {r.headers.get('Content-Range')}); is HF_ENDPOINT a Hub?")
                     while at < b:
                         chunk = r.read(min(CHUNK, b - at))
                         if not chunk:
@@ -277,25 +284,23 @@ class RepoFile:
     def _write_note(self, held: list | None) -> None:
         """The note beside the file: the spans held, or (``held`` None) that it is complete and checked."""
         note = {"repo": self.ref.repo, "commit": self.commit, "path": self.path, "size": self.size,
-                "sha256": self.sha256}
+                "sha256": self.sha256, "blob": self.blob}
         if held is None:
             note.update(sealed=True, mtime_ns=os.stat(self.local).st_mtime_ns)
         else:
             note["spans"] = merged(held)
-        tmp = f"{self.note_path}.{os.getpid()}.tmp"
+        tmp = f"{self.note_path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "w") as f:
             json.dump(note, f)
         os.replace(tmp, self.note_path)
 
     def _seal(self) -> None:
-        """Every byte held: checked against the Hub's sha256, then sealed (the note says it is complete)."""
-        if self.sha256:
-            digest = _sha256(self.local)
-            if digest != self.sha256:
-                os.unlink(self.local)
-                os.unlink(self.note_path)
-                raise DiffuseError(f"{self.ref}: {self.path} arrived damaged (sha256 {digest[:12]}…, the Hub "
-                                   f"lists {self.sha256[:12]}…); it was removed: run again to fetch it anew")
+        """Every byte held: checked against the Hub's digest, then sealed (the note says it is complete)."""
+        if self._digest_ok() is False:
+            os.unlink(self.local)
+            os.unlink(self.note_path)
+            raise DiffuseError(f"{self.ref}: {self.path} arrived damaged (its digest is not the one the Hub lists); "
+                               "it was removed: run again to fetch it anew")
         self._write_note(None)
 
     def header(self) -> tuple[int, dict]:
@@ -325,7 +330,7 @@ def check_room(folder: str, needed: int, what: str) -> None:
     os.makedirs(folder, exist_ok=True)
     free = shutil.disk_usage(folder).free
     if needed > free - (64 << 20):
-        raise DiffuseError(f"fetching {what} needs {_size(needed)} in {folder}, which has {_size(free)} free: free "
+        raise DiffuseError(f"fetching {what} needs {size_text(needed)} in {folder}, which has {size_text(free)} free: free "
                            "space there, or set HF_HOME to a disk with room")
 
 

@@ -77,11 +77,12 @@ def token() -> str | None:
 
 @dataclass
 class Listing:
-    """What the Hub says of a repo at one commit: each file's size and sha256 (None for a file kept in git)."""
+    """What the Hub says of a repo at one commit: each file's size, sha256 (None for a file kept in git) and, for
+    a file kept in git, its blob id."""
 
     repo: str
     commit: str
-    files: dict[str, tuple[int, str | None]] = field(default_factory=dict)
+    files: dict[str, tuple] = field(default_factory=dict)  # path -> (size, sha256 | None, blob id | None)
     gated: bool = False
     card: dict = field(default_factory=dict)  # pipeline_tag, downloads, likes, tags
 
@@ -159,8 +160,9 @@ def hub_failure(exc, ref) -> DiffuseError:
             hint = "" if token() else "; if it is private, give a token (HF_TOKEN=hf_... or `hf auth login`)"
             return DiffuseError(f"no model {getattr(ref, 'repo', ref)} on {where}: check the name "
                                 f"(ORG/NAME, as its page on the Hub spells it){hint}")
-        return DiffuseError(f"{ref}: {where} answered {exc.code} {exc.reason} after {RETRIES} tries; try again "
-                            "later (what was fetched is kept, and the fetch resumes where it stopped)")
+        tried = f" after {RETRIES} tries" if exc.code >= 500 or exc.code == 429 else ""
+        return DiffuseError(f"{ref}: {where} answered {exc.code} {exc.reason}{tried}; try again later (what was "
+                            "fetched is kept, and the fetch resumes where it stopped)")
     reason = getattr(exc, "reason", exc)
     return DiffuseError(f"{ref}: cannot reach {where} ({type(reason).__name__}: {reason}); check the network "
                         "(or HF_ENDPOINT), then run again: what was fetched is kept")
@@ -176,7 +178,8 @@ def listing(ref: HubRef) -> Listing:
             files = {}
             for s in info.get("siblings") or ():
                 lfs = s.get("lfs") or {}
-                files[s["rfilename"]] = (int(s.get("size") or lfs.get("size") or 0), lfs.get("sha256"))
+                files[s["rfilename"]] = (int(s.get("size") or lfs.get("size") or 0), lfs.get("sha256"),
+                                         None if lfs else s.get("blobId"))
             commit = info["sha"]
         except (ValueError, KeyError, TypeError) as exc:
             raise DiffuseError(f"{ref}: {endpoint()} answered model info Diffuse cannot read ({exc}); is "

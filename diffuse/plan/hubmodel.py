@@ -23,9 +23,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 
 from diffuse.errors import DiffuseError
-from diffuse.plan.fetching import MARKER, Progress, RepoFile, check_room, hub_folder, repo_root, spans_of
+from diffuse.plan.fetching import MARKER, RepoFile, check_room, hub_folder, repo_root, spans_of
+from diffuse.plan.fetchprogress import Progress
 from diffuse.plan.hub import HubRef, Listing, listing, offline
 
 ROLES = ("headers", "node", "client", "whole")
@@ -40,7 +42,10 @@ def fetch_model(ref: HubRef, role: str = "whole", say=None) -> str:
         raise ValueError(f"role {role!r}: one of {ROLES}")
     found = _listing(ref)
     folder = os.path.join(repo_root(ref.repo), found.commit)
-    files = {p: RepoFile(ref, found.commit, folder, p, *found.files[p]) for p in loaded_files(found)}
+    if "model_index.json" in found.files:  # a pipeline: its components are the folders it names
+        _fetch_whole(ref, [RepoFile(ref, found.commit, folder, "model_index.json", *found.files["model_index.json"])],
+                     "its model index", say)
+    files = {p: RepoFile(ref, found.commit, folder, p, *found.files[p]) for p in loaded_files(found, folder)}
     weights = {p: f for p, f in files.items() if p.endswith(".safetensors")}
     plain = [f for p, f in files.items() if p not in weights]
     _fetch_whole(ref, plain, "its configs", say)
@@ -61,20 +66,18 @@ def complete_model(folder: str, say=None) -> None:
         fetch_model(HubRef(mark["repo"], mark["commit"]), "whole", say)
 
 
-def partial_model(folder: str) -> bool:
-    """Whether a folder ``fetch_model`` made lacks some bytes of its weights (a client's, a node's)."""
-    if hub_folder(folder) is None:
-        return False
-    return any(name.endswith(".diffuse.json") for _, _, names in os.walk(folder) for name in names)
-
-
-def loaded_files(found: Listing) -> list[str]:
-    """The files of a repo that Diffuse's loaders read (see the module's docstring)."""
+def loaded_files(found: Listing, folder: str) -> list[str]:
+    """The files of a repo that Diffuse's loaders read (see the module's docstring); ``folder``: where the repo's
+    ``model_index.json`` is, for a pipeline."""
     paths = set(found.files)
     diffusers = "model_index.json" in paths
     components = None
     if diffusers:
-        components = {p.split("/", 1)[0] for p in paths if "/" in p}
+        try:
+            with open(os.path.join(folder, "model_index.json")) as f:
+                components = {k for k, v in json.load(f).items() if not k.startswith("_") and isinstance(v, list)}
+        except (OSError, ValueError, AttributeError):
+            components = {p.split("/", 1)[0] for p in paths if "/" in p}
     out = []
     for p in sorted(paths):
         name = p.rsplit("/", 1)[-1]
@@ -210,7 +213,7 @@ def downloads(subject, stacks, rows) -> tuple[list[int], int] | None:
     split_dirs = {os.path.normpath(d) for d in subject.component_dirs().values()}
     far = {k for (_, i), keys in blocks.items() if i >= 1 for k in keys}
     client = 0
-    for p in loaded_files(listed):
+    for p in loaded_files(listed, folder):
         local = os.path.join(folder, p)
         if p.endswith(".safetensors") and os.path.normpath(os.path.dirname(local)) in split_dirs:
             n = _local_header(local)[0]
@@ -248,7 +251,7 @@ def _read(path: str) -> str | None:
 
 
 def _write(path: str, text: str) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)

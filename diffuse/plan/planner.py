@@ -12,7 +12,7 @@ import dataclasses
 
 from diffuse.plan.analysis import ModelSubject, StackCall, run_analyzers
 from diffuse.errors import DiffuseError, RefusedModel
-from diffuse.plan.fetching import hub_commit
+from diffuse.plan.fetching import hub_commit, partial_folder
 from diffuse.plan.contracts import PATCHABLE, UNCUT_STEPS, CallPlan, ModelIdentity, ReturnMap, SlicingPlan, even_route
 
 CONFIG_FIELDS = {"stacks": list}  # what the core reads from the config phase (others are optional)
@@ -75,6 +75,9 @@ def load_pipeline(path: str, subject: ModelSubject | None = None, stacks: list |
     transformers.utils.logging.disable_progress_bar()
     typed = {"torch_dtype": dtype} if dtype is not None else {}
     if not stacks:
+        if partial_folder(path):
+            raise DiffuseError(f"{path} holds only part of its model (what a client or a node of it fetched): "
+                               "load it by its Hub id for a whole run, which fetches the rest")
         pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True, **typed)
     else:
         shell = load_denoiser_shell(path, subject, stacks, dtype)

@@ -38,6 +38,8 @@ def resolve_model(model: str, role: str = "whole", say=None) -> str:
     from huggingface_hub import constants, snapshot_download
 
     try:
+        if ref is not None:
+            return snapshot_download(ref.repo, revision=ref.revision, local_files_only=True)
         return snapshot_download(model, local_files_only=True)
     except Exception as exc:  # not cached, or not a hub id at all
         from diffuse.plan.fetching import repo_root
