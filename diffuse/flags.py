@@ -31,6 +31,11 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    import logging
+
+    # what quantization libraries say as they load (kernels built for other devices, deprecations) is not the user's
+    for name in ("torchao", "bitsandbytes", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 class Parser(argparse.ArgumentParser):
@@ -129,6 +134,14 @@ def device_flags(ap: argparse.ArgumentParser, what: str = "the client's ends of 
                     help="the compute dtype (default: $DIFFUSE_DTYPE, else auto: on an accelerator what the model "
                     "folder declares, on the CPU what a plain from_pretrained gives, float32 for a diffusers "
                     "pipeline)")
+
+
+def quantize_flag(ap: argparse.ArgumentParser, what: str) -> None:
+    """``--quantize`` (``diffuse.plan.quantize``): the linear weights of ``what`` held quantized, weight-only."""
+    ap.add_argument("--quantize", default=None, choices=("none", "int8", "int4", "fp8"),
+                    help=f"hold the linear weights of {what} quantized by torchao (weight-only; needs diffuse[quant]): "
+                    "int8, int4 or fp8; default none. Exact against plain diffusers/transformers loading the same "
+                    "torchao config whole")
 
 
 def check_port_free(listen: str) -> None:

@@ -108,7 +108,7 @@ def generate_text(q: QueryRequest, console, info, compute) -> dict:
 
         check_prompt(load_config(info.path), inputs["input_ids"])
     tokenizer = load_tokenizer(info.path)
-    model = load_whole_or_shell(info, compute, shell=not q.model.whole)
+    model = load_whole_or_shell(info, compute, shell=not q.model.whole, quantize=q.ring.options.quantize or "")
     inputs = inputs_on(inputs, compute.device)
     times = {"load": time.perf_counter() - t0}
     if audio_rate(model) is not None:  # it composes: text in, audio out (diffuse.cli.compose)

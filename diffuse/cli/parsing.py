@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from diffuse.flags import Parser, device_flags, key_values, positive, seconds, threshold
+from diffuse.flags import Parser, device_flags, key_values, positive, quantize_flag, seconds, threshold
 
 
 def ring_flags(ap: argparse.ArgumentParser) -> None:
@@ -30,6 +30,8 @@ def ring_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--client-key", metavar="FILE", help="this client's long-term identity (created 0600 if "
                     "missing; its public key is printed), for nodes run with --allow-client; default: a fresh one "
                     "per run")
+    quantize_flag(ap, "the nodes' blocks (local nodes are started so; a node holding another mode is refused; with "
+                  "--whole, the blocks here)")
 
 
 def named_device(a: argparse.Namespace) -> tuple[str | None, str | None, bool] | None:
@@ -152,6 +154,10 @@ def check_flags(a: argparse.Namespace, options) -> None:
         raise DiffuseError(f"--top-p {a.top_p}: must be in (0, 1]")
     groups = node_groups(nodes) if nodes not in (None, "auto") else []
     device = named_device(a)
+    if getattr(a, "quantize", None) not in (None, "none"):
+        from diffuse.plan.quantize import check_mode
+
+        check_mode(a.quantize, device[0] if device and device[0] not in (None, "auto") else None)
     check_options(options.patches, nodes is not None, options.local_nodes, options.branch_groups,
                   options.cache_threshold)
     if nodes == "auto":
@@ -230,7 +236,8 @@ def options_of(a: argparse.Namespace):
                         timeout=a.timeout, client_key=a.client_key, local_transport=a.local_transport,
                         branch_groups=getattr(a, "branch_groups", 1),
                         cache_threshold=getattr(a, "cache_threshold", 0.0),
-                        embedding_on_node=a.embedding_on_node, placement=a.placement)
+                        embedding_on_node=a.embedding_on_node, placement=a.placement,
+                        quantize=getattr(a, "quantize", None))
 
 
 def report_error(out, exc: BaseException) -> int:

@@ -62,7 +62,7 @@ def generate(a: argparse.Namespace, console) -> dict:
     pipeline = info.subject.model_index.get("_class_name", "the pipeline")
     with progress.phase(console, f"{pipeline}, block stacks {stacks}: loading it"
                         f"{' whole' if whole else ' without the blocks the nodes will hold'}", quiet):
-        pipe = load_whole_or_shell(info, compute, shell=not whole)
+        pipe = load_whole_or_shell(info, compute, shell=not whole, quantize=q.ring.options.quantize or "")
         kwargs, notes = checked_call(q.call, pipe, info, name, split=not whole)
     for note in notes:
         progress.status(console, note, quiet)

@@ -79,9 +79,10 @@ def client_compute(info: "ModelInfo", device: str | None, dtype: str | None):
     return Compute.of(device, dtype, info.path, info.subject.denoiser or None)
 
 
-def load_whole_or_shell(info: "ModelInfo", compute, shell: bool):
+def load_whole_or_shell(info: "ModelInfo", compute, shell: bool, quantize: str = ""):
     """The model in ``compute``'s dtype on its device: without the blocks nodes will hold (``shell``), or whole
-    (the reference a split run is compared with). On the CPU in no named dtype: exactly the plain load. It
+    (the reference a split run is compared with; with ``quantize``, its blocks held as nodes started with
+    ``--quantize`` hold theirs). On the CPU in no named dtype: exactly the plain load. It
     carries ``info`` (``_diffuse``), so that splitting it, checking its call and reporting on it read no folder
     again (``model_info``)."""
     from diffuse.plan.devices import place
@@ -103,8 +104,22 @@ def load_whole_or_shell(info: "ModelInfo", compute, shell: bool):
         for part in pipe.components.values():
             if hasattr(part, "_apply"):
                 place(part, compute.device)
+    if quantize and not shell:
+        from diffuse.plan.quantize import quantize_blocks
+
+        for name in (info.subject.denoisers if info.subject.several else [info.subject.denoiser]):
+            target = pipe if info.subject.autoregressive else getattr(pipe, name)
+            quantize_blocks(target, [s for s in info.draft["stacks"] if _in(target, s.path)], quantize)
     pipe._diffuse = info
     return pipe
+
+
+def _in(model, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def model_info(pipe_or_model, model: str | None = None) -> ModelInfo:
@@ -154,6 +169,7 @@ class SplitOptions:
     device: str | None = None
     dtype: str | None = None
     discover_seconds: float | None = None  # with nodes="auto": how long to listen (default 3)
+    quantize: str | None = None  # the nodes' blocks held quantized (diffuse.plan.quantize): int8, int4, fp8
 
 
 def open_split(ring, pipe, held, console, quiet: bool):
@@ -240,6 +256,11 @@ class Split(SplitReadout):
             resolve_device(o.device)  # refused here, before any node starts
             if o.dtype not in (None, "auto"):
                 resolve_dtype(o.dtype, resolve_device(o.device), None)
+        from diffuse.plan.devices import resolve_device
+        from diffuse.plan.quantize import check_mode
+
+        # refused here, before any node starts: the mode, its library, the local nodes' device
+        self.quantize = check_mode(o.quantize, resolve_device(o.device) if nodes is None else None)
         self.attention, self.local_transport = o.attention, o.local_transport
         self.started = o.started
         self.local_nodes = None
@@ -291,9 +312,10 @@ class Split(SplitReadout):
             found = device_of(p for p in self.denoiser.parameters())
             device = str(found) if found is not None else "cpu"
         dtype = self.node_dtype if self.node_dtype not in (None, "auto") else denoiser_dtype(self.denoiser)
+        held = ["--quantize", self.quantize] if self.quantize else []
         if device == "cpu" and dtype == "float32" and self.node_dtype in (None, "auto"):
-            return ["--device", "cpu"]  # in the dtype each session asks, as before devices were named
-        return ["--device", device, "--dtype", dtype]
+            return ["--device", "cpu", *held]  # in the dtype each session asks, as before devices were named
+        return ["--device", device, "--dtype", dtype, *held]
 
     def __enter__(self) -> "Split":
         from diffuse.plan.planner import denoiser_dtype, make_plan
@@ -311,7 +333,7 @@ class Split(SplitReadout):
             rings = self._rings = []  # closed on the way out, however far this gets
             for group in self.groups or [self.nodes]:
                 plan = make_plan(self.info.subject, self.info.draft, [a for a, _ in group], [k for _, k in group],
-                                 denoiser_dtype(denoiser))
+                                 denoiser_dtype(denoiser), self.quantize)
                 rings.append(Ring(plan, self.timeout, self.attention, self.client_key, repair=self.repair,
                                   identity=getattr(self.local_nodes, "client", None)))
                 rings[-1].open()
@@ -366,5 +388,7 @@ def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: in
     nothing fixed get slices planned from their memory and speed, ``diffuse.plan.placement``; "even": even slices,
     still checked against their memory; set on the repair policy, which also repairs by it), ``device`` and
     ``dtype`` (the local nodes' ``--device`` and ``--dtype``; default: the device the client's part of the model
-    is on, in its dtype; on the CPU the nodes compute in the dtype each session asks)."""
+    is on, in its dtype; on the CPU the nodes compute in the dtype each session asks), ``quantize`` ("int8",
+    "int4" or "fp8": the nodes hold their blocks' linear weights quantized by torchao, ``diffuse.plan.quantize``;
+    local nodes are started so, and a node holding another mode refuses the open)."""
     return Split(pipe_or_model, nodes=nodes, local_nodes=local_nodes, patches=patches, **options)

@@ -205,7 +205,7 @@ class Handshake:
                 if time.monotonic() - hello["at"] > CHALLENGE_FRESH_S:  # earlier nodes took long to load
                     hello = self.hello(k, self.keys[k])
                 stage_plan = StagePlan(plan.model.content_hash, plan.compute_dtype, stage.slices, nexts[k],
-                                       self.attention, hops[k], hops[k + 1], plan.model.commit)
+                                       self.attention, hops[k], hops[k + 1], plan.model.commit, plan.quantize)
                 payload = self._open_payload(k, hello, stage_plan, hop_keys[k], hop_keys[k + 1])
                 if k + 1 < len(plan.route):  # the node measures its link to the next one (diffuse.wire.links)
                     payload.update(next_control=plan.route[k + 1].address, next_key=self.keys[k + 1])

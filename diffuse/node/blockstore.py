@@ -10,7 +10,9 @@ going first (sessions keep their own references until they close).
 
 Everything is read onto the node's device (``diffuse.plan.devices.Compute``) straight from the
 files, one tensor at a time, in the compute dtype; a node whose dtype was named
-(``--dtype``) holds and serves that dtype only.
+(``--dtype``) holds and serves that dtype only. A node started with ``--quantize`` holds its
+blocks' linear weights quantized (``diffuse.plan.quantize``), each block as it loads; its
+output head and embedding stay in the compute dtype, as the libraries' quantizers leave them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from diffuse.errors import DiffuseError
 from diffuse.plan.modelfiles import fp32_kept, load_into, located, renamed_for, weight_map
 from diffuse.plan.contracts import Slice, StackPlan
 from diffuse.plan.fetching import hub_commit, hub_folder
+from diffuse.plan.quantize import not_converted, quantize
 
 log = logging.getLogger("diffuse.node")
 
@@ -101,12 +104,14 @@ class BlockStore:
                 block = skeleton.get_submodule(stack)[i]
                 load_into(block, f"{stack}.{i}.", wmap, dtype, files=files, device=self.device, keep=keep)
                 place(block, self.device)  # what the files do not hold (buffers made at construction)
+                p = next(block.parameters(), None)
+                actual = dtype or (p.dtype if p is not None else torch.float32)
+                quantize(block, f"{stack}.{i}.", self.compute.quant, self.device, actual,
+                         not_converted(type(skeleton)))
                 self._loaded.update(block.parameters())
                 block.eval()
                 if self.compiled:
                     block.compile()  # traced at its first call of each shape; the same module object
-                p = next(block.parameters(), None)
-                actual = dtype or (p.dtype if p is not None else torch.float32)
                 if asked is None:
                     self.native[(stack, i)] = actual
                 self.blocks[(stack, i, dtype or actual)] = block

@@ -70,14 +70,18 @@ def _wire(text: str) -> tuple[int, ...]:
     return versions
 
 
-def node_compute(device: str | None, dtype: str | None, path: str):
-    """``--device`` and ``--dtype`` for the model at ``path`` (``auto`` on an accelerator: the dtype the folder
-    declares for the component holding the blocks), checked before anything loads."""
+def node_compute(device: str | None, dtype: str | None, path: str, quantize: str | None = None):
+    """``--device``, ``--dtype`` and ``--quantize`` for the model at ``path`` (``auto`` on an accelerator: the dtype
+    the folder declares for the component holding the blocks), checked before anything loads."""
+    import dataclasses
+
     from diffuse.plan.analysis import ModelSubject
     from diffuse.plan.devices import Compute, resolve_device
+    from diffuse.plan.quantize import check_mode
 
-    resolve_device(device)  # refused before the folder is read
-    return Compute.of(device, dtype, path, ModelSubject.from_path(path).denoiser or None)
+    mode = check_mode(quantize, resolve_device(device))  # refused before the folder is read
+    compute = Compute.of(device, dtype, path, ModelSubject.from_path(path).denoiser or None)
+    return dataclasses.replace(compute, quant=mode)
 
 
 def _parser():
@@ -121,6 +125,7 @@ def _parser():
                     help="the most this node's blocks and sessions may take, in GiB, as it tells clients planning "
                     "where slices go (default: what its cgroup or machine has available)")
     flags.device_flags(ap, "this node's blocks")
+    flags.quantize_flag(ap, "this node's blocks")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone (local nodes)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
@@ -133,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from diffuse import flags
 
     a = _parser().parse_args(argv)
+    flags.quiet_libraries()
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s node %(levelname)s %(message)s")
     from diffuse.home import libraries_offline
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         flags.check_port_free(a.listen)  # before anything loads
         path = resolve_model(a.model, "node")  # a Hub id: configs and headers; the slice comes as it loads
-        compute = node_compute(a.device, a.dtype, path)  # a device or dtype this machine lacks: refused here
+        compute = node_compute(a.device, a.dtype, path, a.quantize)  # a device or dtype this machine lacks: refused here
         lan = discovery.Announcer(a.listen) if a.announce else None  # the library there, an address others reach
         log.info("loading %s%s on %s", a.model, f" (blocks {a.blocks})" if a.blocks else "", compute.describe())
         key_file = None if a.ephemeral_key else (a.key_file or os.path.join(config_home(), "node.key"))

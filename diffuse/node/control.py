@@ -155,7 +155,7 @@ class NodeControl:
                 "state_bytes": node.state_bytes.total, "slices": self._slices(),
                 "max_sessions": node.max_sessions, "max_sessions_per_client": node.max_sessions_per_client,
                 "batching": node.batching, "batches": node.batches, "batched_rows": node.batched_rows,
-                "batch_fallbacks": node.batch_fallbacks}
+                "batch_fallbacks": node.batch_fallbacks, "quantize": node.store.compute.quant or "none"}
 
     def _session_room(self, sender: bytes) -> str | None:
         """Why a new session of ``sender`` would be one too many (None: there is room, or there will be). The
@@ -204,6 +204,8 @@ class NodeControl:
             reply["eph"] = self.challenges.ephemeral(challenge).public
         if getattr(self.node.store, "compiled", False):
             reply["compiled"] = True  # --compile: the client says its results are not exact
+        if self.node.store.compute.quant:
+            reply["quantize"] = self.node.store.compute.quant  # --quantize: placement counts its blocks so
         return reply
 
     def sealed(self, op: str, msg: dict) -> dict:
@@ -267,6 +269,12 @@ class NodeControl:
             return refusal(f"this node holds {node.store.model_repo} at commit {node.store.model_commit[:12]}, the "
                            f"client runs commit {stage.model_commit[:12]}: start both with "
                            f"{node.store.model_repo}@{stage.model_commit}")
+        held = node.store.compute.quant
+        if stage.quantize != held:
+            return refusal(f"this node holds its blocks {'quantized ' + held if held else 'unquantized'}, the client "
+                           f"asks {'for ' + stage.quantize[:16] if stage.quantize else 'for them unquantized'}: start the "
+                           f"node with --quantize {stage.quantize[:16] or 'none'}, or the client with --quantize "
+                           f"{held or 'none'}")
         if stage.model_hash != node.store.model_hash:
             return refusal("this node serves a different model (content hash differs): "
                            "start it with the same model folder as the client")

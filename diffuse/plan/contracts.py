@@ -278,6 +278,7 @@ class SlicingPlan:
     return_maps: dict[str, ReturnMap] = field(default_factory=dict)  # per stack path, learned at first call
     plan_version: int = PLAN_VERSION
     wire_version: int = WIRE_VERSION
+    quantize: str = ""  # the mode the nodes hold the blocks in (diffuse.plan.quantize); "" unquantized
 
     def stack(self, path: str) -> StackPlan:
         for s in self.stacks:

@@ -167,6 +167,7 @@ class Compute:
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype | None = None
     fixed: bool = False
+    quant: str = ""  # --quantize: the blocks' linear weights held so (diffuse.plan.quantize); "" unquantized
 
     @classmethod
     def of(cls, device: str | None, dtype: str | None, folder: str | None = None,
@@ -182,7 +183,8 @@ class Compute:
         return self.device.type == "cpu"
 
     def describe(self) -> str:
-        return f"{self.device} in {dtype_name(self.dtype, 'the default dtype')}"
+        held = f", blocks quantized {self.quant}" if self.quant else ""
+        return f"{self.device} in {dtype_name(self.dtype, 'the default dtype')}{held}"
 
 
 # --------------------------------------------------------------------------- tensors to and from the device

@@ -35,6 +35,7 @@ class StagePlan:
     wire_in: int = 1
     wire_out: int = 1
     model_commit: str = ""  # a Hub model's commit (``diffuse.plan.hubmodel``); "" for a folder of one's own
+    quantize: str = ""  # the mode the blocks are held in (``diffuse.plan.quantize``); "" unquantized
 
     def slice_of(self, stack: str) -> Slice | None:
         return next((s for s in self.slices if s.stack == stack), None)
@@ -46,15 +47,17 @@ class StagePlan:
             d.update(wire_in=self.wire_in, wire_out=self.wire_out)
         if self.model_commit:  # only for a Hub model: a node of a folder, or an older node, is told what it knows
             d["model_commit"] = self.model_commit
+        if self.quantize:  # only when quantized: an older node is told exactly what it knows
+            d["quantize"] = self.quantize
         return d
 
     @classmethod
     def from_dict(cls, d: Any, lengths: dict[str, int]) -> "StagePlan":
         base = {"model_hash", "dtype", "slices", "next", "attention"}
-        if not isinstance(d, dict) or set(d) - {"model_commit"} not in (base, base | {"wire_in", "wire_out"}):
+        if not isinstance(d, dict) or set(d) - {"model_commit", "quantize"} not in (base, base | {"wire_in", "wire_out"}):
             raise ContractError(f"malformed stage plan {_short(d)}: expected model_hash, dtype, slices, next, "
                                 "attention (and wire_in, wire_out)")
-        for name in ("model_hash", "dtype", "next", "attention", "model_commit"):
+        for name in ("model_hash", "dtype", "next", "attention", "model_commit", "quantize"):
             if not isinstance(d.get(name, ""), str):
                 raise ContractError(f"the stage plan's {name} must be a string")
         if d["attention"] not in ATTENTION_PATHS:
@@ -63,7 +66,7 @@ class StagePlan:
         if not all(is_int(v) for v in hops):
             raise ContractError("the stage plan's wire_in and wire_out must be integers")
         return cls(d["model_hash"], d["dtype"], tuple(check_slices(d["slices"], lengths)), d["next"], d["attention"],
-                   *hops, d.get("model_commit", ""))
+                   *hops, d.get("model_commit", ""), d.get("quantize", ""))
 
 
 # --------------------------------------------------------------------------- on the data path

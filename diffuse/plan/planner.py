@@ -43,7 +43,7 @@ def learn_call(stack, args: tuple, kwargs: dict, block) -> tuple[CallPlan, Retur
 
 
 def make_plan(subject: ModelSubject, draft: dict, addresses: list[str] = (), keys: list[str] | None = None,
-              compute_dtype: str = "float32") -> SlicingPlan:
+              compute_dtype: str = "float32", quantize: str = "") -> SlicingPlan:
     stacks = tuple(draft["stacks"])
     two = draft.get("two_stream", {})
     return SlicingPlan(
@@ -56,6 +56,7 @@ def make_plan(subject: ModelSubject, draft: dict, addresses: list[str] = (), key
         patch_policy={s.path: UNCUT_STEPS if two.get(s.path) else PATCHABLE for s in stacks},
         compute_dtype=compute_dtype,
         route=even_route(stacks, list(addresses), keys),
+        quantize=quantize,
     )
 
 

@@ -1,0 +1,189 @@
+"""Weight-only quantization of what a node holds: the modes, the library that runs each, and what it costs.
+
+A mode (``--quantize``) turns the weight of every ``nn.Linear`` inside a node's blocks
+into the quantized tensor a maintained library makes of it, as the block loads; no
+kernel here is Diffuse's own. Everything else (norms, embeddings, a language model's
+output head, the client's ends) stays in the compute dtype, and so do the modules the
+model keeps in float32 (``_keep_in_fp32_modules``), as the libraries' own quantizers
+leave them. The result equals plain diffusers or transformers loading the same model
+with ``TorchAoConfig(<the mode's config>, modules_to_not_convert=<everything outside
+the blocks>)``, tensor for tensor: each weight is quantized on its own, from the same
+values, by the same call.
+
+=======  ===========================================  ======================================
+mode     torchao config (CPU; CUDA)                   stored per weight of shape (out, in)
+=======  ===========================================  ======================================
+int8     ``Int8WeightOnlyConfig`` (per row)           out*in int8, a float32 scale and an
+                                                      int8 zero point a row
+int4     CPU: ``IntxWeightOnlyConfig(int4, groups of  CPU: out*in int8 (torchao has no packed
+         32)``; CUDA in bfloat16:                     int4 CPU kernel on x86), a scale in the
+         ``Int4WeightOnlyConfig`` (tile-packed)       compute dtype and an int8 zero point per
+                                                      32; CUDA: out*in/2 bytes and per-128
+                                                      scales and zero points
+fp8      ``Float8WeightOnlyConfig`` (e4m3, per row)   out*in float8, a float32 scale a row
+=======  ===========================================  ======================================
+
+int4's groups need a layer's ``in_features`` to be a multiple of the group: a layer that
+is not stays unquantized (``quantizable``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from diffuse.errors import DiffuseError
+
+MODES = ("int8", "int4", "fp8")
+EXTRA = "pip install 'diffuse[quant]'"
+INT4_GROUP_CPU, INT4_GROUP_CUDA = 32, 128
+
+
+def check_mode(mode: str | None, device=None) -> str:
+    """``mode`` as a node and a stage plan carry it ("" for none), refused in one line when unknown, when its
+    library is not installed, or when ``device`` cannot run it."""
+    if mode in (None, "", "none"):
+        return ""
+    if mode not in MODES:
+        raise DiffuseError(f"--quantize {str(mode)[:32]}: unknown mode; choose {', '.join(MODES)} or none")
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        raise DiffuseError(f"--quantize {mode} needs torchao, which is not installed: {EXTRA}") from None
+    kind = getattr(device, "type", str(device or "cpu").split(":")[0])
+    if kind not in ("cpu", "cuda"):
+        raise DiffuseError(f"--quantize {mode}: torchao's weight-only kernels run on the CPU and CUDA, not on "
+                           f"{kind}; run without --quantize there")
+    if mode == "fp8" and kind == "cuda":
+        import torch
+
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            raise DiffuseError("--quantize fp8 needs a CUDA device of compute capability 8.9 or later (Ada, Hopper); "
+                               "this one is older: use int8")
+    return mode
+
+
+def torchao_config(mode: str, device, dtype):
+    """The torchao config ``mode`` names on ``device`` for weights computed in ``dtype``."""
+    import torch
+    import torchao.quantization as q
+
+    if mode == "int8":
+        return q.Int8WeightOnlyConfig()
+    if mode == "fp8":
+        return q.Float8WeightOnlyConfig()
+    if _packed_int4(device, dtype):
+        return q.Int4WeightOnlyConfig(group_size=INT4_GROUP_CUDA, int4_packing_format="tile_packed_to_4d")
+    from torchao.quantization.granularity import PerGroup
+
+    return q.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(INT4_GROUP_CPU))
+
+
+def _packed_int4(device, dtype) -> bool:
+    import torch
+
+    return getattr(device, "type", str(device)) == "cuda" and dtype == torch.bfloat16
+
+
+def group_of(mode: str, device, dtype) -> int:
+    """The number of input features a scale covers (0: one scale a row)."""
+    if mode != "int4":
+        return 0
+    return INT4_GROUP_CUDA if _packed_int4(device, dtype) else INT4_GROUP_CPU
+
+
+def not_converted(model_class) -> tuple[str, ...]:
+    """The module names the libraries' quantizers leave unquantized: the model's float32-kept modules."""
+    return tuple(getattr(model_class, "_keep_in_fp32_modules", None) or ())
+
+
+def skipped(full_name: str, skip: tuple[str, ...]) -> bool:
+    """Whether the weight ``full_name`` (``blocks.0.attn.to_q.weight``) is left alone, by the rule diffusers'
+    torchao quantizer applies to ``modules_to_not_convert``: a name that appears in it followed by a dot, or is it."""
+    return any(k + "." in full_name or k == full_name for k in skip)
+
+
+def quantizable(module, prefix: str, mode: str, group: int, skip: tuple[str, ...]) -> list[tuple[str, object]]:
+    """(name, Linear) for each linear layer of ``module`` (at ``prefix`` in its model) ``mode`` quantizes."""
+    import torch
+
+    out = []
+    for name, sub in module.named_modules():
+        if not isinstance(sub, torch.nn.Linear) or skipped(f"{prefix}{name}.weight", skip):
+            continue
+        if group and sub.in_features % group:
+            continue
+        out.append((name, sub))
+    return out
+
+
+def quantize(module, prefix: str, mode: str, device, dtype, skip: tuple[str, ...] = ()) -> int:
+    """Quantize ``module``'s linear layers in place with torchao, as its weights are (on their device, in
+    ``dtype``); returns how many were quantized."""
+    if not mode:
+        return 0
+    from torchao.quantization import quantize_
+
+    config = torchao_config(mode, device, dtype)
+    layers = quantizable(module, prefix, mode, group_of(mode, device, dtype), skip)
+    for _, layer in layers:
+        quantize_(layer, config)
+    return len(layers)
+
+
+def quantize_blocks(model, stacks, mode: str, skip: tuple[str, ...] | None = None) -> int:
+    """Every block of ``stacks`` (``StackPlan``s) in ``model`` quantized as a node holding it quantizes it: a whole
+    run in the mode a split run's nodes hold (``--whole --quantize``)."""
+    if not mode:
+        return 0
+    skip = not_converted(type(model)) if skip is None else skip
+    done = 0
+    for st in stacks:
+        for i, block in enumerate(model.get_submodule(st.path)):
+            p = next(block.parameters(), None)
+            if p is None or p.device.type == "meta":
+                continue
+            done += quantize(block, f"{st.path}.{i}.", mode, p.device, p.dtype, skip)
+    return done
+
+
+def weight_bytes(mode: str, shape, itemsize: int, group: int = INT4_GROUP_CPU, packed: bool = False) -> int:
+    """What a linear weight of ``shape`` (out, in) takes stored under ``mode`` (its compute dtype's element
+    size ``itemsize``), as the table above says; the plain size when ``mode`` is "" or it stays unquantized."""
+    out, inp = (int(shape[0]), int(math.prod(shape[1:]))) if len(shape) >= 2 else (0, 0)
+    if not mode or not out:
+        return int(math.prod(shape)) * itemsize
+    if mode == "int8":
+        return out * inp + out * 5
+    if mode == "fp8":
+        return out * inp + out * 4
+    if inp % group:
+        return out * inp * itemsize
+    if packed:
+        return out * inp // 2 + (out * inp // group) * 4
+    return out * inp + (out * inp // group) * (itemsize + 1)
+
+
+def held_bytes(module) -> int:
+    """Bytes ``module``'s parameters and buffers take where they are, a quantized weight counted by the
+    tensors it is made of."""
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) in seen or t.device.type == "meta":
+            continue
+        seen.add(id(t))
+        total += tensor_bytes(t)
+    return total
+
+
+def tensor_bytes(t) -> int:
+    inner = getattr(t, "__tensor_flatten__", None)
+    if inner is not None and type(t).__name__ not in ("Parameter", "Tensor"):
+        return sum(tensor_bytes(getattr(t, n)) for n in inner()[0] if getattr(t, n, None) is not None)
+    data = getattr(t, "data", t)
+    if data is not t and getattr(data, "__tensor_flatten__", None) is not None and type(data).__name__ != "Tensor":
+        return tensor_bytes(data)
+    return t.numel() * t.element_size()
+
+
+def describe(mode: str) -> str:
+    return f"quantized {mode} (torchao, weight-only)" if mode else "unquantized"
