@@ -12,6 +12,12 @@ pipeline's ``--component`` is loaded by its own class with the config and handed
 loaded by ``AutoModelForCausalLM`` in float32 with sdpa, as ``lm_reference.py`` loads it, with the config, and its greedy answer written as
 ``lm_reference.py`` writes it.
 
+The libraries match ``modules_to_not_convert`` by substring (a name followed by a dot anywhere in a weight's
+name), so a block layer that shares its name with a layer outside the blocks (Flux's single blocks' ``proj_out``
+beside the model's own) is left unquantized by that list. Such layers are quantized after the load with torchao's
+own ``quantize_`` and the same config (``leftover``): the reference quantizes exactly the blocks' linear layers, as
+the nodes do.
+
 Each mode's config is written out here, from torchao's documentation, not taken from ``diffuse``: the reference
 cannot share a bug with what it checks.
 """
@@ -49,6 +55,19 @@ def outside(model, only: list[str], mode: str) -> list[str]:
                                                    or (group and m.in_features % group))]
 
 
+def leftover(model, only: list[str], mode: str) -> int:
+    """Quantize the linear layers under the ``only`` prefixes that the load left plain (see above); how many."""
+    from torchao.quantization import quantize_
+
+    group = GROUP.get(mode, 0)
+    plain = [m for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and any(n.startswith(p) for p in only) and type(m.weight) is
+             torch.nn.Parameter and type(m.weight.data) is torch.Tensor and not (group and m.in_features % group)]
+    for m in plain:
+        quantize_(m, torchao_config(mode))
+    return len(plain)
+
+
 def pipeline_run(args) -> None:
     import diffusers
     from diffusers import DiffusionPipeline, TorchAoConfig
@@ -62,6 +81,7 @@ def pipeline_run(args) -> None:
     skip = outside(cls.from_pretrained(folder), args.only, args.mode)
     part = cls.from_pretrained(folder, torch_dtype=torch.float32, quantization_config=TorchAoConfig(
         torchao_config(args.mode), modules_to_not_convert=skip))  # float32, as a plain load (torchao's default: bf16)
+    leftover(part, args.only, args.mode)
     pipe = DiffusionPipeline.from_pretrained(args.model)
     pipe.register_modules(**{args.component: part})
     pipe.set_progress_bar_config(disable=True)
@@ -79,8 +99,10 @@ def lm_run(args) -> None:
     def quantized(model_dir, dtype="float32", device=None):
         plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
         config = TorchAoConfig(torchao_config(args.mode), modules_to_not_convert=outside(plain, args.only, args.mode))
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa",
-                                                    quantization_config=config).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa",
+                                                     quantization_config=config).eval()
+        leftover(model, args.only, args.mode)
+        return model
 
     lm_reference.load_model = quantized  # the inputs, the call and what is written stay lm_reference.py's
     result = lm_reference.run(args.model, args.prompt, max_new_tokens=args.max_new_tokens, threads=args.threads)

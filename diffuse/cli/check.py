@@ -310,6 +310,10 @@ def print_check(path: str, console=None, cache: bool = False) -> int:
         if s.get("weights"):
             console.print(f"    weights: {s['weights']}, each found in the checkpoint with its shape", style="dim",
                           highlight=False)
+    sizes = mode_sizes(path, r["stacks"])
+    if sizes:
+        console.print("blocks held, by --quantize mode: " + ", ".join(f"{m} {n / (1 << 30):.3g} GiB" for m, n in sizes),
+                      highlight=False)
     rates = ", ".join(x for x in (r["frame_rate"] and f"{r['frame_rate']} fps",
                                   r["sample_rate"] and f"{r['sample_rate']} Hz") if x)
     console.print(f"output: {r['output_kind']}{f' ({rates})' if rates else ''}  [dim]({r['output_evidence']})[/]",
@@ -328,6 +332,25 @@ def print_check(path: str, console=None, cache: bool = False) -> int:
     for p, what in r["other_lists"].items():
         console.print(f"note: {p} holds {what}; it is not a stack and runs on the client", highlight=False)
     return EXIT_CODES[SPLITTABLE]
+
+
+def mode_sizes(path: str, stacks: list[dict]) -> list[tuple[str, int]]:
+    """What every block of ``stacks`` takes held in the dtype a plain load computes in and in each ``--quantize``
+    mode (int4 as a CPU node stores it), from the weights' headers; [] where they cannot be read."""
+    from types import SimpleNamespace
+
+    from diffuse.plan.analysis import ModelSubject
+    from diffuse.plan.needs import block_costs, load_dtype
+    from diffuse.plan.quantize import MODES
+
+    try:
+        subject = ModelSubject.from_path(path)
+        dtype = load_dtype(subject)
+        plan = [SimpleNamespace(path=s["path"], length=s["length"]) for s in stacks]
+        return [(m or dtype, sum(b.weight_bytes for b in block_costs(subject, plan, dtype, quantize=m)))
+                for m in ("", *MODES)]
+    except (DiffuseError, OSError, ValueError, KeyError):
+        return []
 
 
 def _print_config(console, r: dict) -> None:

@@ -13,7 +13,7 @@ from diffuse.plan.fetching import hub_folder
 from diffuse.plan.hubmodel import downloads
 from diffuse.plan.needs import (DEFAULT_CONTEXT, GIB, _dtype_size, block_costs, context_tokens, load_dtype, pass_bytes,
                                 per_pass)
-from diffuse.plan.placement import MARGIN_FRACTION, MARGIN_MIN_BYTES, Capacity, Placement
+from diffuse.plan.placement import MARGIN_FRACTION, MARGIN_MIN_BYTES, Capacity, DoesNotFit, Placement
 from diffuse.plan.solver import even_placement, place
 
 
@@ -34,7 +34,8 @@ def plan_command(argv: list[str]) -> int:
     from rich.console import Console
 
     from diffuse.cli.parsing import lan_nodes
-    from diffuse.flags import Parser, seconds
+    from diffuse.flags import Parser, quantize_flag, seconds
+    from diffuse.plan.quantize import check_mode
     from diffuse.plan.resolve import resolve_model
     from diffuse.plan.planner import analyze, make_plan
     from diffuse.wire.discovery import zeroconf_library
@@ -57,6 +58,7 @@ def plan_command(argv: list[str]) -> int:
     ap.add_argument("--patches", type=int, default=1, help="passes in flight at once to plan for (a run's "
                     "--patches; default 1: passes one after another)")
     ap.add_argument("--json", action="store_true", help="print the plan, routed as placed, as JSON")
+    quantize_flag(ap, "the nodes' blocks, as the plan counts them")
     a = ap.parse_args(argv)
     err = Console(stderr=True)
     try:
@@ -64,6 +66,7 @@ def plan_command(argv: list[str]) -> int:
             zeroconf_library()  # or how to install it, before anything loads
         elif a.discover_seconds is not None:
             raise DiffuseError("--discover-seconds applies with --nodes auto")
+        a.quantize = check_mode(a.quantize)  # an unknown mode, or torchao missing: refused before anything is read
         path = resolve_model(a.model, "headers")
         subject, draft = analyze(path)
         dtype = a.dtype or load_dtype(subject)
@@ -73,7 +76,8 @@ def plan_command(argv: list[str]) -> int:
             n = int(a.nodes) if a.nodes else 2
             if n < 1:
                 raise DiffuseError("--nodes must be at least 1")
-            print(make_plan(subject, draft, [f"node{i + 1}" for i in range(n)], compute_dtype=dtype).to_json())
+            print(make_plan(subject, draft, [f"node{i + 1}" for i in range(n)], compute_dtype=dtype,
+                            quantize=a.quantize).to_json())
             return 0
         heard = Heard()  # what the nodes' hellos say, and the links measured
         plan, p, hops = _placed(a, subject, draft, dtype, heard)
@@ -86,6 +90,8 @@ def plan_command(argv: list[str]) -> int:
                               if i in p.used).to_json())
         return 0
     for line in describe(p, subject, plan, dtype, a.context):
+        print(line)
+    for line in per_mode(subject, plan, dtype, a.context, p):
         print(line)
     if hops is not None:
         print("\nlinks, as measured (a hop costs half the round trip, plus the bytes it carries at the throughput):")
@@ -110,16 +116,19 @@ def _placed(a, subject, draft, dtype: str, heard: Heard) -> tuple[SlicingPlan, P
             raise DiffuseError(f"--speed names {len(speed)} nodes, --memory {len(memory)}")
         names = [f"node{i + 1}" for i in range(len(memory))]
         caps = [Capacity(nm, int(m * GIB), s if a.speed else None) for nm, m, s in zip(names, memory, speed)]
-        plan = make_plan(subject, draft, names, compute_dtype=dtype)
+        plan = make_plan(subject, draft, names, compute_dtype=dtype, quantize=a.quantize)
     else:
         nodes = parse_nodes(a.nodes)
-        plan = make_plan(subject, draft, [x for x, _ in nodes], [k for _, k in nodes], dtype)
+        plan = make_plan(subject, draft, [x for x, _ in nodes], [k for _, k in nodes], dtype, a.quantize)
         caps = ask_nodes(plan, heard)
         hops = link_hops(heard, [s.address for s in plan.route], pass_bytes(plan, subject, dtype), [c.hop_s for c in caps])
-    blocks = block_costs(subject, plan.stacks, dtype, a.context)
-    if a.placement == "even":
-        return plan, even_placement(blocks, caps, links=hops, depth=a.patches), hops
-    return plan, place(blocks, caps, links=hops, depth=a.patches), hops
+    blocks = block_costs(subject, plan.stacks, dtype, a.context, quantize=a.quantize)
+    try:
+        if a.placement == "even":
+            return plan, even_placement(blocks, caps, links=hops, depth=a.patches), hops
+        return plan, place(blocks, caps, links=hops, depth=a.patches), hops
+    except DoesNotFit as exc:
+        raise DoesNotFit(f"{exc}{fitting_modes(subject, plan, dtype, a.context, caps)}") from None
 
 
 def ask_nodes(plan: SlicingPlan, heard: Heard) -> list[Capacity]:
@@ -149,8 +158,9 @@ def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int 
     stacks = ", ".join(f"{s.path} ({s.length})" for s in plan.stacks)
     hub = hub_folder(subject.path)
     name = f"{hub['repo']}@{hub['commit'][:12]}" if hub else os.path.basename(os.path.normpath(subject.path))
+    held = f" held {plan.quantize} (--quantize)" if plan.quantize else ""
     head = (f"{name}: {len(p.blocks)} blocks [{stacks}], "
-            f"{weights / GIB:.2f} GiB of weights in {dtype}")
+            f"{weights / GIB:.2f} GiB of weights in {dtype}{held}")
     if state:
         head += f", {state / GIB:.2f} GiB of cache per session at {context_tokens(subject, context)} tokens"
     lines = [head]
@@ -170,3 +180,39 @@ def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int 
                   f"{p.pass_s:.3g} s" + (f" (with {len(p.hops)} hops of {hops} ms)" if p.hop_s else "")
                   + (f"; {p.depth} passes in flight: {p.step_s():.3g} s a pass" if p.depth > 1 else "")]
     return lines
+
+
+def per_mode(subject, plan: SlicingPlan, dtype: str, context: int | None, p: Placement) -> list[str]:
+    """The blocks' size held in ``dtype`` and in each ``--quantize`` mode, and how many of these nodes each needs."""
+    from diffuse.plan.placement import nodes_needed, rooms
+    from diffuse.plan.quantize import MODES
+
+    room = rooms(p.nodes)
+    lines = ["", f"held by mode (--quantize; int4 as a CPU node stores it), and the fewest of these {len(p.nodes)} "
+                 "node(s) that hold it:"]
+    for mode in ("", *MODES):
+        blocks = block_costs(subject, plan.stacks, dtype, context, quantize=mode)
+        need = nodes_needed(blocks, room)
+        size = sum(b.weight_bytes + b.held_bytes for b in blocks)
+        fits = f"{need} node(s)" if need is not None else "does not fit them"
+        mark = "  <- this plan" if mode == plan.quantize else ""
+        lines.append(f"  {mode or 'none (' + dtype + ')':<18} {_size(size):>12}   {fits}{mark}")
+    return lines
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.3f} GiB" if n >= GIB // 10 else f"{n / (1 << 20):.2f} MiB"
+
+
+def fitting_modes(subject, plan: SlicingPlan, dtype: str, context: int | None, caps: list[Capacity]) -> str:
+    """For a model that does not fit ``caps`` as asked: the ``--quantize`` modes it would fit in, and on how many."""
+    from diffuse.plan.placement import nodes_needed, rooms
+    from diffuse.plan.quantize import MODES
+
+    room, fits = rooms(caps), []
+    for mode in MODES:
+        if mode != plan.quantize:
+            need = nodes_needed(block_costs(subject, plan.stacks, dtype, context, quantize=mode), room)
+            if need is not None:
+                fits.append(f"--quantize {mode} on {need}")
+    return f" (it fits these nodes with {', '.join(fits)})" if fits else ""

@@ -69,7 +69,7 @@ def plan_for(heard: Heard, plan: SlicingPlan, stages, placement: str = "planned"
     if caps is None:
         return None
     try:
-        blocks = block_costs(subject, plan.stacks, plan.compute_dtype, context, heard.costs)
+        blocks = block_costs(subject, plan.stacks, plan.compute_dtype, context, heard.costs, plan.quantize)
         nbytes = pass_bytes(plan, subject, plan.compute_dtype)
     except (DiffuseError, OSError, ValueError):  # headers this client cannot read: the nodes read their own
         return None

@@ -81,14 +81,17 @@ def context_tokens(subject, context: int | None = None) -> int:
 
 
 def block_costs(subject, stacks, dtype: str, context: int | None = None,
-                cache: dict | None = None) -> list[BlockCost]:
+                cache: dict | None = None, quantize: str = "") -> list[BlockCost]:
     """Each block of ``stacks`` (in order) as a node holds it in ``dtype``: its weight bytes from the
     safetensors headers, and for a language model its cache at ``context`` tokens (default
     ``DEFAULT_CONTEXT``, at most the model's longest). ``cache``: where the caller keeps what was read, so
-    that planning the same model again reads nothing (a client's ``Heard.costs``)."""
+    that planning the same model again reads nothing (a client's ``Heard.costs``). ``quantize``: the mode the
+    nodes hold the blocks in (``diffuse.plan.quantize``): each linear weight the mode quantizes is counted as
+    it is stored then (int4 as a CPU node stores it, the larger of its two layouts)."""
     from diffuse.plan.modelfiles import located, renamed_for, weight_map
+    from diffuse.plan.quantize import INT4_GROUP_CPU, not_converted, quantizable, weight_bytes
 
-    key = (subject.path, subject.denoiser, dtype, context, tuple((s.path, s.length) for s in stacks))
+    key = (subject.path, subject.denoiser, dtype, context, tuple((s.path, s.length) for s in stacks), quantize)
     if cache is not None and key in cache:
         return cache[key]
     size = _dtype_size(dtype)
@@ -98,11 +101,14 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None,
     per_token = cache_bytes_per_token(subject, size)
     state = per_token * context_tokens(subject, context)
     head = _head_bytes(subject, skeleton, size)
+    group, skip = (INT4_GROUP_CPU if quantize == "int4" else 0), not_converted(type(skeleton))
     out = []
     for st in stacks:
         blocks = skeleton.get_submodule(st.path)
         for i in range(st.length):
             total = 0
+            squeezed = {f"{n}.weight" for n, _ in quantizable(blocks[i], f"{st.path}.{i}.", quantize, group, skip)} \
+                if quantize else set()
             for name, t in blocks[i].state_dict().items():
                 full = f"{st.path}.{i}.{name}"
                 file = wmap.get(full)
@@ -116,7 +122,10 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None,
                 numel = math.prod(h.get("shape") or [])
                 own = _SIZES.get(h.get("dtype"), 4)
                 floating = str(h.get("dtype", "")).startswith(("F", "BF")) and t.is_floating_point()
-                total += numel * (size if floating else own)
+                if name in squeezed:
+                    total += weight_bytes(quantize, h.get("shape") or [], size, group or INT4_GROUP_CPU)
+                else:
+                    total += numel * (size if floating else own)
             out.append(BlockCost(st.path, i, total, state))
     if out and head:
         out[-1] = dataclasses.replace(out[-1], end_bytes=out[-1].end_bytes + head, end_compute=head)

@@ -150,3 +150,20 @@ def shortfall(blocks: list[BlockCost], nodes: list[Capacity], room: list[int | N
 
 
 # --------------------------------------------------------------------------- from reports to a route
+
+
+def nodes_needed(blocks: list[BlockCost], room: list[int | None]) -> int | None:
+    """The fewest of these nodes (their ``rooms``, after the margin) that hold ``blocks`` in contiguous runs, the
+    roomiest taken first and each filled before the next; None when all of them cannot."""
+    if any(r is None for r in room):
+        return 1 if room else None  # a node that said nothing of its memory is planned as unlimited
+    order = sorted((r for r in room), reverse=True)
+    used, left = 0, 0
+    for b in blocks:
+        size = b.weight_bytes + b.held_bytes
+        while size > left:
+            if used == len(order):
+                return None
+            left, used = order[used], used + 1
+        left -= size
+    return max(used, 1)

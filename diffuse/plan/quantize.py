@@ -8,7 +8,9 @@ model keeps in float32 (``_keep_in_fp32_modules``), as the libraries' own quanti
 leave them. The result equals plain diffusers or transformers loading the same model
 with ``TorchAoConfig(<the mode's config>, modules_to_not_convert=<everything outside
 the blocks>)``, tensor for tensor: each weight is quantized on its own, from the same
-values, by the same call.
+values, by the same call. (The libraries match that list by substring, so a block layer
+named like one outside the blocks, Flux's single blocks' ``proj_out``, would stay plain
+there; Diffuse quantizes it, as torchao's ``quantize_`` on that layer does.)
 
 =======  ===========================================  ======================================
 mode     torchao config (CPU; CUDA)                   stored per weight of shape (out, in)

@@ -147,7 +147,9 @@ def cpu_count() -> float:
 def _module_bytes(module, cache=weakref.WeakKeyDictionary()) -> int:
     n = cache.get(module)
     if n is None:
-        n = cache[module] = sum(p.numel() * p.element_size() for p in module.parameters())
+        from diffuse.plan.quantize import tensor_bytes
+
+        n = cache[module] = sum(tensor_bytes(p) for p in module.parameters())  # a quantized weight as stored
     return n
 
 
