@@ -26,13 +26,19 @@ def test_local_nodes_stop_when_their_client_dies_without_cleaning_up(models):
     assert run.returncode == 0, run.stderr[-2000:]
     client, *pids = [int(p) for p in run.stdout.split()]
     assert len(pids) == 2
+    # nor does the launcher they were forked from (it, like them, names the client it serves; it ends once it
+    # has reaped them)
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(_running(p) for p in pids):
+    while time.monotonic() < deadline and (any(_running(p) for p in pids) or _serving(client).stdout.strip()):
         time.sleep(0.2)
     assert not any(_running(p) for p in pids)
-    # nor does the launcher they were forked from (it, like them, names the client it serves)
-    left = subprocess.run(["pgrep", "-f", "--", f"--exit-with {client}( |$)"], capture_output=True, text=True)
+    left = _serving(client)
     assert left.returncode == 1 and left.stdout.strip() == "", f"a launcher or node left running: {left}"
+
+
+def _serving(client: int) -> subprocess.CompletedProcess:
+    """``pgrep`` for the processes started for ``client`` (launcher and nodes name it with --exit-with)."""
+    return subprocess.run(["pgrep", "-f", "--", f"--exit-with {client}( |$)"], capture_output=True, text=True)
 
 
 def _running(pid: int) -> bool:

@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         quiet_libraries()
     code = dispatch(argv)
     if as_command:
+        launchers = sys.modules.get("diffuse.local.launcher")  # loaded by a command that started local nodes
+        if launchers is not None:
+            launchers.POOL.close()  # they end and are reaped before this process ends (Ctrl-C too)
         exit_now(code)
     return code
 

@@ -88,4 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 def run_main() -> None:
     """``python -m diffuse.run``: the libraries quiet, the exit status the process's own."""
     flags.quiet_libraries()
-    flags.exit_now(main())
+    code = main()
+    from diffuse.local.launcher import POOL
+
+    POOL.close()  # the nodes' launcher ends and is reaped before this process ends (Ctrl-C too)
+    flags.exit_now(code)

@@ -2,7 +2,11 @@
 
 It imports what a node needs once, runs no torch op and starts no thread, and forks each node on request,
 running its module as ``__main__`` as ``python -m`` would; it reaps its children and reports their exit
-statuses, and ends with the client that started it."""
+statuses, and ends with the client that started it, once every node it forked has ended and been reaped here
+(a process whose parent ends first is left for the machine's init to collect, which may take seconds).
+
+Once ready it ignores Ctrl-C (SIGINT to the terminal's whole process group): the client handles it, stops its
+nodes (which got it too, and end) and closes the socket, which ends the launcher."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import signal
 import socket
 import sys
 import threading
+from dataclasses import dataclass
 
 from diffuse.local.launcher import MAX_MESSAGE
 from diffuse.processes import alive
@@ -25,6 +30,16 @@ PRELOAD = ("diffuse.node.server", "diffuse.node.command", "diffuse.node.stage", 
            "transformers.generation")
 
 
+@dataclass(frozen=True)
+class Start:
+    """What this launcher had when it started, which each process it forks gets back as a fresh ``python -m``
+    would have it: ``folder``, its working folder (``python -m`` puts it first on ``sys.path``), and
+    ``interrupt``, its SIGINT handler (Python's, or SIG_IGN where it was started with SIGINT ignored)."""
+
+    folder: str
+    interrupt: object
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -34,19 +49,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone")
     a = ap.parse_args(argv)
     sock = socket.socket(fileno=a.fd)
-    start_dir = os.getcwd()  # the launcher's own working folder when it started
+    start = Start(os.getcwd(), signal.getsignal(signal.SIGINT))
     try:
         loaded = _preload(a.exit_with)
         why = _unforkable()
         if why:
             _send(sock, {"error": why})
             return 1
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client's to handle from here on (a node's is reset)
         _send(sock, {"ready": os.getpid(), "preloaded": loaded})
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)  # nobody reads it once it is ready
         os.close(devnull)
-        _serve(sock, a.exit_with, start_dir)
-    except KeyboardInterrupt:  # Ctrl-C in the client's terminal reaches the whole process group
+        _serve(sock, a.exit_with, start)
+        _reap_all(sock)
+    except KeyboardInterrupt:  # Ctrl-C while it imports: nothing forked yet
         pass
     finally:
         sock.close()
@@ -90,10 +107,14 @@ def _unforkable() -> str | None:
 
 
 def _send(sock: socket.socket, msg: dict) -> None:
-    sock.send(json.dumps(msg).encode())
+    """Tell the client; one that no longer listens is not told (the socket's end ends the serving loop)."""
+    try:
+        sock.send(json.dumps(msg).encode())
+    except OSError:
+        pass
 
 
-def _serve(sock: socket.socket, parent: int | None, start_dir: str) -> None:
+def _serve(sock: socket.socket, parent: int | None, start: Start) -> None:
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -117,7 +138,7 @@ def _serve(sock: socket.socket, parent: int | None, start_dir: str) -> None:
                 return
             if not raw:
                 return  # the client is gone
-            _fork(sock, json.loads(raw), fds, own, start_dir)
+            _fork(sock, json.loads(raw), fds, own, start)
         if parent is not None and not alive(parent):
             return
 
@@ -133,7 +154,20 @@ def _reap(sock: socket.socket) -> None:
         _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def _fork(sock: socket.socket, request: dict, fds: list[int], own: tuple[int, ...], start_dir: str) -> None:
+def _reap_all(sock: socket.socket) -> None:
+    """Wait for every process forked here to end, telling the client of each exit while it listens: none is
+    left for init to reap. The client stops its nodes before it closes the socket; a node of a client that is
+    gone ends by its ``--exit-with``."""
+    signal.set_wakeup_fd(-1)
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+        _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _fork(sock: socket.socket, request: dict, fds: list[int], own: tuple[int, ...], start: Start) -> None:
     try:
         if len(fds) != 3:
             raise OSError(f"a request came with {len(fds)} descriptors, not 3")
@@ -143,7 +177,7 @@ def _fork(sock: socket.socket, request: dict, fds: list[int], own: tuple[int, ..
         pid = None
     if pid == 0:
         try:
-            _child(request, fds, own, start_dir)
+            _child(request, fds, own, start)
         except BaseException:
             import traceback
 
@@ -156,17 +190,18 @@ def _fork(sock: socket.socket, request: dict, fds: list[int], own: tuple[int, ..
         _send(sock, {"pid": pid})
 
 
-def _child(request: dict, fds: list[int], own: tuple[int, ...], start_dir: str) -> None:
+def _child(request: dict, fds: list[int], own: tuple[int, ...], start: Start) -> None:
     """Become ``python ARGS`` as the caller asked for it, then exit with its status; never returns."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, start.interrupt)  # as ``python -m`` starts (the launcher ignores it once ready)
     for fd in own:
         os.close(fd)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in set(fds) - {0, 1, 2}:
         os.close(fd)
-    if sys.path and sys.path[0] == start_dir:  # ``python -m`` puts the folder it starts in first
+    if sys.path and sys.path[0] == start.folder:  # ``python -m`` puts the folder it starts in first
         sys.path[0] = request["cwd"]
     os.chdir(request["cwd"])
     os.environ.clear()

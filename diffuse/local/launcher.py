@@ -187,8 +187,21 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 pass
 
+    def end(self, wait_s: float) -> None:
+        """Close, and reap the launcher: it ends as soon as the nodes it forked have ended (one still
+        importing has forked none, and is killed); one still there after ``wait_s`` is killed."""
+        self.close()
+        if not self.ready:
+            self.proc.kill()
+        try:
+            self.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
     def close(self) -> None:
-        """Closing the socket ends the launcher; what it forked runs on (local nodes end with their client)."""
+        """Closing the socket ends the launcher once what it forked has ended (local nodes end with their
+        client), and it reaps them first."""
         self.closed = True
         try:
             self.sock.close()
@@ -257,6 +270,14 @@ class LauncherPool:
                 self.fail(str(exc))
         return subprocess.Popen([sys.executable, *args], stdin=stdin, stdout=stdout, stderr=stderr, env=env,
                                 cwd=cwd, text=text)
+
+    def close(self, wait_s: float = 1.0) -> None:
+        """End every launcher and reap it: what a process calls before it ends, so that no launcher (and no
+        node it forked) is left to end after it, for the machine's init to collect."""
+        with self._lock:
+            found, self._launchers = list(self._launchers.values()), {}
+        for each in found:
+            each.end(wait_s)
 
     def fail(self, why: str) -> None:
         if self.failed is None:

@@ -206,6 +206,10 @@ def stop_local_nodes(nodes: list[LocalNode], grace_s: float = 1.5) -> None:
             node.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             node.proc.kill()
+            try:
+                node.proc.wait(1.0)  # reaped here (or by its launcher), not left for init
+            except subprocess.TimeoutExpired:
+                pass
         try:
             os.unlink(node.log_path)
         except OSError:
