@@ -91,3 +91,21 @@ def test_bench_fetch_prints_each_machines_bytes_against_the_whole_model(diffuse_
             assert abs(2 * got[f"node {k}/4"] - got[f"node {(k + 1) // 2}/2"]) < 200_000, got
     over = re.findall(r"^(?:one file|4 shards) +node \d/\d .* ([\d,]+) +(\d+\.\d{3})$", proc.stdout, re.M)
     assert len(over) == 2 * 6 and all(float(r) <= 1.05 for _, r in over), over  # its tensors, + configs, headers
+
+
+def test_bench_quant_quick_prints_each_modes_memory_speed_and_cost(diffuse_home):
+    """Every part at its tiniest with one mode beside none: the unquantized ring's output is the whole model's (no
+    difference at all), the quantized one's is not, and each row carries its figures."""
+    proc = run_cli(["bench", "quant", "--quick", "--modes", "int4"], diffuse_home)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert re.search(r"floor \(the same on a 2-layer model\): \d+\.\d\d GiB", out), out
+    memory = re.findall(r"^  (none|int4) +(\d+\.\d{3}) GiB +\d+\.\d\d GiB +\d+\.\d\d GiB +(\d+\.\d\d)x", out, re.M)
+    assert [m for m, _, _ in memory] == ["none", "int4"] and memory[0][2] == "1.00", out
+    diffusion = dict(re.findall(r"^  (none|int4) +\d+\.\d\d \+- \d+\.\d\d +\d+\.\d\dx +(\d+\.\d{3}) +\d+ +\d+/1 ", out,
+                                re.M))
+    assert float(diffusion["none"]) == 0.0 and float(diffusion["int4"]) > 0.0, out
+    lm = dict(re.findall(r"^  (none|int4) +(\d\.\d{3}) +\d+\.\d{3} +\d+\.\d \+- +\d+\.\d +\d+\.\d\dx +\d+/8 ", out, re.M))
+    assert lm.get("none") == "1.000" and "int4" in lm, out
+    bad = run_cli(["bench", "quant", "--modes", "int3"], diffuse_home)
+    assert bad.returncode == 2 and "int3" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

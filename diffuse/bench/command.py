@@ -15,7 +15,8 @@ SUBCOMMANDS = {  # python -m diffuse.bench NAME ...: the module and function tha
     "placement": ("diffuse.bench.placement", "main"),  # even slices against planned ones on unequal nodes
     "links": ("diffuse.bench.links", "main"),  # a language model over a slowed client link, against its floor
     "memory": ("diffuse.bench.memory", "main"),  # peak memory per process at a real model's geometry
-    "fetch": ("diffuse.bench.fetch", "main"),  # bytes and time per machine fetching a Hub model, against the whole
+    "fetch": ("diffuse.bench.fetch", "main"),
+    "quant": ("diffuse.bench.quant", "main"),  # each --quantize mode's memory, speed and quality against none  # bytes and time per machine fetching a Hub model, against the whole
 }
 
 

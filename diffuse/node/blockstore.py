@@ -30,7 +30,7 @@ from diffuse.errors import DiffuseError
 from diffuse.plan.modelfiles import fp32_kept, load_into, located, renamed_for, weight_map
 from diffuse.plan.contracts import Slice, StackPlan
 from diffuse.plan.fetching import hub_commit, hub_folder
-from diffuse.plan.quantize import not_converted, quantize
+from diffuse.plan.quantize import not_converted, off_the_file, quantize, release_freed
 
 log = logging.getLogger("diffuse.node")
 
@@ -106,8 +106,13 @@ class BlockStore:
                 place(block, self.device)  # what the files do not hold (buffers made at construction)
                 p = next(block.parameters(), None)
                 actual = dtype or (p.dtype if p is not None else torch.float32)
-                quantize(block, f"{stack}.{i}.", self.compute.quant, self.device, actual,
-                         not_converted(type(skeleton)))
+                if quantize(block, f"{stack}.{i}.", self.compute.quant, self.device, actual,
+                            not_converted(type(skeleton))):
+                    # the file's pages read to quantize this block, and what quantizing it freed, go now: the
+                    # node's peak is its quantized slice and one block, not the unquantized slice
+                    off_the_file(block)
+                    files.clear()
+                    release_freed()
                 self._loaded.update(block.parameters())
                 block.eval()
                 if self.compiled:

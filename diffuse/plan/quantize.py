@@ -132,6 +132,32 @@ def quantize(module, prefix: str, mode: str, device, dtype, skip: tuple[str, ...
     return len(layers)
 
 
+def off_the_file(module) -> None:
+    """Give ``module``'s plain tensors (norms, biases: what a mode left unquantized) storage of their own, equal
+    to the bit and laid out alike. Read from a safetensors file, they are views of its mapping, and one such view
+    keeps every page of the file read so far resident: after quantizing, that is the whole unquantized slice."""
+    import torch
+
+    with torch.no_grad():
+        for sub in module.modules():
+            for name, t in list(sub._parameters.items()) + list(sub._buffers.items()):
+                if t is None or type(getattr(t, "data", t)) is not torch.Tensor or t.device.type != "cpu":
+                    continue
+                t.data = t.data.clone()
+
+
+def release_freed() -> None:
+    """Hand the memory freed while loading back to the system where the C library keeps it (glibc's
+    ``malloc_trim``): quantizing block by block frees each block's unquantized weights, in pieces too
+    small to be returned on their own."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def quantize_blocks(model, stacks, mode: str, skip: tuple[str, ...] | None = None) -> int:
     """Every block of ``stacks`` (``StackPlan``s) in ``model`` quantized as a node holding it quantizes it: a whole
     run in the mode a split run's nodes hold (``--whole --quantize``)."""
