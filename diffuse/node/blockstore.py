@@ -30,7 +30,7 @@ from diffuse.errors import DiffuseError
 from diffuse.plan.modelfiles import fp32_kept, load_into, located, renamed_for, weight_map
 from diffuse.plan.contracts import Slice, StackPlan
 from diffuse.plan.fetching import hub_commit, hub_folder
-from diffuse.plan.quantize import not_converted, off_the_file, quantize, release_freed
+from diffuse.plan.quantize import large_from_system, not_converted, off_the_file, quantize, release_freed
 
 log = logging.getLogger("diffuse.node")
 
@@ -99,6 +99,8 @@ class BlockStore:
         wmap = located(renamed_for(self.subject.weight_map(), skeleton), skeleton, {s for s, _ in wanted})
         files: dict[str, object] = {}
         keep = fp32_kept(skeleton, dtype)
+        if self.compute.quant:
+            large_from_system(1 << 20)
         try:
             for stack, i in wanted:
                 block = skeleton.get_submodule(stack)[i]
@@ -122,6 +124,8 @@ class BlockStore:
                 self.blocks[(stack, i, dtype or actual)] = block
         finally:
             files.clear()
+            if self.compute.quant:
+                large_from_system(32 << 20)
         del skeleton
         gc.collect()
         log.info("loaded %d blocks in %.2f s", len(wanted), time.perf_counter() - t0)

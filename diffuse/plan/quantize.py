@@ -146,6 +146,20 @@ def off_the_file(module) -> None:
                 t.data = t.data.clone()
 
 
+def large_from_system(nbytes: int) -> None:
+    """Serve allocations of ``nbytes`` and up from the system page by page, returned when freed, in this
+    process (glibc's ``M_MMAP_THRESHOLD``). A quantizing node sets 1 MiB while it loads: by default the threshold
+    rises to 32 MiB as large blocks are freed, and the float32 working copies quantizing makes of each weight
+    then stay as holes in the heap, the node's peak a fifth above what it holds. After loading it sets 32 MiB,
+    where the default would have risen to, so that passes allocate as they would have."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, int(nbytes))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def release_freed() -> None:
     """Hand the memory freed while loading back to the system where the C library keeps it (glibc's
     ``malloc_trim``): quantizing block by block frees each block's unquantized weights, in pieces too
