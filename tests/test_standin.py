@@ -84,3 +84,40 @@ def test_a_side_output_handed_on_where_block_zero_took_none_is_refused_for_a_who
     h, bias = stand_in[0](torch.randn(2, 4), None)
     with pytest.raises(DiffuseError, match=r"hands what blocks\[0\] returned besides its hidden state to blocks\[1\]"):
         stand_in[1](h, bias)
+
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.heads, self.sizes = 2, (4, 8)
+        self.norm, self.proj, self.mlp = nn.LayerNorm(4), nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8))
+
+    def forward(self, x):
+        return self.mlp(self.proj(self.norm(x)))
+
+
+def test_a_blocks_attributes_read_outside_the_loop_are_served_and_its_weights_values_refused():
+    """What the model reads of a proxy outside the loop comes from the block's weightless copy: plain values and
+    weights' shapes and dtypes as the block has them; a weight's values and a call into the block are refused,
+    naming what was read."""
+    from diffuse.client.blockreads import ReadsBlocks
+
+    blocks = nn.ModuleList([_Block() for _ in range(2)]).to("meta")  # as the client holds them once handed out
+    stand_in = StandIn(StackPlan(path="blocks", length=2, block_class="_Block"), LocalStack(blocks), blocks)
+    first = stand_in[0]
+    assert first.heads == 2 and first.sizes == (4, 8) and first.norm.normalized_shape == (4,)
+    assert first.proj.weight.shape == (8, 4) and first.proj.weight.dtype == torch.float32
+    assert first.proj.in_features == 4 and len(first.mlp) == 1 and first.mlp[0].out_features == 8
+    assert first.proj.weight.size(0) == 8 and first.proj.bias.dim() == 1 and first.proj.bias.numel() == 8
+    x = torch.randn(2, 8)
+    for read in (lambda: x + first.proj.bias, lambda: first.proj.bias * x, lambda: torch.sigmoid(first.proj.bias),
+                 lambda: float(first.proj.bias[0]), lambda: first.proj.bias.sum()):
+        with pytest.raises(ReadsBlocks, match=r"reads( the values of)? blocks\[0\]\.proj\.bias"):
+            read()
+    with pytest.raises(ReadsBlocks, match=r"calls blocks\[0\]\.mlp\[0\] outside the loop over blocks"):
+        first.mlp[0](x)
+    with pytest.raises(AttributeError):
+        first.no_such_attribute
+    without = StandIn(StackPlan(path="blocks", length=2, block_class="_Block"), LocalStack(blocks))[0]
+    assert not hasattr(first, "_private") and not hasattr(without, "heads")  # no blocks given: nothing served

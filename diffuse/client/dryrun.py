@@ -7,7 +7,8 @@ size the model cannot take fails there exactly as it would after loading and
 starting nodes, and is refused in one line that names the largest sizes it
 does take. A failure the dry call cannot stand for skips the check: it never
 refuses a call the model would run. A stack whose blocks are not called as a
-chain (``NotAChain``) is refused there too, before any node starts.
+chain (``NotAChain``), or a model that reads a block's weights outside the
+stack's loop (``ReadsBlocks``), is refused there too, before any node starts.
 
 ``largest_sizes`` runs the same search once for a model folder (each size alone, up to
 ``SEARCH_UP_TO``) for its kept verdict (``diffuse.cli.check.keep``); ``diffuse.cli.check.kept_refusal`` then
@@ -29,6 +30,7 @@ import json
 import time
 
 from diffuse.errors import DiffuseError
+from diffuse.client.blockreads import ReadsBlocks
 from diffuse.client.weightless import DryPipeline, NotAChain, _Refused, _Skip
 
 SEARCH_S = 6.0  # at most this long looking for the largest size taken, per size
@@ -51,7 +53,7 @@ def check_sizes(pipe, kwargs: dict, info, label: str, split: bool = True) -> Non
         return
     except _Skip:
         return
-    except NotAChain as exc:
+    except (NotAChain, ReadsBlocks) as exc:
         raise DiffuseError(f"cannot split {label}: {exc}; nothing was started") from None
     except _Refused as refused:
         cause = " ".join(str(refused.cause).split())

@@ -17,6 +17,13 @@ layers does nothing with what a layer returns but pass it on to the next
 (checked): its hidden state, and side outputs handed on as they were returned
 (T5's position biases, threaded by the pass from the node that computes them,
 ``diffuse.lm.client_ends.threaded_sides``), so nothing is lost.
+
+What the model reads of a proxy outside the loop (``self.blocks[0].num_heads``,
+``self.blocks[0].norm.weight.shape``) is answered from the block's weightless copy
+where that is exact, and refused naming what was read where it is not (its
+weights' values, a call into it): ``diffuse.client.blockreads``. The weightless dry
+call puts a ``WeightlessStack`` of the same proxies in place of each stack, so such
+a refusal comes before any node starts.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffuse.client.blockreads import served
 from diffuse.plan.calltree import flatten, same_objects
 from diffuse.errors import DiffuseError
 from diffuse.plan.kvcache import is_cache
@@ -41,15 +49,31 @@ class BlockProxy(nn.Module):
     def forward(self, *args, **kwargs):
         return self._owner[0].block_called(self.index, args, kwargs)
 
+    def __getattr__(self, name: str):
+        """An attribute of the block, read outside the loop: from its weightless copy, where that answers
+        exactly (``diffuse.client.blockreads.served``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            block = None if name.startswith("_") else self._owner[0].weightless(self.index)
+            if block is None:
+                raise
+        return served(getattr(block, name), f"{self._owner[0].path}[{self.index}].{name}")
+
     def extra_repr(self) -> str:
         return f"index={self.index}, remote"
 
 
 class StandIn(nn.ModuleList):
-    def __init__(self, stack: StackPlan, splitter):  # the Splitter that owns it (diffuse.client.standin)
+    """A stack's stand-in: see the module's docstring. ``blocks``: the stack's own blocks (weightless once
+    handed out), which answer what the model reads of a block outside the loop."""
+
+    def __init__(self, stack: StackPlan, splitter, blocks: nn.ModuleList | None = None):  # splitter: its Splitter
         super().__init__([BlockProxy(self, i) for i in range(stack.length)])
         self.stack = stack
+        self.path = stack.path
         self._splitter = (splitter,)
+        self._blocks = (blocks,)  # a tuple, so they are not registered as children
         self._next = 0
         self._answer = None
         self._calls: list | None = None  # a language model's layer calls, collected until the last layer
@@ -60,6 +84,10 @@ class StandIn(nn.ModuleList):
         if isinstance(idx, slice):
             return nn.ModuleList(list(self._modules.values())[idx])
         return super().__getitem__(idx)
+
+    def weightless(self, index: int) -> nn.Module | None:
+        """Block ``index`` as the client holds it (its weights on the meta device once handed out), or None."""
+        return None if self._blocks[0] is None else self._blocks[0][index]
 
     def block_called(self, index: int, args: tuple, kwargs: dict):
         if index == 0:
@@ -125,6 +153,23 @@ class StandIn(nn.ModuleList):
                         f"the denoiser hands what {self.stack.path}[{index - 1}] returned besides its hidden "
                         f"state to {self.stack.path}[{index}], where {self.stack.path}[0] took nothing: the nodes "
                         "call every block as the first was called, so this stack cannot be split")
+
+
+class WeightlessStack(nn.ModuleList):
+    """A stack of the weightless dry call's denoiser (``diffuse.client.weightless``) as a split run shows it to
+    the model: the same proxies, each calling its own weightless block here, so what the model reads of a block
+    outside the loop is answered, or refused, as in the split run."""
+
+    def __init__(self, path: str, blocks: nn.ModuleList):
+        super().__init__([BlockProxy(self, i) for i in range(len(blocks))])
+        self.path = path
+        self._blocks = (blocks,)
+
+    def weightless(self, index: int) -> nn.Module:
+        return self._blocks[0][index]
+
+    def block_called(self, index: int, args: tuple, kwargs: dict):
+        return self._blocks[0][index](*args, **kwargs)
 
 
 def _find_cache(args: tuple, kwargs: dict):

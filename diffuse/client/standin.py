@@ -97,7 +97,7 @@ class Splitter:
         self._guards = []
         self.lm.decide()  # on the model's own forward, its blocks still in place
         for st in self.plan.stacks:
-            original = self.changes.replace(self.denoiser, st.path, lambda _: StandIn(st, self))
+            original = self.changes.replace(self.denoiser, st.path, lambda blocks: StandIn(st, self, blocks))
             self.originals[st.path] = original
             if st.path not in self.plan.return_maps and st.path not in self._first_blocks:
                 self._first_blocks[st.path] = original[0]  # kept until the first call has taught its return map

@@ -18,10 +18,17 @@ the whole stack; a denoiser that adds to a block's output before the next block
 or keeps each block's output is refused here, in one line, before any node
 starts. (Wan VACE, which does both, says so in its config and is refused
 earlier, at analysis: ``analyzers/side_stacks.py``.)
+
+Each watched stack is shown to the model as the split run shows it, a
+``WeightlessStack`` of ``BlockProxy`` modules (``diffuse.client.proxies``): what
+the model reads of a block outside the loop is answered as the split run answers
+it, and a read the split run refuses (a block's weights' values, a call into a
+block: ``ReadsBlocks``) is refused here, before any node starts.
 """
 
 from __future__ import annotations
 
+from diffuse.client.blockreads import ReadsBlocks
 from diffuse.errors import DiffuseError
 
 
@@ -108,6 +115,7 @@ class DryPipeline:
         if self.meta is None:
             raise _Skip(f"{denoiser} cannot be rebuilt from its config")
         self.stacks = list(stacks)  # watched: their blocks must be called as a chain (``NotAChain``)
+        _as_split(self.meta, self.stacks)
         self.prompt: tuple | None = None  # encode_prompt's (args, kwargs, answer), kept from the first call
 
     def run(self, kwargs: dict) -> None:
@@ -133,7 +141,7 @@ class DryPipeline:
             hooks = _watch_chains(meta, self.stacks)
             try:
                 forward(meta, *map(to_meta, args), **{k: to_meta(v) for k, v in kw.items()})
-            except NotAChain:
+            except (NotAChain, ReadsBlocks):
                 raise
             except Exception as exc:
                 raise _Refused(exc) from None
@@ -156,8 +164,8 @@ class DryPipeline:
         try:
             with torch.no_grad():
                 type(self.pipe).__call__(dry, **kwargs)
-        except (_FirstStep, NotAChain) as done:
-            if isinstance(done, NotAChain):
+        except (_FirstStep, NotAChain, ReadsBlocks) as done:
+            if not isinstance(done, _FirstStep):
                 raise
             return
         except _Refused as r:
@@ -169,6 +177,23 @@ class DryPipeline:
         finally:
             del meta.forward
         raise _Skip("the call ended without a scheduler step")
+
+
+def _as_split(meta, stacks: list[str]) -> None:
+    """Each of ``stacks`` in the weightless denoiser ``meta`` replaced by a ``WeightlessStack``: the model sees
+    proxies where the split run shows it proxies (its blocks called behind them, here)."""
+    from diffuse.client.proxies import WeightlessStack
+
+    found = []
+    for path in stacks:  # every stack found before any is replaced (one may hold another's path)
+        parent_path, _, name = path.rpartition(".")
+        try:
+            parent = meta.get_submodule(parent_path) if parent_path else meta
+            found.append((parent, name, path, getattr(parent, name)))
+        except AttributeError:
+            continue
+    for parent, name, path, blocks in found:
+        setattr(parent, name, WeightlessStack(path, blocks))
 
 
 def _cloned(value):

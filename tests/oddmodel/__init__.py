@@ -13,7 +13,10 @@ It proves that nothing in Diffuse knows family names:
 
 Two deliberately unsplittable denoisers share the pipeline: ``NoStackTransformer``
 (no list of repeated blocks at all) and ``RecurrentTransformer`` (one block
-object applied N times, held N times in one ModuleList).
+object applied N times, held N times in one ModuleList). Two read their first
+block outside the loop: ``PeekingTransformer`` its plain attributes and weights'
+shapes (served exactly by a split), ``ValueReadingTransformer`` a weight's values
+(refused).
 
 Importing this package registers ``OddPipeline`` on ``diffusers`` so that
 ``DiffusionPipeline.from_pretrained(dir)`` resolves a saved checkpoint, whose
@@ -48,6 +51,8 @@ __all__ = [
     "OddTextEncoder",
     "NoStackTransformer",
     "RecurrentTransformer",
+    "PeekingTransformer",
+    "ValueReadingTransformer",
     "OddPipeline",
 ]
 
@@ -126,10 +131,11 @@ def _unpatchify(tokens: torch.Tensor, c: int, h: int, w: int, p: int) -> torch.T
     return x.reshape(b, c, h, w)
 
 
-def _token_positions(n: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Sin/cos table over token index, (1, n, dim): cheap, no buffers to save."""
-    pos = torch.arange(n, dtype=torch.float32)[:, None]
-    freq = torch.exp(-math.log(10000.0) * torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+def _token_positions(n: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Sin/cos table over token index, (1, n, dim), on the tokens' device (as real models build theirs, so
+    a weightless dry call on the meta device runs through): cheap, no buffers to save."""
+    pos = torch.arange(n, dtype=torch.float32, device=device)[:, None]
+    freq = torch.exp(-math.log(10000.0) * torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
     table = torch.cat([torch.sin(pos * freq), torch.cos(pos * freq)], dim=-1)
     return table[None].to(dtype)
 
@@ -148,7 +154,7 @@ class _OddIO:
     def _embed(self, hidden_states, encoder_hidden_states, timestep):
         p = self.config.patch_size
         x = self.patch_embed(_patchify(hidden_states, p))
-        x = x + _token_positions(x.shape[1], x.shape[2], x.dtype)
+        x = x + _token_positions(x.shape[1], x.shape[2], x.dtype, x.device)
         temb = self.time_embed(self.time_proj(timestep * 1000.0).to(x.dtype))
         enc = self.context_in(encoder_hidden_states)
         return x, enc, temb
@@ -179,6 +185,34 @@ class OddTransformer(ModelMixin, ConfigMixin, _OddIO):
 
     def forward(self, hidden_states, encoder_hidden_states, timestep, return_dict: bool = True):
         x, enc, temb = self._embed(hidden_states, encoder_hidden_states, timestep)
+        for block in self.trunk.layers:
+            enc, x = block(scale=self.config.block_scale, context=enc, opts={"gate": True}, x=x, cond=temb)
+        return self._head(x, hidden_states, return_dict)
+
+
+class PeekingTransformer(OddTransformer):
+    """``OddTransformer`` reading its first block outside the loop, as models do to size or condition something:
+    a plain attribute (``num_heads``), a submodule's (``qkv.in_features``), weights' shapes and dtype."""
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep, return_dict: bool = True):
+        first = self.trunk.layers[0]
+        heads, width = first.num_heads, first.qkv.in_features
+        if tuple(first.qkv.weight.shape) != (3 * width, width) or first.gate.size(0) != width:
+            raise ValueError("the first block is not the shape it was built with")
+        x, enc, temb = self._embed(hidden_states.to(first.out.weight.dtype), encoder_hidden_states, timestep)
+        temb = temb * (1.0 + heads / width)  # conditioned by what was read
+        for block in self.trunk.layers:
+            enc, x = block(scale=self.config.block_scale, context=enc, opts={"gate": True}, x=x, cond=temb)
+        return self._head(x, hidden_states, return_dict)
+
+
+class ValueReadingTransformer(OddTransformer):
+    """``OddTransformer`` adding its first block's ``gate`` weights to the hidden state before the loop: values
+    a split's client does not hold."""
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep, return_dict: bool = True):
+        x, enc, temb = self._embed(hidden_states, encoder_hidden_states, timestep)
+        x = x + self.trunk.layers[0].gate
         for block in self.trunk.layers:
             enc, x = block(scale=self.config.block_scale, context=enc, opts={"gate": True}, x=x, cond=temb)
         return self._head(x, hidden_states, return_dict)
