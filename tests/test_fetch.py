@@ -273,14 +273,39 @@ def test_a_node_holding_another_commit_is_refused_at_open_naming_both(hub, split
         hub.publish(REPO, hub.source)  # main back where it was for any test after this one
 
 
+def sharded_with_decoy(source: str, folder) -> str:
+    """A copy of a one-file transformers model cut in two shards with their ``model.safetensors.index.json``, and
+    beside them ``consolidated.safetensors`` (the whole model again, as Mistral's repos ship it: no loader reads
+    it)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("model.safetensors"))
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        shard = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, os.path.join(folder, shard), metadata={"format": "pt"})
+        weight_map.update({k: shard for k in part})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    shutil.copy(os.path.join(source, "model.safetensors"), os.path.join(folder, "consolidated.safetensors"))
+    return str(folder)
+
+
 def test_a_language_model_by_hub_id_answers_token_for_token_and_its_client_leaves_the_layers(hub, tmp_path,
                                                                                              monkeypatch):
-    """The shipped chat model published as ``org/tiny-chat``: ``diffuse query`` on 2 local nodes answers as plain
-    transformers does run whole on the same files; a client's fetch leaves every decoder layer past the first."""
+    """The shipped chat model published as ``org/tiny-chat``: a client's fetch leaves every decoder layer past the
+    first. Published sharded, with a ``consolidated.safetensors`` beside the shards (``org/tiny-chat-shards``):
+    ``diffuse query`` on 2 local nodes answers as plain transformers does run whole on the same weights, and no
+    role (check's, a node's, a client's, the whole model's) fetches a byte of the file the index does not name."""
     from diffuse.plan.shipped import shipped_models
 
     chat = shipped_models()["tiny-qwen-chat"]
     hub.publish("org/tiny-chat", chat)
+    hub.publish("org/tiny-chat-shards", sharded_with_decoy(chat, tmp_path / "shards"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "in-process"))
     monkeypatch.setenv("HF_ENDPOINT", hub.endpoint("lm-client"))
     monkeypatch.setenv("DIFFUSE_HUB_OFFLINE", "0")
@@ -294,6 +319,11 @@ def test_a_language_model_by_hub_id_answers_token_for_token_and_its_client_leave
     assert got and not [r for r in got for o in far if r[0] < o[1] and o[0] < r[1]], got
     assert sum(b - a for a, b in got) <= os.path.getsize(os.path.join(chat, "model.safetensors")) - \
         sum(b - a for a, b in far)
+    from diffuse.plan.hubmodel import loaded_files, stored_listing
+
+    for role in ("headers", "node", "client"):
+        folder = fetch_model(hub_ref("org/tiny-chat-shards"), role, say=lambda line: None)
+    assert "consolidated.safetensors" not in loaded_files(stored_listing(folder), folder)  # nor in plan's figures
 
     prompt, out = "Compute 12 + 30", tmp_path / "ref.json"
     ref = subprocess.run([sys.executable, os.path.join(TESTS, "lm_reference.py"), "--model", chat, "--prompt", prompt,
@@ -301,11 +331,13 @@ def test_a_language_model_by_hub_id_answers_token_for_token_and_its_client_leave
                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-2000:]
     tokens = tmp_path / "tokens.json"
-    run = diffuse_cli(hub, "lm", tmp_path, "query", "--model", "org/tiny-chat", "--prompt", prompt, "--max-new-tokens",
+    run = diffuse_cli(hub, "lm", tmp_path, "query", "--model", "org/tiny-chat-shards", "--prompt", prompt, "--max-new-tokens",
                       "12", "--threads", str(THREADS), "--local-nodes", "2", "--save-tokens", str(tokens), "--quiet",
                       "--timeout", "120", timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(tokens.read_text())["new_tokens"] == json.loads(out.read_text())["new_tokens"]
+    assert hub.fetched("lm", "model-00002-of-00002.safetensors")  # the whole model came from the shards
+    assert not [e for e in hub.log if e["file"] == "consolidated.safetensors" and e["method"] == "GET"]
 
 
 def test_bytes_held_but_never_checked_are_checked_and_an_empty_file_is_made(hub, tmp_path, monkeypatch):

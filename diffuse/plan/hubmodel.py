@@ -13,9 +13,10 @@ commit fetched last for that name), holding:
   it once, at the first call, to learn what the stack returns).
 - ``"whole"``: everything (the reference a split run is compared with).
 
-Only what loaders read is fetched: safetensors weights (never ``.bin``, ``.onnx``, ``.gguf`` and the like, nor a
-``.fp16.``-style variant beside the plain file), the components a diffusers ``model_index.json`` names, and no
-media of the model card. ``.diffuse/hub.json`` in the folder says which repo and commit it is.
+Only what loaders read is fetched (``diffuse.plan.repofiles``): safetensors weights (never ``.bin`` and the like,
+nor a ``.fp16.``-style variant beside the plain file, nor a file a folder's weight index does not name), the
+components a diffusers ``model_index.json`` names, and no media of the model card. ``.diffuse/hub.json`` in the
+folder says which repo and commit it is.
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ from diffuse.errors import DiffuseError
 from diffuse.plan.fetching import MARKER, RepoFile, check_room, hub_folder, repo_root, spans_of
 from diffuse.plan.fetchprogress import Progress
 from diffuse.plan.hub import HubRef, Listing, listing, offline
+from diffuse.plan.repofiles import loaded_files, weight_indexes
 
 ROLES = ("headers", "node", "client", "whole")
-_SKIPPED = (".bin", ".pt", ".pth", ".ckpt", ".onnx", ".onnx_data", ".gguf", ".msgpack", ".h5", ".tflite", ".ot",
-            ".png", ".jpg", ".jpeg", ".gif", ".webp", ".mp4", ".mp3", ".wav", ".pb", ".mlmodel")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -45,6 +45,9 @@ def fetch_model(ref: HubRef, role: str = "whole", say=None) -> str:
     if "model_index.json" in found.files:  # a pipeline: its components are the folders it names
         _fetch_whole(ref, [RepoFile(ref, found.commit, folder, "model_index.json", *found.files["model_index.json"])],
                      "its model index", say)
+    indexes = weight_indexes(loaded_files(found, folder))  # first: the weights are the files they name
+    _fetch_whole(ref, [RepoFile(ref, found.commit, folder, p, *found.files[p]) for p in indexes], "its weight indexes",
+                 say)
     files = {p: RepoFile(ref, found.commit, folder, p, *found.files[p]) for p in loaded_files(found, folder)}
     weights = {p: f for p, f in files.items() if p.endswith(".safetensors")}
     plain = [f for p, f in files.items() if p not in weights]
@@ -64,44 +67,6 @@ def complete_model(folder: str, say=None) -> None:
     mark = hub_folder(folder)
     if mark is not None:
         fetch_model(HubRef(mark["repo"], mark["commit"]), "whole", say)
-
-
-def loaded_files(found: Listing, folder: str) -> list[str]:
-    """The files of a repo that Diffuse's loaders read (see the module's docstring); ``folder``: where the repo's
-    ``model_index.json`` is, for a pipeline."""
-    paths = set(found.files)
-    diffusers = "model_index.json" in paths
-    components = None
-    if diffusers:
-        try:
-            with open(os.path.join(folder, "model_index.json")) as f:
-                components = {k for k, v in json.load(f).items() if not k.startswith("_") and isinstance(v, list)}
-        except (OSError, ValueError, AttributeError):
-            components = {p.split("/", 1)[0] for p in paths if "/" in p}
-    out = []
-    for p in sorted(paths):
-        name = p.rsplit("/", 1)[-1]
-        if name.lower().endswith(_SKIPPED) or name.startswith(".") or p.startswith((".", "onnx/", "flax/")):
-            continue
-        if diffusers and "/" not in p and p.endswith(".safetensors"):
-            continue  # a single-file checkpoint beside the pipeline's folders: from_pretrained reads the folders
-        if diffusers and "/" in p and p.split("/", 1)[0] not in components:
-            continue
-        if p.endswith(".safetensors") and _is_variant(p, paths):
-            continue
-        out.append(p)
-    return out
-
-
-def _is_variant(path: str, paths: set) -> bool:
-    """``x.fp16.safetensors`` (or a shard of one) where the plain weights are there too."""
-    folder, name = os.path.split(path)
-    parts = name.split(".")
-    if len(parts) < 3:
-        return False
-    stem = re.sub(r"-\d{5}-of-\d{5}$", "", parts[0])
-    return any(os.path.split(q)[0] == folder and q.rsplit("/", 1)[-1].startswith(stem) and
-               q.rsplit("/", 1)[-1].count(".") == 1 and q.endswith(".safetensors") for q in paths)
 
 
 def _listing(ref: HubRef) -> Listing:
