@@ -136,9 +136,9 @@ def device_flags(ap: argparse.ArgumentParser, what: str = "the client's ends of 
                     "pipeline)")
 
 
-def quantize_flag(ap: argparse.ArgumentParser, what: str) -> None:
+def quantize_flag(ap: argparse.ArgumentParser, what: str, flag: str = "--quantize") -> None:
     """``--quantize`` (``diffuse.plan.quantize``): the linear weights of ``what`` held quantized, weight-only."""
-    ap.add_argument("--quantize", default=None, choices=("none", "int8", "int4", "fp8"),
+    ap.add_argument(flag, default=None, choices=("none", "int8", "int4", "fp8"),
                     help=f"hold the linear weights of {what} quantized by torchao (weight-only; needs diffuse[quant]): "
                     "int8, int4 or fp8; default none. Exact against plain diffusers/transformers loading the same "
                     "torchao config whole")

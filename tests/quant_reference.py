@@ -78,18 +78,44 @@ def pipeline_run(args) -> None:
     with open(os.path.join(args.model, args.component, "config.json")) as f:
         cls = getattr(diffusers, json.load(f)["_class_name"])
     folder = os.path.join(args.model, args.component)
-    skip = outside(cls.from_pretrained(folder), args.only, args.mode)
+    only = [""] if args.everything else args.only  # --everything: every linear layer of it (as its groups allow)
+    skip = outside(cls.from_pretrained(folder), only, args.mode)
     part = cls.from_pretrained(folder, torch_dtype=torch.float32, quantization_config=TorchAoConfig(
         torchao_config(args.mode), modules_to_not_convert=skip))  # float32, as a plain load (torchao's default: bf16)
-    leftover(part, args.only, args.mode)
+    if not args.everything:  # (with nothing named outside, no block layer is skipped by name; what is left plain
+        leftover(part, only, args.mode)  # then is what the library keeps in float32, as Diffuse's client does)
     pipe = DiffusionPipeline.from_pretrained(args.model)
     pipe.register_modules(**{args.component: part})
+    if args.everything:  # --quantize-client: every other model of the pipeline loaded with the same mode
+        pipe.register_modules(**everything_else(args, pipe))
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():
         out = pipe(**json.loads(args.kwargs), generator=torch.Generator("cpu").manual_seed(args.seed),
                    output_type="np")
     array = out[0].cpu().numpy() if isinstance(out[0], torch.Tensor) else np.asarray(out[0])
     np.save(args.out, array)
+
+
+def everything_else(args, pipe) -> dict:
+    """Every component but ``args.component`` that its library loads from a folder, loaded again by that library
+    with ``TorchAoConfig(<the mode's config>)`` and nothing excluded (the library leaves out what it always leaves
+    out: the modules a model keeps in float32), in float32 as the plain load. (The split component is then loaded
+    with every linear layer quantized, its ends too, which a split run's client holds.)"""
+    import diffusers
+    import transformers
+
+    with open(os.path.join(args.model, "model_index.json")) as f:
+        index = json.load(f)
+    out = {}
+    for name, value in index.items():
+        part = getattr(pipe, name, None)
+        if name.startswith("_") or name == args.component or not isinstance(part, torch.nn.Module):
+            continue
+        library = transformers if value[0] == "transformers" else diffusers
+        config = library.TorchAoConfig(torchao_config(args.mode))
+        out[name] = type(part).from_pretrained(os.path.join(args.model, name), torch_dtype=torch.float32,
+                                               quantization_config=config)
+    return out
 
 
 def lm_run(args) -> None:
@@ -121,6 +147,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", help="a language model's prompt (a language-model run)")
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--everything", action="store_true", help="a pipeline's other components quantized too, and "
+                    "the split component's linear layers outside the blocks (a client run with --quantize-client)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.threads:

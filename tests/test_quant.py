@@ -34,7 +34,7 @@ def reference(mode: str, model: str, out: str, **what) -> subprocess.Popen:
     for prefix in STACKS[family]:
         cmd += ["--only", prefix]
     for k, v in what.items():
-        cmd += [f"--{k.replace('_', '-')}", str(v)]
+        cmd += [f"--{k.replace('_', '-')}", *([str(v)] if v != "" else [])]
     return subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -43,16 +43,19 @@ def finished(proc: subprocess.Popen) -> None:
     assert proc.returncode == 0, err[-3000:]
 
 
-CASES = [("wan", "int4", 2), ("flux", "int8", 3)]
+# (family, mode, nodes, and the client's own parts quantized too: --quantize-client)
+CASES = [("wan", "int4", 2, False), ("flux", "int8", 3, False), ("wan", "int8", 2, True)]
 
 
-@pytest.mark.parametrize("family,mode,nodes", CASES, ids=[f"{f}-{m}-{n}nodes" for f, m, n in CASES])
+@pytest.mark.parametrize("family,mode,nodes,client", CASES,
+                         ids=[f"{f}-{m}-{n}nodes{'-client' if c else ''}" for f, m, n, c in CASES])
 def test_quantized_split_is_byte_identical_to_plain_diffusers_with_the_same_torchao_config(
-        family, mode, nodes, models, tmp_path, diffuse_home):
+        family, mode, nodes, client, models, tmp_path, diffuse_home):
     model, kwargs = models(family), families.call_args(family)
     ref = reference(mode, model, str(tmp_path / "reference.npy"), family=family, component="transformer",
-                    kwargs=json.dumps(kwargs), seed=0)
-    split, report = run_split(model, kwargs, tmp_path, nodes=nodes, extra=["--quantize", mode], home=diffuse_home)
+                    kwargs=json.dumps(kwargs), seed=0, **({"everything": ""} if client else {}))
+    extra = ["--quantize", mode, *(["--quantize-client", mode] if client else [])]
+    split, report = run_split(model, kwargs, tmp_path, nodes=nodes, extra=extra, home=diffuse_home)
     finished(ref)
     expected = np.load(tmp_path / "reference.npy")
     assert split.shape == expected.shape and np.isfinite(expected).all()

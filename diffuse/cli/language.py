@@ -93,6 +93,7 @@ def generate_text(q: QueryRequest, console, info, compute) -> dict:
 
     from diffuse.client.api import load_whole_or_shell, open_split
     from diffuse.cli.compose import audio_rate, compose_audio
+    from diffuse.cli.modelread import quantize_client
     from diffuse.plan.devices import inputs_on
     from diffuse.lm.client_report import held_parameters, summarize, text_split_report, top_candidates
     from diffuse.lm.client_media import load_config, load_tokenizer
@@ -109,6 +110,7 @@ def generate_text(q: QueryRequest, console, info, compute) -> dict:
         check_prompt(load_config(info.path), inputs["input_ids"])
     tokenizer = load_tokenizer(info.path)
     model = load_whole_or_shell(info, compute, shell=not q.model.whole, quantize=q.ring.options.quantize or "")
+    quantize_client(model, info, q.model.quantize_client)
     inputs = inputs_on(inputs, compute.device)
     times = {"load": time.perf_counter() - t0}
     if audio_rate(model) is not None:  # it composes: text in, audio out (diffuse.cli.compose)

@@ -73,3 +73,12 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
         heard = heard_nodes(info.subject, q.ring.discover_seconds, lambda line: status(console, line))
         q = replace(q, ring=replace(q.ring, nodes=heard))
     return q, model
+
+
+def quantize_client(model, info, mode: str | None) -> None:
+    """``--quantize-client``: the client's own linear layers held in ``mode`` (``diffuse.plan.quantize.quantize_ends``)."""
+    if mode not in (None, "none"):
+        from diffuse.plan.quantize import quantize_ends
+
+        denoisers = tuple(info.subject.denoisers if info.subject.several else [info.subject.denoiser])
+        quantize_ends(model, info.draft["stacks"], mode, denoisers)

@@ -32,6 +32,8 @@ def ring_flags(ap: argparse.ArgumentParser) -> None:
                     "per run")
     quantize_flag(ap, "the nodes' blocks (local nodes are started so; a node holding another mode is refused; with "
                   "--whole, the blocks here)")
+    quantize_flag(ap, "this client's own parts (text encoders and other components, the denoiser's ends; not a "
+                  "language model's output head, which the last node holds)", "--quantize-client")
 
 
 def named_device(a: argparse.Namespace) -> tuple[str | None, str | None, bool] | None:
@@ -154,10 +156,11 @@ def check_flags(a: argparse.Namespace, options) -> None:
         raise DiffuseError(f"--top-p {a.top_p}: must be in (0, 1]")
     groups = node_groups(nodes) if nodes not in (None, "auto") else []
     device = named_device(a)
-    if getattr(a, "quantize", None) not in (None, "none"):
-        from diffuse.plan.quantize import check_mode
+    for mode in (getattr(a, "quantize", None), getattr(a, "quantize_client", None)):
+        if mode not in (None, "none"):
+            from diffuse.plan.quantize import check_mode
 
-        check_mode(a.quantize, device[0] if device and device[0] not in (None, "auto") else None)
+            check_mode(mode, device[0] if device and device[0] not in (None, "auto") else None)
     check_options(options.patches, nodes is not None, options.local_nodes, options.branch_groups,
                   options.cache_threshold)
     if nodes == "auto":
@@ -205,7 +208,7 @@ def query_request(a: argparse.Namespace):
     options = options_of(a)
     check_flags(a, options)
     return QueryRequest(
-        model=ModelAsk(a.model, a.device, a.dtype, a.threads, a.whole),
+        model=ModelAsk(a.model, a.device, a.dtype, a.threads, a.whole, a.quantize_client),
         ring=RingAsk(a.nodes, a.discover_seconds, options),
         call=PipelineCall(a.prompt, a.negative_prompt, a.steps, a.height, a.width, a.frames, dict(args), a.seed),
         text=TextCall(a.prompt, tuple(a.image), tuple(a.video), tuple(a.media), a.audio, a.no_template,
@@ -222,7 +225,8 @@ def chat_request(a: argparse.Namespace):
 
     options = options_of(a)
     check_flags(a, options)
-    return QueryRequest(model=ModelAsk(a.model or CHAT_MODEL_NAME, a.device, a.dtype, a.threads),
+    return QueryRequest(model=ModelAsk(a.model or CHAT_MODEL_NAME, a.device, a.dtype, a.threads,
+                                       quantize_client=a.quantize_client),
                         ring=RingAsk(a.nodes, a.discover_seconds, options), call=PipelineCall(),
                         text=TextCall(image=tuple(a.image), max_new_tokens=a.max_new_tokens),
                         output=Output(report=a.report))

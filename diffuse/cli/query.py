@@ -44,7 +44,7 @@ def generate(a: argparse.Namespace, console) -> dict:
     from diffuse.client import output
     from diffuse.client.api import load_whole_or_shell, open_split
     from diffuse.client.dryrun import checked_call
-    from diffuse.cli.modelread import read_model
+    from diffuse.cli.modelread import quantize_client, read_model
 
     t0 = time.perf_counter()
     q = parsing.query_request(a)
@@ -63,6 +63,7 @@ def generate(a: argparse.Namespace, console) -> dict:
     with progress.phase(console, f"{pipeline}, block stacks {stacks}: loading it"
                         f"{' whole' if whole else ' without the blocks the nodes will hold'}", quiet):
         pipe = load_whole_or_shell(info, compute, shell=not whole, quantize=q.ring.options.quantize or "")
+        quantize_client(pipe, info, q.model.quantize_client)
         kwargs, notes = checked_call(q.call, pipe, info, name, split=not whole)
     for note in notes:
         progress.status(console, note, quiet)

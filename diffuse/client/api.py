@@ -61,15 +61,21 @@ class ModelInfo:
             return json.load(fh)
 
 
-def from_pretrained(model: str | None = None, device: str | None = None, dtype: str | None = None):
+def from_pretrained(model: str | None = None, device: str | None = None, dtype: str | None = None,
+                    quantize_client: str | None = None):
     """The pipeline at ``model`` (a folder, a shipped model's name, a Hub id ``ORG/NAME[@REVISION]``, fetched as
     far as the client needs; None: the embedded model), loaded by diffusers from safetensors without the blocks the nodes will hold;
     or a transformers model (a folder whose config.json names its architectures), loaded by
     transformers (its decoder layers are freed when it is split). ``device`` and ``dtype`` as the
     command line's ``--device`` and ``--dtype`` (``diffuse.plan.devices``; default ``auto``: the CPU, or the
-    first accelerator torch sees, in what the folder declares there): where the client's ends compute."""
+    first accelerator torch sees, in what the folder declares there): where the client's ends compute.
+    ``quantize_client``: its own linear layers held quantized, as ``--quantize-client`` holds them."""
+    from diffuse.plan.quantize import check_mode, quantize_ends
+
     info = ModelInfo.of(model)
-    return load_whole_or_shell(info, client_compute(info, device, dtype), shell=True)
+    pipe = load_whole_or_shell(info, client_compute(info, device, dtype), shell=True)
+    quantize_ends(pipe, info.draft["stacks"], check_mode(quantize_client), tuple(info.subject.denoisers))
+    return pipe
 
 
 def client_compute(info: "ModelInfo", device: str | None, dtype: str | None):

@@ -43,13 +43,15 @@ SIZE_ARGS = ("height", "width", "num_frames")  # the call's arguments that set i
 @dataclass(frozen=True)
 class ModelAsk:
     """Which model (``--model``; None: the shipped one), where the client's ends compute (``--device``,
-    ``--dtype``), its torch threads (``--threads``), and whether it runs whole here (``--whole``)."""
+    ``--dtype``), its torch threads (``--threads``), whether it runs whole here (``--whole``), and the mode its
+    own linear layers are held in (``--quantize-client``; None: as loaded)."""
 
     model: str | None = None
     device: str | None = None
     dtype: str | None = None
     threads: int | None = None
     whole: bool = False
+    quantize_client: str | None = None
 
 
 @dataclass(frozen=True)

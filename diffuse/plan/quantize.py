@@ -229,3 +229,58 @@ def tensor_bytes(t) -> int:
 
 def describe(mode: str) -> str:
     return f"quantized {mode} (torchao, weight-only)" if mode else "unquantized"
+
+
+def quantize_ends(pipe_or_model, stacks, mode: str, denoisers: tuple[str, ...] = ()) -> int:
+    """``--quantize-client``: every linear layer the client holds quantized in ``mode``: a pipeline's text
+    encoders and other components, and the denoiser's own ends (all but its block stacks, ``stacks``, which
+    nodes hold); a language model's media towers and projections, but not its output head, which the last node
+    holds and reads from the files. Each module's float32-kept modules stay as they are. Returns how many."""
+    import torch
+
+    if not mode:
+        return 0
+    parts = (list(pipe_or_model.components.items()) if hasattr(pipe_or_model, "components")
+             else [("", pipe_or_model)])
+    done = 0
+    for name, part in parts:
+        if not isinstance(part, torch.nn.Module):
+            continue
+        inside = tuple(f"{s.path}." for s in stacks) if (not name or name in denoisers) else ()
+        head = _head_of(part) if not name else None
+        left_alone = _library_rule(part)
+        for sub_name, sub in list(part.named_modules()):
+            if (not isinstance(sub, torch.nn.Linear) or sub is head or f"{sub_name}.".startswith(inside or ("\0",))
+                    or left_alone(f"{sub_name}.weight") or sub.weight.device.type == "meta"):
+                continue
+            group = group_of(mode, sub.weight.device, sub.weight.dtype)
+            if group and sub.in_features % group:
+                continue
+            done += quantize(sub, f"{sub_name}.", mode, sub.weight.device, sub.weight.dtype)
+    return done
+
+
+def _library_rule(part):
+    """Which weights of ``part`` its library's torchao quantizer leaves alone, by that library's own rule: for a
+    transformers model, transformers' list (``get_modules_to_not_convert``: what it always skips, and the modules
+    kept in float32) matched by transformers' ``should_convert_module``; for anything else, diffusers' (the
+    modules kept in float32, matched as ``skipped`` matches)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.quantizers.base import HfQuantizer
+        from transformers.quantizers.quantizers_utils import should_convert_module
+    except ImportError:
+        PreTrainedModel = None
+    if PreTrainedModel is not None and isinstance(part, PreTrainedModel):
+        keep = getattr(part, "_keep_in_fp32_modules", None)
+        patterns = HfQuantizer.get_modules_to_not_convert(part, None, list(keep) if keep else None)
+        return lambda name: not should_convert_module(name, patterns)
+    skip = not_converted(type(part))
+    return lambda name: skipped(name, skip)
+
+
+def _head_of(model):
+    try:
+        return model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
