@@ -30,7 +30,7 @@ from diffuse.errors import DiffuseError
 from diffuse.plan.modelfiles import fp32_kept, load_into, located, renamed_for, weight_map
 from diffuse.plan.contracts import Slice, StackPlan
 from diffuse.plan.fetching import hub_commit, hub_folder
-from diffuse.plan.quantize import large_from_system, not_converted, off_the_file, quantize, release_freed
+from diffuse.plan.quantize import large_from_system, library_rule, off_the_file, quantize, release_freed
 
 log = logging.getLogger("diffuse.node")
 
@@ -101,6 +101,7 @@ class BlockStore:
         keep = fp32_kept(skeleton, dtype)
         if self.compute.quant:
             large_from_system(1 << 20)
+            rule = library_rule(skeleton)  # what the model's library leaves unquantized
         try:
             for stack, i in wanted:
                 block = skeleton.get_submodule(stack)[i]
@@ -108,8 +109,7 @@ class BlockStore:
                 place(block, self.device)  # what the files do not hold (buffers made at construction)
                 p = next(block.parameters(), None)
                 actual = dtype or (p.dtype if p is not None else torch.float32)
-                if quantize(block, f"{stack}.{i}.", self.compute.quant, self.device, actual,
-                            not_converted(type(skeleton))):
+                if quantize(block, f"{stack}.{i}.", self.compute.quant, self.device, actual, rule):
                     # the file's pages read to quantize this block, and what quantizing it freed, go now: the
                     # node's peak is its quantized slice and one block, not the unquantized slice
                     off_the_file(block)

@@ -89,7 +89,7 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None,
     nodes hold the blocks in (``diffuse.plan.quantize``): each linear weight the mode quantizes is counted as
     it is stored then (int4 as a CPU node stores it, the larger of its two layouts)."""
     from diffuse.plan.modelfiles import located, renamed_for, weight_map
-    from diffuse.plan.quantize import INT4_GROUP_CPU, not_converted, quantizable, weight_bytes
+    from diffuse.plan.quantize import INT4_GROUP_CPU, library_rule, quantizable, weight_bytes
 
     key = (subject.path, subject.denoiser, dtype, context, tuple((s.path, s.length) for s in stacks), quantize)
     if cache is not None and key in cache:
@@ -101,7 +101,7 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None,
     per_token = cache_bytes_per_token(subject, size)
     state = per_token * context_tokens(subject, context)
     head = _head_bytes(subject, skeleton, size)
-    group, skip = (INT4_GROUP_CPU if quantize == "int4" else 0), not_converted(type(skeleton))
+    group, skip = (INT4_GROUP_CPU if quantize == "int4" else 0), (library_rule(skeleton) if quantize else ())
     out = []
     for st in stacks:
         blocks = skeleton.get_submodule(st.path)

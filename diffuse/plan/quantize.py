@@ -104,13 +104,15 @@ def skipped(full_name: str, skip: tuple[str, ...]) -> bool:
     return any(k + "." in full_name or k == full_name for k in skip)
 
 
-def quantizable(module, prefix: str, mode: str, group: int, skip: tuple[str, ...]) -> list[tuple[str, object]]:
-    """(name, Linear) for each linear layer of ``module`` (at ``prefix`` in its model) ``mode`` quantizes."""
+def quantizable(module, prefix: str, mode: str, group: int, skip=()) -> list[tuple[str, object]]:
+    """(name, Linear) for each linear layer of ``module`` (at ``prefix`` in its model) ``mode`` quantizes.
+    ``skip``: the weights left alone, as names (``skipped``) or as a rule (``library_rule``)."""
     import torch
 
+    left_alone = skip if callable(skip) else (lambda full: skipped(full, skip))
     out = []
     for name, sub in module.named_modules():
-        if not isinstance(sub, torch.nn.Linear) or skipped(f"{prefix}{name}.weight", skip):
+        if not isinstance(sub, torch.nn.Linear) or left_alone(f"{prefix}{name}.weight"):
             continue
         if group and sub.in_features % group:
             continue
@@ -118,7 +120,7 @@ def quantizable(module, prefix: str, mode: str, group: int, skip: tuple[str, ...
     return out
 
 
-def quantize(module, prefix: str, mode: str, device, dtype, skip: tuple[str, ...] = ()) -> int:
+def quantize(module, prefix: str, mode: str, device, dtype, skip=()) -> int:
     """Quantize ``module``'s linear layers in place with torchao, as its weights are (on their device, in
     ``dtype``); returns how many were quantized."""
     if not mode:
@@ -172,12 +174,12 @@ def release_freed() -> None:
         pass
 
 
-def quantize_blocks(model, stacks, mode: str, skip: tuple[str, ...] | None = None) -> int:
+def quantize_blocks(model, stacks, mode: str, skip=None) -> int:
     """Every block of ``stacks`` (``StackPlan``s) in ``model`` quantized as a node holding it quantizes it: a whole
     run in the mode a split run's nodes hold (``--whole --quantize``)."""
     if not mode:
         return 0
-    skip = not_converted(type(model)) if skip is None else skip
+    skip = library_rule(model) if skip is None else skip
     done = 0
     for st in stacks:
         for i, block in enumerate(model.get_submodule(st.path)):
@@ -248,7 +250,7 @@ def quantize_ends(pipe_or_model, stacks, mode: str, denoisers: tuple[str, ...] =
             continue
         inside = tuple(f"{s.path}." for s in stacks) if (not name or name in denoisers) else ()
         head = _head_of(part) if not name else None
-        left_alone = _library_rule(part)
+        left_alone = library_rule(part)
         for sub_name, sub in list(part.named_modules()):
             if (not isinstance(sub, torch.nn.Linear) or sub is head or f"{sub_name}.".startswith(inside or ("\0",))
                     or left_alone(f"{sub_name}.weight") or sub.weight.device.type == "meta"):
@@ -260,7 +262,7 @@ def quantize_ends(pipe_or_model, stacks, mode: str, denoisers: tuple[str, ...] =
     return done
 
 
-def _library_rule(part):
+def library_rule(part):
     """Which weights of ``part`` its library's torchao quantizer leaves alone, by that library's own rule: for a
     transformers model, transformers' list (``get_modules_to_not_convert``: what it always skips, and the modules
     kept in float32) matched by transformers' ``should_convert_module``; for anything else, diffusers' (the
