@@ -375,3 +375,40 @@ def test_bytes_held_but_never_checked_are_checked_and_an_empty_file_is_made(hub,
     assert files["empty.txt"].complete() and os.path.getsize(files["empty.txt"].local) == 0
     files["config.json"].fetch([[0, files["config.json"].size]])  # kept in git: checked by its blob id
     assert files["config.json"].complete() and json.loads(open(files["config.json"].local).read()) == {"a": 1}
+
+
+def test_a_disk_without_room_is_refused_before_a_byte_of_tensors(hub, tmp_path, monkeypatch, capsys):
+    """The disk made to look nearly full (1 MB free past the 64 MB margin, the configs fit): a node given
+    ``--blocks`` and a client each end in one line, status 2, naming the bytes they need and the folder, before a
+    byte of any tensor was fetched: one check for the whole slice (not per block), one for all the client fetches."""
+    import shutil
+
+    from diffuse.cli.command import main as diffuse_main
+    from diffuse.node import command as node_command
+    from diffuse.plan.fetchprogress import size_text
+
+    disk_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: disk_usage(path)._replace(free=65 << 20))
+    monkeypatch.setattr(node_command, "keep_freed_memory", lambda: False)  # no malloc settings in this process
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as the commands set it: the libraries read local folders only
+    monkeypatch.setenv("DIFFUSE_HUB_OFFLINE", "0")
+    headers = {p: tensor_spans(os.path.join(hub.source, p)) for p in
+               (DENOISER, "vae/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors")}
+    n, spans = headers[DENOISER]
+    client = sum(b - a for k, (a, b) in spans.items() if not k.startswith("blocks.") or k.split(".")[1] == "0") + \
+        sum(os.path.getsize(os.path.join(hub.source, p)) - 8 - headers[p][0] for p in headers if p != DENOISER)
+    runs = {"full-node": (lambda: node_command.main(["--model", REPO, "--blocks", "1/2", "--ephemeral-key"]),
+                          block_bytes(spans, range(2))),
+            "full-client": (lambda: diffuse_main(["query", "--model", REPO, "--nodes", "tcp://127.0.0.1:9",
+                                                  "--prompt", "a red circle", "--quiet"]), client)}
+    for who, (run, needed) in runs.items():
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint(who))
+        monkeypatch.setenv("HF_HOME", str(tmp_path / who))
+        folder = str(tmp_path / who / "hub" / "diffuse" / "models--org--tiny-wan" / hub.commit)
+        assert run() == 2
+        said = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and " node INFO " not in ln]
+        assert len(said) == 1 and f"needs {size_text(needed)} in {folder}" in said[0], said
+        for path, (n, _) in headers.items():
+            assert all(b <= 8 + n for _, b in ranges_of(hub, who, path)), (who, path, ranges_of(hub, who, path))
+        assert hub.fetched(who, ".safetensors") > 0  # the headers came

@@ -45,7 +45,8 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
         path, name = resolve_model(ask.model, "headers", quiet), ask.model
     where = "" if os.path.basename(path.rstrip("/")) == name else f" from {path}"
     refuse_early(path, name, q.call)  # a Hub model refused here has sent its configs and headers only
-    if ask.model is not None:
+    whole = ask.model is not None and (ask.whole or q.ring.nodes is None)  # a Hub model's every block fetched here
+    if ask.model is not None and not whole:
         path = resolve_model(ask.model, "client", quiet)
     with phase(console, f"{command}: {name}{where}; reading its config (importing torch and its library)",
                q.output.quiet):
@@ -72,6 +73,8 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
 
         heard = heard_nodes(info.subject, q.ring.discover_seconds, lambda line: status(console, line))
         q = replace(q, ring=replace(q.ring, nodes=heard))
+    if whole:  # run whole, or by local nodes (no --nodes): all of it, its room checked before the first byte,
+        resolve_model(ask.model, "whole", quiet)  # once the model and the request passed every check
     return q, model
 
 

@@ -286,6 +286,9 @@ class NodeControl:
             if missing:
                 held = ", ".join(str(s) for s in node.store.fixed)
                 return refusal(f"asked for blocks {', '.join(missing)}, but this node holds only {held}")
+        from diffuse.plan.hubmodel import check_slice_room
+
+        check_slice_room(node.store.subject, node.stacks, stage.slices)  # a Hub model's: room for all it lacks, first
         node.store.load(list(stage.slices), dtype)
         self._make_room()  # the open is good: a full node ends its longest-idle session for it
         # this session's own sending end, closed with it; it proves the session to the next hop's transport

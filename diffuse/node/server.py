@@ -113,6 +113,9 @@ class Node:
         self.next_hops = NextHop()  # its links to the next hops it was given (diffuse.wire.links)
         self.max_memory: int | None = None  # --max-memory, in bytes
         if self.store.fixed:
+            from diffuse.plan.hubmodel import check_slice_room
+
+            check_slice_room(subject, self.stacks, self.store.fixed)  # a Hub model's: room for all of it, first
             self.store.load(self.store.fixed)
         self.identity = load_identity(key_file)
         self.allowed = allowed_clients

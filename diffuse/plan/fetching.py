@@ -344,10 +344,9 @@ def spans_of(header: tuple[int, dict], keys) -> list[list[int]]:
     return merged(out)
 
 
-def hold(needs: dict[str, list[str]], say=None) -> None:
-    """Every tensor ``needs`` names (safetensors file -> tensor names) held on this disk: in a partial file of a
-    Hub model, the byte ranges of those not held yet are fetched first (one progress line for them all). A file
-    with no note is complete, or not a Hub model's: nothing to do."""
+def _wanted(needs: dict[str, list[str]]) -> list[tuple[RepoFile, list[list[int]]]]:
+    """(file, byte ranges not held yet) of each partial file of a Hub model that ``needs`` (safetensors file ->
+    tensor names) names tensors of not held here. A file with no note is complete, or not a Hub model's."""
     todo = []
     for local, keys in needs.items():
         f = RepoFile.at(local)
@@ -356,6 +355,22 @@ def hold(needs: dict[str, list[str]], say=None) -> None:
         spans = f.to_fetch(spans_of(f.header(), keys))
         if spans:
             todo.append((f, spans))
+    return todo
+
+
+def room_for(needs: dict[str, list[str]], folder: str, what: str) -> None:
+    """Refused where the disk holding ``folder`` lacks room for the tensors ``needs`` names not held here yet
+    (``check_room``), before any of them is fetched."""
+    total = sum(b - a for _, spans in _wanted(needs) for a, b in spans)
+    if total:
+        check_room(folder, total, what)
+
+
+def hold(needs: dict[str, list[str]], say=None) -> None:
+    """Every tensor ``needs`` names (safetensors file -> tensor names) held on this disk: in a partial file of a
+    Hub model, the byte ranges of those not held yet are fetched first (one progress line for them all). A file
+    with no note is complete, or not a Hub model's: nothing to do."""
+    todo = _wanted(needs)
     if not todo:
         return
     total = sum(b - a for _, spans in todo for a, b in spans)

@@ -44,18 +44,18 @@ def fetch_model(ref: HubRef, role: str = "whole", say=None) -> str:
     folder = os.path.join(repo_root(ref.repo), found.commit)
     if "model_index.json" in found.files:  # a pipeline: its components are the folders it names
         _fetch_whole(ref, [RepoFile(ref, found.commit, folder, "model_index.json", *found.files["model_index.json"])],
-                     "its model index", say)
+                     "its model index", say, folder)
     indexes = weight_indexes(loaded_files(found, folder))  # first: the weights are the files they name
     _fetch_whole(ref, [RepoFile(ref, found.commit, folder, p, *found.files[p]) for p in indexes], "its weight indexes",
-                 say)
+                 say, folder)
     files = {p: RepoFile(ref, found.commit, folder, p, *found.files[p]) for p in loaded_files(found, folder)}
     weights = {p: f for p, f in files.items() if p.endswith(".safetensors")}
     plain = [f for p, f in files.items() if p not in weights]
-    _fetch_whole(ref, plain, "its configs", say)
+    _fetch_whole(ref, plain, "its configs", say, folder)
     for f in weights.values():
         f.header()
     if role == "whole":
-        _fetch_whole(ref, list(weights.values()), "its weights", say)
+        _fetch_whole(ref, list(weights.values()), "its weights", say, folder)  # its room checked before any comes
     elif role == "client":
         _fetch_for_client(ref, folder, weights, say)
     _mark(folder, found, ref)
@@ -92,42 +92,59 @@ def _listing(ref: HubRef) -> Listing:
     return found
 
 
-def _fetch_whole(ref: HubRef, files: list, what: str, say) -> None:
-    todo = [f for f in files if not f.complete()]
+def _fetch_whole(ref: HubRef, files: list, what: str, say, where: str) -> None:
+    """``files`` fetched whole where they are not complete here: one room check and one progress line for them
+    all."""
+    _fetch_spans(ref, [(f, [[0, f.size]]) for f in files if not f.complete()], what, say, where)
+
+
+def _fetch_spans(ref: HubRef, todo: list, what: str, say, where: str) -> None:
+    """Each (file, byte ranges) of ``todo`` held: the room for every byte not held yet checked on the disk of
+    ``where`` before the first one comes, then one progress line for them all."""
     if not todo:
         return
-    spans = {f: f.to_fetch([[0, f.size]]) for f in todo}
-    total = sum(b - a for s in spans.values() for a, b in s)
-    check_room(todo[0].local.rsplit(os.sep, 1)[0], total, f"{ref}'s {what}")
+    total = sum(b - a for f, spans in todo for a, b in f.to_fetch(spans))
+    check_room(where, total, f"{ref}'s {what}")
     progress = Progress(f"{ref} ({what})", total, say)
-    for f in todo:
-        f.fetch([[0, f.size]], progress)
+    for f, spans in todo:
+        f.fetch(spans, progress)
     progress.end()
 
 
 def _fetch_for_client(ref: HubRef, folder: str, weights: dict, say) -> None:
-    """Components whole but the split ones; of those, every tensor but the blocks past each stack's first."""
+    """Components whole but the split ones; of those, every tensor but the blocks past each stack's first. The
+    room for all of it is checked before its first byte."""
     from diffuse.plan.planner import analyze
 
     subject, draft = analyze(folder)  # a model Diffuse refuses is refused here, before any weights come
     split_dirs = {os.path.normpath(d) for d in subject.component_dirs().values()}
     split = {p: f for p, f in weights.items() if os.path.normpath(os.path.dirname(f.local)) in split_dirs}
-    _fetch_whole(ref, [f for p, f in weights.items() if p not in split], "its other components", say)
+    todo = [(f, [[0, f.size]]) for p, f in weights.items() if p not in split and not f.complete()]
     far = remote_keys(subject, draft["stacks"])
-    todo = []
     for f in split.values():
         header = f.header()
-        keys = [k for k in header[1] if k != "__metadata__" and (f.local, k) not in far]
-        spans = f.to_fetch(spans_of(header, keys))
-        if spans:
+        spans = spans_of(header, [k for k in header[1] if k != "__metadata__" and (f.local, k) not in far])
+        if f.to_fetch(spans):
             todo.append((f, spans))
-    total = sum(b - a for _, s in todo for a, b in s)
-    if todo:
-        check_room(folder, total, f"{ref}'s client tensors")
-        progress = Progress(f"{ref} (the client's tensors)", total, say)
-        for f, spans in todo:
-            f.fetch(spans, progress)
-        progress.end()
+    _fetch_spans(ref, todo, "the client's weights", say, folder)
+
+
+def check_slice_room(subject, stacks, slices) -> None:
+    """Refused before a node's first byte of tensors where the disk lacks room for every tensor of ``slices``
+    (``Slice``s of ``stacks``) not held here yet: one check for the whole slice, which ``hold`` then fetches block
+    by block as the node loads it. Nothing to check for a folder of one's own."""
+    from diffuse.plan.fetching import room_for
+
+    mark = hub_folder(subject.path)
+    if mark is None:
+        return
+    blocks = block_keys(subject, stacks)
+    needs: dict[str, list[str]] = {}
+    for sl in slices:
+        for i in range(sl.start, sl.stop):
+            for file, key in blocks.get((sl.stack, i), ()):  # a block the model lacks: refused as it loads
+                needs.setdefault(file, []).append(key)
+    room_for(needs, subject.path, f"{mark['repo']}'s blocks {', '.join(str(s) for s in slices if not s.empty)}")
 
 
 def block_keys(subject, stacks) -> dict[tuple[str, int], set[tuple[str, str]]]:
