@@ -1,7 +1,8 @@
-"""Models named by their Hub id, fetched from a Hub on loopback that the tests start (``diffuse.bench.hubserver``:
+"""Models named by their Hub id, fetched from a Hub on loopback that the tests start (``tests/hubtest.py``:
 model info with its file list, ``resolve`` with HEAD headers and Range GETs, a gated repo), ``HF_ENDPOINT``
 pointing at it. What each process fetched is read from the server's own access log, and what a split run
-makes is compared with plain diffusers run whole on the same repo, downloaded by ``huggingface_hub``.
+makes is compared with plain diffusers run whole on the same repo, downloaded by ``huggingface_hub``. What goes
+wrong: ``tests/test_fetch_failures.py``.
 """
 
 from __future__ import annotations
@@ -9,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import time
@@ -19,58 +18,11 @@ import numpy as np
 import pytest
 
 from conftest import TESTS, THREADS, node_process, subprocess_env
+from hubtest import (DENOISER, REPO, TOKENIZER, block_bytes, diffuse_cli, hub, hub_env,  # noqa: F401 (hub: a fixture)
+                     ranges_of, tensor_spans)
 
-REPO = "org/tiny-wan"
-DENOISER = "transformer/diffusion_pytorch_model.safetensors"
 KWARGS = {"prompt": "a red circle moving right", "height": 32, "width": 32, "num_frames": 9,
           "num_inference_steps": 3, "guidance_scale": 5.0}
-TOKEN = "hf_testtoken"
-
-
-def tensor_spans(path: str) -> tuple[int, dict[str, tuple[int, int]]]:
-    """A safetensors file's header length and each tensor's byte range in the file, read here from its bytes."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        meta = json.loads(f.read(n))
-    return n, {k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1]) for k, v in meta.items()
-               if k != "__metadata__"}
-
-
-def block_bytes(spans: dict, blocks) -> int:
-    return sum(b - a for k, (a, b) in spans.items() if k.startswith("blocks.") and int(k.split(".")[1]) in blocks)
-
-
-def ranges_of(hub, who: str, file: str) -> list[tuple[int, int]]:
-    """The byte ranges ``who`` was sent of ``file`` (a GET without a range: all of it)."""
-    out = []
-    for e in hub.log:
-        if e["who"] == who and e["file"] == file and e["method"] == "GET" and e["sent"]:
-            start = e["range"][0] if e.get("range") else 0
-            out.append((start, start + e["sent"]))
-    return out
-
-
-@pytest.fixture(scope="module")
-def hub():
-    from diffuse.bench.hubserver import HubServer
-    from diffuse.plan.shipped import shipped_models
-
-    with HubServer() as server:
-        server.source = shipped_models()["tiny-wan-shapes"]
-        server.commit = server.publish(REPO, server.source, pipeline_tag="text-to-video")
-        server.publish("org/gated", server.source, token=TOKEN)
-        yield server
-
-
-def hub_env(hub, who: str, home, **more) -> dict:
-    """A process's environment: its own Hugging Face home and Diffuse home, the loopback Hub (log entries tagged
-    ``who``), fetching allowed, short waits between retries."""
-    env = subprocess_env(str(home / "diffuse"))
-    for name in ("HF_HUB_CACHE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
-        env.pop(name, None)
-    env.update({"HF_HOME": str(home / "hf"), "HF_ENDPOINT": hub.endpoint(who), "DIFFUSE_HUB_OFFLINE": "0",
-                "DIFFUSE_FETCH_BACKOFF": "0.05", **more})
-    return env
 
 
 def start_node(hub, who: str, home, blocks: str, log):
@@ -79,11 +31,6 @@ def start_node(hub, who: str, home, blocks: str, log):
     line = proc.stdout.readline()
     assert line, f"node {who} ended: {open(log.name).read()[-3000:]}"
     return proc, json.loads(line)
-
-
-def diffuse_cli(hub, who: str, home, *argv, timeout: float = 120, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "diffuse.cli", *argv], env=hub_env(hub, who, home, **env),
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def client_run(hub, who: str, home, pinned: str, out) -> subprocess.CompletedProcess:
@@ -151,6 +98,8 @@ def test_each_node_fetches_its_slice_and_the_client_none_of_the_nodes_blocks(hub
             header = tensor_spans(os.path.join(hub.source, other))[0]
             assert sum(b - a for a, b in ranges_of(hub, who, other)) <= 16 + header, (who, other)
         assert "fetching org/tiny-wan" in split_run["logs"][who]  # progress on the node's console
+        assert not ranges_of(hub, who, TOKENIZER), who  # configs only, no tokenizer
+    assert hub.fetched("client", TOKENIZER) == os.path.getsize(os.path.join(hub.source, TOKENIZER))
     far = [span for k, span in spans.items() if k.startswith("blocks.") and int(k.split(".")[1]) >= 1]
     client = ranges_of(hub, "client", DENOISER)
     assert client and not [r for r in client for o in far if r[0] < o[1] and o[0] < r[1]], client
@@ -168,7 +117,7 @@ def test_check_reads_configs_and_headers_only(hub, tmp_path):
     for path in (DENOISER, "vae/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors"):
         header = tensor_spans(os.path.join(hub.source, path))[0]
         assert hub.fetched("check", path) <= 16 + header, path
-    assert hub.fetched("check") < 100_000
+    assert hub.fetched("check", TOKENIZER) == 0 and hub.fetched("check") < 100_000
     # diffuse plan says what each node and the client will fetch, from the same headers
     plan = diffuse_cli(hub, "check", tmp_path, "plan", REPO, "--memory", "1,1")
     assert plan.returncode == 0, plan.stderr[-2000:]
@@ -207,52 +156,6 @@ def test_an_interrupted_fetch_resumes_where_it_stopped(tmp_path):
         slice_bytes = block_bytes(spans, range(2))
         assert second < slice_bytes - 1_000_000, (first, second, slice_bytes)
         assert first + second <= 1.05 * slice_bytes + rate, (first, second, slice_bytes)
-
-
-def one_line(proc) -> str:
-    """The one line a refused command said (``diffuse check`` gives its verdict, or why none, on stdout)."""
-    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stdout[-1000:], proc.stderr[-2000:])
-    return lines[0]
-
-
-def test_bad_names_and_a_missing_token_end_in_one_line_each_with_a_retry_that_works(hub, tmp_path):
-    assert "no model org/nope" in one_line(diffuse_cli(hub, "bad", tmp_path, "check", "org/nope"))
-    assert "no revision 'v9'" in one_line(diffuse_cli(hub, "bad", tmp_path, "check", f"{REPO}@v9"))
-    assert diffuse_cli(hub, "bad", tmp_path, "check", f"{REPO}@{hub.commit}").returncode == 0
-    gated = one_line(diffuse_cli(hub, "bad", tmp_path, "check", "org/gated"))
-    assert "gated" in gated and "HF_TOKEN" in gated, gated
-    assert diffuse_cli(hub, "bad", tmp_path, "check", "org/gated", HF_TOKEN=TOKEN).returncode == 0
-
-
-def test_offline_no_network_and_server_errors(hub, tmp_path):
-    offline = one_line(diffuse_cli(hub, "off", tmp_path / "a", "check", REPO, DIFFUSE_HUB_OFFLINE="1"))
-    assert "HF_HUB_OFFLINE" in offline, offline
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
-    unreachable = one_line(diffuse_cli(hub, "off", tmp_path / "a", "check", REPO, HF_ENDPOINT=closed))
-    assert "cannot reach" in unreachable, unreachable
-    from diffuse.bench.hubserver import Fault
-
-    hub.faults.append(Fault("model_index.json"))  # answered 500 once: retried
-    assert diffuse_cli(hub, "off", tmp_path / "a", "check", REPO).returncode == 0
-    # fetched once, the model is checked offline from what this machine holds
-    assert diffuse_cli(hub, "off", tmp_path / "a", "check", REPO, DIFFUSE_HUB_OFFLINE="1").returncode == 0
-
-
-def test_a_damaged_cached_file_is_fetched_again(hub, tmp_path):
-    assert diffuse_cli(hub, "damage", tmp_path, "check", REPO).returncode == 0
-    folder = tmp_path / "hf" / "hub" / "diffuse" / "models--org--tiny-wan" / hub.commit
-    config = folder / "transformer" / "config.json"
-    size = config.stat().st_size
-    config.write_bytes(b"x" * size)  # same size, other bytes
-    before = hub.fetched("damage", "transformer/config.json")
-    again = diffuse_cli(hub, "damage", tmp_path, "check", REPO)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert "damaged" in again.stderr
-    assert hub.fetched("damage", "transformer/config.json") == 2 * before
-    assert json.loads(config.read_text())["_class_name"] == "WanTransformer3DModel"
 
 
 def test_a_node_holding_another_commit_is_refused_at_open_naming_both(hub, split_run, tmp_path):
@@ -338,77 +241,3 @@ def test_a_language_model_by_hub_id_answers_token_for_token_and_its_client_leave
     assert json.loads(tokens.read_text())["new_tokens"] == json.loads(out.read_text())["new_tokens"]
     assert hub.fetched("lm", "model-00002-of-00002.safetensors")  # the whole model came from the shards
     assert not [e for e in hub.log if e["file"] == "consolidated.safetensors" and e["method"] == "GET"]
-
-
-def test_bytes_held_but_never_checked_are_checked_and_an_empty_file_is_made(hub, tmp_path, monkeypatch):
-    """A process stopped while it checked a fetched file's digest leaves every byte held and nothing sealed: the
-    next fetch checks and seals it, fetching nothing again. A file of no bytes is made and sealed too."""
-    from diffuse.plan.fetching import RepoFile
-    from diffuse.plan.hub import hub_ref, listing
-
-    folder = tmp_path / "small"
-    folder.mkdir()
-    (folder / "config.json").write_text('{"a": 1}')
-    (folder / "empty.txt").write_text("")
-    (folder / "model.safetensors").write_bytes(open(os.path.join(hub.source, "text_encoder", "model.safetensors"),
-                                                    "rb").read())
-    hub.publish("org/small", str(folder))
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint("small"))
-    monkeypatch.setenv("DIFFUSE_HUB_OFFLINE", "0")
-    ref = hub_ref("org/small")
-    found = listing(ref)
-    store = tmp_path / "store"
-    files = {p: RepoFile(ref, found.commit, str(store), p, *found.files[p]) for p in found.files}
-    weights = files["model.safetensors"]
-    weights.fetch([[0, weights.size]])
-    assert weights.complete() and found.files["model.safetensors"][1] and not found.files["config.json"][1]
-    note = json.loads(open(weights.note_path).read())
-    note.pop("sealed"), note.pop("mtime_ns")
-    with open(weights.note_path, "w") as f:
-        json.dump(dict(note, spans=[[0, weights.size]]), f)  # as a process killed while it hashed leaves it
-    sent = hub.fetched("small")
-    assert not weights.complete()
-    weights.fetch([[0, weights.size]])
-    assert weights.complete() and hub.fetched("small") == sent
-    files["empty.txt"].fetch([[0, 0]])
-    assert files["empty.txt"].complete() and os.path.getsize(files["empty.txt"].local) == 0
-    files["config.json"].fetch([[0, files["config.json"].size]])  # kept in git: checked by its blob id
-    assert files["config.json"].complete() and json.loads(open(files["config.json"].local).read()) == {"a": 1}
-
-
-def test_a_disk_without_room_is_refused_before_a_byte_of_tensors(hub, tmp_path, monkeypatch, capsys):
-    """The disk made to look nearly full (1 MB free past the 64 MB margin, the configs fit): a node given
-    ``--blocks`` and a client each end in one line, status 2, naming the bytes they need and the folder, before a
-    byte of any tensor was fetched: one check for the whole slice (not per block), one for all the client fetches."""
-    import shutil
-
-    from diffuse.cli.command import main as diffuse_main
-    from diffuse.node import command as node_command
-    from diffuse.plan.fetchprogress import size_text
-
-    disk_usage = shutil.disk_usage
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: disk_usage(path)._replace(free=65 << 20))
-    monkeypatch.setattr(node_command, "keep_freed_memory", lambda: False)  # no malloc settings in this process
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as the commands set it: the libraries read local folders only
-    monkeypatch.setenv("DIFFUSE_HUB_OFFLINE", "0")
-    headers = {p: tensor_spans(os.path.join(hub.source, p)) for p in
-               (DENOISER, "vae/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors")}
-    n, spans = headers[DENOISER]
-    client = sum(b - a for k, (a, b) in spans.items() if not k.startswith("blocks.") or k.split(".")[1] == "0") + \
-        sum(os.path.getsize(os.path.join(hub.source, p)) - 8 - headers[p][0] for p in headers if p != DENOISER)
-    runs = {"full-node": (lambda: node_command.main(["--model", REPO, "--blocks", "1/2", "--ephemeral-key"]),
-                          block_bytes(spans, range(2))),
-            "full-client": (lambda: diffuse_main(["query", "--model", REPO, "--nodes", "tcp://127.0.0.1:9",
-                                                  "--prompt", "a red circle", "--quiet"]), client)}
-    for who, (run, needed) in runs.items():
-        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint(who))
-        monkeypatch.setenv("HF_HOME", str(tmp_path / who))
-        folder = str(tmp_path / who / "hub" / "diffuse" / "models--org--tiny-wan" / hub.commit)
-        assert run() == 2
-        said = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and " node INFO " not in ln]
-        assert len(said) == 1 and f"needs {size_text(needed)} in {folder}" in said[0], said
-        for path, (n, _) in headers.items():
-            assert all(b <= 8 + n for _, b in ranges_of(hub, who, path)), (who, path, ranges_of(hub, who, path))
-        assert hub.fetched(who, ".safetensors") > 0  # the headers came

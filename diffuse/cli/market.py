@@ -156,13 +156,13 @@ class Market:
     def details(self, row: Row) -> dict:
         """The model's card (its first lines), files (largest first) and, if it splits, what each node of 2, 3
         and 4 fetches."""
-        from diffuse.plan.hubmodel import loaded_files, stored_listing
+        from diffuse.plan.hubmodel import fetch_card, loaded_files, stored_listing
 
         self.judge(row)
         out = {"card": [], "files": [], "plans": {}}
         if not row.folder:
             return out
-        out["card"] = _card_lines(os.path.join(row.folder, "README.md"))
+        out["card"] = _card_lines(fetch_card(row.folder) or os.path.join(row.folder, "README.md"))
         listed = stored_listing(row.folder)
         out["files"] = sorted(((p, listed.files[p][0]) for p in loaded_files(listed, row.folder)),
                               key=lambda f: -f[1])

@@ -3,12 +3,14 @@
 ``fetch_model(ref, role)`` gives the folder of ``ref`` at the commit the Hub names for it now (offline: the
 commit fetched last for that name), holding:
 
-- ``"headers"``: every file but the weights, and each safetensors file's header (kilobytes). What
-  ``diffuse check`` and ``diffuse plan`` read: the analysis, the verdict and each block's bytes come from these.
+- ``"headers"``: the files the analysis reads (``diffuse.plan.repofiles.analysis_reads``: configs, indexes,
+  shipped code; no tokenizer's data, no card) and each safetensors file's header (kilobytes). What ``diffuse
+  check`` and ``diffuse plan`` read: the analysis, the verdict and each block's bytes come from these.
 - ``"node"``: the same; a node's slice is fetched as it loads it (``diffuse.plan.fetching.hold``, called by
   ``load_into``), by range where the file holds other tensors too. A node never fetches an encoder, a VAE or a
   block it does not hold.
-- ``"client"``: every component whole but the split ones (the denoiser; a language model itself), and of those
+- ``"client"``: every file but the weights (tokenizer and processor files too), every component whole but the
+  split ones (the denoiser; a language model itself), and of those
   only the tensors the client keeps: all but the stacks' blocks, and each stack's first block (the client runs
   it once, at the first call, to learn what the stack returns).
 - ``"whole"``: everything (the reference a split run is compared with).
@@ -30,7 +32,7 @@ from diffuse.errors import DiffuseError
 from diffuse.plan.fetching import MARKER, RepoFile, check_room, hub_folder, repo_root, spans_of
 from diffuse.plan.fetchprogress import Progress
 from diffuse.plan.hub import HubRef, Listing, listing, offline
-from diffuse.plan.repofiles import loaded_files, weight_indexes
+from diffuse.plan.repofiles import analysis_reads, loaded_files, weight_indexes
 
 ROLES = ("headers", "node", "client", "whole")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -50,14 +52,15 @@ def fetch_model(ref: HubRef, role: str = "whole", say=None) -> str:
                  say, folder)
     files = {p: RepoFile(ref, found.commit, folder, p, *found.files[p]) for p in loaded_files(found, folder)}
     weights = {p: f for p, f in files.items() if p.endswith(".safetensors")}
-    plain = [f for p, f in files.items() if p not in weights]
-    _fetch_whole(ref, plain, "its configs", say, folder)
+    configs = [f for p, f in files.items() if p not in weights and analysis_reads(p, f.size)]
+    rest = [f for p, f in files.items() if p not in weights and not analysis_reads(p, f.size)]  # tokenizers, card
+    _fetch_whole(ref, configs, "its configs", say, folder)
     for f in weights.values():
         f.header()
-    if role == "whole":
-        _fetch_whole(ref, list(weights.values()), "its weights", say, folder)  # its room checked before any comes
+    if role == "whole":  # one room check and one progress line for all of it, before any comes
+        _fetch_whole(ref, rest + list(weights.values()), "its weights and tokenizer", say, folder)
     elif role == "client":
-        _fetch_for_client(ref, folder, weights, say)
+        _fetch_for_client(ref, folder, weights, rest, say)
     _mark(folder, found, ref)
     return folder
 
@@ -67,6 +70,21 @@ def complete_model(folder: str, say=None) -> None:
     mark = hub_folder(folder)
     if mark is not None:
         fetch_model(HubRef(mark["repo"], mark["commit"]), "whole", say)
+
+
+def fetch_card(folder: str) -> str | None:
+    """Where the model card (``README.md``) of a folder ``fetch_model`` made is, fetched if it is not here yet
+    (``diffuse host`` shows it; no role fetches it but the client's); None where there is none to be had."""
+    listed, mark = stored_listing(folder), hub_folder(folder)
+    if listed is None or mark is None or "README.md" not in listed.files:
+        return None
+    card = RepoFile(HubRef(mark["repo"], mark["commit"]), listed.commit, folder, "README.md",
+                    *listed.files["README.md"])
+    try:
+        _fetch_whole(card.ref, [card], "its card", lambda line: None, folder)
+    except DiffuseError:  # offline, or the Hub gone meanwhile: no card
+        return None
+    return card.local
 
 
 def _listing(ref: HubRef) -> Listing:
@@ -111,22 +129,22 @@ def _fetch_spans(ref: HubRef, todo: list, what: str, say, where: str) -> None:
     progress.end()
 
 
-def _fetch_for_client(ref: HubRef, folder: str, weights: dict, say) -> None:
-    """Components whole but the split ones; of those, every tensor but the blocks past each stack's first. The
-    room for all of it is checked before its first byte."""
+def _fetch_for_client(ref: HubRef, folder: str, weights: dict, rest: list, say) -> None:
+    """The files ``rest`` (tokenizers and the like) and the components whole but the split ones; of those, every
+    tensor but the blocks past each stack's first. The room for all of it is checked before its first byte."""
     from diffuse.plan.planner import analyze
 
     subject, draft = analyze(folder)  # a model Diffuse refuses is refused here, before any weights come
     split_dirs = {os.path.normpath(d) for d in subject.component_dirs().values()}
     split = {p: f for p, f in weights.items() if os.path.normpath(os.path.dirname(f.local)) in split_dirs}
-    todo = [(f, [[0, f.size]]) for p, f in weights.items() if p not in split and not f.complete()]
+    todo = [(f, [[0, f.size]]) for f in rest + [f for p, f in weights.items() if p not in split] if not f.complete()]
     far = remote_keys(subject, draft["stacks"])
     for f in split.values():
         header = f.header()
         spans = spans_of(header, [k for k in header[1] if k != "__metadata__" and (f.local, k) not in far])
         if f.to_fetch(spans):
             todo.append((f, spans))
-    _fetch_spans(ref, todo, "the client's weights", say, folder)
+    _fetch_spans(ref, todo, "the client's weights and tokenizer", say, folder)
 
 
 def check_slice_room(subject, stacks, slices) -> None:

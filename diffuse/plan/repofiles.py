@@ -1,5 +1,6 @@
-"""Which files of a Hub repo Diffuse fetches at all: what its loaders read (``loaded_files``), and of those, the
-weights (``*.safetensors``) and the rest.
+"""Which files of a Hub repo Diffuse fetches at all: what its loaders read (``loaded_files``); of those, the
+weights (``*.safetensors``) and the rest; and of the rest, what the analysis reads (``analysis_reads``: all that
+``diffuse check``, ``diffuse plan`` and a node fetch besides the weights' headers).
 
 Only what loaders read is fetched: safetensors weights (never ``.bin``, ``.onnx``, ``.gguf`` and the like, nor a
 ``.fp16.``-style variant beside the plain file), the components a diffusers ``model_index.json`` names, and no
@@ -19,6 +20,23 @@ from diffuse.plan.hub import Listing
 _SKIPPED = (".bin", ".pt", ".pth", ".ckpt", ".onnx", ".onnx_data", ".gguf", ".msgpack", ".h5", ".tflite", ".ot",
             ".png", ".jpg", ".jpeg", ".gif", ".webp", ".mp4", ".mp3", ".wav", ".pb", ".mlmodel")
 INDEX_SUFFIX = ".safetensors.index.json"  # a sharded checkpoint's weight index (a variant's ends .index.fp16.json)
+CONFIG_LIMIT = 1 << 20  # the largest JSON file the analysis reads unless it is a config or index by its name
+TOKENIZER_DATA = ("tokenizer.json", "vocab.json")  # JSON, but a tokenizer's vocabulary and rules: no config
+
+
+def analysis_reads(path: str, size: int) -> bool:
+    """Whether the analysis (``diffuse check``, ``diffuse plan``, a node's) reads file ``path`` (a repo path, not
+    a weight) of ``size`` bytes: a JSON file (``model_index.json``, each ``config.json``, scheduler, generation and
+    processor configs, the tokenizer's config, weight indexes, Diffuse's kept verdict and defaults: the configs
+    the stacks are found from, and the JSON files ``analyzers.remote_code`` searches for an ``auto_map``, up to
+    ``CONFIG_LIMIT``), and shipped ``.py`` files (refused as remote code). Never a tokenizer's data
+    (``tokenizer.json``, ``vocab.json``, ``merges.txt``, ``spiece.model``: what only a client runs), nor the card."""
+    name = path.rsplit("/", 1)[-1]
+    if name.endswith(".py"):
+        return True
+    if not name.endswith(".json") or name in TOKENIZER_DATA:
+        return False
+    return size <= CONFIG_LIMIT or name == "model_index.json" or name.endswith(("config.json", INDEX_SUFFIX))
 
 
 def loaded_files(found: Listing, folder: str) -> list[str]:
