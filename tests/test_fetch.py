@@ -241,3 +241,25 @@ def test_a_language_model_by_hub_id_answers_token_for_token_and_its_client_leave
     assert json.loads(tokens.read_text())["new_tokens"] == json.loads(out.read_text())["new_tokens"]
     assert hub.fetched("lm", "model-00002-of-00002.safetensors")  # the whole model came from the shards
     assert not [e for e in hub.log if e["file"] == "consolidated.safetensors" and e["method"] == "GET"]
+
+
+def test_a_model_given_by_its_hub_id_is_served_by_that_id(tmp_path):
+    """``diffuse serve --model ORG/NAME`` lists the model as ``ORG/NAME`` (not the commit its folder is named by),
+    and ``/v1/models/ORG/NAME`` finds it; a folder or a shipped model goes by its folder's name as before."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from diffuse.plan.resolve import model_name
+    from diffuse.serve.info import _info_routes
+
+    folder = str(tmp_path / "models--org--tiny-wan" / ("7" * 40))
+    assert model_name(REPO, folder) == REPO and model_name(f"{REPO}@v2", folder) == f"{REPO}@v2"
+    assert model_name("tiny-wan-shapes", "/site/diffuse/trained/tiny-wan-shapes") == "tiny-wan-shapes"
+    assert model_name(str(tmp_path / "mine"), str(tmp_path / "mine")) == "mine"
+    app = FastAPI()
+    _info_routes(app, SimpleNamespace(engines={REPO: SimpleNamespace(describe=lambda: {"id": REPO})}))
+    with TestClient(app) as client:
+        assert client.get(f"/v1/models/{REPO}").json() == {"id": REPO}
+        assert client.get("/v1/models").json()["data"] == [{"id": REPO}]

@@ -121,8 +121,8 @@ def chat_parser() -> Parser:
     ap = Parser(prog="diffuse chat", description="An interactive chat with a language model split over a ring: the "
                 "history is rendered with the chat template, and each node keeps its layers' cache between turns, "
                 "so a turn sends only its own new tokens. Ctrl-C or an empty input at end of file ends it.")
-    ap.add_argument("--model", help="a transformers model folder (or a shipped name / cached Hub id); default: the "
-                    "embedded chat model, tiny-qwen-chat")
+    ap.add_argument("--model", help="a transformers model folder (or a shipped name, or a Hub id ORG/NAME[@REVISION], "
+                    "fetched as it runs); default: the embedded chat model, tiny-qwen-chat")
     ap.add_argument("--max-new-tokens", type=positive, default=128, help="tokens per answer at most (default 128)")
     ap.add_argument("--image", action="append", default=[], metavar="FILE", help="an image for the first turn")
     ring_flags(ap)

@@ -62,3 +62,14 @@ def resolve_model(model: str, role: str = "whole", say=None) -> str:
             "a folder per component), a transformers model folder (config.json naming its architectures, "
             "*.safetensors), or a Hub id, ORG/NAME[@REVISION], fetched as it runs"
         ) from exc
+
+
+def model_name(model: str, path: str) -> str:
+    """The name a model given as ``model`` (what ``resolve_model`` took) and found at ``path`` goes by where it
+    is listed (``diffuse serve``'s ``/v1/models``, its page, the ``model`` of a request): a Hub id as given
+    (``ORG/NAME``, or ``ORG/NAME@REVISION``), not the commit its folder is named by; else the folder's name (a
+    shipped model's is its name)."""
+    from diffuse.plan.hub import hub_ref
+
+    ref = hub_ref(model) if model else None
+    return str(ref) if ref is not None else os.path.basename(os.path.normpath(path))

@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "OpenAI-compatible HTTP API (chat, completions, images, video jobs, transcription, speech), "
                 "with a page at / to chat and generate.")
     ap.add_argument("--model", action="append", default=[], metavar="M",
-                    help="a model folder, a shipped model's name or a cached Hub id (repeatable; default: the "
-                    "shipped models, tiny-wan-shapes and tiny-qwen-chat)")
+                    help="a model folder, a shipped model's name or a Hub id, ORG/NAME[@REVISION], fetched as it runs "
+                    "and served by that name (repeatable; default: the shipped models, tiny-wan-shapes and "
+                    "tiny-qwen-chat)")
     ap.add_argument("--nodes", action="append", default=[], metavar="ADDR,...",
                     help="the nodes of one --model (repeatable, in the order of --model), each address "
                     "optionally #HEXKEY, or auto (the nodes announced on the local network that serve it); without "
@@ -104,6 +105,7 @@ def analyse(models: list[str], nodes: list[str], say) -> tuple[list, list[str]]:
     checked against the models."""
     from diffuse.client.api import ModelInfo
     from diffuse.client.known_nodes import parse_nodes
+    from diffuse.plan.resolve import model_name
 
     if not models:
         raise DiffuseError("no --model given and no shipped model found: reinstall diffuse or give --model")
@@ -116,7 +118,7 @@ def analyse(models: list[str], nodes: list[str], say) -> tuple[list, list[str]]:
     for m in models:
         say(f"analysing {m}")
         infos.append(ModelInfo.of(m))
-    names = [os.path.basename(os.path.normpath(i.path)) for i in infos]
+    names = [model_name(m, i.path) for m, i in zip(models, infos)]  # a Hub id by its id, not its commit's folder
     if len(set(names)) != len(names):
         raise DiffuseError(f"two models share a name ({', '.join(names)}): give folders with different names")
     return infos, names
@@ -221,7 +223,9 @@ class Service:
         plan = plan_local_nodes(opts.local_nodes, info.draft["stacks"], 1, opts.threads)
         for note in plan.notes:
             say(note)
-        name = os.path.basename(os.path.normpath(info.path))
+        from diffuse.plan.fetching import hub_folder
+
+        name = (hub_folder(info.path) or {}).get("repo") or os.path.basename(os.path.normpath(info.path))
         say(f"starting {plan.count} local node{'s' if plan.count > 1 else ''} for {name}")
         local = start_local_nodes(info.path, plan.count, plan.threads, scheme=opts.local_transport, client=identity)
         return NodeSet([f"{n.address}#{n.key}" for n in local], local)

@@ -37,7 +37,7 @@ def _info_routes(app, service) -> None:
     async def models():
         return {"object": "list", "data": [e.describe() for e in service.engines.values()]}
 
-    @app.get("/v1/models/{name}")
+    @app.get("/v1/models/{name:path}")  # a Hub id's name holds a slash: ORG/NAME
     async def model(name: str):
         e = service.engines.get(name)
         if e is None:
