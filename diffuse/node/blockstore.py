@@ -99,9 +99,9 @@ class BlockStore:
         wmap = located(renamed_for(self.subject.weight_map(), skeleton), skeleton, {s for s, _ in wanted})
         files: dict[str, object] = {}
         keep = fp32_kept(skeleton, dtype)
+        rule = library_rule(skeleton) if self.compute.quant else ()  # what the model's library leaves unquantized
         if self.compute.quant:
             large_from_system(1 << 20)
-            rule = library_rule(skeleton)  # what the model's library leaves unquantized
         try:
             for stack, i in wanted:
                 block = skeleton.get_submodule(stack)[i]
