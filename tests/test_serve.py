@@ -9,6 +9,7 @@ file bytes.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import shutil
@@ -17,11 +18,14 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import THREADS, run_client, subprocess_env
+from diffuse.wire.transport import transport_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the shape /v1/videos answers in
 openai = pytest.importorskip("openai")
@@ -82,7 +86,8 @@ def served(folders, tmp_path_factory):
     port = _free_port()
     log = str(tmp_path_factory.mktemp("serve-log") / "serve.log")
     cmd = [sys.executable, "-m", "diffuse.serve", "--threads", str(THREADS), "--local-nodes", "1",
-           "--listen", f"127.0.0.1:{port}", "--api-key", KEY, "--max-body-mb", "1", "--max-waiting", "1", "--max-tokens", "16"]
+           "--listen", f"127.0.0.1:{port}", "--api-key", KEY, "--max-body-mb", "1", "--max-waiting", "1", "--max-tokens", "16",
+           "--node-metrics-port", "0"]
     for role in ROLES:
         cmd += ["--model", folders[role]]
     with open(log, "w") as out:
@@ -304,7 +309,7 @@ def test_busy_model_answers_429(served):
     threads = [threading.Thread(target=ask) for _ in range(3)]
     for t in threads:
         t.start()
-        time.sleep(0.15)
+        time.sleep(0.05)  # all three in before the first is done (100 steps take ~0.3 s here)
     for t in threads:
         t.join()
     codes = sorted(r.status_code for r in results)
@@ -312,6 +317,44 @@ def test_busy_model_answers_429(served):
     busy = next(r for r in results if r.status_code == 429)
     assert int(busy.headers["Retry-After"]) >= 1 and _error(busy)["type"] == "rate_limit_error"
 
+
+def _scrape(url: str) -> dict:
+    """A metrics page as prometheus_client's own parser reads it: {(sample, frozenset of labels): value}."""
+    text = httpx.get(url, headers={"Authorization": f"Bearer {KEY}"}, timeout=10).raise_for_status().text
+    return {(x.name, frozenset(x.labels.items())): x.value for f in text_string_to_metric_families(text)
+            for x in f.samples}
+
+
+def test_metrics_move_and_agree(served):
+    """/metrics and the chat model's node's port (--node-metrics-port 0), scraped before, during and after two
+    concurrent chats and a bad control request: the counts move by what the answers and the node's status say."""
+    (node,) = served.health()["models"]["chat"]["nodes"]
+    (s0, n0), ask = (_scrape(served.url + "/metrics"), _scrape(node["metrics"])), served.client().chat.completions
+    with ThreadPoolExecutor(2) as pool:
+        asked = [pool.submit(ask.create, model="chat", messages=[{"role": "user", "content": f"{PROMPT} {i}"}],
+                             max_tokens=6) for i in range(2)]
+        assert _scrape(served.url + "/metrics") and _scrape(node["metrics"])  # answered while the chats run
+        usage = [f.result().usage for f in asked]
+    control = functools.partial(transport_for(node["address"]).request, node["address"], timeout_s=10.0)
+    assert control({"op": "no such op"})["ok"] is False  # refused: a malformed request
+    s1, n1, status = _scrape(served.url + "/metrics"), _scrape(node["metrics"]), control({"op": "status"})
+
+    def moved(a, b, name, **labels):  # how far one sample of model "chat" moved from a to b
+        (key,) = [k for k in b if k[0] == name and {("model", "chat"), *labels.items()} <= k[1]]
+        return b[key] - a.get(key, 0)
+    assert moved(s0, s1, "diffuse_requests_total", kind="chat", outcome="ok") == 2
+    assert moved(s0, s1, "diffuse_time_to_first_token_seconds_count") == 2
+    assert moved(s0, s1, "diffuse_generated_tokens_total") == sum(u.completion_tokens for u in usage) == 12
+    assert moved(s0, s1, "diffuse_prompt_tokens_total") == sum(u.prompt_tokens for u in usage)
+    assert moved(n0, n1, "diffuse_node_passes_total", outcome="ok", node=node["address"]) == moved(
+        s0, s1, "diffuse_ring_passes_total") >= 12
+    assert moved({}, n1, "diffuse_node_passes_total", outcome="ok") == status["totals"]["passes"] - status["totals"]["pass_errors"]
+    for hop, seen in (("in", "sent"), ("out", "received")):  # the node's hops are the service's two ends
+        assert moved(n0, n1, "diffuse_node_bytes_total", direction=hop) == moved(
+            s0, s1, "diffuse_ring_bytes_total", direction=seen) > 0
+    assert moved(n0, n1, "diffuse_node_busy_seconds_total") > 0 and moved({}, n1, "diffuse_node_sessions") == 0
+    assert moved(n0, n1, "diffuse_node_refusals_total", reason="request") == 1 <= status["totals"]["refusals"]["request"]
+    assert moved({}, n1, "diffuse_node_memory_bytes", part="weights") > 0
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

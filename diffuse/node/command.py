@@ -70,6 +70,13 @@ def _wire(text: str) -> tuple[int, ...]:
     return versions
 
 
+def _port(text: str) -> int:
+    """``--metrics-port``: 0 to 65535."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: a port number, 0 (any free port) to 65535")
+    return int(text)
+
+
 def node_compute(device: str | None, dtype: str | None, path: str, quantize: str | None = None):
     """``--device``, ``--dtype`` and ``--quantize`` for the model at ``path`` (``auto`` on an accelerator: the dtype
     the folder declares for the component holding the blocks), checked before anything loads."""
@@ -129,6 +136,9 @@ def _parser():
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone (local nodes)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
+    ap.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
+                    help="answer Prometheus scrapes at http://HOST:PORT/metrics, HOST that of --listen (127.0.0.1 "
+                    "where it has none); 0: a free port, said in the ready line and in status (default: no port)")
     ap.add_argument("--announce", action="store_true", help="advertise this node on the local network (mDNS) while "
                     "it serves, for clients given --nodes auto; needs a --listen others reach, and diffuse[lan]")
     return ap
@@ -154,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         flags.check_port_free(a.listen)  # before anything loads
+        metrics = None
+        if a.metrics_port is not None:  # open from the start: a scraper sees the process while its blocks load
+            from diffuse.node.metrics import MetricsPort
+
+            metrics = MetricsPort(a.listen, a.metrics_port)
         path = resolve_model(a.model, "node")  # a Hub id: configs and headers; the slice comes as it loads
         compute = node_compute(a.device, a.dtype, path, a.quantize)  # a device or dtype this machine lacks: refused here
         lan = discovery.Announcer(a.listen) if a.announce else None  # the library there, an address others reach
@@ -167,13 +182,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     node.control.speaks = a.wire
+    if metrics is not None:
+        from diffuse.plan.resolve import model_name
+
+        metrics.watch(node, model_name(a.model, path))
     if a.max_memory is not None:
         if not a.max_memory > 0:
             print(f"error: --max-memory {a.max_memory}: give a positive number of GiB", file=sys.stderr)
             return 2
         node.max_memory = int(a.max_memory * (1 << 30))
     print(json.dumps({"diffuse_node": max(a.wire), "wire": list(a.wire), "address": node.endpoint.control_address,
-                      "data": node.endpoint.address, "key": node.identity.public_hex}), flush=True)
+                      "data": node.endpoint.address, "key": node.identity.public_hex,
+                      **({"metrics": node.metrics_url} if node.metrics_url else {})}), flush=True)
     log.info("serving %s at %s, key %s, wire versions %s", a.model, node.endpoint.control_address,
              node.identity.public_hex, ",".join(map(str, a.wire)))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

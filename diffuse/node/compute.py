@@ -94,6 +94,7 @@ class ComputeThread:
             return None
         nbytes = sum(len(f) for f in raw)
         sess.bytes_in += nbytes
+        self.node.tally.bytes_in += nbytes
         sess.messages += 1
         if header.get("op") == "call":
             _keep(sess.hop_log, [header.get("seq"), nbytes])
@@ -200,6 +201,9 @@ class ComputeThread:
         w0 = time.perf_counter()
         out = frames.seal_message(sess.out_hop, m.reply[0], host)
         sess.bytes_out += sum(len(f) for f in out)
+        self.node.tally.bytes_out += sum(len(f) for f in out)
+        if call:
+            self.node.tally.passed(time.perf_counter() - m.t0, m.busy, m.reply[0].get("op") == "error")
         outbox = self.node.sessions.outbox(sess.sid)
         if outbox is None:
             return  # closed while it computed
@@ -217,6 +221,7 @@ class ComputeThread:
         why = f"its next hop {getattr(outbox, 'address', '?')[:200]} takes no messages ({exc})"
         log.warning("session %s failed: %s", sid.hex()[:8], why)
         self.node.sessions.end(sid, failed=why)
+        self.node.tally.evicted("next_hop")
         self.node.state_bytes.drop(sid)
         outbox.close()
 
@@ -243,7 +248,9 @@ class ComputeThread:
                 item = self.node.work.get(timeout=0.1) if stuck else self.node.work.get()
             except queue.Empty:
                 item = ()
-            self.node.idle_s += time.perf_counter() - w0
+            waited = time.perf_counter() - w0
+            self.node.idle_s += waited
+            self.node.tally.idle_s += waited
             if item is None:
                 self.deliver_pending()
                 return

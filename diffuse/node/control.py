@@ -135,7 +135,7 @@ class NodeControl:
     def handle(self, msg: dict) -> dict:
         op = msg.get("op")
         if not isinstance(op, str):
-            return refusal("a control request needs an op (a string)")
+            return self.no("request", "a control request needs an op (a string)")
         if op == "hello":
             return self.hello(msg)
         if op == "ping":  # renews the session's lease; says how far its passes got, or why it failed here
@@ -144,7 +144,12 @@ class NodeControl:
             return self.status()
         if op in ("open", "close", "link"):
             return self.sealed(op, msg)
-        return refusal(f"unknown control operation {op[:32]!r}")
+        return self.no("request", f"unknown control operation {op[:32]!r}")
+
+    def no(self, reason: str, text: str) -> dict:
+        """A refusal, counted by its reason (``diffuse.node.metrics.REFUSALS``)."""
+        self.node.tally.refused(reason)
+        return refusal(text)
 
     def status(self) -> dict:
         """Anyone may ask, so it is constant time (counters kept as sessions come and go, nothing walked)
@@ -155,7 +160,8 @@ class NodeControl:
                 "state_bytes": node.state_bytes.total, "slices": self._slices(),
                 "max_sessions": node.max_sessions, "max_sessions_per_client": node.max_sessions_per_client,
                 "batching": node.batching, "batches": node.batches, "batched_rows": node.batched_rows,
-                "batch_fallbacks": node.batch_fallbacks, "quantize": node.store.compute.quant or "none"}
+                "batch_fallbacks": node.batch_fallbacks, "quantize": node.store.compute.quant or "none",
+                "totals": node.tally.report(node), **({"metrics": node.metrics_url} if node.metrics_url else {})}
 
     def _session_room(self, sender: bytes) -> str | None:
         """Why a new session of ``sender`` would be one too many (None: there is room, or there will be). The
@@ -184,6 +190,7 @@ class NodeControl:
             why = (f"evicted: this node was full ({node.max_sessions} sessions) and this session had carried no "
                    f"data for the longest ({idle_s:.0f} s)")
             node.end(sid, failed=why)
+            node.tally.evicted("full")
             log.info("session %s %s", sid.hex()[:8], why)
 
     def _slices(self):
@@ -194,7 +201,7 @@ class NodeControl:
         offered, speaks = _versions(msg.get("wire")), list(self.speaks)
         common = set(offered) & set(speaks)
         if not common:  # the client names both sides to its user; an older client shows this error
-            return dict(refusal(f"this node speaks wire versions {speaks}; the client offers {offered[:8]}"),
+            return dict(self.no("wire", f"this node speaks wire versions {speaks}; the client offers {offered[:8]}"),
                         speaks=speaks)
         wire, challenge = max(common), self.challenges.issue()
         reply = {"ok": True, "wire": wire, "speaks": speaks, "key": self.node.identity.public,
@@ -213,22 +220,22 @@ class NodeControl:
         # from here on the sender is known: every answer is sealed to it, so it can tell ours from a forgery
         try:
             if payload.get("op") != op:  # else a sealed open could be replayed as a close, or the reverse
-                reply = refusal(f"the sealed payload is not for {op!r}")
+                reply = self.no("request", f"the sealed payload is not for {op!r}")
             elif op == "link":  # a link measurement (diffuse.wire.links), from a client or a node before this one
                 pad = payload.get("pad")
                 reply = {"ok": True, "n": len(pad) if isinstance(pad, bytes) else 0}
             elif self.node.allowed is not None and sender not in self.node.allowed:
-                reply = refusal("this node does not serve your client key")
+                reply = self.no("client_key", "this node does not serve your client key")
             elif op == "open" and (full := self._session_room(sender)):
-                reply = refusal(full)
+                reply = self.no("client_limit", full)
             else:
                 reply = self.open(payload, sender) if op == "open" else self.close(payload, sender)
         except DiffuseError as exc:
             log.warning("%s refused: %s", op, exc)
-            reply = refusal(str(exc))
+            reply = self.no("error", str(exc))
         except Exception as exc:
             log.exception("%s failed", op)
-            reply = refusal(f"{type(exc).__name__}: {exc}")
+            reply = self.no("error", f"{type(exc).__name__}: {exc}")
         reply["re"] = op
         for name in ("session", "challenge"):  # the reply answers this request, and no other
             if isinstance(payload.get(name), bytes):
@@ -239,53 +246,53 @@ class NodeControl:
         node = self.node
         wire, speaks = p.get("wire", 1), list(self.speaks)  # an open without "wire" comes from a version-1 client
         if not is_int(wire) or wire not in speaks:
-            return refusal(f"the open uses wire version {str(wire)[:16]}; this node speaks {speaks}")
+            return self.no("wire", f"the open uses wire version {str(wire)[:16]}; this node speaks {speaks}")
         common = set(_versions(p.get("offered"))) & set(speaks)
         if common and max(common) != wire:
-            return refusal(f"the open uses wire version {wire}, but this node and the client both speak "
+            return self.no("wire", f"the open uses wire version {wire}, but this node and the client both speak "
                            f"{max(common)}: refusing a downgrade (was the hello altered on the way?)")
         # the challenge goes first, whatever happens next: a captured open replayed later finds it spent
         challenge = p.get("challenge")
         stale = self.challenges.take(challenge)
         if stale:
-            return refusal(stale)
+            return self.no("replay", stale)
         sid = p.get("session")
         if not isinstance(sid, bytes) or len(sid) != SESSION_ID_BYTES:
-            return refusal(f"the session id must be {SESSION_ID_BYTES} bytes")
+            return self.no("request", f"the session id must be {SESSION_ID_BYTES} bytes")
         if node.sessions.used(sid):
-            return refusal("this session id is already in use on this node, or was: open with a fresh one")
+            return self.no("replay", "this session id is already in use on this node, or was: open with a fresh one")
         keys = p if wire == 1 else self._agreed_keys(p, sender, sid, challenge)
         for name in ("in_key", "out_key"):
             if not isinstance(keys.get(name), bytes) or len(keys[name]) != 32:
-                return refusal(f"{name} must be a 32-byte key")
+                return self.no("request", f"{name} must be a 32-byte key")
         try:
             stage = StagePlan.from_dict(p.get("stage"), {s.path: s.length for s in node.stacks})
         except ContractError as exc:
-            return refusal(str(exc))
+            return self.no("request", str(exc))
         if stage.wire_in not in speaks or stage.wire_out not in speaks:
-            return refusal(f"asked for wire versions {stage.wire_in} in, {stage.wire_out} out; "
+            return self.no("wire", f"asked for wire versions {stage.wire_in} in, {stage.wire_out} out; "
                            f"this node speaks {speaks}")
         if stage.model_commit and node.store.model_commit and stage.model_commit != node.store.model_commit:
-            return refusal(f"this node holds {node.store.model_repo} at commit {node.store.model_commit[:12]}, the "
+            return self.no("model", f"this node holds {node.store.model_repo} at commit {node.store.model_commit[:12]}, the "
                            f"client runs commit {stage.model_commit[:12]}: start both with "
                            f"{node.store.model_repo}@{stage.model_commit}")
         held = node.store.compute.quant
         if stage.quantize != held:
-            return refusal(f"this node holds its blocks {'quantized ' + held if held else 'unquantized'}, the client "
+            return self.no("model", f"this node holds its blocks {'quantized ' + held if held else 'unquantized'}, the client "
                            f"asks {'for ' + stage.quantize[:16] if stage.quantize else 'for them unquantized'}: start the "
                            f"node with --quantize {stage.quantize[:16] or 'none'}, or the client with --quantize "
                            f"{held or 'none'}")
         if stage.model_hash != node.store.model_hash:
-            return refusal("this node serves a different model (content hash differs): "
+            return self.no("model", "this node serves a different model (content hash differs): "
                            "start it with the same model folder as the client")
         dtype = getattr(torch, stage.dtype, None) if stage.dtype else None
         if stage.dtype and not isinstance(dtype, torch.dtype):
-            return refusal(f"unknown compute dtype {stage.dtype[:32]!r}")
+            return self.no("request", f"unknown compute dtype {stage.dtype[:32]!r}")
         if node.store.fixed is not None:
             missing = [str(s) for s in stage.slices if not s.empty and not node.store.covers(s)]
             if missing:
                 held = ", ".join(str(s) for s in node.store.fixed)
-                return refusal(f"asked for blocks {', '.join(missing)}, but this node holds only {held}")
+                return self.no("model", f"asked for blocks {', '.join(missing)}, but this node holds only {held}")
         from diffuse.plan.hubmodel import check_slice_room
 
         check_slice_room(node.store.subject, node.stacks, stage.slices)  # a Hub model's: room for all it lacks, first
@@ -301,6 +308,7 @@ class NodeControl:
 
         node.sessions.add(sid, StageSession(sid, node.store, stage, frames.Hop(sid, keys["in_key"], wire=stage.wire_in),
                                             frames.Hop(sid, keys["out_key"], wire=stage.wire_out)), sender, outbox)
+        node.tally.opened += 1
         link = node.next_hops.measure(node.transport, p.get("next_control"), p.get("next_key"), node.identity)
         log.info("session %s opened (wire %d; hops in %d, out %d): %s -> %s", sid.hex()[:8], wire, stage.wire_in,
                  stage.wire_out, ", ".join(map(str, stage.slices)), stage.next)
@@ -324,9 +332,9 @@ class NodeControl:
         sid = p.get("session")
         sess = self.node.sessions.get(sid)
         if sess is None:
-            return refusal("unknown session")
+            return self.no("request", "unknown session")
         if self.node.sessions.owner(sid) != sender:
-            return refusal("this session was opened by another client key: only its opener may close it")
+            return self.no("client_key", "this session was opened by another client key: only its opener may close it")
         self.node.end(sid)
         log.info("session %s closed", sess.sid.hex()[:8])
         # what it did, and (to its owner only) every real parameter alive in this process

@@ -28,6 +28,7 @@ from diffuse.errors import DiffuseError, WireError
 from diffuse.node.batches import PARTS  # noqa: F401 (said here too)
 from diffuse.node.compute import MAX_PASS_LOG, Arrived, ComputeThread  # noqa: F401 (the limits, said here too)
 from diffuse.node.control import NodeControl, refusal
+from diffuse.node.metrics import NodeTally
 from diffuse.wire.links import NextHop
 from diffuse.plan.reports import SpeedBook
 from diffuse.plan.contracts import StackPlan, parse_slices
@@ -121,6 +122,8 @@ class Node:
         self.allowed = allowed_clients
         self.sessions = SessionTable()
         self.refused_connections = 0  # data connections that named no open session (or not with its token)
+        self.tally = NodeTally()  # what it has done: passes, bytes, busy time, refusals, evictions (its status, metrics)
+        self.metrics_url: str | None = None  # where its metrics are scraped (--metrics-port), once open
         admits = {"admit": self.admit_connection} if getattr(self.transport, "admits", False) else {}
         self.endpoint = self.transport.serve(listen, max_message_bytes, **admits)
         self.max_sessions = session_capacity(max_sessions, getattr(self.transport, "max_sockets", None))
@@ -157,6 +160,7 @@ class Node:
         What is admitted waits with its envelope and opened header, which the compute thread does not read again."""
         env, sess = self._addressed(raw)
         if sess is None:
+            self.tally.refused("message")
             return None
         hop = sess.in_hop
         try:
@@ -164,6 +168,7 @@ class Node:
             plain = sealing.open_frame(hop.key, env["c"], 1, bytes(raw[0]), bytes(raw[1]))
         except WireError as exc:
             log.warning("rejected a message for session %s: %s", sess.sid.hex()[:8], exc)
+            self.tally.refused("message")
             return None
         sess.last_used = time.monotonic()  # authentic data: the session is in use (``NodeControl._make_room``)
         return Arrived(raw, env, hop, plain)
@@ -215,12 +220,14 @@ class Node:
                             try:
                                 self.work.put_nowait(arrived)
                             except queue.Full:
+                                self.tally.refused("queue_full")
                                 log.warning("dropped a data message: %d already wait for the compute thread",
                                             MAX_QUEUED)
                     except Exception:
                         log.exception("dropped a %s message that failed unexpectedly; still serving", ready)
                 for sid in self.sessions.idle():
                     log.info("session %s idle: closed", sid.hex()[:8])
+                    self.tally.evicted("idle")
                     self.end(sid)
         finally:
             try:
@@ -234,8 +241,10 @@ class Node:
             reply = self.control.handle(self.endpoint.recv_control())
         except (WireError, DiffuseError) as exc:
             log.warning("control request refused: %s", exc)
+            self.tally.refused("request")
             reply = refusal(str(exc))
         except Exception as exc:
             log.exception("control request failed")
+            self.tally.refused("error")
             reply = refusal(f"{type(exc).__name__}: {exc}")
         self.endpoint.reply_control(reply)  # a request taken off the socket is always answered

@@ -135,7 +135,7 @@ def _auth_and_log(app, service) -> None:
     async def _auth_and_log(request: Request, call_next):
         t0 = time.perf_counter()
         path = request.url.path
-        if service.api_key and (path.startswith("/v1/") or path == "/health"):
+        if service.api_key and (path.startswith("/v1/") or path in ("/health", "/metrics")):
             got = request.headers.get("authorization", "")
             if got != f"Bearer {service.api_key}":
                 response = error_response(401, "missing or wrong API key: send Authorization: Bearer KEY",

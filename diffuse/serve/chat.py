@@ -136,7 +136,7 @@ def _text_routes(app, service) -> None:
             raise BadRequest("prompt: one non-empty string", "prompt")
         loop = asyncio.get_running_loop()
         inputs = await loop.run_in_executor(None, e.prompt_inputs, prompt)
-        return await answer_text(request, body, replace(ask, inputs=inputs), "text_completion")
+        return await answer_text(request, body, replace(ask, inputs=inputs, kind="completion"), "text_completion")
 
 
 @dataclass(frozen=True)
@@ -149,9 +149,10 @@ class TextAsk:
     seed: int | None
     stop: list
     inputs: dict | None = None
+    kind: str = "chat"  # or "completion": how its request is counted (diffuse.serve.metrics)
 
     def generate(self, cancel: Cancel, on_delta=None):
-        return self.engine.generate_text(self.inputs, self.gen, self.seed, self.stop, cancel, on_delta)
+        return self.engine.generate_text(self.inputs, self.gen, self.seed, self.stop, cancel, on_delta, self.kind)
 
 
 async def answer_text(request, body, ask: TextAsk, obj: str):

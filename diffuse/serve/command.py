@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --nodes auto: how long to listen for announced nodes (default 3)")
     ap.add_argument("--local-nodes", type=positive, default=2, metavar="N",
                     help="nodes started here for each model given no --nodes (default 2)")
+    ap.add_argument("--node-metrics-port", type=int, default=None, metavar="PORT",
+                    help="local nodes answer Prometheus scrapes (--metrics-port), the first at PORT, the next at "
+                    "PORT+1, ...; 0: each at a free port (GET /health says where)")
     ap.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
                     help="where to answer (default 127.0.0.1:8000; anything but loopback needs --api-key)")
     ap.add_argument("--api-key", default=os.environ.get("DIFFUSE_API_KEY"), metavar="KEY",
@@ -94,6 +97,7 @@ class ServeOptions:
     client_key: str | None = None
     local_transport: str = "tcp"
     api_key: str | None = None
+    node_metrics_port: int | None = None
 
     @classmethod
     def of(cls, a: argparse.Namespace) -> "ServeOptions":
@@ -155,6 +159,9 @@ class Service:
         self.version = version
         self.jobs = Jobs()
         self.started = time.time()
+        from diffuse.serve.metrics import service_registry
+
+        self.registry = service_registry(self)  # its own, never the library's global one: GET /metrics
 
     @classmethod
     def start(cls, models: list[str], nodes: list[str], opts: "ServeOptions | None" = None,
@@ -181,8 +188,10 @@ class Service:
 
         def start_nodes():  # nodes come up (and load their blocks) while the client ends load here
             try:
+                port = opts.node_metrics_port
                 for k, info in enumerate(infos):
-                    node_sets[k] = cls._nodes(info, nodes[k] if nodes else None, opts, identity, say)
+                    node_sets[k] = cls._nodes(info, nodes[k] if nodes else None, opts, identity, say, port)
+                    port = port + len(node_sets[k].specs) if port else port  # 0: each its own free one
             except BaseException as exc:
                 failed.append(exc)
 
@@ -212,7 +221,7 @@ class Service:
         return service
 
     @staticmethod
-    def _nodes(info, spec, opts: "ServeOptions", identity, say):
+    def _nodes(info, spec, opts: "ServeOptions", identity, say, metrics_port: int | None = None):
         from diffuse.serve.engines import NodeSet
 
         if spec is not None:
@@ -227,7 +236,10 @@ class Service:
 
         name = (hub_folder(info.path) or {}).get("repo") or os.path.basename(os.path.normpath(info.path))
         say(f"starting {plan.count} local node{'s' if plan.count > 1 else ''} for {name}")
-        local = start_local_nodes(info.path, plan.count, plan.threads, scheme=opts.local_transport, client=identity)
+        each = None if metrics_port is None else \
+            [["--metrics-port", str(metrics_port + i if metrics_port else 0)] for i in range(plan.count)]
+        local = start_local_nodes(info.path, plan.count, plan.threads, scheme=opts.local_transport, client=identity,
+                                  each=each)
         return NodeSet([f"{n.address}#{n.key}" for n in local], local)
 
     _keys = None  # the folder of a key made for this service alone
@@ -290,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             raise DiffuseError(f"--listen {a.listen}: beyond loopback the service needs --api-key KEY (or "
                                "$DIFFUSE_API_KEY), which every request then sends as a bearer token")
         flags.check_port_free(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
+        if a.node_metrics_port is not None and (a.nodes or not 0 <= a.node_metrics_port < 65536):
+            raise DiffuseError(f"--node-metrics-port {a.node_metrics_port}: a port (0: any free one) for the nodes "
+                               "started here; nodes given with --nodes open their own (diffuse node --metrics-port)")
         a.nodes = lan_nodes(a.model, a.nodes, a.discover_seconds, say)  # --nodes auto
         with progress.phase(out, "starting: models analysed and loaded, nodes started"):
             service = Service.start(a.model, a.nodes, ServeOptions.of(a), say)

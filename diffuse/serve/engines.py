@@ -28,6 +28,8 @@ from diffuse.errors import DiffuseError
 class Busy(DiffuseError):
     """Every worker of the model is taken and its waiting line is full."""
 
+    outcome = "busy"  # how its request is counted (diffuse.serve.metrics)
+
     def __init__(self, model: str, waiting: int, retry_after: int):
         super().__init__(f"{model} is busy: {waiting} requests already wait for it; retry in {retry_after} s")
         self.retry_after = retry_after
@@ -36,9 +38,13 @@ class Busy(DiffuseError):
 class Cancelled(Exception):
     """The request's client went away: its work stops at the next token or step."""
 
+    outcome = "cancelled"
+
 
 class BadRequest(DiffuseError):
     """What the request asks cannot be done with this model (answered with 400)."""
+
+    outcome = "bad_request"
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -161,7 +167,8 @@ class NodeSet:
             try:
                 st = transport_for(address).request(address, {"op": "status"}, timeout_s)
                 row.update(alive=bool(st.get("ok")), sessions=st.get("sessions"), slices=st.get("slices"),
-                           max_sessions=st.get("max_sessions"), batches=st.get("batches"))
+                           max_sessions=st.get("max_sessions"), batches=st.get("batches"),
+                           **({"metrics": st["metrics"]} if isinstance(st.get("metrics"), str) else {}))
             except Exception as exc:  # a dead or frozen node: said so, never raised
                 row.update(alive=False, error=" ".join(str(exc).split())[:200] or type(exc).__name__)
             rows.append(row)
@@ -178,6 +185,9 @@ class Engine:
         self.split_options = split_options
         self.created = created
         self.pool: Pool | None = None
+        from diffuse.serve.metrics import EngineTally
+
+        self.tally = EngineTally()  # what its requests did, for GET /metrics (diffuse.serve.metrics)
 
     @contextmanager
     def split(self, target, **extra):
@@ -187,12 +197,16 @@ class Engine:
         split = Split(target, nodes=list(self.nodes.specs), **self.split_options, **extra)
         with LOADING:
             split.__enter__()
+        self.tally.opened()
         try:
-            yield split
-        except BaseException as exc:
-            split.__exit__(type(exc), exc, exc.__traceback__)
-            raise
-        split.__exit__(None, None, None)
+            try:
+                yield split
+            except BaseException as exc:
+                split.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+            split.__exit__(None, None, None)
+        finally:
+            self.tally.closed(split)  # what its ring carried, and its repairs
 
     def describe(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "diffuse",

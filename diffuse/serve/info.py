@@ -1,5 +1,5 @@
 """The endpoints of ``diffuse serve`` that generate nothing: the page at ``/`` (its files in ``page/``), the models
-(``/v1/models``) and the ring's health (``/health``).
+(``/v1/models``), the ring's health (``/health``) and the metrics (``/metrics``, ``diffuse.serve.metrics``).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 
 from diffuse.serve.plumbing import ApiError
 
@@ -16,7 +16,7 @@ PAGE = Path(__file__).resolve().parent / "page"
 
 
 def _info_routes(app, service) -> None:
-    """The page, the models, the ring's health."""
+    """The page, the models, the ring's health, the metrics."""
 
 
     @app.get("/", include_in_schema=False)
@@ -54,3 +54,10 @@ def _info_routes(app, service) -> None:
         ok = all(n["alive"] for r in rows.values() for n in r["nodes"])
         return JSONResponse({"ok": ok, "models": rows, "uptime_s": round(time.time() - service.started, 1)},
                             status_code=200 if ok else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics():
+        from diffuse.plan.metrics import exposition
+
+        body, content_type = exposition(service.registry)
+        return Response(body, media_type=content_type)

@@ -196,7 +196,16 @@ class LanguageEngine(Engine):
     # running -----------------------------------------------------------------------------------------------
 
     def generate_text(self, inputs: dict, gen: dict, seed: int | None, stop: list[str], cancel: Cancel,
-                      on_delta=None) -> TextResult:
+                      on_delta=None, kind: str = "chat") -> TextResult:
+        """One answer; counted in the engine's tally as a request of ``kind`` (chat, completion,
+        transcription)."""
+        with self.tally.request(kind) as t0:
+            r, seconds, first = self._generate(inputs, gen, seed, stop, cancel, on_delta)
+            self.tally.generated(r.prompt_tokens, len(r.tokens), seconds, first - t0 if first else None)
+            return r
+
+    def _generate(self, inputs: dict, gen: dict, seed: int | None, stop: list[str], cancel: Cancel, on_delta):
+        """The answer, the seconds from its session's open to its end, and when its first token came."""
         import torch
 
         from diffuse.plan.devices import inputs_on, model_device
@@ -205,12 +214,14 @@ class LanguageEngine(Engine):
         try:
             stream = TextStream(self.tokenizer, cancel, stop, on_delta)
             prompt_len = int(inputs["input_ids"].shape[1]) if "input_ids" in inputs else 0
+            t0 = time.perf_counter()
             with self.split(model), seeded(gen, seed), torch.no_grad():
                 try:
                     out = model.generate(**inputs_on(inputs, model_device(model)), **gen, streamer=stream,
                                          return_dict_in_generate=True)
                 except _StopString:
                     out = None
+            seconds = time.perf_counter() - t0
         finally:
             self.pool.give(model)
         if out is not None and not model.config.is_encoder_decoder:
@@ -224,7 +235,7 @@ class LanguageEngine(Engine):
         else:
             limit = gen.get("max_new_tokens") or model.generation_config.max_new_tokens
             reason = "length" if limit and len(new) >= limit else "stop"
-        return TextResult(stream.final_text(), new, prompt_len, reason)
+        return TextResult(stream.final_text(), new, prompt_len, reason), seconds, stream.first_token_at
 
     def transcribe(self, audio_path: str, cancel: Cancel, max_tokens: int | None = None) -> TextResult:
         """The text ``diffuse query --audio FILE [--max-new-tokens N]`` prints for the same clip (greedy; without
@@ -235,7 +246,7 @@ class LanguageEngine(Engine):
             raise BadRequest(f"{self.name} does not transcribe audio", "model")
         inputs, _note = build_audio_inputs(self.info.path, audio_path)
         gen = {"do_sample": False, **({"max_new_tokens": max_tokens} if max_tokens else {})}
-        return self.generate_text(inputs, gen, None, [], cancel)
+        return self.generate_text(inputs, gen, None, [], cancel, kind="transcription")
 
     def speak(self, text: str, gen: dict, seed: int | None, cancel: Cancel) -> bytes:
         """A model that answers with sound (MusicGen): ``text`` describes it; the .wav bytes that ``diffuse
@@ -248,13 +259,14 @@ class LanguageEngine(Engine):
         if not self.sample_rate:
             raise BadRequest(f"{self.name} does not make sound", "model")
         inputs, _note = build_inputs(self.info.path, text, [], [], False)
-        model = self.pool.take(cancel)
-        try:
-            steps = _Steps(cancel)
-            with self.split(model), seeded(gen, seed), torch.no_grad():
-                audio = model.generate(**inputs_on(inputs, model_device(model)), **gen, streamer=steps)
-        finally:
-            self.pool.give(model)
+        with self.tally.request("speech"):
+            model = self.pool.take(cancel)
+            try:
+                steps = _Steps(cancel)
+                with self.split(model), seeded(gen, seed), torch.no_grad():
+                    audio = model.generate(**inputs_on(inputs, model_device(model)), **gen, streamer=steps)
+            finally:
+                self.pool.give(model)
         arr = audio.detach().to(torch.float32).cpu().numpy()
         return write_bytes(arr, ".wav", kind="audio", sample_rate=self.sample_rate)
 

@@ -55,7 +55,12 @@ class PipelineEngine(Engine):
 
     def run(self, ask: "Ask", cancel: Cancel, on_step=None) -> Picture:
         """The pipeline's call, as ``diffuse query`` makes it for the same flags; ``on_step(i, n)`` after
-        each denoising step."""
+        each denoising step. Counted in the engine's tally as one request of its kind (an image request for
+        ``n`` images counts ``n``)."""
+        with self.tally.request(self.kind):
+            return self._run(ask, cancel, on_step)
+
+    def _run(self, ask: "Ask", cancel: Cancel, on_step=None) -> Picture:
         import torch
 
         from diffuse.client.dryrun import call_kwargs
@@ -104,6 +109,7 @@ class PipelineEngine(Engine):
                                              f"{' '.join(str(exc).split())}") from None
             finally:
                 del sched.step
+                self.tally.stepped(counter["steps"])
         finally:
             self.pool.give(pipe)
         arr = output_array(result)
