@@ -200,6 +200,14 @@ def run_client(argv: list[str], home: str | None = None) -> ClientRun:
     return _in_process(main, argv, home)
 
 
+def run_node(argv: list[str], home: str | None = None) -> ClientRun:
+    """``python -m diffuse.node ARGV`` (``diffuse.node.command.main``) in this process, for what it refuses before
+    it serves: its exit status and what it printed."""
+    from diffuse.node.command import main
+
+    return _in_process(main, argv, home)
+
+
 def _in_process(main, argv: list[str], home: str | None) -> ClientRun:
     import contextlib
     import io

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import families
-from conftest import TESTS, THREADS, node_process, run_cli, run_client, subprocess_env
+from conftest import TESTS, THREADS, node_process, run_cli, run_client, run_node, subprocess_env
 
 PROMPT = "Tell me a story about the moon."
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device: nothing to refuse")
@@ -35,23 +35,12 @@ def _reference(script: str, args: list[str]) -> None:
 
 @no_cuda
 def test_a_device_torch_does_not_see_is_refused_in_one_line_before_anything_loads(models, diffuse_home):
-    import diffuse.node.command
-
     wan = models("wan")
-    for argv, run in ((["--model", wan, "--device", "cuda"], None),
+    for argv, run in ((["--model", wan, "--device", "cuda"], run_node),
                       (["--model", wan, "--device", "cuda:1", "--prompt", "x"], run_client),
                       (["chat", "--model", wan, "--device", "cuda"], run_cli)):
-        if run is None:
-            import contextlib
-            import io
-
-            said = io.StringIO()
-            with contextlib.redirect_stderr(said):
-                code = diffuse.node.command.main(argv)
-            text = said.getvalue()
-        else:
-            done = run(argv, diffuse_home)
-            code, text = done.returncode, done.stderr
+        done = run(argv, diffuse_home)
+        code, text = done.returncode, done.stderr
         lines = [ln for ln in text.splitlines() if ln.strip()]
         assert code == 2 and len(lines) == 1, text
         assert f"torch sees no CUDA device (torch {torch.__version__}" in lines[0], lines[0]

@@ -18,7 +18,7 @@ import families
 import numpy as np
 import pytest
 
-from conftest import TESTS, THREADS, node_process, run_cli, run_client, run_reference, run_split, subprocess_env
+from conftest import TESTS, THREADS, node_process, run_cli, run_client, run_node, run_reference, run_split, subprocess_env
 
 PROMPT = "Tell me a story about the moon."
 # the block stacks of each family, as the reference is told which linear layers a split run's nodes hold (the
@@ -129,27 +129,16 @@ def test_a_node_says_its_mode_and_a_client_asking_another_is_refused_at_open(mod
 
 
 def test_bad_quantize_input_is_one_line_and_exit_2(models, diffuse_home, monkeypatch):
-    import diffuse.node.command
-
     wan = models("wan")
     unknown = run_client(["--model", wan, "--quantize", "int3"], diffuse_home)
     assert unknown.returncode == 2 and len(unknown.stderr.strip().splitlines()) == 1, unknown.stderr
     assert "int3" in unknown.stderr and "int8" in unknown.stderr
     monkeypatch.setitem(sys.modules, "torchao", None)  # as on a machine without it: import torchao fails
-    for argv, run in ((["--model", wan, "--quantize", "int8"], None),
+    for argv, run in ((["--model", wan, "--quantize", "int8"], run_node),
                       (["--model", wan, "--quantize", "int4", "--prompt", "x"], run_client),
                       (["plan", wan, "--memory", "1,1", "--quantize", "fp8"], run_cli)):
-        if run is None:
-            import contextlib
-            import io
-
-            said = io.StringIO()
-            with contextlib.redirect_stderr(said):
-                code = diffuse.node.command.main(argv)
-            text = said.getvalue()
-        else:
-            done = run(argv, diffuse_home)
-            code, text = done.returncode, done.stderr
+        done = run(argv, diffuse_home)
+        code, text = done.returncode, done.stderr
         lines = [ln for ln in text.splitlines() if ln.strip()]
         assert code == 2 and len(lines) == 1, text
         assert "needs torchao, which is not installed" in lines[0] and "diffuse[quant]" in lines[0], lines[0]

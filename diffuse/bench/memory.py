@@ -79,10 +79,11 @@ def _peak() -> int:
     return _hwm(os.getpid())
 
 
-def _hwm(pid: int) -> int:
+def _hwm(pid: int, field: str = "VmHWM") -> int:
+    """A process's peak resident bytes (``field`` VmRSS: its present ones), as the kernel counts them."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     return 0
 

@@ -69,14 +69,6 @@ def _node(path: str, blocks: str, mode: str, dtype: str = "bfloat16"):
     return proc, f"{ready['address']}#{ready['key']}"
 
 
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _after_a_pass(path: str, client, mode: str, tokens: int = 2) -> tuple[int, int]:
     """The peak and the present resident bytes of the node holding the first half of ``path``'s layers in
     ``mode``, after a generation of ``tokens`` through it and the node holding the second half (every weight it
@@ -93,7 +85,7 @@ def _after_a_pass(path: str, client, mode: str, tokens: int = 2) -> tuple[int, i
         with diffuse.split(client, nodes=[first[1], second[1]], quantize=mode or None, timeout=600), torch.no_grad():
             client.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
                             do_sample=False)
-        return _hwm(first[0].pid), _rss(first[0].pid)
+        return _hwm(first[0].pid), _hwm(first[0].pid, "VmRSS")
     finally:
         for proc, _ in (first, second):
             proc.terminate()
