@@ -37,3 +37,8 @@ class MalformedHeader(WireError):
 
 class PluginError(DiffuseError):
     """A plugin broke a hook contract; names the plugin."""
+
+
+class ReadsBlocks(DiffuseError):
+    """The model reads a block's weights outside its stack's loop, or calls into a block there: what the nodes
+    hold cannot be read or run on the client (``diffuse.client.blockreads``)."""

@@ -238,6 +238,7 @@ def _check(path: str, start: float) -> dict:
         "sample_rate": draft.get("sample_rate"),
         "patches": UNCUT_STEPS if any(s["two_stream"] for s in stacks) else PATCHABLE,
         "other_lists": draft.get("other_lists", {}),
+        "mode_bytes": mode_sizes(path, stacks),  # read here, where torch is loaded: a kept verdict answers without it
         "seconds": time.perf_counter() - start,
     }
 
@@ -310,7 +311,7 @@ def print_check(path: str, console=None, cache: bool = False) -> int:
         if s.get("weights"):
             console.print(f"    weights: {s['weights']}, each found in the checkpoint with its shape", style="dim",
                           highlight=False)
-    sizes = mode_sizes(path, r["stacks"])
+    sizes = r.get("mode_bytes")
     if sizes:
         console.print("blocks held, by --quantize mode: " + ", ".join(f"{m} {n / (1 << 30):.3g} GiB" for m, n in sizes),
                       highlight=False)
@@ -334,7 +335,7 @@ def print_check(path: str, console=None, cache: bool = False) -> int:
     return EXIT_CODES[SPLITTABLE]
 
 
-def mode_sizes(path: str, stacks: list[dict]) -> list[tuple[str, int]]:
+def mode_sizes(path: str, stacks: list[dict]) -> list[list]:
     """What every block of ``stacks`` takes held in the dtype a plain load computes in and in each ``--quantize``
     mode (int4 as a CPU node stores it), from the weights' headers; [] where they cannot be read."""
     from types import SimpleNamespace
@@ -347,7 +348,7 @@ def mode_sizes(path: str, stacks: list[dict]) -> list[tuple[str, int]]:
         subject = ModelSubject.from_path(path)
         dtype = load_dtype(subject)
         plan = [SimpleNamespace(path=s["path"], length=s["length"]) for s in stacks]
-        return [(m or dtype, sum(b.weight_bytes for b in block_costs(subject, plan, dtype, quantize=m)))
+        return [[m or dtype, sum(b.weight_bytes for b in block_costs(subject, plan, dtype, quantize=m))]
                 for m in ("", *MODES)]
     except (DiffuseError, OSError, ValueError, KeyError):
         return []

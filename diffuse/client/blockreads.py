@@ -23,14 +23,9 @@ import enum
 
 import torch
 
-from diffuse.errors import DiffuseError
+from diffuse.errors import ReadsBlocks
 
 PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.Size, enum.Enum)
-
-
-class ReadsBlocks(DiffuseError):
-    """The model reads a block's weights outside its stack's loop, or calls into a block there: what the nodes
-    hold cannot be read or run on the client."""
 
 
 def plain(value) -> bool:

@@ -30,7 +30,7 @@ import json
 import time
 
 from diffuse.errors import DiffuseError
-from diffuse.client.blockreads import ReadsBlocks
+from diffuse.errors import ReadsBlocks
 from diffuse.client.weightless import DryPipeline, NotAChain, _Refused, _Skip
 
 SEARCH_S = 6.0  # at most this long looking for the largest size taken, per size

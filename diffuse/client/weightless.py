@@ -28,7 +28,7 @@ block: ``ReadsBlocks``) is refused here, before any node starts.
 
 from __future__ import annotations
 
-from diffuse.client.blockreads import ReadsBlocks
+from diffuse.errors import ReadsBlocks
 from diffuse.errors import DiffuseError
 
 
