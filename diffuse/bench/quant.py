@@ -4,7 +4,8 @@ Three parts (``--parts``, default all three), each mode beside the unquantized m
 
 - ``memory``, at a real model's geometry: Qwen2.5-1.5B's (``diffuse.bench.memory.QWEN25_15B``), seeded random
   bf16 weights, built into a temp folder. Per mode, two nodes holding a half of the layers each (``--blocks 1/2``
-  and ``2/2``, ``--dtype bfloat16 --quantize MODE``), processes of their own, and two tokens generated through
+  and ``2/2``, ``--dtype bfloat16 --quantize MODE``), processes of their own (forked from the pre-imported
+  launcher, as local nodes are; the floor below counts the libraries alike), and two tokens generated through
   them from this process (so that every weight a node holds has been read: an unquantized node's weights are
   pages of the file until then); then the first node's peak resident memory (VmHWM). The floor is the same on a
   2-layer model of the same class (the libraries and the runtime, which any node holds whatever its slice). Printed per mode: the slice as the planner
@@ -32,7 +33,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -58,10 +58,12 @@ def _label(mode: str) -> str:
 
 def _node(path: str, blocks: str, mode: str, dtype: str = "bfloat16"):
     """A node of ``path`` holding ``blocks`` in ``mode``, started and ready: (process, its pinned address)."""
-    cmd = [sys.executable, "-m", "diffuse.node", "--model", path, "--blocks", blocks, "--dtype", dtype,
-           "--ephemeral-key", "--threads", "1", "--log-level", "WARNING", *(["--quantize", mode] if mode else [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, DIFFUSE_DEVICE="cpu"))
+    from diffuse.local.launcher import POOL
+
+    args = ["-m", "diffuse.node", "--model", path, "--blocks", blocks, "--dtype", dtype, "--ephemeral-key",
+            "--threads", "1", "--log-level", "WARNING", *(["--quantize", mode] if mode else [])]
+    # forked from the pre-imported launcher, as local nodes are: a process of its own, its libraries imported once
+    proc = POOL.spawn(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, DIFFUSE_DEVICE="cpu"))
     line = proc.stdout.readline()
     if not line:
         raise SystemExit(f"the {_label(mode)} node did not start: {proc.stderr.read()[-2000:]}")
