@@ -176,6 +176,7 @@ class SplitOptions:
     dtype: str | None = None
     discover_seconds: float | None = None  # with nodes="auto": how long to listen (default 3)
     quantize: str | None = None  # the nodes' blocks held quantized (diffuse.plan.quantize): int8, int4, fp8
+    request_id: str | None = None  # told to every node at the open, which logs it (diffuse.plan.logs)
 
 
 def open_split(ring, pipe, held, console, quiet: bool):
@@ -267,10 +268,9 @@ class Split(SplitReadout):
 
         # refused here, before any node starts: the mode, its library, the local nodes' device
         self.quantize = check_mode(o.quantize, resolve_device(o.device) if nodes is None else None)
-        self.attention, self.local_transport = o.attention, o.local_transport
-        self.started = o.started
-        self.local_nodes = None
-        self.ring = None
+        self.attention, self.local_transport, self.started = o.attention, o.local_transport, o.started
+        self.request_id = o.request_id  # a request id that is not short and plain is dropped (Handshake)
+        self.local_nodes = self.ring = None
         self._rings: list = []
         self.splitter = None
         self.patcher = None
@@ -341,7 +341,7 @@ class Split(SplitReadout):
                 plan = make_plan(self.info.subject, self.info.draft, [a for a, _ in group], [k for _, k in group],
                                  denoiser_dtype(denoiser), self.quantize)
                 rings.append(Ring(plan, self.timeout, self.attention, self.client_key, repair=self.repair,
-                                  identity=getattr(self.local_nodes, "client", None)))
+                                  identity=getattr(self.local_nodes, "client", None), request_id=self.request_id))
                 rings[-1].open()
             if len(rings) > 1:
                 from diffuse.client.branches import BranchRings

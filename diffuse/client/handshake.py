@@ -33,6 +33,7 @@ from diffuse.client.known_nodes import parse_node, pin_key
 from diffuse.client.heard import Heard
 from diffuse.plan.contracts import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError, Slice, SlicingPlan, Stage, \
     check_slices
+from diffuse.plan.logs import clean_request_id
 from diffuse.plan.messages import StagePlan
 
 HELLO_TIMEOUT_S = 10.0
@@ -106,7 +107,7 @@ class Handshake:
     """Control requests to the nodes of one session's route."""
 
     def __init__(self, plan: SlicingPlan, client_key: str | None = None, attention: str = "auto",
-                 heard: Heard | None = None):
+                 heard: Heard | None = None, request_id: str | None = None):
         from diffuse.wire.transport import transport_for
 
         if not plan.route:
@@ -118,6 +119,7 @@ class Handshake:
         self.transports = [transport_for(s.address) for s in plan.route]
         self.identity = sealing.load_identity(client_key)
         self.attention = attention
+        self.request_id = clean_request_id(request_id)  # told to every node in the open, which logs it with this session's events
         self.sid = os.urandom(SESSION_ID_BYTES)
         self.keys: list[bytes] = []
         self.hop_keys: list[bytes] = []  # the key of the hop into each node, then of the hop home
@@ -226,6 +228,8 @@ class Handshake:
         challenge = hello.get("challenge")
         payload = {"session": self.sid, "challenge": challenge, "stage": stage_plan.to_dict(), "wire": hello["wire"],
                    "offered": list(WIRE_VERSIONS)}  # the node checks that nobody talked us down to an older version
+        if self.request_id:  # an older node ignores it
+            payload["request_id"] = self.request_id
         if hello["wire"] == 1:
             return dict(payload, in_key=in_key, out_key=out_key)
         if not isinstance(challenge, bytes):

@@ -8,6 +8,7 @@ dies or freezes while the client waits is named within seconds.
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ from diffuse.plan.messages import Patch
 from diffuse.client.repair import RepairPolicy
 from diffuse.client.replay import Replay
 from diffuse.wire.tokens import data_token, token_admits
+
+log = logging.getLogger("diffuse.client.ring")
 
 
 @dataclass
@@ -62,19 +65,22 @@ class Ring:
     are listed nodes, the error goes to the caller."""
 
     def __init__(self, plan: SlicingPlan, timeout_s: float = 300.0, attention: str = "auto",
-                 client_key: str | None = None, say=None, repair: RepairPolicy | None = None, identity=None):
+                 client_key: str | None = None, say=None, repair: RepairPolicy | None = None, identity=None,
+                 request_id: str | None = None):
         """``client_key``: a file holding this client's long-term identity (created 0600 if missing),
         for nodes that serve only some clients (``--allow-client``); None: a fresh identity per session.
         ``say``: where the one-line account of each repair goes (default: standard error). ``repair``:
         how a failed node is replaced (default: ``RepairPolicy()``). ``identity``: the client identity to open
         sessions with (``diffuse.wire.sealing.Identity``; local nodes serve only the run's own), in place of
-        ``client_key``'s."""
+        ``client_key``'s. ``request_id``: the request this ring serves, told to each node at the open and said in
+        the client's log lines of it (``diffuse.plan.logs``)."""
         self.plan = plan
+        self.request_id = request_id
         self.candidates = plan.route  # every listed node; the route uses one holder per range
         self.timeout_s = timeout_s
         self.attention, self.client_key = attention, client_key
         self.repair = repair if repair is not None else RepairPolicy()
-        self.handshake = Handshake(plan, client_key, attention, self.repair.heard)
+        self.handshake = Handshake(plan, client_key, attention, self.repair.heard, request_id)
         if identity is not None:
             self.handshake.identity = identity
         self.identity = self.handshake.identity
@@ -142,7 +148,7 @@ class Ring:
                 self.say(f"{exc}: routing around it")
 
     def _open(self, plan: SlicingPlan) -> None:
-        self.handshake = Handshake(plan, self.client_key, self.attention, self.repair.heard)
+        self.handshake = Handshake(plan, self.client_key, self.attention, self.repair.heard, self.request_id)
         self.handshake.identity = self.identity
         t = self.handshake.transports[0]
         hs, admits = self.handshake, getattr(t, "admits", False)
@@ -221,7 +227,7 @@ class Ring:
             route = self._route()
         except DiffuseError:
             raise exc from None  # no other holder: the failure is the answer
-        old, self.channel = self.channel, None
+        old, self.channel, old_sid = self.channel, None, self.handshake.sid.hex()[:8]
         try:
             self.handshake.close(0.3)  # the survivors free the old session now; the failed one cannot answer
         finally:
@@ -241,6 +247,9 @@ class Ring:
         cut = any(s[4] is not None and not s[4].uncut for _, s in self._pending.values())
         line = self._describe(exc, wait)
         self.repairs.append(line)
+        log.info("session %s repaired around %s", old_sid, failed, extra={
+            "event": "repaired", "session": old_sid, "new_session": self.handshake.sid.hex()[:8], "node": failed,
+            "failed": str(exc)[:300], **({"request_id": self.request_id} if self.request_id else {})})
         self.say(line)
         self.repair.repaired()
         if cut:  # patches of a step cannot be replayed on nodes without that step's stale buffers

@@ -136,6 +136,9 @@ def _parser():
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone (local nodes)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
+    from diffuse.plan.logs import add_flag
+
+    add_flag(ap, "the node")
     ap.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
                     help="answer Prometheus scrapes at http://HOST:PORT/metrics, HOST that of --listen (127.0.0.1 "
                     "where it has none); 0: a free port, said in the ready line and in status (default: no port)")
@@ -149,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
 
     a = _parser().parse_args(argv)
     flags.quiet_libraries()
-    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s node %(levelname)s %(message)s")
+    from diffuse.plan.logs import configure
+
+    formatter = configure(a.log_level.upper(), a.log_format, "%(asctime)s node %(levelname)s %(message)s")
     from diffuse.home import libraries_offline
 
     libraries_offline()
@@ -182,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     node.control.speaks = a.wire
+    if hasattr(formatter, "fields"):  # json: every line says which node it comes from
+        formatter.fields["node"] = node.endpoint.control_address
     if metrics is not None:
         from diffuse.plan.resolve import model_name
 

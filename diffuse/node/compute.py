@@ -105,12 +105,13 @@ class ComputeThread:
     def failed(self, m: "Incoming", exc: Exception) -> None:
         """The message that answers a call that failed: the client hears of it; the node keeps serving."""
         sid = m.sess.sid.hex()[:8]
+        fields = self.node.sessions.event("pass_failed", m.sess.sid, seq=m.header.get("seq"))
         if isinstance(exc, DiffuseError):  # a malformed call: one line
-            log.warning("session %s: %s", sid, exc)
             text = str(exc)
+            log.warning("session %s: %s", sid, exc, extra=dict(fields, error=text[:500]))
         else:  # logged in one line
             text = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
-            log.warning("call failed in session %s: %s", sid, text)
+            log.warning("call failed in session %s: %s", sid, text, extra=dict(fields, error=text))
             log.debug("call failed", exc_info=True)
         m.reply = (self._error(m.header, text), [])
 
@@ -219,7 +220,8 @@ class ComputeThread:
         """The session's next hop takes nothing: the session ends here, and its client's next ping is told
         why (naming that hop); other sessions never wait for it."""
         why = f"its next hop {getattr(outbox, 'address', '?')[:200]} takes no messages ({exc})"
-        log.warning("session %s failed: %s", sid.hex()[:8], why)
+        log.warning("session %s failed: %s", sid.hex()[:8], why,
+                    extra=self.node.sessions.event("session_evicted", sid, reason="next_hop", error=why[:500]))
         self.node.sessions.end(sid, failed=why)
         self.node.tally.evicted("next_hop")
         self.node.state_bytes.drop(sid)

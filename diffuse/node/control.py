@@ -54,6 +54,7 @@ from diffuse.plan.reports import node_report
 from diffuse.plan.contracts import SESSION_ID_BYTES, WIRE_VERSIONS, ContractError
 from diffuse.plan.messages import StagePlan
 from diffuse.plan.contracts import is_int
+from diffuse.plan.logs import clean_request_id
 
 log = logging.getLogger("diffuse.node")
 
@@ -131,8 +132,10 @@ class NodeControl:
         self.node = node  # diffuse.node.server.Node: its store, identity, sessions, data address
         self.speaks = speaks  # the wire versions this node speaks (``--wire``)
         self.challenges = Challenges()
+        self.asked: dict = {}  # the log fields of the sealed request being answered (its op, session, request id)
 
     def handle(self, msg: dict) -> dict:
+        self.asked = {}  # a sealed request fills it in once opened
         op = msg.get("op")
         if not isinstance(op, str):
             return self.no("request", "a control request needs an op (a string)")
@@ -147,8 +150,10 @@ class NodeControl:
         return self.no("request", f"unknown control operation {op[:32]!r}")
 
     def no(self, reason: str, text: str) -> dict:
-        """A refusal, counted by its reason (``diffuse.node.metrics.REFUSALS``)."""
+        """A refusal, counted by its reason (``diffuse.node.metrics.REFUSALS``) and logged with it."""
         self.node.tally.refused(reason)
+        log.log(logging.WARNING if reason == "error" else logging.INFO, "refused (%s): %s", reason, text[:300],
+                extra={"event": "refused", "reason": reason, **self.asked})
         return refusal(text)
 
     def status(self) -> dict:
@@ -189,9 +194,10 @@ class NodeControl:
             sid, idle_s = found
             why = (f"evicted: this node was full ({node.max_sessions} sessions) and this session had carried no "
                    f"data for the longest ({idle_s:.0f} s)")
+            fields = node.sessions.event("session_evicted", sid, reason="full")
             node.end(sid, failed=why)
             node.tally.evicted("full")
-            log.info("session %s %s", sid.hex()[:8], why)
+            log.info("session %s %s", sid.hex()[:8], why, extra=fields)
 
     def _slices(self):
         fixed = self.node.store.fixed
@@ -218,6 +224,9 @@ class NodeControl:
     def sealed(self, op: str, msg: dict) -> dict:
         payload, sender = sealing.open_control(msg, self.node.identity, safecbor.CONTROL)
         # from here on the sender is known: every answer is sealed to it, so it can tell ours from a forgery
+        sid, rid = payload.get("session"), clean_request_id(payload.get("request_id"))
+        self.asked = {"op": op, **({"session": sid.hex()[:8]} if isinstance(sid, bytes) else {}),
+                      **({"request_id": rid} if rid else {})}
         try:
             if payload.get("op") != op:  # else a sealed open could be replayed as a close, or the reverse
                 reply = self.no("request", f"the sealed payload is not for {op!r}")
@@ -231,7 +240,6 @@ class NodeControl:
             else:
                 reply = self.open(payload, sender) if op == "open" else self.close(payload, sender)
         except DiffuseError as exc:
-            log.warning("%s refused: %s", op, exc)
             reply = self.no("error", str(exc))
         except Exception as exc:
             log.exception("%s failed", op)
@@ -308,10 +316,15 @@ class NodeControl:
 
         node.sessions.add(sid, StageSession(sid, node.store, stage, frames.Hop(sid, keys["in_key"], wire=stage.wire_in),
                                             frames.Hop(sid, keys["out_key"], wire=stage.wire_out)), sender, outbox)
+        rid = clean_request_id(p.get("request_id"))  # an open may name its request (an older client's does not)
+        if rid:
+            with node.sessions.lock:
+                node.sessions.requests[sid] = rid
         node.tally.opened += 1
         link = node.next_hops.measure(node.transport, p.get("next_control"), p.get("next_key"), node.identity)
-        log.info("session %s opened (wire %d; hops in %d, out %d): %s -> %s", sid.hex()[:8], wire, stage.wire_in,
-                 stage.wire_out, ", ".join(map(str, stage.slices)), stage.next)
+        log.info("session %s opened (wire %d; hops in %d, out %d): %s -> %s%s", sid.hex()[:8], wire, stage.wire_in,
+                 stage.wire_out, ", ".join(map(str, stage.slices)), stage.next, f" (request {rid})" if rid else "",
+                 extra=node.sessions.event("session_opened", sid, wire=wire, slices=[str(s) for s in stage.slices]))
         # blocks that carry two streams (image and text side by side) cannot be cut into patches
         return {"ok": True, "uncut": sorted(s.stack for s in stage.slices if node.two_stream.get(s.stack)),
                 "link": link.to_dict() if link is not None else None}
@@ -335,7 +348,9 @@ class NodeControl:
             return self.no("request", "unknown session")
         if self.node.sessions.owner(sid) != sender:
             return self.no("client_key", "this session was opened by another client key: only its opener may close it")
+        fields = self.node.sessions.event("session_closed", sid)
         self.node.end(sid)
-        log.info("session %s closed", sess.sid.hex()[:8])
+        log.info("session %s closed%s", sess.sid.hex()[:8],
+                 f" (request {fields['request_id']})" if "request_id" in fields else "", extra=fields)
         # what it did, and (to its owner only) every real parameter alive in this process
         return dict(sess.report(), ok=True, params=self.node.store.held_parameters())

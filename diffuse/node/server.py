@@ -149,7 +149,8 @@ class Node:
         if self.sessions.admits(user, password):
             return True
         self.refused_connections += 1
-        log.debug("refused a connection to the data port: it names no open session, or not with its token")
+        log.debug("refused a connection to the data port: it names no open session, or not with its token",
+                  extra={"event": "refused", "reason": "data_connection"})
         return False
 
     def admit(self, raw: list[bytes]) -> Arrived | None:
@@ -167,7 +168,8 @@ class Node:
             frames.check_envelope(hop, env, raw)
             plain = sealing.open_frame(hop.key, env["c"], 1, bytes(raw[0]), bytes(raw[1]))
         except WireError as exc:
-            log.warning("rejected a message for session %s: %s", sess.sid.hex()[:8], exc)
+            log.warning("rejected a message for session %s: %s", sess.sid.hex()[:8], exc,
+                        extra=self.sessions.event("refused", sess.sid, reason="message", error=str(exc)[:300]))
             self.tally.refused("message")
             return None
         sess.last_used = time.monotonic()  # authentic data: the session is in use (``NodeControl._make_room``)
@@ -179,11 +181,12 @@ class Node:
         try:
             env = frames.envelope_of(raw)
         except WireError as exc:
-            log.warning("rejected a message: %s", exc)
+            log.warning("rejected a message: %s", exc, extra={"event": "refused", "reason": "message"})
             return None, None
         sess = self.sessions.get(env["s"])
         if sess is None:
-            log.warning("rejected a message: unknown session %s", env["s"].hex()[:8])
+            log.warning("rejected a message: unknown session %s", env["s"].hex()[:8],
+                        extra={"event": "refused", "reason": "message", "session": env["s"].hex()[:8]})
         return env, sess
 
     def end(self, sid: bytes, failed: str | None = None) -> None:
@@ -222,11 +225,12 @@ class Node:
                             except queue.Full:
                                 self.tally.refused("queue_full")
                                 log.warning("dropped a data message: %d already wait for the compute thread",
-                                            MAX_QUEUED)
+                                            MAX_QUEUED, extra={"event": "refused", "reason": "queue_full"})
                     except Exception:
                         log.exception("dropped a %s message that failed unexpectedly; still serving", ready)
                 for sid in self.sessions.idle():
-                    log.info("session %s idle: closed", sid.hex()[:8])
+                    log.info("session %s idle: closed", sid.hex()[:8],
+                             extra=self.sessions.event("session_evicted", sid, reason="idle"))
                     self.tally.evicted("idle")
                     self.end(sid)
         finally:

@@ -39,6 +39,7 @@ class SessionTable:
         self.owners: dict[bytes, bytes] = {}  # session id -> public key of the client that opened it
         self.outboxes: dict[bytes, object] = {}  # session id -> its sending end toward its next hop
         self.closed: OrderedDict[bytes, str | None] = OrderedDict()  # recently ended ids -> why, if it failed
+        self.requests: dict[bytes, str] = {}  # session id -> the request id its open carried (for the logs)
         self.lease_s = lease_s()
         self._checked = time.monotonic()  # the last ``idle`` check
 
@@ -59,6 +60,13 @@ class SessionTable:
             self.owners[sid] = owner
             self.outboxes[sid] = outbox
             session.renewed = time.monotonic()
+
+    def event(self, name: str, sid: bytes, **more) -> dict:
+        """A log line's fields (``extra=``; ``diffuse.plan.logs``) for event ``name`` of session ``sid``: its
+        short id and the request id its open carried, if any (so looked up before the session ends)."""
+        with self.lock:
+            rid = self.requests.get(sid)
+        return {"event": name, "session": sid.hex()[:8], **({"request_id": rid} if rid else {}), **more}
 
     def owner(self, sid: bytes) -> bytes | None:
         with self.lock:
@@ -112,6 +120,7 @@ class SessionTable:
         with self.lock:
             self.sessions.pop(sid, None)
             self.owners.pop(sid, None)
+            self.requests.pop(sid, None)
             self.closed[sid] = failed[:300] if failed else None
             while len(self.closed) > MAX_CLOSED:
                 self.closed.popitem(last=False)

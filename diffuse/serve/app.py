@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
@@ -25,7 +26,8 @@ from diffuse.serve.chat import _text_routes
 from diffuse.serve.engines import Cancelled
 from diffuse.serve.info import _info_routes
 from diffuse.serve.media import _audio_routes, _image_routes, _video_routes
-from diffuse.serve.plumbing import ApiError, _as_api_error, error_response, log
+from diffuse.plan.logs import clean_request_id
+from diffuse.serve.plumbing import REQUEST_ID_HEADER, ApiError, _as_api_error, error_response, log, request_id
 
 
 class BodyLimit:
@@ -118,14 +120,19 @@ def _error_handlers(app) -> None:
     async def _refused(request, exc: DiffuseError):  # a bad request, a busy model, a ring that failed
         err = _as_api_error(exc)
         if err.status >= 500:
-            log.error("%s %s: %s", request.method, request.url.path, err.message)
+            log.error("%s %s: %s", request.method, request.url.path, err.message, extra=_failed(request, err))
         return error_response(err.status, err.message, err.type, err.code, err.param, err.headers)
 
     @app.exception_handler(Exception)
     async def _any(request, exc: Exception):  # a fault of this service: the log keeps its traceback
         err = _as_api_error(exc)
-        log.error("%s %s: %s", request.method, request.url.path, err.message)
+        log.error("%s %s: %s", request.method, request.url.path, err.message, extra=_failed(request, err))
         return error_response(err.status, err.message, err.type, err.code, err.param, err.headers)
+
+
+def _failed(request, err) -> dict:
+    """A failed request's log fields."""
+    return {"event": "request_failed", "request_id": request_id(request), "status": err.status, "code": err.code}
 
 
 def _auth_and_log(app, service) -> None:
@@ -135,17 +142,22 @@ def _auth_and_log(app, service) -> None:
     async def _auth_and_log(request: Request, call_next):
         t0 = time.perf_counter()
         path = request.url.path
+        # the request's id: the caller's X-Request-Id when it is short and plain, else a new one; it ties the
+        # service's, the client's and the nodes' lines of this request together (diffuse.plan.logs)
+        rid = request.state.request_id = clean_request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex
         if service.api_key and (path.startswith("/v1/") or path in ("/health", "/metrics")):
             got = request.headers.get("authorization", "")
             if got != f"Bearer {service.api_key}":
                 response = error_response(401, "missing or wrong API key: send Authorization: Bearer KEY",
                                           "invalid_request_error", "invalid_api_key")
+                response.headers[REQUEST_ID_HEADER] = rid
                 log_line(request, response.status_code, t0)
                 return response
         try:
             response = await call_next(request)
         except Cancelled:
             response = Response(status_code=499)
+        response.headers[REQUEST_ID_HEADER] = rid
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             inner = response.body_iterator
 
@@ -163,5 +175,7 @@ def _auth_and_log(app, service) -> None:
 
 
 def log_line(request, status, t0, note=""):
-    log.info("%s %s %s %.0f ms%s", request.method, request.url.path, status, 1000 * (time.perf_counter() - t0),
-             note)
+    ms = 1000 * (time.perf_counter() - t0)
+    log.info("%s %s %s %.0f ms%s", request.method, request.url.path, status, ms, note, extra={
+        "event": "request", "request_id": request_id(request), "method": request.method, "path": request.url.path,
+        "status": status, "ms": round(ms, 1)})

@@ -19,7 +19,8 @@ from fastapi.responses import StreamingResponse
 
 from diffuse.serve.engines import BadRequest, Cancel, Cancelled
 from diffuse.serve.language import LanguageEngine, generation_kwargs
-from diffuse.serve.plumbing import _as_api_error, _float, _int, _quiet, _sse, find_engine, json_body, log, run_in_thread
+from diffuse.serve.plumbing import (_as_api_error, _float, _int, _quiet, _sse, cancel_for, find_engine, json_body, log,
+                                    run_in_thread)
 
 
 def decode_data_url(url: str, what: str) -> bytes:
@@ -163,7 +164,7 @@ async def answer_text(request, body, ask: TextAsk, obj: str):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunks = "chat.completion.chunk" if obj == "chat.completion" else obj
         return stream_text(request, ask, rid, chunks, include_usage)
-    cancel = Cancel()
+    cancel = cancel_for(request)
     r = await run_in_thread(request, lambda: ask.generate(cancel), cancel)
     choice = {"index": 0, "finish_reason": r.finish_reason, "logprobs": None}
     if obj == "chat.completion":
@@ -176,7 +177,7 @@ async def answer_text(request, body, ask: TextAsk, obj: str):
 
 def stream_text(request, ask: TextAsk, rid: str, obj: str, include_usage: bool):
     e = ask.engine
-    cancel = Cancel()
+    cancel = cancel_for(request)
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
     created = int(time.time())

@@ -16,7 +16,6 @@ import argparse
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -71,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "nodes (for nodes run with --allow-client)")
     ap.add_argument("--local-transport", default="tcp", metavar="SCHEME", help="URL scheme of local nodes")
     ap.add_argument("--quiet", action="store_true", help="no line per request")
+    from diffuse.plan.logs import add_flag
+
+    add_flag(ap, "the service and its local nodes")
     from diffuse.flags import device_flags
 
     device_flags(ap)
@@ -98,6 +100,7 @@ class ServeOptions:
     local_transport: str = "tcp"
     api_key: str | None = None
     node_metrics_port: int | None = None
+    log_format: str = "text"
 
     @classmethod
     def of(cls, a: argparse.Namespace) -> "ServeOptions":
@@ -239,7 +242,7 @@ class Service:
         each = None if metrics_port is None else \
             [["--metrics-port", str(metrics_port + i if metrics_port else 0)] for i in range(plan.count)]
         local = start_local_nodes(info.path, plan.count, plan.threads, scheme=opts.local_transport, client=identity,
-                                  each=each)
+                                  each=each, extra=["--log-format", opts.log_format])
         return NodeSet([f"{n.address}#{n.key}" for n in local], local)
 
     _keys = None  # the folder of a key made for this service alone
@@ -308,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         a.nodes = lan_nodes(a.model, a.nodes, a.discover_seconds, say)  # --nodes auto
         with progress.phase(out, "starting: models analysed and loaded, nodes started"):
             service = Service.start(a.model, a.nodes, ServeOptions.of(a), say)
-        serve(service, host, port, a.max_body_mb << 20, quiet=a.quiet, say=say)
+        serve(service, host, port, a.max_body_mb << 20, quiet=a.quiet, say=say, log_format=a.log_format)
 
     try:
         return parsing.run_guarded(body, out, interrupted="stopped")
@@ -317,13 +320,14 @@ def main(argv: list[str] | None = None) -> int:
             service.stop()
 
 
-def serve(service: Service, host: str, port: int, max_body: int, quiet: bool = False, say=print) -> None:
+def serve(service: Service, host: str, port: int, max_body: int, quiet: bool = False, say=print,
+          log_format: str = "text") -> None:
     import uvicorn
 
+    from diffuse.plan.logs import configure
     from diffuse.serve.app import BodyLimit, make_app
 
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
+    configure(logging.WARNING if quiet else logging.INFO, log_format, "%(asctime)s %(message)s", "%H:%M:%S")
     logging.getLogger("diffuse.serve").setLevel(logging.WARNING if quiet else logging.INFO)
     app = BodyLimit(make_app(service), max_body)
     shown = f"[{host}]" if ":" in host else host

@@ -52,10 +52,12 @@ class BadRequest(DiffuseError):
 
 
 class Cancel:
-    """Set by the service when the request's client disconnects; checked between tokens and steps."""
+    """Set by the service when the request's client disconnects; checked between tokens and steps. It goes with
+    the request's work, and so does the request's id (``request_id``), which its sessions tell the nodes."""
 
-    def __init__(self):
+    def __init__(self, request_id: str | None = None):
         self._event = threading.Event()
+        self.request_id = request_id
 
     def set(self) -> None:
         self._event.set()

@@ -22,13 +22,13 @@ class Jobs:
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
 
-    def create(self, engine, ask: Ask, size, seconds) -> "Job":
+    def create(self, engine, ask: Ask, size, seconds, request_id: str | None = None) -> "Job":
         with self._lock:
             queued = sum(1 for j in self._jobs.values() if j.status in ("queued", "in_progress"))
             if queued >= self.max_queued:
                 raise ApiError(429, f"{queued} video jobs are queued or running, this service's limit",
                                "rate_limit_error", "busy", headers={"Retry-After": "30"})
-            job = Job(engine, ask, size, seconds)
+            job = Job(engine, ask, size, seconds, request_id)
             self._jobs[job.id] = job
             done = [j for j in self._jobs.values() if j.status in ("completed", "failed")]
             for old in done[:max(0, len(self._jobs) - self.keep)]:
@@ -58,7 +58,7 @@ class Jobs:
 
 
 class Job:
-    def __init__(self, engine, ask: Ask, size, seconds):
+    def __init__(self, engine, ask: Ask, size, seconds, request_id: str | None = None):
         self.id = f"video_{uuid.uuid4().hex[:24]}"
         self.engine, self.ask, self.size, self.seconds = engine, ask, size, seconds
         self.status = "queued"
@@ -69,7 +69,7 @@ class Job:
         self.completed_at = None
         self.error: str | None = None
         self.picture = None
-        self.cancel = Cancel()
+        self.cancel = Cancel(request_id)
 
     def run(self) -> None:
         def on_step(k, total):

@@ -215,7 +215,7 @@ class LanguageEngine(Engine):
             stream = TextStream(self.tokenizer, cancel, stop, on_delta)
             prompt_len = int(inputs["input_ids"].shape[1]) if "input_ids" in inputs else 0
             t0 = time.perf_counter()
-            with self.split(model), seeded(gen, seed), torch.no_grad():
+            with self.split(model, request_id=cancel.request_id), seeded(gen, seed), torch.no_grad():
                 try:
                     out = model.generate(**inputs_on(inputs, model_device(model)), **gen, streamer=stream,
                                          return_dict_in_generate=True)
@@ -263,7 +263,7 @@ class LanguageEngine(Engine):
             model = self.pool.take(cancel)
             try:
                 steps = _Steps(cancel)
-                with self.split(model), seeded(gen, seed), torch.no_grad():
+                with self.split(model, request_id=cancel.request_id), seeded(gen, seed), torch.no_grad():
                     audio = model.generate(**inputs_on(inputs, model_device(model)), **gen, streamer=steps)
             finally:
                 self.pool.give(model)

@@ -15,11 +15,11 @@ from dataclasses import replace
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from diffuse.serve.engines import BadRequest, Cancel
+from diffuse.serve.engines import BadRequest
 from diffuse.serve.language import LanguageEngine
 from diffuse.serve.pipeline import Ask, PipelineEngine, preview_png
-from diffuse.serve.plumbing import (ApiError, _as_api_error, _int, _quiet, _sse, find_engine, json_body, parse_size,
-                                    run_in_thread)
+from diffuse.serve.plumbing import (ApiError, _as_api_error, _int, _quiet, _sse, cancel_for, find_engine, json_body,
+                                    parse_size, request_id, run_in_thread)
 
 
 def _image_routes(app, service) -> None:
@@ -47,7 +47,7 @@ def _image_routes(app, service) -> None:
                   steps=_int(body, "steps", None, lo=1), seed=seed, patches=_int(body, "patches", 1, lo=1))
         if body.get("stream"):
             return stream_images(request, e, ask, n)
-        cancel = Cancel()
+        cancel = cancel_for(request)
 
         def work():
             return [e.run(replace(ask, seed=seed + i), cancel) for i in range(n)]
@@ -58,7 +58,7 @@ def _image_routes(app, service) -> None:
 
 
 def stream_images(request, e, ask: Ask, n: int):
-    cancel = Cancel()
+    cancel = cancel_for(request)
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
 
@@ -130,7 +130,7 @@ def _video_routes(app, service) -> None:
             frames = max(1, int(round(secs * fps)) + 1)
         ask = Ask(body["prompt"], body.get("negative_prompt"), width=w, height=h, steps=_int(body, "steps", None, lo=1),
                   frames=frames, seed=_int(body, "seed", 0), patches=_int(body, "patches", 1, lo=1))
-        job = service.jobs.create(e, ask, size=body.get("size"), seconds=seconds)
+        job = service.jobs.create(e, ask, size=body.get("size"), seconds=seconds, request_id=request_id(request))
         return job.describe()
 
     @app.get("/v1/videos")
@@ -175,7 +175,7 @@ def _audio_routes(app, service) -> None:
             raise BadRequest("response_format: json, text or verbose_json", "response_format")
         max_tokens = _int(dict(form), "max_tokens", None, lo=1)  # an extension: the answer's length at most
         suffix = os.path.splitext(upload.filename or "")[1] or ".wav"
-        cancel = Cancel()
+        cancel = cancel_for(request)
         with tempfile.TemporaryDirectory(prefix="diffuse-serve-") as tmp:
             path = os.path.join(tmp, "audio" + suffix)
             with open(path, "wb") as f:
@@ -199,7 +199,7 @@ def _audio_routes(app, service) -> None:
             raise BadRequest("input: the text or description to voice", "input")
         if body.get("response_format") not in (None, "wav"):
             raise BadRequest("response_format: wav only", "response_format")
-        cancel = Cancel()
+        cancel = cancel_for(request)
         if isinstance(e, LanguageEngine):
             gen = {"do_sample": False}
             data = await run_in_thread(request, lambda: e.speak(text, gen, _int(body, "seed"), cancel), cancel)

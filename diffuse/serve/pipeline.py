@@ -100,7 +100,7 @@ class PipelineEngine(Engine):
             sched.step = step
             try:
                 cancel.check()
-                with self.split(pipe, patches=patches):
+                with self.split(pipe, patches=patches, request_id=cancel.request_id):
                     with torch.no_grad():
                         try:
                             result = pipe(**kwargs)

@@ -16,6 +16,17 @@ from diffuse.errors import DiffuseError
 from diffuse.serve.engines import BadRequest, Busy, Cancel, Cancelled
 
 log = logging.getLogger("diffuse.serve")
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def request_id(request: Request) -> str | None:
+    """The request's id (``diffuse.plan.logs``), as the middleware set it (``diffuse.serve.app``)."""
+    return getattr(request.state, "request_id", None)
+
+
+def cancel_for(request: Request) -> Cancel:
+    """The request's ``Cancel``, carrying its id to the work and the sessions it opens."""
+    return Cancel(request_id(request))
 
 
 class ApiError(Exception):
