@@ -33,6 +33,51 @@ def start_node(hub, who: str, home, blocks: str, log):
     return proc, json.loads(line)
 
 
+def start_watched(hub, who: str, home, blocks: str, log, rate: float = 2_000_000):
+    """``start_node`` with the Hub sending to this node at ``rate`` bytes a second: while it fetches its slice, its
+    status and hello (at the address its log names) and the service's view of it (``NodeSet.health``) are read
+    every 0.2 s, and once a sealed open is tried. The node, its ready line, and what each said while it fetched."""
+    import re
+    import threading
+
+    from diffuse.plan.contracts import WIRE_VERSIONS
+    from diffuse.serve.engines import NodeSet
+    from diffuse.wire import sealing
+    from diffuse.wire.transport import transport_for
+
+    hub.rates[who] = rate
+    try:
+        proc = node_process(["--model", REPO, "--blocks", blocks, "--ephemeral-key", "--threads", str(THREADS)],
+                            stderr=log, env=hub_env(hub, who, home))
+        ready: list[str] = []
+        reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        said: dict[str, list] = {"status": [], "hello": [], "health": []}
+        address, deadline = None, time.monotonic() + 120
+        while reader.is_alive() and time.monotonic() < deadline:
+            if address is None:
+                found = re.search(r"hello and status are answered at (\S+) ", open(log.name).read())
+                address = found and found.group(1)
+            else:
+                asked = transport_for(address)
+                for name, st in (("status", asked.request(address, {"op": "status"}, 5.0)),
+                                 ("hello", asked.request(address, {"op": "hello", "wire": list(WIRE_VERSIONS)}, 5.0)),
+                                 ("health", NodeSet([address]).health(5.0)[0])):
+                    if "fetch" in st:
+                        said[name].append(st)
+                if said["hello"] and "open" not in said:  # an open meanwhile: refused, saying how far it got
+                    me = sealing.load_identity(None)
+                    sealed = dict(sealing.seal_control({"op": "open", "session": os.urandom(16)},
+                                                       said["hello"][0]["key"], me), op="open")
+                    said["open"] = sealing.open_control(asked.request(address, sealed, 5.0), me)[0]
+            time.sleep(0.2)
+        reader.join(1)
+        assert ready and ready[0], f"node {who} ended: {open(log.name).read()[-3000:]}"
+        return proc, json.loads(ready[0]), said
+    finally:
+        hub.rates.pop(who, None)
+
+
 def client_run(hub, who: str, home, pinned: str, out) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "diffuse.run", "--model", REPO, "--seed", "0", "--threads", str(THREADS),
            "--nodes", pinned, "--save-array", str(out), "--quiet", "--timeout", "120"]
@@ -52,13 +97,18 @@ def split_run(hub, tmp_path_factory):
     logs = {w: open(root / f"{w}.log", "w+") for w in ("node-a", "node-b")}
     nodes = []
     try:
-        for who, blocks in (("node-a", "1/2"), ("node-b", "2/2")):
-            nodes.append(start_node(hub, who, root / who, blocks, logs[who]))
+        proc, ready, said = start_watched(hub, "node-a", root / "node-a", "1/2", logs["node-a"])  # fetched slowly
+        nodes.append((proc, ready))
+        nodes.append(start_node(hub, "node-b", root / "node-b", "2/2", logs["node-b"]))
         pinned = ",".join(f"{r['address']}#{r['key']}" for _, r in nodes)
+        from diffuse.wire.transport import transport_for
+
+        served = transport_for(ready["address"]).request(ready["address"], {"op": "status"}, 5.0)
         out = root / "split.npy"
         run = client_run(hub, "client", root / "client", pinned, out)
         logs_text = {w: (f.seek(0), f.read())[1] for w, f in logs.items()}
-        yield {"run": run, "out": out, "root": root, "logs": logs_text, "pinned": pinned}
+        yield {"run": run, "out": out, "root": root, "logs": logs_text, "pinned": pinned, "said": said,
+               "served": served}
     finally:
         for proc, _ in nodes:
             proc.kill()
@@ -108,6 +158,64 @@ def test_each_node_fetches_its_slice_and_the_client_none_of_the_nodes_blocks(hub
                e["range"][1] - e["range"][0] > 1_000_000)
     assert any(e["who"] == cut["who"] and e["file"] == DENOISER and e["range"] and e["status"] == 206 and
                e["range"][0] == cut["range"][0] + 300_000 for e in hub.log), cut
+
+
+def test_a_node_fetching_its_slice_answers_status_and_hello_with_how_far_it_got_then_serves(hub, split_run):
+    """node-a (blocks 1/2) was sent its slice at 2 MB/s: while it came, the node's status and hello and the
+    service's view of it (``/health``'s rows) said a fetch that moved, and an open was refused saying how far it got;
+    once ready, no fetch (and it served the run)."""
+    assert split_run["run"].returncode == 0, split_run["run"].stderr[-3000:]
+    said = split_run["said"]
+    assert len(said["status"]) >= 2 and said["hello"] and said["health"], said
+    n, spans = tensor_spans(os.path.join(hub.source, DENOISER))
+    first, last = said["status"][0]["fetch"], said["status"][-1]["fetch"]
+    assert 0 < first["bytes_total"] <= 1.05 * block_bytes(spans, range(2)) and first["what"] == REPO, first
+    assert first["file"] == DENOISER and last["bytes_done"] > first["bytes_done"], (first, last)
+    assert last["bytes_done"] <= last["bytes_total"] and last["rate_bps"] > 0 and last["eta_s"] >= 0, last
+    assert said["hello"][0]["ok"] and said["hello"][0]["fetch"]["bytes_total"] == first["bytes_total"]
+    row = said["health"][0]
+    assert row["alive"] and row["fetch"]["bytes_total"] == first["bytes_total"] and " of " in row["fetching"], row
+    assert split_run["served"]["ok"] and "fetch" not in split_run["served"], split_run["served"]
+    refused = said["open"]
+    assert not refused["ok"] and refused["error"].startswith("still fetching its slice: ") and " left" in \
+        refused["error"], refused
+
+
+def test_a_client_waits_for_a_node_still_fetching_within_its_timeout():
+    """The client's side of it (``diffuse.client.fetchwait``), on a clock of its own: a line naming the node and
+    how far its fetch got, hellos again until one says no fetch (a node loading what it fetched answers nothing
+    for a while: waited for too); past the timeout, the node named with where its fetch stood."""
+    from diffuse.client.fetchwait import until_fetched
+    from diffuse.errors import NodeError
+
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    def sleep(s):
+        now[0] += s
+
+    def fetching(done):
+        return {"ok": True, "fetch": {"bytes_done": done, "bytes_total": 4_000_000_000, "rate_bps": 50_000_000,
+                                      "eta_s": (4e9 - done) / 5e7, "what": REPO, "file": DENOISER}}
+
+    answers = [fetching(2e9), NodeError("tcp://n:1", "did not answer"), {"ok": True, "key": b"k"}]
+
+    def ask(timeout_s):
+        got = answers.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    lines: list[str] = []
+    hello, _ = until_fetched("tcp://n:1", fetching(1e9), ask, 300, lines.append, clock, sleep)
+    assert hello == {"ok": True, "key": b"k"} and not answers
+    assert lines == ["node tcp://n:1 is still fetching its slice: 1.0 GB of 4.0 GB (25%), 50.0 MB/s, about 60 s "
+                     "left; waiting"], lines
+    with pytest.raises(NodeError, match=r"not ready after 5 s \(the client's --timeout\): it was fetching its slice "
+                       r"\(1.0 GB of 4.0 GB"):
+        until_fetched("tcp://n:1", fetching(1e9), lambda t: fetching(1e9), 5, lines.append, clock, sleep)
 
 
 def test_check_reads_configs_and_headers_only(hub, tmp_path):

@@ -12,7 +12,8 @@ that of the file list), and ``main`` moves to it; older commits stay reachable b
 Every request is logged (``HubServer.log``: who, method, repo, file, the byte range asked and the bytes sent).
 Who is the first path segment when it starts with ``~``: a process given ``HF_ENDPOINT=<url>/~node0`` is logged
 as ``node0``. ``rate`` (bytes a second, for every transfer together) slows transfers, so that one can be cut
-midway; ``faults`` makes chosen transfers fail once (a 500 answer, or a connection dropped after some bytes).
+midway; ``rates`` (who -> bytes a second) slows those to one process only, on a clock of its own; ``faults``
+makes chosen transfers fail once (a 500 answer, or a connection dropped after some bytes).
 """
 
 from __future__ import annotations
@@ -78,9 +79,10 @@ class HubServer:
         self.repos: dict[str, Repo] = {}
         self.log: list[dict] = []
         self.rate = rate
+        self.rates: dict[str, float] = {}  # who -> bytes a second to that process alone (in place of ``rate``)
         self.faults: list[Fault] = []
         self._lock = threading.Lock()
-        self._sent_at = [time.monotonic(), 0]  # the rate's clock: when it started, bytes sent since
+        self._sent_at: dict = {}  # None (``rate``) or who -> the rate's clock: when it started, bytes sent since
         self._http = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._http.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._http.server_address[1]}"
@@ -112,16 +114,17 @@ class HubServer:
         self._http.shutdown()
         self._http.server_close()
 
-    def _throttle(self, n: int) -> None:
-        if not self.rate:
+    def _throttle(self, n: int, who: str = "") -> None:
+        clock, rate = (who, self.rates[who]) if who in self.rates else (None, self.rate)
+        if not rate:
             return
         with self._lock:
             now = time.monotonic()
-            start, sent = self._sent_at
-            if start + sent / self.rate < now - 0.05:  # idle a while: no credit saved up for a burst
+            start, sent = self._sent_at.get(clock, (now, 0))
+            if start + sent / rate < now - 0.05:  # idle a while: no credit saved up for a burst
                 start, sent = now, 0
-            self._sent_at = [start, sent + n]
-            due = start + (sent + n) / self.rate
+            self._sent_at[clock] = (start, sent + n)
+            due = start + (sent + n) / rate
         wait = due - time.monotonic()
         if wait > 0:
             time.sleep(wait)
@@ -263,7 +266,7 @@ class _Handler(BaseHTTPRequestHandler):
             f.seek(start)
             while entry["sent"] < limit:
                 chunk = f.read(min(64 << 10, limit - entry["sent"]))
-                self.hub._throttle(len(chunk))
+                self.hub._throttle(len(chunk), entry["who"])
                 self.wfile.write(chunk)
                 entry["sent"] += len(chunk)
         if fault is not None:

@@ -26,7 +26,8 @@ def ring_flags(ap: argparse.ArgumentParser) -> None:
                     "counts here, on every node and in the run compared with (default: torch's here, and at "
                     "--patches 1 the same on local nodes, so a default run equals a default whole run)")
     ap.add_argument("--timeout", type=seconds, default=300.0, help="seconds one pass through the ring may take while "
-                    "every node still answers pings (a dead or frozen node is named within seconds regardless)")
+                    "every node still answers pings (a dead or frozen node is named within seconds regardless), and the most "
+                    "a node still fetching its slice is waited for")
     ap.add_argument("--client-key", metavar="FILE", help="this client's long-term identity (created 0600 if "
                     "missing; its public key is printed), for nodes run with --allow-client; default: a fresh one "
                     "per run")

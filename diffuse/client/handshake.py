@@ -5,7 +5,9 @@ address, model hash, the slices it holds (nodes started with ``--blocks``), the
 wire versions it speaks, a one-time challenge, and its report for placement
 (memory, blocks held, threads, device, measured speed; remembered with the
 hello's round trip by ``diffuse.client.heard.Heard.note_hello``; a node whose hello
-passes every check below is the only one whose report is kept). The client offers the
+passes every check below is the only one whose report is kept). A node whose
+hello says it is still fetching its slice (``fetch``) is waited for, with a line
+saying how far it got (``diffuse.client.fetchwait``). The client offers the
 versions it speaks; each node's is the highest both speak, and each data hop's
 is the highest its two ends speak (a node that speaks only an older version
 keeps serving, in a ring with newer ones). ``open`` and ``close`` are sealed to
@@ -127,15 +129,23 @@ class Handshake:
         self.uncut: set[str] = set()  # stacks a node says must run uncut steps (two streams)
         self._misses = [0] * len(plan.route)
         self.wire: dict[str, int] = {}  # node address -> the wire version its hello chose
+        self.fetch_wait_s = OPEN_TIMEOUT_S  # how long a node still fetching its slice is waited for (--timeout)
+        self.say = None  # where the lines about that wait go (None: standard error; a ring's: its own)
 
     def _request(self, k: int, msg: dict, timeout: float) -> dict:
         return self.transports[k].request(self.plan.route[k].address, msg, timeout)
 
     def hello(self, k: int, expect_key: bytes | None = None) -> dict:
         stage = self.plan.route[k]
+        ask = {"op": "hello", "wire": list(WIRE_VERSIONS)}
         t0 = time.perf_counter()
-        hello = self._request(k, {"op": "hello", "wire": list(WIRE_VERSIONS)}, HELLO_TIMEOUT_S)
+        hello = self._request(k, ask, HELLO_TIMEOUT_S)
         rtt = time.perf_counter() - t0
+        if hello.get("ok") and isinstance(hello.get("fetch"), dict):  # --blocks, its slice still coming: wait
+            from diffuse.client.fetchwait import until_fetched
+
+            hello, rtt = until_fetched(stage.address, hello, lambda t: self._request(k, ask, t), self.fetch_wait_s,
+                                       self.say)
         speaks = _speaks(hello)
         if speaks is not None and not set(speaks) & set(WIRE_VERSIONS):
             raise NodeError(stage.address, f"speaks wire versions {speaks}, this client speaks "

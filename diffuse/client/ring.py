@@ -129,6 +129,7 @@ class Ring:
             self._held, self._answered = [None], [True]
             return
         everyone = Handshake(self.plan.with_route(self.candidates), self.client_key, self.attention, self.repair.heard)
+        everyone.fetch_wait_s, everyone.say = self.timeout_s, self.say  # a node still fetching: waited for
         self._held, self._answered, errors = [], [], []
         for k in range(len(self.candidates)):
             try:
@@ -150,6 +151,7 @@ class Ring:
     def _open(self, plan: SlicingPlan) -> None:
         self.handshake = Handshake(plan, self.client_key, self.attention, self.repair.heard, self.request_id)
         self.handshake.identity = self.identity
+        self.handshake.fetch_wait_s, self.handshake.say = self.timeout_s, self.say  # a node still fetching: waited for
         t = self.handshake.transports[0]
         hs, admits = self.handshake, getattr(t, "admits", False)
         # the inbox admits the ring's last node only, by the token of the hop home (made when the session opens)

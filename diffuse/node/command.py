@@ -3,7 +3,9 @@
 The node's command line: its flags, the checks made before anything loads, and
 the ``Node`` (``diffuse.node.server``) it builds and serves. The node prints one
 JSON line when it is ready (its control address, data address and public key),
-then serves until stopped.
+then serves until stopped. With ``--blocks`` it holds its slice before that line
+(``Node.hold_slice``): while a Hub model's slice is fetched, its control address
+already answers hello and status (said in the log), and refuses opens.
 """
 
 from __future__ import annotations
@@ -197,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --max-memory {a.max_memory}: give a positive number of GiB", file=sys.stderr)
             return 2
         node.max_memory = int(a.max_memory * (1 << 30))
+    try:  # --blocks: the slice fetched (hello and status answered meanwhile, with how far it got) and loaded
+        node.hold_slice()
+    except (DiffuseError, OSError) as exc:
+        node.endpoint.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps({"diffuse_node": max(a.wire), "wire": list(a.wire), "address": node.endpoint.control_address,
                       "data": node.endpoint.address, "key": node.identity.public_hex,
                       **({"metrics": node.metrics_url} if node.metrics_url else {})}), flush=True)

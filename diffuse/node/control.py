@@ -5,7 +5,10 @@
 the client also offers), a one-time challenge, and its report for placement
 (``diffuse.plan.reports.node_report``: memory available to it, blocks it holds,
 threads, CPUs, device, dtype, measured speed); at wire version 2 also a
-fresh X25519 key for the open's key agreement (``sealing.agree``). ``ping``
+fresh X25519 key for the open's key agreement (``sealing.agree``). While a
+node started with ``--blocks`` fetches its slice, hello and status carry
+``fetch`` (bytes done and in all, rate, seconds left, what and which file:
+``Progress.state``) and opens are refused, saying how far it got. ``ping``
 says whether the node is alive and still has a session; it is answered while
 blocks compute, so a client notices a dead or frozen node in seconds. ``link``
 (sealed, from any key) is answered with the count of padding bytes it carried,
@@ -55,6 +58,7 @@ from diffuse.plan.contracts import SESSION_ID_BYTES, WIRE_VERSIONS, ContractErro
 from diffuse.plan.messages import StagePlan
 from diffuse.plan.contracts import is_int
 from diffuse.plan.logs import clean_request_id
+from diffuse.plan.fetchprogress import fetch_text
 
 log = logging.getLogger("diffuse.node")
 
@@ -166,7 +170,13 @@ class NodeControl:
                 "max_sessions": node.max_sessions, "max_sessions_per_client": node.max_sessions_per_client,
                 "batching": node.batching, "batches": node.batches, "batched_rows": node.batched_rows,
                 "batch_fallbacks": node.batch_fallbacks, "quantize": node.store.compute.quant or "none",
-                "totals": node.tally.report(node), **({"metrics": node.metrics_url} if node.metrics_url else {})}
+                "totals": node.tally.report(node), **({"metrics": node.metrics_url} if node.metrics_url else {}),
+                **self._fetch()}
+
+    def _fetch(self) -> dict:
+        """While ``--blocks`` fetches the slice: {"fetch": where it stands} (``Progress.state``); else nothing."""
+        progress = getattr(self.node, "fetching", None)
+        return {"fetch": progress.state()} if progress is not None else {}
 
     def _session_room(self, sender: bytes) -> str | None:
         """Why a new session of ``sender`` would be one too many (None: there is room, or there will be). The
@@ -212,7 +222,7 @@ class NodeControl:
         wire, challenge = max(common), self.challenges.issue()
         reply = {"ok": True, "wire": wire, "speaks": speaks, "key": self.node.identity.public,
                  "data": self.node.data_address, "model": self.node.store.model_hash, "slices": self._slices(),
-                 "challenge": challenge, "report": node_report(self.node)}
+                 "challenge": challenge, "report": node_report(self.node), **self._fetch()}
         if wire >= 2:
             reply["eph"] = self.challenges.ephemeral(challenge).public
         if getattr(self.node.store, "compiled", False):
@@ -237,6 +247,9 @@ class NodeControl:
                 reply = self.no("client_key", "this node does not serve your client key")
             elif op == "open" and (full := self._session_room(sender)):
                 reply = self.no("client_limit", full)
+            elif op == "open" and (fetch := self._fetch()):
+                reply = self.no("fetching", f"still fetching its slice: {fetch_text(fetch['fetch'])}: open once "
+                                "its hello no longer says fetch")
             else:
                 reply = self.open(payload, sender) if op == "open" else self.close(payload, sender)
         except DiffuseError as exc:

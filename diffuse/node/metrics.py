@@ -17,7 +17,7 @@ from diffuse.plan.metrics import Latency, Tally, family, own_registry
 log = logging.getLogger("diffuse.node")
 
 REFUSALS = ("request", "wire", "replay", "client_key", "client_limit", "model", "error", "data_connection",
-            "message", "queue_full")  # the reasons a node refuses something, as its refusals are counted
+            "message", "queue_full", "fetching")  # the reasons a node refuses something, as its refusals are counted
 EVICTIONS = ("full", "idle", "next_hop")  # why a node ended a session its client had not closed
 
 

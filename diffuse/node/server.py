@@ -113,11 +113,13 @@ class Node:
         self.speeds = SpeedBook(self.store.model_hash)  # its own measured speed, said at hello (diffuse.plan.placement)
         self.next_hops = NextHop()  # its links to the next hops it was given (diffuse.wire.links)
         self.max_memory: int | None = None  # --max-memory, in bytes
+        self.to_fetch: dict | None = None  # --blocks: the slice's tensors, where some are not on this disk yet
         if self.store.fixed:
             from diffuse.plan.hubmodel import check_slice_room
 
-            check_slice_room(subject, self.stacks, self.store.fixed)  # a Hub model's: room for all of it, first
-            self.store.load(self.store.fixed)
+            # a Hub model's: room for all of it, first; what is still to fetch, fetched by hold_slice
+            self.to_fetch = check_slice_room(subject, self.stacks, self.store.fixed)
+        self.fetching = None  # while --blocks fetches the slice: its diffuse.plan.fetchprogress.Progress
         self.identity = load_identity(key_file)
         self.allowed = allowed_clients
         self.sessions = SessionTable()
@@ -141,6 +143,51 @@ class Node:
         self.batching = batch and bool(getattr(subject, "autoregressive", False))
         self.batches = self.batched_rows = self.batch_fallbacks = 0  # counted by the compute thread
         self.idle_s = 0.0  # the compute thread's waits for work not yet counted in a call's record
+
+    def hold_slice(self) -> None:
+        """``--blocks``: the slice held before the node serves. A Hub model's tensors not on this disk are fetched
+        first on a thread of their own, while this (control) thread answers hello and status, both saying how
+        far the fetch got (``fetch``), and refuses opens until it ends; then the slice loads from the disk,
+        here, as a session's open loads one (no control request is answered meanwhile)."""
+        if not self.store.fixed:
+            return
+        if self.to_fetch:
+            self._fetch_answering(self.to_fetch)
+            self.to_fetch = None
+        self.store.load(self.store.fixed)
+
+    def _fetch_answering(self, needs: dict) -> None:
+        """``needs`` fetched on a thread of its own (``diffuse.plan.fetching.hold``) while this thread answers
+        control requests; its error, if it ends in one, raised here."""
+        from diffuse.plan.fetching import hold
+
+        ended: list[BaseException] = []
+
+        def fetch() -> None:
+            try:
+                hold(needs, watch=self._fetching)
+            except BaseException as exc:  # noqa: BLE001 (raised again on the control thread)
+                ended.append(exc)
+
+        fetcher = threading.Thread(target=fetch, name="fetch", daemon=True)
+        fetcher.start()
+        try:
+            while fetcher.is_alive():
+                for ready in self.endpoint.wait(0.2):
+                    if ready == "control":
+                        self._serve_control()
+                    else:
+                        self.admit(self.endpoint.recv_data())  # no session is open yet: dropped, as any stranger's
+                fetcher.join(0.01)
+        finally:
+            self.fetching = None
+        if ended:
+            raise ended[0]
+
+    def _fetching(self, progress) -> None:
+        self.fetching = progress
+        log.info("fetching its slice (%s) before serving it; meanwhile hello and status are answered at %s (key %s)",
+                 ", ".join(map(str, self.store.fixed)), self.endpoint.control_address, self.identity.public_hex)
 
     def admit_connection(self, user, password) -> bool:
         """Asked by the transport (its own thread) about each new connection to the data port, before any of

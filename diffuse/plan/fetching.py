@@ -358,24 +358,29 @@ def _wanted(needs: dict[str, list[str]]) -> list[tuple[RepoFile, list[list[int]]
     return todo
 
 
-def room_for(needs: dict[str, list[str]], folder: str, what: str) -> None:
+def room_for(needs: dict[str, list[str]], folder: str, what: str) -> int:
     """Refused where the disk holding ``folder`` lacks room for the tensors ``needs`` names not held here yet
-    (``check_room``), before any of them is fetched."""
+    (``check_room``), before any of them is fetched; the bytes of those."""
     total = sum(b - a for _, spans in _wanted(needs) for a, b in spans)
     if total:
         check_room(folder, total, what)
+    return total
 
 
-def hold(needs: dict[str, list[str]], say=None) -> None:
+def hold(needs: dict[str, list[str]], say=None, watch=None) -> None:
     """Every tensor ``needs`` names (safetensors file -> tensor names) held on this disk: in a partial file of a
     Hub model, the byte ranges of those not held yet are fetched first (one progress line for them all). A file
-    with no note is complete, or not a Hub model's: nothing to do."""
+    with no note is complete, or not a Hub model's: nothing to do. ``watch``: given the ``Progress`` before the
+    first byte, for whoever reports it meanwhile (a node's status)."""
     todo = _wanted(needs)
     if not todo:
         return
     total = sum(b - a for _, spans in todo for a, b in spans)
     check_room(os.path.dirname(todo[0][0].local), total, f"{todo[0][0].ref}'s tensors")
     progress = Progress(str(todo[0][0].ref), total, say)
+    if watch is not None:
+        watch(progress)
     for f, spans in todo:
+        progress.file = f.path
         f.fetch(spans, progress)
     progress.end()

@@ -7,7 +7,8 @@ commit fetched last for that name), holding:
   shipped code; no tokenizer's data, no card) and each safetensors file's header (kilobytes). What ``diffuse
   check`` and ``diffuse plan`` read: the analysis, the verdict and each block's bytes come from these.
 - ``"node"``: the same; a node's slice is fetched as it loads it (``diffuse.plan.fetching.hold``, called by
-  ``load_into``), by range where the file holds other tensors too. A node never fetches an encoder, a VAE or a
+  ``load_into``), or all at once before it loads (with ``--blocks``), by range where the file holds other
+  tensors too. A node never fetches an encoder, a VAE or a
   block it does not hold.
 - ``"client"``: every file but the weights (tokenizer and processor files too), every component whole but the
   split ones (the denoiser; a language model itself), and of those
@@ -147,22 +148,33 @@ def _fetch_for_client(ref: HubRef, folder: str, weights: dict, rest: list, say) 
     _fetch_spans(ref, todo, "the client's weights and tokenizer", say, folder)
 
 
-def check_slice_room(subject, stacks, slices) -> None:
-    """Refused before a node's first byte of tensors where the disk lacks room for every tensor of ``slices``
-    (``Slice``s of ``stacks``) not held here yet: one check for the whole slice, which ``hold`` then fetches block
-    by block as the node loads it. Nothing to check for a folder of one's own."""
-    from diffuse.plan.fetching import room_for
-
+def _slice_needs(subject, stacks, slices) -> tuple[dict[str, list[str]], str] | None:
+    """A Hub model's tensors of ``slices`` (``Slice``s of ``stacks``), safetensors file -> tensor names, and their
+    name in words; None for a folder of one's own."""
     mark = hub_folder(subject.path)
     if mark is None:
-        return
+        return None
     blocks = block_keys(subject, stacks)
     needs: dict[str, list[str]] = {}
     for sl in slices:
         for i in range(sl.start, sl.stop):
             for file, key in blocks.get((sl.stack, i), ()):  # a block the model lacks: refused as it loads
                 needs.setdefault(file, []).append(key)
-    room_for(needs, subject.path, f"{mark['repo']}'s blocks {', '.join(str(s) for s in slices if not s.empty)}")
+    return needs, f"{mark['repo']}'s blocks {', '.join(str(s) for s in slices if not s.empty)}"
+
+
+def check_slice_room(subject, stacks, slices) -> dict[str, list[str]] | None:
+    """Refused before a node's first byte of tensors where the disk lacks room for every tensor of ``slices``
+    (``Slice``s of ``stacks``) not held here yet: one check for the whole slice, which ``hold`` then fetches
+    (a ``--blocks`` node's all at once before it loads, with one progress; else block by block as it loads).
+    The slice's tensors (safetensors file -> tensor names) where some are still to fetch; None where none are
+    (all held, or a folder of one's own)."""
+    from diffuse.plan.fetching import room_for
+
+    found = _slice_needs(subject, stacks, slices)
+    if found is None:
+        return None
+    return found[0] if room_for(found[0], subject.path, found[1]) else None
 
 
 def block_keys(subject, stacks) -> dict[tuple[str, int], set[tuple[str, str]]]:

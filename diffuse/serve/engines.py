@@ -159,7 +159,9 @@ class NodeSet:
             self.local = None
 
     def health(self, timeout_s: float = 2.0) -> list[dict]:
-        """Each node's answer to ``status`` (sessions, what it holds), or why it did not answer."""
+        """Each node's answer to ``status`` (sessions, what it holds; while a node started with ``--blocks`` fetches
+        its slice, ``fetch``: bytes done and in all, rate, seconds left, and ``fetching`` in words), or why it did
+        not answer."""
         from diffuse.client.known_nodes import parse_nodes
         from diffuse.wire.transport import transport_for
 
@@ -171,6 +173,10 @@ class NodeSet:
                 row.update(alive=bool(st.get("ok")), sessions=st.get("sessions"), slices=st.get("slices"),
                            max_sessions=st.get("max_sessions"), batches=st.get("batches"),
                            **({"metrics": st["metrics"]} if isinstance(st.get("metrics"), str) else {}))
+                if isinstance(st.get("fetch"), dict):  # not serving yet: its slice is still coming
+                    from diffuse.plan.fetchprogress import checked_state, fetch_text
+
+                    row.update(fetch=checked_state(st["fetch"]), fetching=fetch_text(st["fetch"]))
             except Exception as exc:  # a dead or frozen node: said so, never raised
                 row.update(alive=False, error=" ".join(str(exc).split())[:200] or type(exc).__name__)
             rows.append(row)
