@@ -2,7 +2,7 @@
 torchao's weight-only quantization through the library's own ``TorchAoConfig``.
 
     python tests/quant_reference.py --mode int8|int4|fp8 --only PREFIX [--only PREFIX]... --threads N
-        --model PIPELINE_DIR --component NAME --kwargs JSON --seed S --out OUT.npy
+        --model PIPELINE_DIR --component NAME [--component NAME] --kwargs JSON --seed S --out OUT.npy
         --model LM_DIR --prompt TEXT --max-new-tokens N --out OUT.json
 
 The linear layers quantized are those whose names start with an ``--only`` prefix (the block stacks, as a split
@@ -75,17 +75,19 @@ def pipeline_run(args) -> None:
     from reference import import_component_libraries
 
     import_component_libraries(args.model)
-    with open(os.path.join(args.model, args.component, "config.json")) as f:
-        cls = getattr(diffusers, json.load(f)["_class_name"])
-    folder = os.path.join(args.model, args.component)
     only = [""] if args.everything else args.only  # --everything: every linear layer of it (as its groups allow)
-    skip = outside(cls.from_pretrained(folder), only, args.mode)
-    part = cls.from_pretrained(folder, torch_dtype=torch.float32, quantization_config=TorchAoConfig(
-        torchao_config(args.mode), modules_to_not_convert=skip))  # float32, as a plain load (torchao's default: bf16)
-    if not args.everything:  # (with nothing named outside, no block layer is skipped by name; what is left plain
-        leftover(part, only, args.mode)  # then is what the library keeps in float32, as Diffuse's client does)
-    pipe = DiffusionPipeline.from_pretrained(args.model)
-    pipe.register_modules(**{args.component: part})
+    parts = {}
+    for component in args.component:  # each denoiser (two where the pipeline has two experts)
+        with open(os.path.join(args.model, component, "config.json")) as f:
+            cls = getattr(diffusers, json.load(f)["_class_name"])
+        folder = os.path.join(args.model, component)
+        skip = outside(cls.from_pretrained(folder), only, args.mode)
+        parts[component] = cls.from_pretrained(folder, torch_dtype=torch.float32, quantization_config=TorchAoConfig(
+            torchao_config(args.mode), modules_to_not_convert=skip))  # float32, as a plain load (torchao's: bf16)
+        if not args.everything:  # (with nothing named outside, no block layer is skipped by name; what is left
+            leftover(parts[component], only, args.mode)  # plain then is what the library keeps in float32, as
+    pipe = DiffusionPipeline.from_pretrained(args.model)  # Diffuse's client does)
+    pipe.register_modules(**parts)
     if args.everything:  # --quantize-client: every other model of the pipeline loaded with the same mode
         pipe.register_modules(**everything_else(args, pipe))
     pipe.set_progress_bar_config(disable=True)
@@ -97,7 +99,7 @@ def pipeline_run(args) -> None:
 
 
 def everything_else(args, pipe) -> dict:
-    """Every component but ``args.component`` that its library loads from a folder, loaded again by that library
+    """Every component but the ``args.component`` ones that its library loads from a folder, loaded again by that library
     with ``TorchAoConfig(<the mode's config>)`` and nothing excluded (the library leaves out what it always leaves
     out: the modules a model keeps in float32), in float32 as the plain load. (The split component is then loaded
     with every linear layer quantized, its ends too, which a split run's client holds.)"""
@@ -109,7 +111,7 @@ def everything_else(args, pipe) -> dict:
     out = {}
     for name, value in index.items():
         part = getattr(pipe, name, None)
-        if name.startswith("_") or name == args.component or not isinstance(part, torch.nn.Module):
+        if name.startswith("_") or name in args.component or not isinstance(part, torch.nn.Module):
             continue
         library = transformers if value[0] == "transformers" else diffusers
         config = library.TorchAoConfig(torchao_config(args.mode))
@@ -141,7 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", required=True, choices=("int8", "int4", "fp8"))
     ap.add_argument("--only", action="append", required=True, help="a prefix of the linear layers to quantize")
     ap.add_argument("--model", required=True)
-    ap.add_argument("--component", help="a pipeline's component to quantize (a pipeline run)")
+    ap.add_argument("--component", action="append", help="a pipeline's component to quantize (a pipeline run; "
+                    "repeated for each denoiser of a pipeline with several)")
     ap.add_argument("--kwargs", default="{}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt", help="a language model's prompt (a language-model run)")

@@ -18,12 +18,15 @@ import families
 import numpy as np
 import pytest
 
-from conftest import TESTS, THREADS, node_process, run_cli, run_client, run_node, run_reference, run_split, subprocess_env
+from conftest import (TESTS, THREADS, node_process, run_cli, run_client, run_node, run_reference, run_split,
+                      split_command, subprocess_env)
 
 PROMPT = "Tell me a story about the moon."
 # the block stacks of each family, as the reference is told which linear layers a split run's nodes hold (the
 # test's own knowledge of the model, not Diffuse's analysis)
-STACKS = {"wan": ["blocks."], "flux": ["transformer_blocks.", "single_transformer_blocks."], "qwen2": ["model.layers."]}
+STACKS = {"wan": ["blocks."], "wan22": ["blocks."], "flux": ["transformer_blocks.", "single_transformer_blocks."],
+          "qwen2": ["model.layers."]}
+DENOISERS = {"wan22": ["transformer", "transformer_2"]}  # a pipeline with two experts, each a stack of its own
 
 
 def reference(mode: str, model: str, out: str, **what) -> subprocess.Popen:
@@ -34,7 +37,8 @@ def reference(mode: str, model: str, out: str, **what) -> subprocess.Popen:
     for prefix in STACKS[family]:
         cmd += ["--only", prefix]
     for k, v in what.items():
-        cmd += [f"--{k.replace('_', '-')}", *([str(v)] if v != "" else [])]
+        for one in v if isinstance(v, list) else [v]:
+            cmd += [f"--{k.replace('_', '-')}", *([str(one)] if one != "" else [])]
     return subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -43,8 +47,9 @@ def finished(proc: subprocess.Popen) -> None:
     assert proc.returncode == 0, err[-3000:]
 
 
-# (family, mode, nodes, and the client's own parts quantized too: --quantize-client)
-CASES = [("wan", "int4", 2, False), ("flux", "int8", 3, False), ("wan", "int8", 2, True)]
+# (family, mode, nodes, and the client's own parts quantized too: --quantize-client); Wan 2.2's two experts name
+# their stacks from their components (transformer.blocks, transformer_2.blocks)
+CASES = [("wan", "int4", 2, False), ("flux", "int8", 3, False), ("wan22", "int8", 2, True)]
 
 
 @pytest.mark.parametrize("family,mode,nodes,client", CASES,
@@ -52,7 +57,8 @@ CASES = [("wan", "int4", 2, False), ("flux", "int8", 3, False), ("wan", "int8", 
 def test_quantized_split_is_byte_identical_to_plain_diffusers_with_the_same_torchao_config(
         family, mode, nodes, client, models, tmp_path, diffuse_home):
     model, kwargs = models(family), families.call_args(family)
-    ref = reference(mode, model, str(tmp_path / "reference.npy"), family=family, component="transformer",
+    ref = reference(mode, model, str(tmp_path / "reference.npy"), family=family,
+                    component=DENOISERS.get(family, ["transformer"]),
                     kwargs=json.dumps(kwargs), seed=0, **({"everything": ""} if client else {}))
     extra = ["--quantize", mode, *(["--quantize-client", mode] if client else [])]
     split, report = run_split(model, kwargs, tmp_path, nodes=nodes, extra=extra, home=diffuse_home)
@@ -63,6 +69,12 @@ def test_quantized_split_is_byte_identical_to_plain_diffusers_with_the_same_torc
     plain = run_reference(model, kwargs, str(tmp_path / "plain.npy"))  # unquantized, whole
     assert np.abs(split - plain).max() > 0, "the quantized run gave the unquantized output: nothing was quantized"
     assert report["client_block_params"] == 0
+    if client:  # run whole here (--whole), the blocks and the client's parts quantized alike: the same bytes
+        argv = split_command(model, kwargs, str(tmp_path / "whole.npy"), extra=extra)[3:]
+        argv = [*argv[:argv.index("--local-nodes")], *argv[argv.index("--local-nodes") + 2:], "--whole"]
+        whole = run_client(argv, diffuse_home)
+        assert whole.returncode == 0, whole.stderr[-3000:]
+        assert np.load(tmp_path / "whole.npy").tobytes() == expected.tobytes()
 
 
 LM_CASES = [("int4", 2), ("fp8", 3)]

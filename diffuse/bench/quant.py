@@ -250,7 +250,7 @@ def lm_part(quick: bool, modes: list[str], n_questions: int | None, console) -> 
     read = {}
     for mode in ["", *modes]:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        quantize_blocks(model, stacks, mode)
+        quantize_blocks(model, [st.path for st in stacks], mode)
         read[mode] = _teacher_forced(model, tok, dialogues)
     rings = _rings(model_dir, modes)
     rate = {m: [] for m in rings}

@@ -83,5 +83,4 @@ def quantize_client(model, info, mode: str | None) -> None:
     if mode not in (None, "none"):
         from diffuse.plan.quantize import quantize_ends
 
-        denoisers = tuple(info.subject.denoisers if info.subject.several else [info.subject.denoiser])
-        quantize_ends(model, info.draft["stacks"], mode, denoisers)
+        quantize_ends(model, info.draft["stacks"], mode, info.subject.denoisers, info.subject.several)

@@ -74,7 +74,7 @@ def from_pretrained(model: str | None = None, device: str | None = None, dtype: 
 
     info = ModelInfo.of(model)
     pipe = load_whole_or_shell(info, client_compute(info, device, dtype), shell=True)
-    quantize_ends(pipe, info.draft["stacks"], check_mode(quantize_client), tuple(info.subject.denoisers))
+    quantize_ends(pipe, info.draft["stacks"], check_mode(quantize_client), info.subject.denoisers, info.subject.several)
     return pipe
 
 
@@ -111,21 +111,13 @@ def load_whole_or_shell(info: "ModelInfo", compute, shell: bool, quantize: str =
             if hasattr(part, "_apply"):
                 place(part, compute.device)
     if quantize and not shell:
-        from diffuse.plan.quantize import quantize_blocks
+        from diffuse.plan.quantize import quantize_blocks, within
 
         for name in (info.subject.denoisers if info.subject.several else [info.subject.denoiser]):
             target = pipe if info.subject.autoregressive else getattr(pipe, name)
-            quantize_blocks(target, [s for s in info.draft["stacks"] if _in(target, s.path)], quantize)
+            quantize_blocks(target, within(info.draft["stacks"], name, info.subject.several), quantize)
     pipe._diffuse = info
     return pipe
-
-
-def _in(model, path: str) -> bool:
-    try:
-        model.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
 
 
 def model_info(pipe_or_model, model: str | None = None) -> ModelInfo:

@@ -174,19 +174,29 @@ def release_freed() -> None:
         pass
 
 
-def quantize_blocks(model, stacks, mode: str, skip=None) -> int:
-    """Every block of ``stacks`` (``StackPlan``s) in ``model`` quantized as a node holding it quantizes it: a whole
-    run in the mode a split run's nodes hold (``--whole --quantize``)."""
+def within(stacks, component: str, several: bool) -> list[str]:
+    """The paths of ``stacks`` (``StackPlan``s) inside a pipeline's ``component``, as that module names them. With
+    several denoisers a plan names each stack from its component (``transformer_2.blocks``); with one, from the
+    denoiser itself (``blocks``); a language model's ``component`` is "" (the model)."""
+    if not several:
+        return [s.path for s in stacks]
+    prefix = f"{component}."
+    return [s.path[len(prefix):] for s in stacks if s.path.startswith(prefix)]
+
+
+def quantize_blocks(model, paths: list[str], mode: str, skip=None) -> int:
+    """Every block of the stacks at ``paths`` in ``model`` quantized as a node holding it quantizes it: a whole run
+    in the mode a split run's nodes hold (``--whole --quantize``)."""
     if not mode:
         return 0
     skip = library_rule(model) if skip is None else skip
     done = 0
-    for st in stacks:
-        for i, block in enumerate(model.get_submodule(st.path)):
+    for path in paths:
+        for i, block in enumerate(model.get_submodule(path)):
             p = next(block.parameters(), None)
             if p is None or p.device.type == "meta":
                 continue
-            done += quantize(block, f"{st.path}.{i}.", mode, p.device, p.dtype, skip)
+            done += quantize(block, f"{path}.{i}.", mode, p.device, p.dtype, skip)
     return done
 
 
@@ -233,11 +243,12 @@ def describe(mode: str) -> str:
     return f"quantized {mode} (torchao, weight-only)" if mode else "unquantized"
 
 
-def quantize_ends(pipe_or_model, stacks, mode: str, denoisers: tuple[str, ...] = ()) -> int:
+def quantize_ends(pipe_or_model, stacks, mode: str, denoisers: tuple[str, ...] = (), several: bool = False) -> int:
     """``--quantize-client``: every linear layer the client holds quantized in ``mode``: a pipeline's text
-    encoders and other components, and the denoiser's own ends (all but its block stacks, ``stacks``, which
-    nodes hold); a language model's media towers and projections, but not its output head, which the last node
-    holds and reads from the files. Each module's float32-kept modules stay as they are. Returns how many."""
+    encoders and other components, and the denoisers' own ends (all but their block stacks, ``stacks``, which
+    nodes hold; ``several``: the plan names them from their components, ``within``); a language model's media
+    towers and projections, but not its output head, which the last node holds and reads from the files. What
+    each module's library leaves alone stays as it is. Returns how many."""
     import torch
 
     if not mode:
@@ -248,7 +259,7 @@ def quantize_ends(pipe_or_model, stacks, mode: str, denoisers: tuple[str, ...] =
     for name, part in parts:
         if not isinstance(part, torch.nn.Module):
             continue
-        inside = tuple(f"{s.path}." for s in stacks) if (not name or name in denoisers) else ()
+        inside = tuple(f"{p}." for p in within(stacks, name, several)) if (not name or name in denoisers) else ()
         head = _head_of(part) if not name else None
         left_alone = library_rule(part)
         for sub_name, sub in list(part.named_modules()):
