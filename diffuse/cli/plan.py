@@ -184,16 +184,9 @@ def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int 
 
 def per_mode(subject, plan: SlicingPlan, dtype: str, context: int | None, p: Placement) -> list[str]:
     """The blocks' size held in ``dtype`` and in each ``--quantize`` mode, and how many of these nodes each needs."""
-    from diffuse.plan.placement import nodes_needed, rooms
-    from diffuse.plan.quantize import MODES
-
-    room = rooms(p.nodes)
     lines = ["", f"held by mode (--quantize; int4 as a CPU node stores it), and the fewest of these {len(p.nodes)} "
                  "node(s) that hold it:"]
-    for mode in ("", *MODES):
-        blocks = block_costs(subject, plan.stacks, dtype, context, quantize=mode)
-        need = nodes_needed(blocks, room)
-        size = sum(b.weight_bytes + b.held_bytes for b in blocks)
+    for mode, size, need in by_mode(subject, plan, dtype, context, p.nodes):
         fits = f"{need} node(s)" if need is not None else "does not fit them"
         mark = "  <- this plan" if mode == plan.quantize else ""
         lines.append(f"  {mode or 'none (' + dtype + ')':<18} {_size(size):>12}   {fits}{mark}")
@@ -206,13 +199,18 @@ def _size(n: int) -> str:
 
 def fitting_modes(subject, plan: SlicingPlan, dtype: str, context: int | None, caps: list[Capacity]) -> str:
     """For a model that does not fit ``caps`` as asked: the ``--quantize`` modes it would fit in, and on how many."""
+    fits = [f"--quantize {mode} on {need}" for mode, _, need in by_mode(subject, plan, dtype, context, caps)
+            if mode and mode != plan.quantize and need is not None]
+    return f" (it fits these nodes with {', '.join(fits)})" if fits else ""
+
+
+def by_mode(subject, plan: SlicingPlan, dtype: str, context: int | None, caps: list[Capacity]):
+    """(mode, bytes its blocks take, the fewest of ``caps`` that hold them or None) for no quantization and each
+    ``--quantize`` mode."""
     from diffuse.plan.placement import nodes_needed, rooms
     from diffuse.plan.quantize import MODES
 
-    room, fits = rooms(caps), []
-    for mode in MODES:
-        if mode != plan.quantize:
-            need = nodes_needed(block_costs(subject, plan.stacks, dtype, context, quantize=mode), room)
-            if need is not None:
-                fits.append(f"--quantize {mode} on {need}")
-    return f" (it fits these nodes with {', '.join(fits)})" if fits else ""
+    room = rooms(caps)
+    for mode in ("", *MODES):
+        blocks = block_costs(subject, plan.stacks, dtype, context, quantize=mode)
+        yield mode, sum(b.weight_bytes + b.held_bytes for b in blocks), nodes_needed(blocks, room)
