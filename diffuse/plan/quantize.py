@@ -217,19 +217,8 @@ def weight_bytes(mode: str, shape, itemsize: int, group: int = INT4_GROUP_CPU, p
     return out * inp + (out * inp // group) * (itemsize + 1)
 
 
-def held_bytes(module) -> int:
-    """Bytes ``module``'s parameters and buffers take where they are, a quantized weight counted by the
-    tensors it is made of."""
-    seen, total = set(), 0
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) in seen or t.device.type == "meta":
-            continue
-        seen.add(id(t))
-        total += tensor_bytes(t)
-    return total
-
-
 def tensor_bytes(t) -> int:
+    """Bytes ``t`` takes where it is, a quantized weight counted by the tensors it is made of."""
     inner = getattr(t, "__tensor_flatten__", None)
     if inner is not None and type(t).__name__ not in ("Parameter", "Tensor"):
         return sum(tensor_bytes(getattr(t, n)) for n in inner()[0] if getattr(t, n, None) is not None)
@@ -237,10 +226,6 @@ def tensor_bytes(t) -> int:
     if data is not t and getattr(data, "__tensor_flatten__", None) is not None and type(data).__name__ != "Tensor":
         return tensor_bytes(data)
     return t.numel() * t.element_size()
-
-
-def describe(mode: str) -> str:
-    return f"quantized {mode} (torchao, weight-only)" if mode else "unquantized"
 
 
 def quantize_ends(pipe_or_model, stacks, mode: str, denoisers: tuple[str, ...] = (), several: bool = False) -> int:
