@@ -205,7 +205,7 @@ def _settle(node: Target, limit_s: float = 60.0) -> None:
 def _fuzz(node: Target, fuzzer: Fuzzer, control: int, data: int, claims: int, key: bytes) -> int:
     """Send the messages, interleaved; returns how many were sent. Data goes on a connection admitted as the
     live session's (``key``: its hop key into the node), so that it reaches the node's door."""
-    from diffuse.wire.tokens import data_token
+    from test_sessions_bounded import admitted
 
     ctx = zmq.Context.instance()
     sent = 0
@@ -216,8 +216,7 @@ def _fuzz(node: Target, fuzzer: Fuzzer, control: int, data: int, claims: int, ke
         s.setsockopt(zmq.SNDTIMEO, 10_000)
         s.setsockopt(zmq.SNDHWM, 100_000)
         if as_live:
-            s.setsockopt(zmq.PLAIN_USERNAME, fuzzer.live)
-            s.setsockopt(zmq.PLAIN_PASSWORD, data_token(key, fuzzer.live))
+            admitted(s, key, node.key)
         s.connect(address)
         return s
 
@@ -351,9 +350,22 @@ def _stream_claim(address: str, size: int, send: int, plain: bool) -> int:
     return taken
 
 
+def _curve_stranger(address: str, server: bytes, hop_key: bytes | None = None) -> zmq.Socket:
+    """A real ZeroMQ sending end toward a data ``address`` that holds ``server`` as the port's CURVE key and a
+    client key of its own (from ``hop_key`` when given, as a session's end makes it; else one no session has)."""
+    from test_sessions_bounded import admitted
+
+    s = zmq.Context.instance().socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 0)
+    admitted(s, hop_key or os.urandom(32), server)
+    s.connect(address)
+    return s
+
+
 def test_strangers_claiming_huge_frames_on_the_data_port_cost_the_node_nothing(fuzzed):
     """Eight strangers at once, each announcing a 2 GiB frame (under the node's 4 GiB cap) and sending 96 MiB
-    of it: none is let past the connection's handshake, so the node buffers none of it."""
+    of it, while four more hold the node's key and a CURVE key of their own: none is let past the
+    connection's handshake, so the node buffers none of it."""
     import threading
 
     node = fuzzed
@@ -365,14 +377,63 @@ def test_strangers_claiming_huge_frames_on_the_data_port_cost_the_node_nothing(f
                for i in range(8)]
     for t in threads:
         t.start()
+    keyed = [_curve_stranger(node.data, node.key) for _ in range(4)]
+    for s in keyed:
+        s.send(b"\0" * (1 << 20), zmq.NOBLOCK)
     for t in threads:
         t.join(60)
     took = time.monotonic() - t0
     time.sleep(0.5)
+    for s in keyed:
+        s.close()
     grown = node.rss() - rss0
     refused = ask_raw(node.address, cbor2.dumps({"op": "status"}))["refused_connections"] - before
     print(f"\n8 strangers claiming 2 GiB frames: {sum(taken) >> 20} MiB sent before the hang-ups, in {took:.1f} s; "
           f"node RSS {grown / 2 ** 20:+.1f} MiB; {refused} refused by admission (the others by mechanism)")
     assert len(taken) == 8 and grown < 64 << 20, (taken, grown)
-    assert refused >= 4  # the PLAIN ones were asked about, and refused
+    assert refused >= 4  # the ones that completed a CURVE handshake were asked about, and refused
     assert hello_answered_within(node, 3.0)
+
+
+def test_a_stranger_is_refused_at_the_handshake_and_the_node_keeps_serving_its_session(fuzzed):
+    """Data naming a live session, sent by a stranger with no keys, with PLAIN credentials, with a CURVE key of
+    its own, and with a wrong key for the node: none of it reaches the node's door (nothing is logged of it);
+    the same data from the session's own sending end does, and is refused there."""
+    from diffuse.wire.sealing import load_identity
+
+    node, owner = fuzzed, load_identity(None)
+    sessions = ask_raw(node.address, cbor2.dumps({"op": "status"}))["sessions"]
+    live = _open_as(node, owner)
+    sid = live["session"]
+    junk = [cbor2.dumps({"v": 1, "s": sid, "c": 1, "n": 2}), b"not sealed"]
+    before = ask_raw(node.address, cbor2.dumps({"op": "status"}))["refused_connections"]
+    log0 = len(node.log())
+    plain = zmq.Context.instance().socket(zmq.PUSH)
+    plain.setsockopt(zmq.LINGER, 0)
+    plain.setsockopt(zmq.PLAIN_USERNAME, sid)
+    plain.setsockopt(zmq.PLAIN_PASSWORD, b"x" * 16)
+    plain.connect(node.data)
+    bare = zmq.Context.instance().socket(zmq.PUSH)
+    bare.setsockopt(zmq.LINGER, 0)
+    bare.connect(node.data)
+    strangers = [plain, bare, _curve_stranger(node.data, node.key), _curve_stranger(node.data, os.urandom(32),
+                                                                                      live["in_key"])]
+    try:
+        for s in strangers:
+            s.send_multipart(junk, zmq.NOBLOCK)
+        time.sleep(1.0)
+        assert f"rejected a message for session {sid.hex()[:8]}" not in node.log()[log0:]
+        own = _curve_stranger(node.data, node.key, live["in_key"])  # the session's key pair, the node's key
+        own.send_multipart(junk)
+        deadline = time.monotonic() + 5
+        while f"rejected a message for session {sid.hex()[:8]}" not in node.log()[log0:]:
+            assert time.monotonic() < deadline, "the session's own sending end was not let in"
+            time.sleep(0.1)
+        own.close()
+    finally:
+        for s in strangers:
+            s.close()
+    status = ask_raw(node.address, cbor2.dumps({"op": "status"}))
+    assert status["refused_connections"] - before >= 1 and status["sessions"] == sessions + 1  # still open
+    assert node.log()[log0:].count(f"rejected a message for session {sid.hex()[:8]}") == 1
+    assert _close_as(node, owner, sid)["ok"] is True

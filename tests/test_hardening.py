@@ -91,16 +91,16 @@ def _said(run) -> str:
     return " ".join(run.stderr.split())
 
 
-def _push(address: str, *messages: list[bytes], hop=None) -> None:
-    """Send ``messages`` to a data address as a raw PUSH peer; with ``hop`` (a ``frames.Hop``), presenting that
-    hop's session and token, as its real sending end does (without: a stranger, whom the receiver never lets in)."""
-    from diffuse.wire.tokens import data_token
+def _push(address: str, *messages: list[bytes], hop=None, server: bytes | None = None) -> None:
+    """Send ``messages`` to a data address as a raw PUSH peer; with ``hop`` (a ``frames.Hop``) and ``server`` (the
+    data port's CURVE key), holding the CURVE keys that hop's real sending end holds (without: a stranger, whom
+    the receiver never lets in)."""
+    from test_sessions_bounded import admitted
 
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 2000)
     if hop is not None:
-        sock.setsockopt(zmq.PLAIN_USERNAME, hop.session)
-        sock.setsockopt(zmq.PLAIN_PASSWORD, data_token(hop.key, hop.session))
+        admitted(sock, hop.key, server)
     sock.connect(address)
     for m in messages:
         sock.send_multipart(m)
@@ -238,7 +238,7 @@ def test_bad_messages_are_logged_and_the_node_keeps_serving(wan):
                          [b"\0" * 4]),
           _sealed_by_hop(channel.send_hop,
                          cbor2.dumps({"op": "call", "tensors": [{"dtype": "float32", "shape": [-4]}]}), [b"\0" * 4]),
-          _sealed_by_hop(channel.send_hop, b"\xff\xfe", []), hop=channel.send_hop)
+          _sealed_by_hop(channel.send_hop, b"\xff\xfe", []), hop=channel.send_hop, server=ring.handshake.keys[0])
     # (c) a control request in two parts, then one that is not CBOR: each gets an error, not a dead socket
     two_parts = _request_raw(control0, [cbor2.dumps({"op": "hello", "wire": [1]}), b"more"])
     assert two_parts["ok"] is False and "2 parts" in two_parts["error"]
@@ -373,8 +373,9 @@ def test_junk_on_the_client_inbox_is_dropped_and_the_run_goes_on(wan):
     _push(channel.inbox.address,
           [b"not cbor at all"],
           [cbor2.dumps({"v": 1, "s": os.urandom(16), "c": 1, "n": 2}), b"x"],
-          seal_message(forged_hop, {"op": "result", "seq": 1, "out": None}, []), hop=channel.recv_hop)
-    _push(channel.inbox.address, [b"from a stranger"])  # no token: the inbox never lets it in
+          seal_message(forged_hop, {"op": "result", "seq": 1, "out": None}, []), hop=channel.recv_hop,
+          server=channel.inbox.server_public)
+    _push(channel.inbox.address, [b"from a stranger"])  # no CURVE keys: the inbox never lets it in
     time.sleep(0.5)
     second = wan.generate(ring)
     assert np.array_equal(first, second)
@@ -410,7 +411,7 @@ def test_sessions_leave_no_sockets_and_errors_stay_bounded(wan):
     before = wan.log(0)
     sender = wan.open()  # junk sent on a session's own admitted connection (from a stranger it never arrives)
     _push(wan.data_address(0), *[[cbor2.dumps({"v": 1, "s": s, "c": 1, "n": 2}), b"x"] for s in junk_ids],
-          hop=sender.channel.send_hop)
+          hop=sender.channel.send_hop, server=sender.handshake.keys[0])
     t0 = time.monotonic()
     assert wan.status(0)["ok"] is True
     assert time.monotonic() - t0 < 2.0, "status answered slowly after the junk"

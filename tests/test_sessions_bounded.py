@@ -81,7 +81,7 @@ class Hostile:
         self.stack = plan.route[k].slices[0].stack
         self.outbox = zmq.Context.instance().socket(zmq.PUSH)
         self.outbox.setsockopt(zmq.LINGER, 0)
-        admitted(self.outbox, self.sid, in_key)  # the node's data port lets in only an open session's ends
+        admitted(self.outbox, in_key, hello["key"])  # the node's data port lets in only an open session's ends
         self.outbox.connect(hello["data"])
         self.seq = 0
 
@@ -118,12 +118,14 @@ class Hostile:
             self.inbox.close()
 
 
-def admitted(sock, sid: bytes, hop_key: bytes) -> None:
-    """Give a raw PUSH socket (not yet connected) the credentials a session's sending end presents."""
-    from diffuse.wire.tokens import data_token
+def admitted(sock, hop_key: bytes, server: bytes) -> None:
+    """Give a raw PUSH socket (not yet connected) the CURVE keys a session's sending end holds: its own pair,
+    made from the key of its hop, and the key of the data port it sends to (``server``)."""
+    from diffuse.wire.tokens import curve_client
 
-    sock.setsockopt(zmq.PLAIN_USERNAME, sid)
-    sock.setsockopt(zmq.PLAIN_PASSWORD, data_token(hop_key, sid))
+    for option, key in zip((zmq.CURVE_SERVERKEY, zmq.CURVE_PUBLICKEY, zmq.CURVE_SECRETKEY),
+                           (server, *curve_client(hop_key))):
+        sock.setsockopt(option, key)
 
 
 def _sessions(env, k: int) -> int:

@@ -80,6 +80,12 @@ def test_captured_wire_holds_no_prompt_and_no_plaintext_tensor(models, tmp_path,
     # tensors (sizes from plain diffusers), so nodes did not reach each other around the relays
     assert sum(len(r.captured) for r in data_relays) > plaintext
     assert PROMPT.encode() not in wire and b"zebra" not in wire
+    # every data connection was a CURVE handshake (the greeting names its mechanism, padded to 20 bytes), so
+    # not even the envelopes (session id, counter) crossed in clear
+    data = b"".join(bytes(r.captured) for r in data_relays)
+    assert data.count(b"CURVE".ljust(20, b"\0")) >= 2  # client -> node 1, node 1 -> node 2 (and their answers)
+    assert b"NULL".ljust(20, b"\0") not in data and b"PLAIN".ljust(20, b"\0") not in data
+    assert not any(b"\xa4\x61v" + bytes([v]) + b"\x61s\x50" in data for v in (1, 2))  # {"v": 1|2, "s": 16 bytes
     checked = 0
     for t in inputs:
         raw = t.contiguous().view(torch.uint8).numpy().tobytes()
@@ -129,10 +135,9 @@ def test_tampered_replayed_and_truncated_frames_are_rejected_and_the_node_keeps_
 
     attacker = zmq.Context.instance().socket(zmq.PUSH)
     attacker.setsockopt(zmq.LINGER, 1000)
-    from diffuse.wire.tokens import data_token  # one who watched the session's connection on the network
+    from test_sessions_bounded import admitted  # one the data port lets in: it holds the hop's key
 
-    attacker.setsockopt(zmq.PLAIN_USERNAME, channel.send_hop.session)
-    attacker.setsockopt(zmq.PLAIN_PASSWORD, data_token(channel.send_hop.key, channel.send_hop.session))
+    admitted(attacker, channel.send_hop.key, ring.handshake.keys[0])
     attacker.connect(channel.outbox.address)
     # messages sealed by the client but caught in flight: one with a flipped bit, one missing its last frame
     in_flight = [seal_message(channel.send_hop, {"op": "call"}, [torch.randn(4, 4)]) for _ in range(2)]

@@ -13,13 +13,17 @@ dropped, and a reply goes to the peer that asked or nowhere, so no one's junk
 can take someone else's answer. The client asks with a fresh REQ socket per
 try and tries idempotent requests again (hello, ping, status).
 
-Every data connection is admitted before any frame of a message is taken:
-receiving sockets are ZeroMQ PLAIN servers and a sending end presents the
-credentials the core gives it (a session id and a token only that session's
-ends can make); this context's ZAP handler (``_Admission``, a thread) asks the
-receiver's ``admit`` about each. ZeroMQ buffers a message whole before the
-receiver can read any of it, so admitting the connection is the one place a
-stranger's bytes can be refused before they are held.
+Every data connection is authenticated and encrypted by ZeroMQ's CURVE
+handshake, and admitted before any frame of a message is taken: a receiving
+socket given a ``server_key`` is a CURVE server under it (a node's long-term
+key, or the client's inbox's key for the session), a sending end is a CURVE
+client under the key pair the core gives it (``diffuse.wire.admission``), and
+this context's ZAP handler (``_Admission``, a thread) asks the receiver's
+``admit`` about each client key. A peer speaking another mechanism, or one
+that cannot prove the server key it was given, is hung up on at the
+handshake. ZeroMQ buffers a message whole before the receiver can read any
+of it, so admitting the connection is the one place a stranger's bytes can
+be refused before they are held.
 """
 
 from __future__ import annotations
@@ -39,14 +43,13 @@ from diffuse.wire.transport import (DEFAULT_MAX_MESSAGE_BYTES, IDEMPOTENT, MAX_C
 
 TRIES = 3  # sockets an idempotent request may be sent on, one each third of its time
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where ZeroMQ asks a context's handler about each new connection
-NO_CREDENTIALS = (b"-", b"-")  # what a sending end given none presents (PLAIN takes no empty name)
 
 
 class _Admission:
-    """The ZAP handler of one ZeroMQ context: a thread that answers ZeroMQ's question about each connection
-    to a receiving socket by that socket's ``admit(user, password)`` (its ZAP domain names it). Sockets
-    registered without one admit everyone; a domain not registered here, or an ``admit`` that raises,
-    admits no one."""
+    """The ZAP handler of one ZeroMQ context: a thread that answers ZeroMQ's question about each CURVE
+    connection to a receiving socket by that socket's ``admit(client_public)`` (its ZAP domain names it).
+    Sockets registered without one admit every client that completed the handshake; a domain not
+    registered here, another mechanism, or an ``admit`` that raises, admits no one."""
 
     _handlers: dict = {}
     _lock = threading.Lock()
@@ -90,31 +93,45 @@ class _Admission:
                 return
 
     def _verdict(self, request: list[bytes]) -> tuple[bytes, bytes]:
-        if len(request) != 8 or request[5] != b"PLAIN":
-            return b"400", b"not a PLAIN request"
-        domain, user, password = request[2], request[6], request[7]
+        if len(request) != 7 or request[5] != b"CURVE":
+            return b"400", b"not a CURVE request"
+        domain, client = request[2], request[6]
         with self._lock:
             if domain not in self.admits:
                 return b"400", b"unknown domain"
             admit = self.admits[domain]
         try:
-            ok = admit is None or bool(admit(user, password))
+            ok = admit is None or bool(admit(client))
         except Exception:
             ok = False
         return (b"200", b"OK") if ok else (b"400", b"not admitted")
 
 
-def _admitting(ctx: zmq.Context, sock: zmq.Socket, admit) -> bytes:
-    """Make ``sock`` (not yet bound) a PLAIN server whose connections ``admit`` decides; its ZAP domain."""
+def _admitting(ctx: zmq.Context, sock: zmq.Socket, admit, server_key) -> bytes | None:
+    """Make ``sock`` (not yet bound) a CURVE server under ``server_key`` (public, secret) whose connections
+    ``admit`` decides; its ZAP domain. Without a key, a socket of no mechanism that takes any peer (``admit``
+    then has nothing to decide by: refused)."""
+    if server_key is None:
+        if admit is not None:
+            raise ValueError("a receiving socket that admits connections needs a CURVE server_key")
+        return None
+    public, secret = server_key
     domain = _Admission.register(ctx, admit)
-    sock.setsockopt(zmq.PLAIN_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
     sock.setsockopt(zmq.ZAP_DOMAIN, domain)
     return domain
 
 
+def _forget(ctx: zmq.Context, domain: bytes | None) -> None:
+    if domain is not None:
+        _Admission.forget(ctx, domain)
+
+
 class ZmqEndpoint:
     def __init__(self, ctx: zmq.Context, listen: str, scheme: str, max_message_bytes: int | None = None,
-                 admit=None):
+                 admit=None, server_key=None):
         self.ctx = ctx
         self.control = ctx.socket(zmq.ROUTER)
         self.data = ctx.socket(zmq.PULL)
@@ -122,7 +139,8 @@ class ZmqEndpoint:
             s.setsockopt(zmq.LINGER, 0)
         self.control.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
         self.data.setsockopt(zmq.MAXMSGSIZE, max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
-        self.domain = _admitting(ctx, self.data, admit)
+        self.domain = _admitting(ctx, self.data, admit, server_key)
+        self.server_public = server_key[0] if server_key else None  # the data port's CURVE key, if it has one
         self._asker: bytes | None = None  # routing id of the peer owed an answer to the request last received
         if scheme == "tcp":
             host = listen.split("://", 1)[1].rsplit(":", 1)[0]
@@ -172,7 +190,7 @@ class ZmqEndpoint:
     def close(self) -> None:
         self.control.close(0)
         self.data.close(0)
-        _Admission.forget(self.ctx, self.domain)
+        _forget(self.ctx, self.domain)
         _unlink_paths(self.control_address, self.address)
 
 
@@ -185,12 +203,14 @@ def _unlink_paths(*addresses: str) -> None:
 
 
 class ZmqInbox:
-    def __init__(self, ctx: zmq.Context, bind: str, max_message_bytes: int | None = None, admit=None):
+    def __init__(self, ctx: zmq.Context, bind: str, max_message_bytes: int | None = None, admit=None,
+                 server_key=None):
         self.ctx = ctx
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
-        self.domain = _admitting(ctx, self.sock, admit)
+        self.domain = _admitting(ctx, self.sock, admit, server_key)
+        self.server_public = server_key[0] if server_key else None  # its CURVE key, if it has one
         self.sock.bind(bind)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
@@ -201,7 +221,7 @@ class ZmqInbox:
 
     def close(self) -> None:
         self.sock.close(0)
-        _Admission.forget(self.ctx, self.domain)
+        _forget(self.ctx, self.domain)
         _unlink_paths(self.address)
 
 
@@ -217,13 +237,13 @@ class ZmqOutbox:
     pile up (and ``BEHIND_S`` more), or for ``STUCK_S``, is given up: NodeError naming it. One slow peer delays only the
     messages meant for it."""
 
-    def __init__(self, ctx: zmq.Context, address: str, credentials: tuple[bytes, bytes] | None = None):
+    def __init__(self, ctx: zmq.Context, address: str, curve: tuple[bytes, bytes, bytes] | None = None):
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        user, password = credentials or NO_CREDENTIALS
-        self.sock.setsockopt(zmq.PLAIN_USERNAME, user)
-        self.sock.setsockopt(zmq.PLAIN_PASSWORD, password)
+        if curve is not None:  # (the receiver's server key, this end's public and secret key)
+            for option, key in zip((zmq.CURVE_SERVERKEY, zmq.CURVE_PUBLICKEY, zmq.CURVE_SECRETKEY), curve):
+                self.sock.setsockopt(option, key)
         self.sock.connect(address)
         self.address = address
         self.waiting: collections.deque = collections.deque()  # (since, frames)
@@ -260,7 +280,7 @@ class ZmqTransport:
     """The reference transport for ``tcp://``. A plugin may serve another scheme ZeroMQ speaks
     (``ipc://``) by returning ``diffuse.wire.transport.zeromq_transport(scheme)``, which is this class."""
 
-    admits = True  # serve and inbox take ``admit``, outbox takes ``credentials`` (diffuse.wire.transport)
+    curve = True  # serve and inbox take ``admit`` and ``server_key``, outbox takes ``curve`` (diffuse.wire.transport)
 
     def __init__(self, scheme: str = "tcp"):
         self.scheme = scheme
@@ -296,15 +316,15 @@ class ZmqTransport:
             s.connect((host, 9))
             return f"tcp://{s.getsockname()[0]}:0"
 
-    def serve(self, listen: str, max_message_bytes: int | None = None, admit=None) -> ZmqEndpoint:
-        return ZmqEndpoint(self.ctx, listen, self.scheme, max_message_bytes, admit)
+    def serve(self, listen: str, max_message_bytes: int | None = None, admit=None, server_key=None) -> ZmqEndpoint:
+        return ZmqEndpoint(self.ctx, listen, self.scheme, max_message_bytes, admit, server_key)
 
-    def inbox(self, bind: str, max_message_bytes: int | None = None, admit=None) -> ZmqInbox:
-        return ZmqInbox(self.ctx, bind, max_message_bytes, admit)
+    def inbox(self, bind: str, max_message_bytes: int | None = None, admit=None, server_key=None) -> ZmqInbox:
+        return ZmqInbox(self.ctx, bind, max_message_bytes, admit, server_key)
 
-    def outbox(self, address: str, credentials: tuple[bytes, bytes] | None = None) -> ZmqOutbox:
+    def outbox(self, address: str, curve: tuple[bytes, bytes, bytes] | None = None) -> ZmqOutbox:
         try:
-            return ZmqOutbox(self.ctx, address, credentials)
+            return ZmqOutbox(self.ctx, address, curve)
         except zmq.ZMQError as exc:
             raise DiffuseError(f"cannot send to {address!r}: {exc}") from exc
 

@@ -125,8 +125,8 @@ def inbox_through(relay: Relay):
         def __getattr__(self, name):
             return getattr(self._inbox, name)
 
-    def inbox(self, bind, max_message_bytes=None, admit=None):
-        real = original(self, bind, max_message_bytes, admit)
+    def inbox(self, bind, max_message_bytes=None, **admission):
+        real = original(self, bind, max_message_bytes, **admission)
         relay.start(real.address)
         return Announced(real)
 

@@ -15,7 +15,10 @@ the node's key and carry their operation inside the seal; only a reply sealed
 by that key, for that operation, session and challenge, counts. The first
 hello to a node (in ``diffuse.wire.links.FRESH_S``) is followed by a few sealed link
 pings, which measure the client's link to it; an open names the next node's
-control address and key, and the node answers with its link to it. ``open`` tells
+control address and key, and the node answers with its link to it. An open also
+names ``next_server``, the CURVE key of the data port the node sends to (the next
+node's key, or the key of this client's inbox for the session), which the node's
+sending end holds that port to (``diffuse.wire.admission``). ``open`` tells
 each node its ``StagePlan`` and its two hop keys: at wire version 1 inside the
 seal, at version 2 under a key agreed for that open (``sealing.agree``), so a
 recorded session cannot be opened later with the node's long-term key.
@@ -192,9 +195,10 @@ class Handshake:
         hello["at"] = time.monotonic()
         return hello
 
-    def open(self, transport_inbox) -> tuple[SlicingPlan, frames.Hop, frames.Hop, str]:
+    def open(self, transport_inbox, inbox_key: bytes | None = None) -> tuple[SlicingPlan, frames.Hop, frames.Hop, str]:
         """Open the session on every node, from the last in route order back to the first. Returns the plan with
-        the route the nodes' slices make, the client's two hops, and the first node's data address."""
+        the route the nodes' slices make, the client's two hops, and the first node's data address.
+        ``inbox_key``: the CURVE server key of the client's inbox, which the last node's sending end checks."""
         hellos = [self.hello(k) for k in range(len(self.plan.route))]
         self.keys = [h["key"] for h in hellos]
         data = []
@@ -211,7 +215,7 @@ class Handshake:
         nexts = data[1:] + [transport_inbox]
         try:
             # from the last node back: each node's next hop already holds the session when its sending end
-            # connects, and admits it (a transport that ``admits`` lets in only an open session's sending end)
+            # connects, and admits it (a data port lets in only an open session's sending end: ``diffuse.wire.admission``)
             for k, stage in reversed(list(enumerate(plan.route))):
                 hello = hellos[k]
                 if time.monotonic() - hello["at"] > CHALLENGE_FRESH_S:  # earlier nodes took long to load
@@ -221,6 +225,9 @@ class Handshake:
                 payload = self._open_payload(k, hello, stage_plan, hop_keys[k], hop_keys[k + 1])
                 if k + 1 < len(plan.route):  # the node measures its link to the next one (diffuse.wire.links)
                     payload.update(next_control=plan.route[k + 1].address, next_key=self.keys[k + 1])
+                nxt = self.keys[k + 1] if k + 1 < len(plan.route) else inbox_key
+                if nxt is not None:  # the next data port's CURVE key: no one in between can stand in for it
+                    payload["next_server"] = nxt
                 reply = self.sealed(k, "open", payload, OPEN_TIMEOUT_S)
                 if k + 1 < len(plan.route):
                     self.heard.note_link(stage.address, plan.route[k + 1].address, links.Link.from_dict(reply.get("link")))

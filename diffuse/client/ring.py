@@ -21,7 +21,9 @@ from diffuse.plan.contracts import ReturnMap, SlicingPlan
 from diffuse.plan.messages import Patch
 from diffuse.client.repair import RepairPolicy
 from diffuse.client.replay import Replay
-from diffuse.wire.tokens import data_token, token_admits
+from diffuse.wire import admission
+from diffuse.wire.sealing import load_identity
+from diffuse.wire.tokens import token_admits
 
 log = logging.getLogger("diffuse.client.ring")
 
@@ -153,14 +155,14 @@ class Ring:
         self.handshake.identity = self.identity
         self.handshake.fetch_wait_s, self.handshake.say = self.timeout_s, self.say  # a node still fetching: waited for
         t = self.handshake.transports[0]
-        hs, admits = self.handshake, getattr(t, "admits", False)
-        # the inbox admits the ring's last node only, by the token of the hop home (made when the session opens)
-        inbox = t.inbox(t.inbox_address(plan.route[0].address), **(
-            {"admit": lambda user, password: token_admits(hs.hop_keys[-1] if hs.hop_keys else None, hs.sid, user,
-                                                          password)} if admits else {}))
+        hs, home = self.handshake, load_identity(None)  # home: the inbox's CURVE server key, this session's own
+        # the inbox admits the ring's last node only, by the key of the hop home (made when the session opens)
+        inbox = t.inbox(t.inbox_address(plan.route[0].address), **admission.receiving(
+            t, home, lambda key: admission.admits_hop(hs.hop_keys[-1] if hs.hop_keys else None, key),
+            lambda user, password: token_admits(hs.hop_keys[-1] if hs.hop_keys else None, hs.sid, user, password)))
         try:
-            self.plan, send_hop, recv_hop, first = self.handshake.open(inbox.address)
-            outbox = t.outbox(first, **({"credentials": (hs.sid, data_token(send_hop.key, hs.sid))} if admits else {}))
+            self.plan, send_hop, recv_hop, first = self.handshake.open(inbox.address, home.public)
+            outbox = t.outbox(first, **admission.sending(t, hs.sid, send_hop.key, hs.keys[0], first))
         except BaseException:
             inbox.close()
             raise

@@ -14,7 +14,9 @@ blocks compute, so a client notices a dead or frozen node in seconds. ``link``
 (sealed, from any key) is answered with the count of padding bytes it carried,
 sealed: a link measurement (``diffuse.wire.links``). An open that names the next
 node's control address and key (``next_control``, ``next_key``) has the node
-measure that link too, and say it in its reply. ``open``
+measure that link too, and say it in its reply; one that names ``next_server``
+has the session's sending end hold its next data port to that CURVE key
+(``diffuse.wire.admission``). ``open``
 and ``close`` are sealed to the node's key, carry their own ``op`` inside the
 seal, and are answered sealed to the sender with ``re`` naming the operation
 and the request's session id and challenge echoed, so a reply cannot be moved
@@ -319,12 +321,12 @@ class NodeControl:
         check_slice_room(node.store.subject, node.stacks, stage.slices)  # a Hub model's: room for all it lacks, first
         node.store.load(list(stage.slices), dtype)
         self._make_room()  # the open is good: a full node ends its longest-idle session for it
-        # this session's own sending end, closed with it; it proves the session to the next hop's transport
-        from diffuse.wire.tokens import data_token
+        # this session's own sending end, closed with it; it proves the session to the next hop's transport, whose
+        # CURVE server key the client named (``next_server``, inside the seal)
+        from diffuse.wire.admission import sending
 
-        creds = {"credentials": (sid, data_token(keys["out_key"], sid))} if getattr(node.transport, "admits", False) \
-            else {}
-        outbox = node.transport.outbox(stage.next, **creds)
+        outbox = node.transport.outbox(stage.next, **sending(node.transport, sid, keys["out_key"],
+                                                             p.get("next_server"), stage.next))
         from diffuse.node.stage import StageSession
 
         node.sessions.add(sid, StageSession(sid, node.store, stage, frames.Hop(sid, keys["in_key"], wire=stage.wire_in),

@@ -126,8 +126,10 @@ class Node:
         self.refused_connections = 0  # data connections that named no open session (or not with its token)
         self.tally = NodeTally()  # what it has done: passes, bytes, busy time, refusals, evictions (its status, metrics)
         self.metrics_url: str | None = None  # where its metrics are scraped (--metrics-port), once open
-        admits = {"admit": self.admit_connection} if getattr(self.transport, "admits", False) else {}
-        self.endpoint = self.transport.serve(listen, max_message_bytes, **admits)
+        from diffuse.wire.admission import receiving  # CURVE under the node's key, or the older token
+
+        self.endpoint = self.transport.serve(listen, max_message_bytes, **receiving(
+            self.transport, self.identity, self.admit_connection, self.admit_connection))
         self.max_sessions = session_capacity(max_sessions, getattr(self.transport, "max_sockets", None))
         if self.max_sessions < max_sessions:
             log.warning("at most %d sessions at once: the open-file limit leaves room for no more (raise it "
@@ -189,11 +191,12 @@ class Node:
         log.info("fetching its slice (%s) before serving it; meanwhile hello and status are answered at %s (key %s)",
                  ", ".join(map(str, self.store.fixed)), self.endpoint.control_address, self.identity.public_hex)
 
-    def admit_connection(self, user, password) -> bool:
+    def admit_connection(self, key, password=None) -> bool:
         """Asked by the transport (its own thread) about each new connection to the data port, before any of
-        its bytes are taken: only a sending end of an open session, with that session's token, is let in; a
+        its bytes are taken: only a sending end of an open session is let in, by its CURVE client ``key`` (or,
+        on a transport that ``admits`` only, by the session id and token in ``key`` and ``password``); a
         stranger's connection is closed at once and costs the node nothing it buffers."""
-        if self.sessions.admits(user, password):
+        if self.sessions.admits_key(key) if password is None else self.sessions.admits(key, password):
             return True
         self.refused_connections += 1
         log.debug("refused a connection to the data port: it names no open session, or not with its token",

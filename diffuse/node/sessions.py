@@ -26,7 +26,7 @@ import time
 import hmac
 from collections import OrderedDict
 
-from diffuse.wire.tokens import lease_s, ping_proof, token_admits
+from diffuse.wire.tokens import curve_client, lease_s, ping_proof, token_admits
 
 SESSION_IDLE_S = 900.0  # a session that carried no data for this long is closed, pinged or not
 MAX_CLOSED = 4096  # closed session ids remembered, so none is opened twice
@@ -40,6 +40,7 @@ class SessionTable:
         self.outboxes: dict[bytes, object] = {}  # session id -> its sending end toward its next hop
         self.closed: OrderedDict[bytes, str | None] = OrderedDict()  # recently ended ids -> why, if it failed
         self.requests: dict[bytes, str] = {}  # session id -> the request id its open carried (for the logs)
+        self.clients: dict[bytes, bytes] = {}  # CURVE key of each session's sending end into this node -> session id
         self.lease_s = lease_s()
         self._checked = time.monotonic()  # the last ``idle`` check
 
@@ -60,6 +61,9 @@ class SessionTable:
             self.owners[sid] = owner
             self.outboxes[sid] = outbox
             session.renewed = time.monotonic()
+            hop = getattr(session, "in_hop", None)
+            if hop is not None:
+                self.clients[curve_client(hop.key)[0]] = sid
 
     def event(self, name: str, sid: bytes, **more) -> dict:
         """A log line's fields (``extra=``; ``diffuse.plan.logs``) for event ``name`` of session ``sid``: its
@@ -106,6 +110,12 @@ class SessionTable:
         hop = getattr(s, "in_hop", None)
         return hop is not None and token_admits(hop.key, s.sid, user, password)
 
+    def admits_key(self, client_public) -> bool:
+        """Whether a CURVE connection to the data port under ``client_public`` is an open session's sending end
+        (the key ``curve_client`` makes from the key of the hop into this node)."""
+        with self.lock:
+            return bytes(client_public) in self.clients
+
     def longest_idle(self) -> tuple[bytes, float] | None:
         """(id, seconds) of the session that has gone longest without authenticated data; None if none is open."""
         with self.lock:
@@ -121,6 +131,8 @@ class SessionTable:
             self.sessions.pop(sid, None)
             self.owners.pop(sid, None)
             self.requests.pop(sid, None)
+            for key in [k for k, v in self.clients.items() if v == sid]:
+                del self.clients[key]
             self.closed[sid] = failed[:300] if failed else None
             while len(self.closed) > MAX_CLOSED:
                 self.closed.popitem(last=False)

@@ -167,11 +167,16 @@ class Endpoint(Protocol):
 class Transport(Protocol):
     """What the ``diffuse_transport`` hook returns for one scheme. Optional: ``max_sockets`` (int), how many
     sockets one process may open; a node keeps its sessions under it (one outbox each). Optional:
-    ``admits = True``, for a transport that admits data connections before it takes any of their bytes: its
-    ``serve`` and ``inbox`` then take ``admit``, a callable ``(user: bytes, password: bytes) -> bool`` asked
-    about each new connection, and its ``outbox`` takes ``credentials``, the ``(user, password)`` a sending end
-    presents (a session id and the token ``diffuse.wire.tokens.data_token`` makes); the core passes them only to
-    a transport that says so. Optional: ``exchange(address, messages, timeout_s)``, several control requests in
+    ``curve = True``, for a transport whose data connections are ZeroMQ CURVE handshakes, each admitted
+    before any of its messages is taken: its ``serve`` and ``inbox`` then take ``server_key``, the (public,
+    secret) curve25519 pair the receiving end serves under (a node's long-term key; the inbox's, made for the
+    session), and ``admit``, a callable ``(client_public: bytes) -> bool`` asked about each connection once its
+    handshake proved that key; its ``outbox`` takes ``curve``, the (server public, client public, client
+    secret) keys a sending end holds, or nothing for an opener that named no key for the next hop
+    (``diffuse.wire.admission``). Optional, the older form: ``admits = True``, where ``admit`` is
+    ``(user: bytes, password: bytes) -> bool`` and ``outbox`` takes ``credentials``, a session id and the
+    token ``diffuse.wire.tokens.data_token`` makes (which such a transport may carry in clear). The core passes
+    these only to a transport that says so, ``curve`` first. Optional: ``exchange(address, messages, timeout_s)``, several control requests in
     turn on one connection, each reply with the seconds from its send, which ``diffuse.wire.links`` measures a link's
     round trip with (without it, each request's connection is counted in the round trip)."""
 
