@@ -1,4 +1,4 @@
-"""``diffuse serve`` driven by the real ``openai`` client (and, for the page, a real headless Chromium).
+"""``diffuse serve`` driven by the real ``openai`` client (and, for the page, a real headless Chromium: ``pagetest``).
 
 One service process for the module, six tiny models (a chat model, a vision chat model, an image pipeline,
 a video pipeline, a speech recogniser, a sound model), one local node each, every process at one torch
@@ -12,7 +12,6 @@ import base64
 import functools
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import pagetest
 from conftest import THREADS, run_client, subprocess_env
 from diffuse.wire.transport import transport_for
 
@@ -356,45 +356,34 @@ def test_metrics_move_and_agree(served):
     assert moved(n0, n1, "diffuse_node_refusals_total", reason="request") == 1 <= status["totals"]["refusals"]["request"]
     assert moved({}, n1, "diffuse_node_memory_bytes", part="weights") > 0
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+def test_ring_view_says_each_node_and_the_chain(served):
+    """/ring (behind the key): every node of every model with its key's start, device, memory and state; once a
+    chat ran, the chat model's chain is its node, serving, with the time its passes took."""
+    assert httpx.get(served.url + "/ring", timeout=10).status_code == 401
+    served.client().chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    deadline = time.monotonic() + 10
+    while True:
+        ring = {m["name"]: m for m in httpx.get(served.url + "/ring", headers={"Authorization": f"Bearer {KEY}"},
+                                                  timeout=10).json()["models"]}
+        (node,) = ring["chat"]["nodes"]
+        if node["pass_ms"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert set(ring) == set(ROLES)
+    (address,) = [n["address"] for n in served.health()["models"]["chat"]["nodes"]]
+    assert ring["chat"]["chain"] == [address] and node["state"] == "serving" and node["pass_ms"] > 0, node
+    assert node["slices"] == ["model.layers[0:4]"] and node["device"] == "cpu" and len(node["key"]) == 16
+    assert node["memory"]["weights"] > 0 and node["memory"]["held"] >= node["memory"]["weights"], node
+    assert node["memory"]["free"] > 0 and len(ring["chat"]["links"]) == 2  # the service to it, and back
 
 
 @pytest.mark.browser
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here (apt-get install chromium)")
-def test_page_chats_and_generates(served, tmp_path):
-    """The page at / in headless Chromium: a chat message answered by streamed tokens, an image generated and
-    shown. Screenshots go to $DIFFUSE_ARTIFACTS (default: artifacts/ in the checkout)."""
-    sync_api = pytest.importorskip("playwright.sync_api")
-    shots = os.environ.get("DIFFUSE_ARTIFACTS") or os.path.join(os.path.dirname(os.path.dirname(__file__)), "artifacts")
-    os.makedirs(shots, exist_ok=True)
-    expected = served.client().chat.completions.create(
-        model="chat", messages=[{"role": "user", "content": "hello"}]).choices[0].message.content
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
-        try:
-            page = browser.new_page()
-            page.add_init_script(f"localStorage.setItem('diffuse-api-key', {json.dumps(KEY)})")
-            page.goto(served.url + "/")
-            page.wait_for_function("document.querySelectorAll('#chat-model option').length > 0", timeout=30000)
-            page.select_option("#chat-model", "chat")
-            page.fill("#chat-input", "hello")
-            page.press("#chat-input", "Enter")
-            page.wait_for_selector("#chat-log .msg.assistant.done", timeout=120000)
-            answer = page.inner_text("#chat-log .msg.assistant")
-            assert answer == expected  # the page streamed the whole answer the API gives
-            page.screenshot(path=os.path.join(shots, "page-chat.png"), full_page=True)
-            page.select_option("#gen-model", "image")
-            page.fill("#gen-prompt", "a red cat")
-            page.fill("#gen-steps", "3")
-            page.fill("#gen-size", "16x16")
-            page.click("#gen-go")
-            page.wait_for_function("() => { const i = document.querySelector('#gen-result img.picture');"
-                                   " return i && i.complete && i.naturalWidth === 16; }", timeout=120000)
-            assert page.inner_text("#gen-status").startswith("done")
-            assert int(page.get_attribute("#gen-progress", "value") or 0) == 100 or \
-                page.eval_on_selector("#gen-progress", "e => e.value") == 100
-            page.screenshot(path=os.path.join(shots, "page-generate.png"), full_page=True)
-        finally:
-            browser.close()
+@pagetest.needs_chromium
+def test_page_chats_and_generates(served):
+    pagetest.chats_and_generates(served, KEY)
+
+
+@pytest.mark.browser
+@pagetest.needs_chromium
+def test_page_plays_video_and_sound(served):
+    pagetest.plays_video_and_sound(served, KEY)

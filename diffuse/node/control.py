@@ -163,8 +163,9 @@ class NodeControl:
         return refusal(text)
 
     def status(self) -> dict:
-        """Anyone may ask, so it is constant time (counters kept as sessions come and go, nothing walked)
-        and says only totals: no session's id, owner, errors or contents."""
+        """Anyone may ask, so it is constant time (counters kept as sessions come and go, nothing walked but
+        once a second for ``about``: key, device, memory, links) and says only totals: no session's id, owner,
+        errors or contents."""
         node = self.node
         return {"ok": True, "sessions": len(node.sessions), "outboxes": len(node.sessions.outboxes),
                 "refused_connections": node.refused_connections,
@@ -173,7 +174,7 @@ class NodeControl:
                 "batching": node.batching, "batches": node.batches, "batched_rows": node.batched_rows,
                 "batch_fallbacks": node.batch_fallbacks, "quantize": node.store.compute.quant or "none",
                 "totals": node.tally.report(node), **({"metrics": node.metrics_url} if node.metrics_url else {}),
-                **self._fetch()}
+                "about": node.tally.looks(node, time.monotonic()), **self._fetch()}
 
     def _fetch(self) -> dict:
         """While ``--blocks`` fetches the slice: {"fetch": where it stands} (``Progress.state``); else nothing."""

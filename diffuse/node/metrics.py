@@ -19,6 +19,8 @@ log = logging.getLogger("diffuse.node")
 REFUSALS = ("request", "wire", "replay", "client_key", "client_limit", "model", "error", "data_connection",
             "message", "queue_full", "fetching")  # the reasons a node refuses something, as its refusals are counted
 EVICTIONS = ("full", "idle", "next_hop")  # why a node ended a session its client had not closed
+LOOKS_FRESH_S = 1.0  # how long a node's ``looks`` is said again as it was
+MAX_LINKS_SAID = 16  # next hops a status names (the most recently measured)
 
 
 class NodeTally:
@@ -36,6 +38,7 @@ class NodeTally:
         self.opened = 0
         self.refusals = Tally()  # (reason,) -> count
         self.evictions = Tally()  # (reason,) -> count
+        self._look: tuple[float, dict] | None = None  # (when, what) of the last ``looks``
 
     def refused(self, reason: str) -> None:
         self.refusals.add((reason,))
@@ -55,8 +58,28 @@ class NodeTally:
         if node.refused_connections:
             refusals["data_connection"] = node.refused_connections
         return {"passes": self.passes, "pass_errors": self.pass_errors, "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out, "busy_s": round(self.busy_s, 6), "sessions_opened": self.opened,
-                "refusals": refusals, "evictions": {r: int(n) for (r,), n in self.evictions.items()}}
+                "bytes_out": self.bytes_out, "busy_s": round(self.busy_s, 6), "pass_s": round(self.pass_time.sum, 6),
+                "sessions_opened": self.opened, "refusals": refusals,
+                "evictions": {r: int(n) for (r,), n in self.evictions.items()}}
+
+    def looks(self, node, now: float) -> dict:
+        """What a service's view of the ring shows of this node, as ``status`` says it: its public key, device,
+        memory held (weights, key/value state, buffers) and free, and its links to next hops as last measured.
+        Worked out at most once a second (it walks the weights and the sessions), so a flood of status requests
+        costs no more than one a second."""
+        if self._look is not None and 0 <= now - self._look[0] < LOOKS_FRESH_S:
+            return self._look[1]
+        from diffuse.plan.reports import node_report
+
+        report = node_report(node)
+        with node.next_hops.lock:
+            links = {a: round(k.rtt_s, 6) for a, k in list(node.next_hops.seen.items())[-MAX_LINKS_SAID:]}
+        look = {"key": node.identity.public_hex, "device": report["device"], "dtype": report["dtype"],
+                "memory": {"weights": weight_bytes(node.store), "state": node.state_bytes.total,
+                           "buffers": node.sessions.buffer_bytes(), "free": report["memory"].get("available")},
+                "links": links}
+        self._look = (now, look)
+        return look
 
 
 def weight_bytes(store) -> int:

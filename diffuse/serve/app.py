@@ -83,10 +83,17 @@ def make_app(service) -> FastAPI:
     async def lifespan(_app):
         executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="diffuse-serve")
         asyncio.get_running_loop().set_default_executor(executor)
-        yield
+        view.start()
+        try:
+            yield
+        finally:
+            view.stop()
 
     app = FastAPI(title="Diffuse", description="An OpenAI-compatible service over models split across a ring of "
                   "nodes.", version=service.version, docs_url="/docs", redoc_url=None, lifespan=lifespan)
+    from diffuse.serve.ringview import RingView
+
+    view = app.state.ring = RingView(service.engines)  # what the page draws: the nodes' status, polled
     _error_handlers(app)
     _auth_and_log(app, service)
     _info_routes(app, service)
@@ -145,7 +152,7 @@ def _auth_and_log(app, service) -> None:
         # the request's id: the caller's X-Request-Id when it is short and plain, else a new one; it ties the
         # service's, the client's and the nodes' lines of this request together (diffuse.plan.logs)
         rid = request.state.request_id = clean_request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex
-        if service.api_key and (path.startswith("/v1/") or path in ("/health", "/metrics")):
+        if service.api_key and (path.startswith("/v1/") or path in ("/health", "/metrics", "/ring", "/ring/events")):
             got = request.headers.get("authorization", "")
             if got != f"Bearer {service.api_key}":
                 response = error_response(401, "missing or wrong API key: send Authorization: Bearer KEY",

@@ -152,6 +152,17 @@ class NodeSet:
 
     specs: list[str]  # "ADDRESS#KEY" (or bare addresses, keys pinned on first use)
     local: object = None  # a diffuse.local.nodes.LocalNodes when started here
+    # addresses the service's view of the ring finds dead while a live node holds the same blocks: a request's
+    # route leaves them out rather than wait for each one's hello to time out (diffuse.serve.ringview)
+    down: frozenset = frozenset()
+
+    def usable(self) -> list[str]:
+        """The specs a request's route is planned over: all but those found ``down``."""
+        from diffuse.client.known_nodes import parse_nodes
+
+        if not self.down:
+            return list(self.specs)
+        return [spec for spec, (address, _key) in zip(self.specs, parse_nodes(self.specs)) if address not in self.down]
 
     def stop(self) -> None:
         if self.local is not None:
@@ -193,6 +204,8 @@ class Engine:
         self.split_options = split_options
         self.created = created
         self.pool: Pool | None = None
+        self.open_splits: list = []  # the splits of requests running now (their routes: diffuse.serve.ringview)
+        self.last_route: tuple = ()  # the route the last finished request's passes took (Stages)
         from diffuse.serve.metrics import EngineTally
 
         self.tally = EngineTally()  # what its requests did, for GET /metrics (diffuse.serve.metrics)
@@ -202,10 +215,11 @@ class Engine:
         """One request's sessions on the nodes, open for the ``with`` block."""
         from diffuse.client.api import Split
 
-        split = Split(target, nodes=list(self.nodes.specs), **self.split_options, **extra)
+        split = Split(target, nodes=self.nodes.usable(), **self.split_options, **extra)
         with LOADING:
             split.__enter__()
         self.tally.opened()
+        self.open_splits.append(split)
         try:
             try:
                 yield split
@@ -214,7 +228,16 @@ class Engine:
                 raise
             split.__exit__(None, None, None)
         finally:
+            self.open_splits.remove(split)
+            self.last_route = tuple(split.plan.route) if split.plan is not None else self.last_route
             self.tally.closed(split)  # what its ring carried, and its repairs
+
+    def route(self) -> tuple:
+        """The route passes take now: the newest running request's (as repaired, if it was), else the last one's;
+        () before any request."""
+        running = list(self.open_splits)
+        plan = running[-1].plan if running else None
+        return tuple(plan.route) if plan is not None else self.last_route
 
     def describe(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "diffuse",

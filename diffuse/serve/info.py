@@ -1,5 +1,7 @@
 """The endpoints of ``diffuse serve`` that generate nothing: the page at ``/`` (its files in ``page/``), the models
-(``/v1/models``), the ring's health (``/health``) and the metrics (``/metrics``, ``diffuse.serve.metrics``).
+(``/v1/models``), the ring's health (``/health``), the ring as the page draws it (``/ring``, and ``/ring/events``
+as server-sent events each time it changes: ``diffuse.serve.ringview``) and the metrics (``/metrics``,
+``diffuse.serve.metrics``).
 """
 
 from __future__ import annotations
@@ -8,9 +10,13 @@ import asyncio
 import time
 from pathlib import Path
 
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi import Request
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
-from diffuse.serve.plumbing import ApiError
+from diffuse.serve.plumbing import ApiError, _sse
+
+RING_EVENTS_EVERY_S = 0.2  # how often a stream of the ring looks for a new version of it
+RING_KEEPALIVE_S = 15.0  # a stream with nothing new says so this often (a comment line), so proxies keep it open
 
 PAGE = Path(__file__).resolve().parent / "page"
 
@@ -54,6 +60,28 @@ def _info_routes(app, service) -> None:
         ok = all(n["alive"] for r in rows.values() for n in r["nodes"])
         return JSONResponse({"ok": ok, "models": rows, "uptime_s": round(time.time() - service.started, 1)},
                             status_code=200 if ok else 503)
+
+    @app.get("/ring")
+    async def ring():
+        return app.state.ring.snapshot()
+
+    @app.get("/ring/events")
+    async def ring_events(request: Request):
+        view = app.state.ring
+
+        async def events():
+            said, quiet_since = -1, time.monotonic()
+            while not await request.is_disconnected():
+                snap = view.snapshot()
+                if snap["version"] != said:
+                    said, quiet_since = snap["version"], time.monotonic()
+                    yield _sse(snap)
+                elif time.monotonic() - quiet_since > RING_KEEPALIVE_S:
+                    quiet_since = time.monotonic()
+                    yield b": nothing new\n\n"
+                await asyncio.sleep(RING_EVENTS_EVERY_S)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics():

@@ -1,5 +1,5 @@
-// The page of `diffuse serve`: chat with a language model (streamed), generate with a diffusion model.
-// It speaks the same OpenAI-shaped API as any client; nothing here is special to the page.
+// The page of `diffuse serve`: chat with a language model (streamed), generate pictures, videos and sounds (shown by
+// results.js), and the ring live (ring.js). It speaks the same OpenAI-shaped API as any client.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -57,9 +57,8 @@ async function load() {
     return;
   }
   fill($("chat-model"), models.filter((m) => m.kind === "chat"));
-  fill($("gen-model"), models.filter((m) => ["image", "video"].includes(m.kind)));
+  fill($("gen-model"), models.filter((m) => ["image", "video", "speech", "audio"].includes(m.kind)));
   showAttach();
-  health();
 }
 
 function fill(select, list) {
@@ -72,18 +71,6 @@ function fill(select, list) {
   }
   select.disabled = list.length === 0;
   select.closest("section").classList.toggle("empty", list.length === 0);
-}
-
-async function health() {
-  try {
-    const r = await fetch("/health", { headers: headers(false) });
-    const h = await r.json();
-    const nodes = Object.values(h.models || {}).flatMap((m) => m.nodes);
-    const alive = nodes.filter((n) => n.alive).length;
-    $("health").textContent = `${alive} of ${nodes.length} nodes answering`;
-  } catch (e) {
-    $("health").textContent = "health unknown";
-  }
 }
 
 function model(id) { return models.find((m) => m.id === id) || {}; }
@@ -181,15 +168,6 @@ async function blobUrl(path) {
   return URL.createObjectURL(await (await api(path)).blob());
 }
 
-function showPicture(src, alt) {
-  const img = document.createElement("img");
-  img.className = "picture";
-  img.alt = alt;
-  img.src = src;
-  $("gen-result").prepend(img);
-  return img;
-}
-
 async function generate(event) {
   event.preventDefault();
   const m = model($("gen-model").value);
@@ -202,7 +180,8 @@ async function generate(event) {
   const t0 = performance.now();
   try {
     if (m.kind === "image") await generateImage(body);
-    else await generateVideo(body);
+    else if (m.kind === "video") await generateVideo(body);
+    else await generateSound(body);
     progress(100, `done in ${((performance.now() - t0) / 1000).toFixed(1)} s`);
   } catch (e) {
     progress(0, "error: " + e.message);
@@ -230,16 +209,17 @@ async function generateVideo(body) {
   }
   if (job.status !== "completed") throw new Error(job.error ? job.error.message : job.status);
   const sheet = await blobUrl(`/v1/videos/${job.id}/content?variant=spritesheet`);
-  const video = document.createElement("video");
-  video.src = await blobUrl(`/v1/videos/${job.id}/content`);
-  video.controls = true;
-  video.loop = true;
-  video.autoplay = true;
-  video.muted = true;
-  $("gen-result").prepend(video);
-  showPicture(sheet, body.prompt + " (every frame)");
+  showPicture(sheet, body.prompt + " (every frame)", "diffuse-frames.png");
+  showVideo(await blobUrl(`/v1/videos/${job.id}/content`), body.prompt);
+}
+
+async function generateSound(body) {
+  progress(0, "voicing");
+  const ask = { model: body.model, input: body.prompt, seed: body.seed, ...(body.steps ? { steps: body.steps } : {}) };
+  const r = await api("/v1/audio/speech", { method: "POST", body: JSON.stringify(ask) });
+  showSound(URL.createObjectURL(await r.blob()), body.prompt);
 }
 
 $("gen-form").addEventListener("submit", generate);
 load();
-setInterval(health, 15000);
+watchRing();
