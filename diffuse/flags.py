@@ -144,6 +144,18 @@ def quantize_flag(ap: argparse.ArgumentParser, what: str, flag: str = "--quantiz
                     "torchao config whole")
 
 
+def speculate_flags(ap) -> None:
+    """``--speculate`` and ``--draft-tokens`` (``diffuse.lm.client_drafts``): drafts a pass of a split language
+    model verifies."""
+    ap.add_argument("--speculate", default="auto", metavar="off|auto|lookup|MODEL",
+                    help="draft tokens on the client that one pass through the ring verifies: lookup (n-grams of the "
+                    "context), or an assistant model with the model's tokenizer (a folder or ORG/NAME), run whole "
+                    "here; auto (default): lookup for greedy float32 decoding that asks for no logits; off")
+    ap.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                    help="drafted tokens one pass verifies at most, 1 to 32 (default 8; the length follows what is "
+                    "accepted)")
+
+
 def check_port_free(listen: str) -> None:
     """A node's ``--listen tcp://HOST:PORT``: refused in one line when PORT is taken, before anything loads
     (port 0 and other schemes pass)."""

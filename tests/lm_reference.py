@@ -293,9 +293,15 @@ def _top(logits: torch.Tensor) -> dict:
     return {"ids": [int(i) for i in order], "values_hex": [v.tobytes().hex() for v in picked]}
 
 
+# how a split run's assistant drafts (diffuse.lm.client_drafts.Drafting.arguments, --draft-tokens 8), written out here
+_ASSISTANT_SCHEDULE = {"num_assistant_tokens": 8, "num_assistant_tokens_schedule": "heuristic",
+                       "assistant_confidence_threshold": 0}
+
+
 def run(model_dir: str, prompt: str, images=(), max_new_tokens: int = 8, threads: int = 0, do_sample: bool = False,
         seed: int = 0, temperature=None, top_p=None, top_k=None, no_template: bool = False,
-        generate_args: dict | None = None, dtype: str = "float32", device: str | None = None) -> dict:
+        generate_args: dict | None = None, dtype: str = "float32", device: str | None = None,
+        assistant: str | None = None) -> dict:
     if threads > 0:
         torch.set_num_threads(threads)
     model = load_model(model_dir, dtype, device)
@@ -311,6 +317,9 @@ def run(model_dir: str, prompt: str, images=(), max_new_tokens: int = 8, threads
         return_dict_in_generate=True,
         **(generate_args or {}),
     )
+    if assistant:  # assisted generation: the assistant drafts, transformers' own schedule and acceptance rule
+        kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(assistant, dtype=getattr(torch, dtype))
+        kwargs["assistant_model"].generation_config.update(**_ASSISTANT_SCHEDULE)
     if do_sample:
         for key, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
             if value is not None:
@@ -347,7 +356,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", help="where to run (default: the CPU)")
     parser.add_argument("--jobs", metavar="FILE.json",
                         help="run each job of this JSON list instead ({model, prompt, images, max_new_tokens, "
-                             "do_sample, seed, temperature, top_p, top_k, generate_args, no_template}; each model "
+                             "do_sample, seed, temperature, top_p, top_k, generate_args, no_template, assistant}; "
+                             "assistant: a model folder that drafts (assisted generation); each model "
                              "loaded afresh) "
                              "and write the list of results: several references for one interpreter start")
     args = parser.parse_args(argv)
@@ -360,7 +370,7 @@ def main(argv=None) -> int:
                        threads=0, do_sample=job.get("do_sample", False), seed=job.get("seed", 0),
                        temperature=job.get("temperature"), top_p=job.get("top_p"), top_k=job.get("top_k"),
                        no_template=job.get("no_template", False), generate_args=job.get("generate_args"),
-                       dtype=job.get("dtype", "float32"), device=job.get("device"))
+                       dtype=job.get("dtype", "float32"), device=job.get("device"), assistant=job.get("assistant"))
                    for job in jobs]
         with open(args.out, "w") as f:
             json.dump(results, f)

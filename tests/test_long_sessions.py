@@ -82,7 +82,8 @@ def long_session(model_dir: str, passes: int, tmp_path) -> dict:
         def status():
             return [transport_for(n.address).request(n.address, {"op": "status"}, 10.0) for n in nodes]
 
-        with diffuse.split(model, nodes=[f"{n.address}#{n.key}" for n in nodes], timeout=60) as split:
+        # one token a pass (no drafts): the readings come at pass counts
+        with diffuse.split(model, nodes=[f"{n.address}#{n.key}" for n in nodes], timeout=60, speculate="off") as split:
             with pytest.raises(DiffuseError) as early:  # refused by the client before any pass
                 model.generate(torch.ones(1, cap + 1, dtype=torch.long), max_new_tokens=2)
             passes_before = split.ring.channel_stats.passes

@@ -26,7 +26,7 @@ def compose_audio(q: QueryRequest, console, info, model, inputs, gen, times, t0)
     decoded (exactly as handed to the codec) are kept for ``--save-tokens``."""
     import torch
 
-    from diffuse.client.api import open_split
+    from diffuse.cli.ringopen import open_split
     from diffuse.plan.plugins import call_hook
     from diffuse.client.writers import OutputInfo
 

@@ -34,10 +34,13 @@ def generation_kwargs(text: TextCall) -> dict:
             kwargs["do_sample"] = True
     kwargs.update(text.args)
     kwargs.setdefault("do_sample", False)
-    for key in ("num_beams", "num_beam_groups", "assistant_model", "prompt_lookup_num_tokens"):
+    for key in ("num_beams", "num_beam_groups"):
         if kwargs.get(key) not in (None, 1, False):
-            raise DiffuseError(f"--arg {key}: beam search and assisted decoding reorder and crop the cache, which lives "
-                               "on the nodes; Diffuse runs greedy decoding and sampling")
+            raise DiffuseError(f"--arg {key}: beam search reorders the cache, which lives on the nodes; Diffuse runs "
+                               "greedy decoding and sampling, with drafts (--speculate)")
+    for key in ("assistant_model", "prompt_lookup_num_tokens"):
+        if key in kwargs:
+            raise DiffuseError(f"--arg {key}: drafting is --speculate lookup|MODEL (and --draft-tokens K)")
     return kwargs
 
 
@@ -91,7 +94,8 @@ def generate_text(q: QueryRequest, console, info, compute) -> dict:
     client's ends compute); prints the answer as it comes, writes the outputs asked for, returns the report."""
     import torch
 
-    from diffuse.client.api import load_whole_or_shell, open_split
+    from diffuse.client.api import load_whole_or_shell
+    from diffuse.cli.ringopen import open_split
     from diffuse.cli.compose import audio_rate, compose_audio
     from diffuse.cli.modelread import quantize_client
     from diffuse.plan.devices import inputs_on
@@ -205,7 +209,8 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
     import torch
     from transformers import DynamicCache
 
-    from diffuse.client.api import load_whole_or_shell, open_split
+    from diffuse.client.api import load_whole_or_shell
+    from diffuse.cli.ringopen import open_split
     from diffuse.plan.devices import inputs_on, model_device
     from diffuse.lm.client_media import chat_inputs, load_tokenizer
     from diffuse.cli.modelread import read_model
@@ -246,9 +251,11 @@ def chat(a: argparse.Namespace, console, lines=None) -> dict:
                                      do_sample=False, streamer=streamer, return_dict_in_generate=True)
             new = out.sequences[0, inputs["input_ids"].shape[1]:]
             messages.append({"role": "assistant", "content": streamer.printed})
+            drafts = split.splitter.drafting.last if split.splitter.drafting is not None else None
             turns.append({"input_tokens": int(inputs["input_ids"].shape[1]), "cached_before": cached,
                           "new_tokens": int(new.shape[0]), "rows_sent": _stream_rows(split) - sent_before,
-                          "answer": streamer.printed})
+                          "answer": streamer.printed, "drafted": drafts.drafted if drafts else 0,
+                          "accepted": drafts.accepted if drafts else 0})
     report = {"model": info.path, "turns": turns, "node_stats": split.node_reports,
               "passes": split.ring.channel_stats.passes}
     if q.output.report:

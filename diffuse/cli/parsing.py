@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from diffuse.flags import Parser, device_flags, key_values, positive, quantize_flag, seconds, threshold
+from diffuse.flags import (Parser, device_flags, key_values, positive, quantize_flag, seconds,
+                           speculate_flags, threshold)
 
 
 def ring_flags(ap: argparse.ArgumentParser) -> None:
@@ -115,6 +116,7 @@ def query_parser(prog: str = "diffuse query") -> Parser:
     g.add_argument("--embedding-on-node", action="store_true",
                    help="the first node holds the embedding table and passes carry token ids (default: the client "
                    "embeds, and passes carry hidden states)")
+    speculate_flags(g)
     return ap
 
 
@@ -132,6 +134,7 @@ def chat_parser() -> Parser:
     ap.add_argument("--embedding-on-node", action="store_true",
                     help="the first node holds the embedding table and passes carry token ids (default: the client "
                     "embeds)")
+    speculate_flags(ap)
     return ap
 
 
@@ -156,6 +159,9 @@ def check_flags(a: argparse.Namespace, options) -> None:
     if getattr(a, "top_p", None) is not None and not 0 < a.top_p <= 1:
         raise DiffuseError(f"--top-p {a.top_p}: must be in (0, 1]")
     groups = node_groups(nodes) if nodes not in (None, "auto") else []
+    check_speculate(a)
+    if whole and (getattr(a, "speculate", "auto") not in ("auto", "off") or getattr(a, "draft_tokens", None)):
+        raise DiffuseError("--speculate and --draft-tokens draft for the ring; --whole runs the model as it is")
     device = named_device(a)
     for mode in (getattr(a, "quantize", None), getattr(a, "quantize_client", None)):
         if mode not in (None, "none"):
@@ -242,7 +248,8 @@ def options_of(a: argparse.Namespace):
                         branch_groups=getattr(a, "branch_groups", 1),
                         cache_threshold=getattr(a, "cache_threshold", 0.0),
                         embedding_on_node=a.embedding_on_node, placement=a.placement,
-                        quantize=getattr(a, "quantize", None))
+                        quantize=getattr(a, "quantize", None), speculate=getattr(a, "speculate", "auto"),
+                        draft_tokens=getattr(a, "draft_tokens", None))
 
 
 def report_error(out, exc: BaseException) -> int:
@@ -268,3 +275,12 @@ def run_guarded(body, out, interrupted: str = "interrupted") -> int:
         out.print(interrupted, highlight=False)
         return 130
     return 0
+
+
+def check_speculate(a) -> None:
+    """The drafting flags alone, checked before anything loads (an assistant is checked as it loads)."""
+    from diffuse.lm.client_drafts import check_draft_tokens, parse_speculate
+
+    parse_speculate(getattr(a, "speculate", None))
+    if getattr(a, "draft_tokens", None) is not None:
+        check_draft_tokens(a.draft_tokens)

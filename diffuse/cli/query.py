@@ -37,12 +37,13 @@ def generate(a: argparse.Namespace, console) -> dict:
     (``diffuse.cli.parsing.query_request``); the model it names is read and the request checked against it
     (``diffuse.cli.modelread``; a language model goes on in ``diffuse.cli.language``); the pipeline loads without its blocks
     and its call is checked by its own input check and its denoiser's forward run weightless at the call's
-    shapes (``diffuse.client.dryrun.checked_call``); the nodes start or are dialled (``diffuse.client.api.open_split``); the
+    shapes (``diffuse.client.dryrun.checked_call``); the nodes start or are dialled (``diffuse.cli.ringopen.open_split``); the
     pipeline's own call runs under progress (``diffuse.client.progress.run_with_steps``); the output is written and the
     run reported (``diffuse.client.output.finish``). Everything that can be checked is checked before a node starts, and a
     status line says what happens at each phase, the first within a second of start."""
     from diffuse.client import output
-    from diffuse.client.api import load_whole_or_shell, open_split
+    from diffuse.client.api import load_whole_or_shell
+    from diffuse.cli.ringopen import open_split
     from diffuse.client.dryrun import checked_call
     from diffuse.cli.modelread import quantize_client, read_model
 

@@ -169,37 +169,8 @@ class SplitOptions:
     discover_seconds: float | None = None  # with nodes="auto": how long to listen (default 3)
     quantize: str | None = None  # the nodes' blocks held quantized (diffuse.plan.quantize): int8, int4, fp8
     request_id: str | None = None  # told to every node at the open, which logs it (diffuse.plan.logs)
-
-
-def open_split(ring, pipe, held, console, quiet: bool):
-    """The ``Split`` a ``diffuse query`` request's ``ring`` (a ``diffuse.client.request.RingAsk``) asks for, its nodes
-    started or dialled (held open until ``held``, an ``ExitStack``, closes), and which node holds what said."""
-    from diffuse.client.progress import phase
-
-    split = Split(pipe, ring.nodes, ring.options)
-    if ring.options.client_key:
-        from diffuse.wire.sealing import load_identity
-
-        console.print(f"client key {load_identity(ring.options.client_key).public_hex}", highlight=False,
-                      soft_wrap=True)
-    for note in split.local.notes if split.local is not None else ():
-        console.print(note, soft_wrap=True)
-    starting = f"opening sessions on {len(split.nodes)} nodes" if split.local is None else (
-        f"starting {split.local.count} local nodes ({split.local.threads} "
-        f"thread{'s' if split.local.threads > 1 else ''} each)")
-    if quiet and split.local is not None:
-        console.print(starting)  # said even with --quiet: processes are started
-    with phase(console, starting, quiet):
-        held.enter_context(split)
-    for k, r in enumerate(split.rings):
-        for stage in r.plan.route:
-            group = f" (group {k + 1})" if len(split.rings) > 1 else ""
-            console.print(f"  node {stage.address}{group}: {', '.join(map(str, stage.slices))}")
-    patches = ring.options.patches
-    if patches > 1 and split.ring.uncut:
-        console.print(f"{', '.join(sorted(split.ring.uncut))}: two streams per block (image and text side "
-                      f"by side), so steps run uncut there; --patches {patches} not applied", soft_wrap=True)
-    return split
+    speculate: object = "auto"  # a language model's drafter: "lookup", an assistant (diffuse.lm.client_drafts)
+    draft_tokens: int | None = None  # the most tokens one pass verifies (default 8)
 
 
 class Split(SplitReadout):
@@ -260,6 +231,13 @@ class Split(SplitReadout):
 
         # refused here, before any node starts: the mode, its library, the local nodes' device
         self.quantize = check_mode(o.quantize, resolve_device(o.device) if nodes is None else None)
+        self.drafting = None  # drafts verified by the ring (diffuse.lm.client_drafts), checked before any node starts
+        if self.info.subject.autoregressive:
+            from diffuse.lm.client_drafts import drafting_for
+
+            self.drafting = drafting_for(o.speculate, o.draft_tokens, self.info.path)
+        elif o.speculate not in (None, "off", "auto") or o.draft_tokens is not None:
+            raise DiffuseError("--speculate and --draft-tokens are for language models; this is a diffusion pipeline")
         self.attention, self.local_transport, self.started = o.attention, o.local_transport, o.started
         self.request_id = o.request_id  # a request id that is not short and plain is dropped (Handshake)
         self.local_nodes = self.ring = None
@@ -342,6 +320,7 @@ class Split(SplitReadout):
             else:
                 self.ring = rings[0]
             self.splitter = Splitter.on(denoiser, self.ring.plan, self.embedding_on_node)
+            self.splitter.drafting = self.drafting
             self.splitter.attach(self.ring, self.patches, self.cache_threshold, self.ahead)
         except BaseException:
             self._close(hurry=True)
@@ -388,5 +367,7 @@ def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: in
     ``dtype`` (the local nodes' ``--device`` and ``--dtype``; default: the device the client's part of the model
     is on, in its dtype; on the CPU the nodes compute in the dtype each session asks), ``quantize`` ("int8",
     "int4" or "fp8": the nodes hold their blocks' linear weights quantized by torchao, ``diffuse.plan.quantize``;
-    local nodes are started so, and a node holding another mode refuses the open)."""
+    local nodes are started so, and a node holding another mode refuses the open), ``speculate`` ("lookup", an
+    assistant model or its folder or Hub id: a language model's ``generate`` drafts tokens that one pass verifies,
+    ``diffuse.lm.client_drafts``; ``draft_tokens``: at most that many a pass, default 8)."""
     return Split(pipe_or_model, nodes=nodes, local_nodes=local_nodes, patches=patches, **options)

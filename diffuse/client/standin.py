@@ -59,6 +59,7 @@ class Splitter:
         self.lm = LanguageEnds(self)
 
     embedding_on_node = False  # a language model's embedding table may go to the first node (opt-in)
+    drafting = None  # a language model's drafts verified by the ring (diffuse.lm.client_drafts.Drafting), when asked
 
     @classmethod
     def on(cls, denoiser: nn.Module, plan: SlicingPlan, embedding_on_node: bool = False) -> "Splitter":

@@ -7,7 +7,7 @@ A language model's stack is called with its key/value cache; the stand-in
 the pass is held back until the head is called, so that the last node runs the
 final norm and the head too and sends back only the candidates decoding reads
 (``diffuse.lm.heads``); the head's side is ``diffuse.lm.client_head`` (``HeadEnd``, and
-``GenerateCapture``, which captures generate's own logits processors and token
+``diffuse.lm.client_generate.GenerateCapture``, which captures generate's own logits processors and token
 history so that, when it samples, the last node applies them and draws,
 ``diffuse.lm.sampling``). When asked (``embedding_on_node``) and where the model's
 forward allows, the input embedding is a stand-in too and the pass carries token
@@ -30,7 +30,8 @@ from diffuse.changes import is_freed
 from diffuse.errors import DiffuseError
 from diffuse.lm.client_cache import ClientCaches
 from diffuse.lm.client_embedding import EmbeddingEnd
-from diffuse.lm.client_head import GenerateCapture, HeadEnd
+from diffuse.lm.client_generate import GenerateCapture
+from diffuse.lm.client_head import HeadEnd
 from diffuse.wire.passes import Embed, Tail
 from diffuse.plan.contracts import ReturnMap, StackPlan
 from diffuse.plan.planner import learn_call
@@ -149,14 +150,14 @@ class LanguageEnds:
         e, h = self.embedding, self.head_end
         if e.table is not None and not e.freed and e.passes:
             if not h.head_tied:
-                e.table[1].to("meta")
+                to_meta(e.table[1])
                 e.freed = True
             elif h.tail_passes and not h.head_freed:
-                e.table[1].to("meta")
-                h.head[1].to("meta")  # each module's own parameter goes (moving one leaves the other)
+                to_meta(e.table[1])
+                to_meta(h.head[1])  # each module's own parameter goes (moving one leaves the other)
                 e.freed = h.head_freed = True
         if h.head is not None and not h.head_freed and not h.head_tied and h.tail_passes:
-            h.head[1].to("meta")  # the last node holds it now
+            to_meta(h.head[1])  # the last node holds it now
             h.head_freed = True
 
     # -- passes ----------------------------------------------------------------------------------------
@@ -228,8 +229,9 @@ class LanguageEnds:
                 raise DiffuseError(f"{stack.path}: the first layer's input is not the slot its output threads into, "
                                    "so the first node cannot put the token embeddings there")
             embed = Embed(slot, str(rows.dtype).removeprefix("torch."))
+        record, crops = self.caches.edits(cache)
         out = self.splitter.ring.call_layers(stack.path, calls, threaded_sides(calls, rmap), cache, fresh, tail,
-                                             embed=embed)
+                                             embed=embed, record=record, crops=() if fresh else crops)
         self.caches.shadow(cache, range(stack.length), rows)
         if ids is not None:
             self.embedding.passes += 1
@@ -239,3 +241,12 @@ class LanguageEnds:
     def send_pending(self, tail: Tail | None):
         p, self.pending = self.pending, None
         return self._send(p.stack, p.calls, p.cache, p.rmap, p.fresh, tail, p.ids)
+
+
+def to_meta(module: nn.Module) -> None:
+    """``module``'s weights freed (a node holds them); the device they were on is kept, so that a later split's
+    stand-in for it answers ``generate``'s ``model.device`` with that device, not meta."""
+    first = next(module.parameters(), None)
+    if first is not None and first.device.type != "meta":
+        module.__dict__["_diffuse_device"] = first.device
+    module.to("meta")

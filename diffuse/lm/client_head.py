@@ -3,9 +3,8 @@
 Inside ``generate``, which always calls the output head, a pass is held back (``diffuse.lm.client_ends``) until the head
 is called, so that the last node runs the final norm and the head too and sends back only the candidates decoding
 reads (``diffuse.lm.heads``); ``HeadEnd`` answers the head's stand-in from that pass, or runs the head here where the
-model works on the norm's output in between. ``GenerateCapture`` wraps ``generate``: it says how many candidates
-decoding needs, and captures generate's own logits processors and token history so that, when it samples, the
-last node applies them and draws (``diffuse.lm.sampling``).
+model works on the norm's output in between. What ``generate`` itself tells the last node is
+``diffuse.lm.client_generate``'s.
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ from torch import nn
 
 from diffuse.changes import is_freed
 from diffuse.errors import DiffuseError
+from diffuse.plan.kvcache import self_attention_part
 from diffuse.wire.passes import Tail
-from diffuse.lm.client_shortlist import ShortlistCheck
 from diffuse.lm.heads import head_path, head_vocab, is_head_list, is_norm
 
 
@@ -117,6 +116,7 @@ class HeadEnd:
         self.tail_follows = True
         gen = self.ends.generation
         draw = gen.draw.wire(gen.node_tail()) if gen.draw is not None else None
+        before = self_attention_part(p.cache).get_seq_length() if p.cache is not None else 0
         answer = self.ends.send_pending(Tail(p.norm, tuple(rows), gen.top or 0, draw))
         self.tail_passes += 1
         held = sum(t.numel() * t.element_size() for t in (answer.values() if isinstance(answer, dict) else ())
@@ -125,12 +125,15 @@ class HeadEnd:
         self.tail_bytes_max = max(self.tail_bytes_max, held)
         vocab = head_vocab(original)
         self.ends.free_remote_weights()
+        # the position of the first row answered: a processor called on the token history up to the row's own
+        # position reads that row (one per pass; one per drafted token and one more when drafts are verified)
+        gen.rows_at = before + rows[0] if p.cache is not None else rows[0]
         if "logits" in answer:
             logits = answer["logits"]
-            gen.shortlist, gen.whole_row = None, logits[:, -1]
+            gen.shortlist, gen.whole_row = None, logits
         else:
             logits = logits_from(answer["ids"], answer["values"], vocab)
-            gen.shortlist = logits[:, -1]
+            gen.shortlist = logits
         if gen.draw is not None:  # the row generate will read, as it reads it
             gen.draw.took(answer, gen.node_tail(), logits[:, -1].to(dtype=torch.float32, copy=True))
         return logits
@@ -180,118 +183,6 @@ class HeadEnd:
         return original[index](x)
 
 
-class GenerateCapture:
-    """While split, ``generate`` first says how many candidates its decoding reads (``diffuse.lm.heads``); with
-    sampling, the last node applies generate's own processors and draws (``diffuse.lm.sampling``)."""
-
-    def __init__(self, ends):
-        self.ends = ends  # the LanguageEnds this end belongs to (diffuse.lm.client_ends)
-        self.top: int | None = None  # candidates per row the head's answer needs (None: the whole row)
-        self.shortlist: torch.Tensor | None = None  # the last row the head answered from the best candidates only
-        self.whole_row: torch.Tensor | None = None  # ... or whole
-        self.greedy_top: int | None = None  # in a greedy generate call, the candidates a shortlist holds
-        self.logits_changed: bool | None = None  # whether the model changes its logits after the head (None: unknown)
-        self.active = False  # passes are held back for the head only inside generate, which always calls it
-        self.draw = None  # a generate call's draws on the last node (diffuse.lm.sampling.Draw), while it runs
-        self.last_draw = None  # the last generate call's (None when it drew nothing on the node), for its report
-        self._node_tail = None  # what the open ring's last node holds for draws (diffuse.lm.sampling.NodeTail)
-
-    def wrap(self, changes) -> None:
-        from diffuse.plan.kvcache import check_prompt
-        from diffuse.lm.heads import candidates_needed
-
-        model = self.ends.model
-        bound = type(model).generate.__get__(model)
-
-        @functools.wraps(bound)
-        def generate(*args, **kwargs):
-            check_prompt(model.config, kwargs.get("input_ids", args[0] if args else None))  # before any pass
-            self.top = candidates_needed(model, kwargs)
-            # greedy from the best few: until this model is known not to change its logits after the head, its
-            # first pass brings the whole last row (diffuse.lm.client_shortlist.ShortlistCheck learns it there)
-            self.greedy_top = self.top if not self.ends.head_end.head_list else None
-            if self.greedy_top is not None and self.logits_changed is not False:
-                self.top = None
-            self.active = True
-            self.draw = None
-            restore = self._capture(model)
-            try:
-                return bound(*args, **kwargs)
-            finally:
-                restore()
-                self.top, self.greedy_top, self.active = None, None, False
-                self.shortlist = self.whole_row = None
-                self.last_draw, self.draw = self.draw, None
-                self.ends.pending = None  # a pass nothing read (cannot happen in generate): not left behind
-
-        changes.set(model, "generate", generate)
-
-    def node_tail(self):
-        """What the open ring's last node holds for draws; a new session starts with nothing."""
-        from diffuse.lm.sampling import NodeTail
-
-        channel = self.ends.splitter.ring.channel
-        if self._node_tail is None or self._node_tail.channel is not channel:
-            self._node_tail = NodeTail(channel)
-        return self._node_tail
-
-    def _capture(self, model):
-        """For the length of one ``generate`` call: the logits processors it builds are captured (with sampling,
-        described for the last node and replaced by ``DrawnToken``), and so is the token history it runs each
-        forward with. Returns what undoes both."""
-        get_processors, prepare = model._get_logits_processor, model.prepare_inputs_for_generation
-
-        @functools.wraps(get_processors)
-        def get_logits_processor(*args, **kwargs):
-            built = get_processors(*args, **kwargs)
-            config = kwargs["generation_config"] if "generation_config" in kwargs else args[0]
-            return self._processors(built, config)
-
-        @functools.wraps(prepare)
-        def prepare_inputs_for_generation(input_ids, *args, **kwargs):
-            if self.draw is not None:
-                self.draw.ids = input_ids
-            return prepare(input_ids, *args, **kwargs)
-
-        model._get_logits_processor = get_logits_processor
-        model.prepare_inputs_for_generation = prepare_inputs_for_generation
-
-        def restore():
-            model.__dict__.pop("_get_logits_processor", None)
-            model.__dict__.pop("prepare_inputs_for_generation", None)
-
-        return restore
-
-    def _processors(self, built, config):
-        """What generate runs in place of the processors it ``built``: its own, or ``DrawnToken`` when the last
-        node applies them and draws."""
-        from transformers import LogitsProcessorList
-
-        from diffuse.lm.sampling import Draw, DrawnToken
-        from diffuse.lm.heads import GREEDY_TOP, LISTED_TOP
-
-        if getattr(config, "output_scores", False) or (getattr(config, "num_beams", 1) or 1) > 1:
-            return built  # output_scores asks for whole rows
-        if not getattr(config, "do_sample", False):
-            if self.greedy_top is not None:  # greedy reads the best few: checked first
-                return LogitsProcessorList([ShortlistCheck(self, self.greedy_top), *built])
-            if not self.ends.head_end.head_list or self.top is not None:
-                return built  # greedy reads the whole row
-            # a list of heads under processors (guidance): the last node applies them and takes the argmax
-            try:
-                self.draw = Draw(built, sample=False)
-            except DiffuseError:
-                return built  # a processor the node cannot rebuild: whole rows come home, processed here
-        else:
-            self.draw = Draw(built, sample=True)
-        # the raw best candidates still come home, for output_logits and the report
-        self.top = LISTED_TOP if self.ends.head_end.head_list else GREEDY_TOP
-        # each generate call's first draw carries everything (processors, whole history, generator state), so
-        # the passes of one call, replayed in order on a new node, rebuild its state exactly
-        self._node_tail = None
-        return LogitsProcessorList([DrawnToken(self.draw)])
-
-
 def rows_of(x: torch.Tensor, full: torch.Tensor) -> tuple[int, int] | None:
     """``(start, stop)`` when ``x`` is ``full[:, start:stop]`` (a view sharing its storage), else None."""
     if x.dim() != 3 or full.dim() != 3 or x.shape[0] != full.shape[0] or x.shape[2] != full.shape[2]:
@@ -321,8 +212,9 @@ class HeldElsewhere(nn.Module):
         # an empty parameter of the original's dtype and device: a model whose every weight is elsewhere (OLMo's
         # norms have none) still answers ``generate``'s ``self.device`` and ``self.dtype``
         first = next(original.parameters(), None)
-        if first is not None:
-            self.held_here = nn.Parameter(torch.empty(0, dtype=first.dtype, device=first.device), requires_grad=False)
+        if first is not None:  # (where a split before this one freed the original: the device it was on)
+            device = original.__dict__.get("_diffuse_device", first.device)
+            self.held_here = nn.Parameter(torch.empty(0, dtype=first.dtype, device=device), requires_grad=False)
 
     @property
     def weight(self):

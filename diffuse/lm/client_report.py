@@ -1,8 +1,8 @@
 """What a language model's run reports (``diffuse.cli.language``, ``diffuse.cli.compose``): the best candidates of each step
 bit for bit (``top_candidates``), the parameters the client still holds (``held_parameters``, the head's and
 the embedding's), what a split run adds (``text_split_report``: the wire's figures per token, each node's, the
-links of its route, the draws where tokens were drawn on the last node), and the summary lines
-(``summarize``)."""
+links of its route, the draws where tokens were drawn on the last node, what drafting did), and the summary
+lines (``summarize``)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,9 @@ def text_split_report(split, new_tokens: int) -> dict:
         node_stats=[dict(r, address=s.address, bytes_per_token_in=r.get("bytes_in", 0) / per_token)
                     for s, r in zip(split.plan.route, split.node_reports)],
         links=split.repair.heard.route_lines([s.address for s in split.plan.route]), messages=st.messages)
+    drafting = split.splitter.drafting
+    if drafting is not None and drafting.last is not None:  # drafts verified by the ring (diffuse.lm.client_drafts)
+        report["speculation"] = {"drafter": drafting.name, **drafting.last.report(new_tokens)}
     draw = split.splitter.last_draw
     if draw is not None:  # the tokens were drawn on the last node (diffuse.lm.sampling)
         report["sampling"] = {"draws": draw.draws, "generator_states_sent": draw.states_sent,
@@ -94,9 +97,19 @@ def summarize(r: dict, console) -> None:
             console.print(f"  {sm['draws']} tokens drawn on the last node after "
                           f"{', '.join(name for name, _ in sm['processors']) or 'no processor'}; the client's "
                           f"generator state sent {sm['generator_states_sent']} time(s)", soft_wrap=True)
+        if r.get("speculation"):
+            console.print(f"  {speculation_line(r['speculation'])}", soft_wrap=True)
         for i, ns in enumerate(r.get("node_stats") or [], 1):
             console.print(f"  node {i}: {ns.get('messages', 0)} messages, {ns.get('bytes_in', 0) / 1024:.1f} KiB in, "
                           f"{ns.get('bytes_out', 0) / 1024:.1f} KiB out, cache {ns.get('cache_bytes', 0) / 1024:.1f} KiB, "
                           f"busy {ns.get('busy_s', 0.0):.2f} s", soft_wrap=True)
         for line in r.get("links") or []:
             console.print(f"  link {line}", soft_wrap=True)
+
+
+def speculation_line(sp: dict) -> str:
+    """One line of what drafting did: tokens per trip, drafts and how many of their tokens were accepted."""
+    rate = f"{100 * sp['acceptance']:.0f}%" if sp.get("acceptance") is not None else "-"
+    per = f"{sp['tokens_per_trip']:.2f}" if sp.get("tokens_per_trip") is not None else "-"
+    return (f"drafts by {sp['drafter']}: {per} tokens per trip over {sp['passes']} passes; {sp['drafts']} drafts "
+            f"of {sp['drafted']} tokens, {sp['accepted']} accepted ({rate})")

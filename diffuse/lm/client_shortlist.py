@@ -32,8 +32,7 @@ class ShortlistCheck:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         gen = self.capture
-        row, whole = gen.shortlist, gen.whole_row
-        gen.shortlist = gen.whole_row = None
+        row, whole = self._row(gen.shortlist, input_ids), self._row(gen.whole_row, input_ids)
         if whole is not None:
             if gen.logits_changed is None and whole.shape == scores.shape:
                 gen.logits_changed = not torch.equal(scores.detach().cpu().to(whole.dtype), whole)
@@ -55,3 +54,11 @@ class ShortlistCheck:
                                    f"its best {len(listed)} candidates tie after it, so tokens that stayed on the last "
                                    "node could win greedy decoding; Diffuse refuses rather than guess")
         return scores
+
+    def _row(self, answered: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The row of the last pass's answer (batch x rows x vocabulary) that ``generate`` processes now: the one at
+        the position of the history's last token (a verifying pass answers one row per drafted token, and one)."""
+        if answered is None or answered.dim() != 3:
+            return None
+        r = input_ids.shape[-1] - 1 - self.capture.rows_at
+        return answered[:, r] if 0 <= r < answered.shape[1] else None

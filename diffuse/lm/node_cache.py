@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from diffuse.errors import DiffuseError
-from diffuse.plan.kvcache import cached_positions, max_positions, over_cap
+from diffuse.plan.kvcache import cached_positions, max_positions, over_cap, self_attention_part
 
 
 class NodeCaches:
@@ -33,6 +33,27 @@ class NodeCaches:
             return cache_utils.EncoderDecoderCache(cache_utils.DynamicCache(), cache_utils.DynamicCache())
         raise DiffuseError(f"a cache of class {kind[:64]!r} cannot be kept on a node "
                            "(DynamicCache and EncoderDecoderCache can)")
+
+    @staticmethod
+    def edit(cache, record: bool, crops) -> None:
+        """Edit ``cache`` as the client's own was edited since the last pass (``diffuse.lm.client_cache``):
+        ``record`` keeps what a sliding window would drop until the next crop, each of ``crops`` removes that
+        many of the last positions (0 only trims a sliding window back)."""
+        if record and callable(getattr(cache, "activate_past_recording", None)):
+            cache.activate_past_recording()
+        # only the layers held here have keys: the others, never written, are left alone (cropping an empty
+        # sliding-window layer fails in transformers)
+        layers = [layer for layer in getattr(self_attention_part(cache), "layers", ())
+                  if getattr(layer, "is_initialized", True)]
+        for n in crops:
+            held = cached_positions(cache)
+            if -n > held:
+                raise DiffuseError(f"asked to cut {-n} positions from a cache holding {held}")
+            try:
+                for layer in layers:
+                    layer.crop(n)
+            except (RuntimeError, ValueError) as exc:
+                raise DiffuseError(f"this session's cache could not be cut back: {str(exc)[:160]}") from None
 
     def check_room(self, cache, new: int) -> None:
         """Refuse a pass that would take ``cache`` (one of this session's) beyond the model's positions."""

@@ -43,6 +43,8 @@ class LanguageModelPass(PassKind):
             p.part = replace(part, embed=None)
         p.layer_trees = part.trees
         p.cache = sess.kv.get(p.stack, part.kind, part.fresh) if part.kind is not None else None
+        if p.cache is not None and (part.record or part.crops):
+            sess.kv.edit(p.cache, part.record, part.crops)  # drafts verified: cut back as the client's was
         stream = p.values[p.rmap.streams[0]] if p.rmap.streams else None
         if p.cache is not None and isinstance(stream, torch.Tensor) and stream.dim() >= 2:
             sess.kv.check_room(p.cache, stream.shape[1])  # before the layers write anything into it

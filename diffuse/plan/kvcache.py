@@ -76,12 +76,13 @@ def cached_positions(cache) -> int:
     return max(lengths, default=0)
 
 
-EDITS = ("reorder_cache", "crop", "batch_repeat_interleave", "batch_select_indices")  # what beams and drafts do
+# what beam and contrastive search do to a cache (a crop, as assisted decoding makes, travels: diffuse.lm.client_cache)
+EDITS = ("reorder_cache", "crop", "batch_repeat_interleave", "batch_select_indices")
 
 
 def refuse_edit(name: str):
     def refuse(*_args, **_kwargs):
-        raise DiffuseError(f"generate called cache.{name}(): beam search and assisted decoding reorder, crop or "
+        raise DiffuseError(f"generate called cache.{name}(): beam search and contrastive search reorder or "
                            "repeat the cache, whose keys and values live on the nodes, so Diffuse refuses them "
-                           "rather than give a wrong answer (greedy decoding and sampling work)")
+                           "rather than give a wrong answer (greedy decoding, sampling and assisted decoding work)")
     return refuse

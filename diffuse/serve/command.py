@@ -73,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     from diffuse.plan.logs import add_flag
 
     add_flag(ap, "the service and its local nodes")
-    from diffuse.flags import device_flags
+    from diffuse.flags import device_flags, speculate_flags
 
     device_flags(ap)
+    speculate_flags(ap)  # for every language model served (an assistant must share its tokenizer)
     return ap
 
 
@@ -101,6 +102,8 @@ class ServeOptions:
     api_key: str | None = None
     node_metrics_port: int | None = None
     log_format: str = "text"
+    speculate: str = "auto"
+    draft_tokens: int | None = None
 
     @classmethod
     def of(cls, a: argparse.Namespace) -> "ServeOptions":
@@ -141,8 +144,11 @@ def load_engines(names: list[str], infos: list, split_options: dict, opts: Serve
     started = int(time.time())
     for name, info in zip(names, infos):
         if info.subject.autoregressive:
-            e = LanguageEngine(name, info, None, split_options, started, opts.parallel, opts.max_waiting,
-                               opts.max_tokens)
+            from diffuse.lm.client_drafts import drafting_for
+
+            drafting = drafting_for(opts.speculate, opts.draft_tokens, info.path)  # an assistant loads once, here
+            e = LanguageEngine(name, info, None, dict(split_options, speculate=drafting), started, opts.parallel,
+                               opts.max_waiting, opts.max_tokens)
         else:
             e = PipelineEngine(name, info, None, split_options, started, 1, opts.max_waiting)
         engines[name] = e
@@ -305,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             raise DiffuseError(f"--listen {a.listen}: beyond loopback the service needs --api-key KEY (or "
                                "$DIFFUSE_API_KEY), which every request then sends as a bearer token")
         flags.check_port_free(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
+        parsing.check_speculate(a)
         if a.node_metrics_port is not None and (a.nodes or not 0 <= a.node_metrics_port < 65536):
             raise DiffuseError(f"--node-metrics-port {a.node_metrics_port}: a port (0: any free one) for the nodes "
                                "started here; nodes given with --nodes open their own (diffuse node --metrics-port)")

@@ -43,14 +43,16 @@ class TextStream:
         self.cancel.check()
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        self.tokens.extend(int(t) for t in value.reshape(-1).tolist())
+        for token in value.reshape(-1).tolist():  # several at once where drafts were accepted
+            self.tokens.append(int(token))
+            if self.stop:  # the answer ends at the token that completes a stop string, however many came
+                text = self.text()
+                at = min((a for a in (text.find(s) for s in self.stop) if a >= 0), default=-1)
+                if at >= 0:
+                    self.stopped = True
+                    self._send(text[:at])
+                    raise _StopString()
         text = self.text()
-        for s in self.stop:
-            at = text.find(s)
-            if at >= 0:
-                self.stopped = True
-                self._send(text[:at])
-                raise _StopString()
         if text.endswith("\ufffd"):  # the rest of a character split over tokens is still to come
             return
         hold = max((len(s) - 1 for s in self.stop), default=0)

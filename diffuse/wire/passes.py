@@ -37,17 +37,15 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Union
 
-from diffuse.plan.calltree import DICT, TENSOR, TUPLE
-from diffuse.plan.kvcache import STATE
 from diffuse.plan.contracts import ContractError, ReturnMap, is_int, _short
 from diffuse.plan.messages import Patch, SlotRef
+from diffuse.wire.trees import MAX_TREE_NODES, checked_tree
+
+MAX_CROPS = 64  # cache crops one pass carries (one per draft verified since the last pass)
+MAX_CROP = 1 << 20  # positions one crop removes
 
 __all__ = ["Answer", "ContractError", "DrawState", "Embed", "LayerPass", "Pass", "Part", "Patch", "Reuse", "Tail",
            "WHOLE", "Whole", "checked_tree"]
-
-MAX_TREE_DEPTH = 16
-MAX_TREE_NODES = 4096
-
 
 # --------------------------------------------------------------------------- parts
 
@@ -187,18 +185,26 @@ class Embed:
 class LayerPass:
     """A language model's pass: the class of the key/value cache the layers are called with (``kind``) and
     whether the nodes start theirs anew (``fresh``); each layer's call plan where it differs from the first
-    layer's (by global layer index); ``embed`` and ``tail`` as above."""
+    layer's (by global layer index); ``embed`` and ``tail`` as above. Before the layers run, each node edits
+    its cache as the client's own was edited since the last pass (drafts verified: ``diffuse.lm.client_cache``):
+    ``record`` keeps past positions a sliding window would drop, then each of ``crops`` removes that many."""
 
     kind: str | None = None  # None: the layers are called without a cache
     fresh: bool = False
     layer_trees: dict | None = None
     tail: Tail | None = None
     embed: Embed | None = None
+    record: bool = False
+    crops: tuple[int, ...] = ()
 
     def to_wire(self) -> dict:
         w: dict = {}
         if self.kind is not None:
             w["state"] = {"kind": self.kind, "fresh": self.fresh}
+            if self.record:
+                w["state"]["record"] = True
+            if self.crops:
+                w["state"]["crops"] = list(self.crops)
         if self.tail is not None:
             w["tail"] = self.tail.to_wire()
         if self.embed is not None:
@@ -211,8 +217,13 @@ class LayerPass:
     def from_wire(cls, x: dict, slots: int) -> "LayerPass":
         state = x.get("state")
         if state is not None and not (isinstance(state, dict) and isinstance(state.get("kind"), str)
-                                      and isinstance(state.get("fresh", False), bool)):
+                                      and isinstance(state.get("fresh", False), bool)
+                                      and isinstance(state.get("record", False), bool)):
             raise ContractError("malformed cache state")
+        crops = state.get("crops", []) if state is not None else []
+        if not isinstance(crops, list) or len(crops) > MAX_CROPS \
+                or not all(is_int(c) and -MAX_CROP <= c <= 0 for c in crops):
+            raise ContractError(f"malformed cache crops: at most {MAX_CROPS}, each removing 0 to {MAX_CROP} positions")
         layer_trees = x.get("layer_trees") or {}
         if not isinstance(layer_trees, dict) or len(layer_trees) > MAX_TREE_NODES \
                 or not all(isinstance(k, str) for k in layer_trees):
@@ -223,7 +234,8 @@ class LayerPass:
                    fresh=bool(state.get("fresh", False)) if state is not None else False,
                    layer_trees=layer_trees or None,
                    tail=Tail.from_wire(x["tail"]) if x.get("tail") is not None else None,
-                   embed=Embed.from_wire(x["embed"], slots) if x.get("embed") is not None else None)
+                   embed=Embed.from_wire(x["embed"], slots) if x.get("embed") is not None else None,
+                   record=bool(state.get("record", False)) if state is not None else False, crops=tuple(crops))
 
     @property
     def trees(self) -> dict:
@@ -345,54 +357,3 @@ class Answer:
         if skipped is not None and not isinstance(skipped, bool):
             raise ContractError("an answer's skipped is true or false")
         return cls(header["stack"], header["seq"], header["out"], skipped)
-
-
-# --------------------------------------------------------------------------- call plans from a peer
-
-
-def checked_tree(tree: Any, what: str, slots: int | None = None) -> dict:
-    """A call plan from a peer, checked before any of it is used: a map of ``args`` (a list) and
-    ``kwargs`` (a map of strings), nodes of known kinds, tensor numbers in range (``slots``), bounded
-    in depth and size.
-
-    >>> checked_tree({"args": [{"$t": 0}], "kwargs": {"scale": 1.5}}, "call plan", 1)
-    {'args': [{'$t': 0}], 'kwargs': {'scale': 1.5}}
-    >>> checked_tree({"args": [{"$t": 2}], "kwargs": {}}, "call plan", 1)
-    Traceback (most recent call last):
-    ...
-    diffuse.plan.contracts.ContractError: malformed call plan: tensor number 2 is not one of its 1
-    """
-    if not isinstance(tree, dict) or set(tree) != {"args", "kwargs"} or not isinstance(tree["args"], list) \
-            or not isinstance(tree["kwargs"], dict) or not all(isinstance(k, str) for k in tree["kwargs"]):
-        raise ContractError(f"malformed {what}: a map of args (a list) and kwargs (a map)")
-    count = 0
-
-    def walk(x, depth: int) -> None:
-        nonlocal count
-        count += 1
-        if depth > MAX_TREE_DEPTH or count > MAX_TREE_NODES:
-            raise ContractError(f"malformed {what}: nested deeper than {MAX_TREE_DEPTH} or larger than "
-                                f"{MAX_TREE_NODES} entries")
-        if x is None or isinstance(x, (bool, int, float, str)):
-            return
-        if isinstance(x, list):
-            for v in x:
-                walk(v, depth + 1)
-            return
-        if not isinstance(x, dict) or len(x) != 1:
-            raise ContractError(f"malformed {what}: a {type(x).__name__} where a value or a one-key marker belongs")
-        (k, v), = x.items()
-        if k == TENSOR:
-            if not is_int(v) or v < 0 or (slots is not None and v >= slots):
-                raise ContractError(f"malformed {what}: tensor number {str(v)[:24]} is not one of its "
-                                    f"{slots if slots is not None else 'slots'}")
-        elif k == TUPLE and isinstance(v, list) or k == DICT and isinstance(v, dict) and all(
-                isinstance(n, str) for n in v):
-            for e in (v if isinstance(v, list) else v.values()):
-                walk(e, depth + 1)
-        elif not (k == "$float" and v in ("nan", "inf", "-inf") or k == STATE and isinstance(v, str)):
-            raise ContractError(f"malformed {what}: unknown marker {str(k)[:24]!r}")
-
-    for v in (*tree["args"], *tree["kwargs"].values()):
-        walk(v, 1)
-    return tree
