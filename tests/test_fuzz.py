@@ -131,7 +131,7 @@ class Fuzzer:
         lambda f, p, live: _stage(p).update({f.rng.choice(["model_hash", "dtype", "next", "attention"]): 5}),
         lambda f, p, live: _stage(p).update(attention=f.rng.choice(["fast", "", "eager "])),
         lambda f, p, live: _stage(p).update(wire_in=f.rng.choice(["1", None]), wire_out=1),
-        lambda f, p, live: _stage(p).update(wire_in=f.rng.choice([3, 9]), wire_out=1),
+        lambda f, p, live: _stage(p).update(wire_in=f.rng.choice([4, 9]), wire_out=1),  # versions no node speaks
         lambda f, p, live: _stage(p).update(slices=f.rng.choice([
             "all", [{"stack": "nope", "start": 0, "stop": 1}], [{"stack": "blocks", "start": 0, "stop": 99}],
             [{"stack": "blocks", "start": 0, "stop": 1}, {"stack": "blocks", "start": 1, "stop": 2}],

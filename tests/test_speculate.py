@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import THREADS, reference_jobs, run_client
-from test_hardening import _nodes, _stop
+from test_hardening import _node, _nodes, _stop
 from test_lm import lm_models  # noqa: F401  (the session's tiny models, built once)
 
 # a prompt the tiny models answer by repeating themselves (random weights quote nothing, but fall into a loop
@@ -166,6 +166,34 @@ def test_a_replica_killed_with_drafts_in_flight_changes_nothing(spec_models, spe
     assert route == [nodes[0][1]["address"], nodes[2][1]["address"]]
     assert len(lines) == 1 and nodes[1][1]["address"] in lines[0] and "replayed" in lines[0], lines
     assert drafts.drafts > 0 and drafts.accepted < drafts.drafted
+
+
+def test_a_node_of_an_older_wire_version_gets_no_drafts(spec_models, spec_refs, diffuse_home):
+    """A node speaking wire versions 1 and 2 (as one from before cuts travelled) would not cut its cache: the
+    default then drafts nothing, and asking for drafts is refused in one line naming it."""
+    import diffuse
+
+    from diffuse.lm.client_media import build_inputs
+
+    model_dir = spec_models("qwen2")
+    inputs, _ = build_inputs(model_dir, PROMPT)
+    nodes = [_node(model_dir, "1/2", ["--wire", "1,2"]), _node(model_dir, "2/2")]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        model = diffuse.from_pretrained(model_dir)
+        addresses = [f"{r['address']}#{r['key']}" for _, r in nodes]
+        with torch.no_grad(), diffuse.split(model, nodes=addresses, timeout=60) as split:
+            out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+            assert split.splitter.drafting.last is None and split.ring.channel_stats.passes == NEW
+        with torch.no_grad(), diffuse.split(model, nodes=addresses, timeout=60, speculate="lookup"):
+            with pytest.raises(diffuse.DiffuseError, match=f"node {nodes[0][1]['address']} .2. speaks a wire version "
+                                                           "older than 3"):
+                model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+    finally:
+        torch.set_num_threads(threads)
+        _stop(*(p for p, _ in nodes))
+    assert out[:, inputs["input_ids"].shape[1]:].tolist() == spec_refs["greedy"]
 
 
 def test_the_command_line_drafts_reports_and_refuses_bad_drafting_in_one_line(spec_models, spec_refs, tmp_path,

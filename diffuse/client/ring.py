@@ -176,6 +176,11 @@ class Ring:
         tree, tensors = flatten(args, kwargs)
         return self.receive(self.send(stack, tree, tensors, rmap))
 
+    def old_nodes(self, version: int) -> list[str]:
+        """The nodes of the route that chose a wire version older than ``version`` at hello (each "ADDRESS (N)")."""
+        chosen = self.handshake.wire
+        return [f"{s.address} ({chosen[s.address]})" for s in self.plan.route if chosen.get(s.address, version) < version]
+
     def call_layers(self, stack: str, calls: list[tuple[tuple, dict]], rmap: ReturnMap, cache, fresh: bool,
                     tail: Tail | None = None, embed: Embed | None = None, record: bool = False, crops=()):
         """One pass of a language model's ``stack``: every layer's own call (``calls``, in order) in one

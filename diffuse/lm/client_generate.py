@@ -57,6 +57,8 @@ class GenerateCapture:
                 kwargs.update(added)
                 self.steered = "prompt_lookup_num_tokens" in added  # its lengths follow what is accepted
             self.speculating, self.drafts = assisted(model, kwargs), None
+            if self.speculating:
+                self.speculating = self._nodes_cut(kwargs, self.steered and drafting.auto)
             self.top = candidates_needed(model, kwargs)
             # greedy from the best few: until this model is known not to change its logits after the head, its
             # first pass brings the whole last row (diffuse.lm.client_shortlist.ShortlistCheck learns it there)
@@ -80,6 +82,23 @@ class GenerateCapture:
                 self.ends.pending = None  # a pass nothing read (cannot happen in generate): not left behind
 
         changes.set(model, "generate", generate)
+
+    def _nodes_cut(self, kwargs: dict, quietly: bool) -> bool:
+        """Whether every node of the ring cuts its cache as a verifying pass asks (wire version 3 and later): where
+        one does not, drafting the session chose by default (``quietly``) is left out of ``kwargs``, and any
+        other is refused in one line."""
+        from diffuse.plan.contracts import CUTS_CACHES
+
+        ring = self.ends.splitter.ring
+        old = ring.old_nodes(CUTS_CACHES) if hasattr(ring, "old_nodes") else []
+        if not old:
+            return True
+        if quietly:
+            kwargs.pop("prompt_lookup_num_tokens", None)
+            self.steered = False
+            return False
+        raise DiffuseError(f"node {', '.join(old)[:300]} speaks a wire version older than {CUTS_CACHES}, whose nodes "
+                           "cannot cut their caches after drafts: update it, or --speculate off")
 
     def node_tail(self):
         """What the open ring's last node holds for draws; a new session starts with nothing."""

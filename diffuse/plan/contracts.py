@@ -22,7 +22,10 @@ from typing import Any
 from diffuse.errors import DiffuseError
 
 PLAN_VERSION = 2
-WIRE_VERSIONS = (1, 2)  # what this code speaks: 1 = hop keys sealed to the node's long-term key; 2 = agreed (forward secret)
+# what this code speaks: 1 = hop keys sealed to the node's long-term key; 2 = agreed (forward secret); 3 = as 2, and
+# a language model's pass may ask the nodes to cut their caches (drafts verified: diffuse.lm.client_drafts)
+WIRE_VERSIONS = (1, 2, 3)
+CUTS_CACHES = 3  # the first version whose nodes make the cuts a pass asks for
 WIRE_VERSION = WIRE_VERSIONS[-1]  # the newest, used wherever both ends speak it
 SESSION_ID_BYTES = 16  # a session id on the wire
 
