@@ -49,6 +49,18 @@ def test_bench_lm_quick_prints_rates_first_token_and_bytes_per_hop(diffuse_home)
                      r"1->2 \d+ B, 2->client \d+ B", out), out
 
 
+def test_bench_lm_link_ms_prints_each_way_of_drafting_against_off(diffuse_home):
+    proc = run_cli(["bench", "lm", "--link-ms", "5", "--quick"], diffuse_home)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    number = r"\d+\.\d +\+- +\d+\.\d +\d+\.\d\d\+-\d\.\d\d"
+    for task in ("repetitive", "free"):
+        for way in ("off", "lookup", "assistant", "whole", "split, off", "split, lookup"):
+            assert re.search(rf"  {task} +{way} +{number} +(\d\.\d\d|-) +(\d+%|-) +True", out), (task, way, out)
+    # on the repetitive task prompt lookup drafts, and its drafts are taken
+    assert re.search(r"  repetitive +lookup +[\d.]+ +\+- +[\d.]+ +[\d.]+\+-[\d.]+ +0\.\d\d +[1-9]\d*%", out), out
+
+
 def test_bench_placement_links_and_memory_quick_print_their_figures(diffuse_home):
     """The three benches of placement, at their tiniest, in one process: even against planned slices with the
     planner's prediction beside each figure, a slowed client link against its floor, and peak memory per

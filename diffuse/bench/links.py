@@ -158,7 +158,7 @@ def run_one(path: str, cfg: dict, spec: list[str], relays: dict, name: str, dela
     ids = torch.randint(0, cfg["vocab"], (1, cfg["prompt"]), generator=torch.Generator().manual_seed(0))
     model = diffuse.from_pretrained(path)
     with inbox_through(relays["inbox"]):
-        with diffuse.split(model, nodes=spec, timeout=600) as split:
+        with diffuse.split(model, nodes=spec, timeout=600, speculate="off") as split:
             lm.generate(model, ids, 2)  # warm-up: the session open, its call plans learnt
             new, clock = lm.generate(model, ids, cfg["new"])
     hops = lm.per_token_hops(split, cfg["new"])

@@ -16,6 +16,8 @@ layers with nothing of Diffuse between them (``diffuse.bench.bare``): what a
 plain ring of processes over ZeroMQ reaches on this machine at this size, and
 each split's rate as a fraction of it.
 
+``--link-ms MS``: drafts verified by the ring, over links delayed MS each hop (``diffuse.bench.drafts``).
+
 ``--sessions N``: N greedy sessions at once (prompts of different lengths),
 each its own client on a thread of this process (its own model copy and
 ``diffuse.split``) over the same 2 local nodes, started once with ``--no-batch``
@@ -111,9 +113,18 @@ def main(argv: list[str] | None = None) -> int:
                     "--quick)")
     ap.add_argument("--sessions", type=int, metavar="N",
                     help="N concurrent sessions, the nodes batching off and on, and a single stream on each")
+    ap.add_argument("--link-ms", type=float, metavar="MS",
+                    help="drafts verified by the ring (off, prompt lookup, an assistant) on the shipped chat model, "
+                    "every hop delayed MS one way, and on loopback beside whole (diffuse.bench.drafts)")
     a = ap.parse_args(argv)
     if a.sessions is not None and a.sessions < 1:
         ap.error("--sessions must be at least 1")
+    if a.link_ms is not None:
+        if not 0 <= a.link_ms <= 1000:
+            ap.error("--link-ms: 0 to 1000")
+        from diffuse.bench import drafts
+
+        return drafts.main(a.link_ms, max(2, a.rounds or (2 if a.quick else 3)), a.quick)
     try:
         check_device_flags(a)  # before the model is built
     except Exception as exc:
@@ -177,7 +188,7 @@ def interleaved(tmp: str, cfg: dict, ids, rounds: int, device: str | None = None
     rows = {name: {"clocks": [], "tokens": None, "client": {}, "marks": None, "cpu": []} for name in models}
     with contextlib.ExitStack() as stack:
         bare = {name: stack.enter_context(BareRing(tmp, n)) for name, n in BARE.items() if name in models}
-        rings = {name: stack.enter_context(diffuse.split(models[name], local_nodes=n))
+        rings = {name: stack.enter_context(diffuse.split(models[name], local_nodes=n, speculate="off"))
                  for name, n in (("split, 1 node", 1), ("split, 2 nodes", 2))}
         for name, ring in bare.items():
             ring.install(models[name])
@@ -260,7 +271,7 @@ def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype
         try:
             spec = [f"{node.address}#{node.key}" for node in nodes]
             copies = [diffuse.from_pretrained(model_dir, device, dtype) for _ in range(n)]  # one after another
-            with diffuse.split(copies[0], nodes=spec):
+            with diffuse.split(copies[0], nodes=spec, speculate="off"):
                 generate(copies[0], prompts[0], 2)  # warm-up
                 tokens, clock = generate(copies[0], prompts[0], cfg["new"])
             single_same = bool(torch.equal(tokens, solo[0]))
@@ -272,7 +283,7 @@ def sessions(model_dir: str, cfg: dict, n: int, device: str | None = None, dtype
 
             def session(i: int) -> None:
                 try:
-                    with diffuse.split(copies[i], nodes=spec) as sp:
+                    with diffuse.split(copies[i], nodes=spec, speculate="off") as sp:
                         generate(copies[i], prompts[i], 2)  # warm-up: the session is open, its call plans learnt
                         mark = max(m["seq"] for m in sp.ring.channel_stats.messages)
                         ready.wait()

@@ -122,7 +122,7 @@ def role(argv: list[str]) -> int:
         import diffuse
 
         model = diffuse.from_pretrained(path)
-        with diffuse.split(model, nodes=argv[2], timeout=1800), torch.no_grad():
+        with diffuse.split(model, nodes=argv[2], timeout=1800, speculate="off"), torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
                                  do_sample=False)
     print(json.dumps({"peak": _peak(), "tokens": out[0, PROMPT:].tolist()}))

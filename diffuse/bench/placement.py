@@ -273,7 +273,7 @@ def language_model(tmp: str, cfg: dict, limits: CgroupLimits, count: int = 1) ->
     def run(placement: str):
         model = diffuse.from_pretrained(path)
         watch = Watch(limits, nodes)
-        with diffuse.split(model, nodes=spec, placement=placement, timeout=600) as split:
+        with diffuse.split(model, nodes=spec, placement=placement, timeout=600, speculate="off") as split:
             lm.generate(model, ids, 2)  # warm-up: the session open, the call plans learnt
             watch.take(split)
             new, clock = lm.generate(model, ids, cfg["new"])

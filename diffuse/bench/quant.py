@@ -84,7 +84,8 @@ def _after_a_pass(path: str, client, mode: str, tokens: int = 2) -> tuple[int, i
         ids = _prompt(json.load(f)["vocab_size"])
     first, second = _node(path, "1/2", mode), _node(path, "2/2", mode)
     try:
-        with diffuse.split(client, nodes=[first[1], second[1]], quantize=mode or None, timeout=600), torch.no_grad():
+        with diffuse.split(client, nodes=[first[1], second[1]], quantize=mode or None, timeout=600,
+                           speculate="off"), torch.no_grad():
             client.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
                             do_sample=False)
         return _hwm(first[0].pid), _hwm(first[0].pid, "VmRSS")
@@ -261,7 +262,8 @@ def lm_part(quick: bool, modes: list[str], n_questions: int | None, console) -> 
             ids = tok.apply_chat_template([{"role": "user", "content": t.user}], add_generation_prompt=True,
                                           return_tensors="pt", return_dict=True)
             for mode, nodes in rings.items():
-                with diffuse.split(split_model, nodes=_pinned(nodes), quantize=mode or None), torch.no_grad():
+                with diffuse.split(split_model, nodes=_pinned(nodes), quantize=mode or None,
+                                   speculate="off"), torch.no_grad():
                     t0 = time.perf_counter()
                     out = split_model.generate(**ids, max_new_tokens=4 if quick else 32, do_sample=False)
                     spent = time.perf_counter() - t0
