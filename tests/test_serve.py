@@ -144,6 +144,17 @@ def test_chat_equals_query(served, tmp_path):
     assert r.usage.prompt_tokens == ref["prompt_tokens"]
     assert r.choices[0].finish_reason == "length"
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    # an answer that repeats itself: prompt lookup drafts (the default), an event may carry several tokens
+    looping = "one two three four five one two three four five one two three"
+    chunks = list(c.chat.completions.create(model="chat", messages=[{"role": "user", "content": looping}], stream=True,
+                                            max_completion_tokens=16, stream_options={"include_usage": True},
+                                            extra_body={"figures": True}))
+    deltas = [ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    ref = query(tmp_path, "--model", served.folders["chat"], "--prompt", looping, "--max-new-tokens", "16")
+    assert "".join(deltas) == ref["text"] and [ch.usage.completion_tokens for ch in chunks if ch.usage] == [16]
+    made = [ch.model_extra["figures"] for ch in chunks if (ch.model_extra or {}).get("figures")][0]
+    # 16 tokens in fewer trips around the ring, so in fewer events (one a trip at most)
+    assert made["tokens"] == 16 and 0 < made["accepted"] <= made["drafted"] and len(deltas) <= made["trips"] < 16
 
 
 def test_vision_chat_equals_query(served, tmp_path):

@@ -1,5 +1,7 @@
 """The text endpoints of ``diffuse serve``: chat completions (text, image and audio parts, the images and audio
-sent as data URLs) and text completions, whole or streamed token by token, over a ``LanguageEngine``.
+sent as data URLs) and text completions, whole or streamed token by token (an event carries several where drafts
+were accepted), over a ``LanguageEngine``; a request with ``"figures": true`` also gets how its answer was made
+(trips around the ring, drafts, tokens per second: ``diffuse.serve.language.figures_of``).
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ async def answer_text(request, body, ask: TextAsk, obj: str):
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunks = "chat.completion.chunk" if obj == "chat.completion" else obj
-        return stream_text(request, ask, rid, chunks, include_usage)
+        return stream_text(request, ask, rid, chunks, include_usage, body.get("figures") is True)
     cancel = cancel_for(request)
     r = await run_in_thread(request, lambda: ask.generate(cancel), cancel)
     choice = {"index": 0, "finish_reason": r.finish_reason, "logprobs": None}
@@ -171,11 +173,14 @@ async def answer_text(request, body, ask: TextAsk, obj: str):
         choice["message"] = {"role": "assistant", "content": r.text}
     else:
         choice["text"] = r.text
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": e.name, "choices": [choice],
-            "usage": _usage(r)}
+    out = {"id": rid, "object": obj, "created": int(time.time()), "model": e.name, "choices": [choice],
+           "usage": _usage(r)}
+    if body.get("figures") is True:  # how it was made (diffuse.serve.language.figures_of), when asked
+        out["figures"] = r.figures
+    return out
 
 
-def stream_text(request, ask: TextAsk, rid: str, obj: str, include_usage: bool):
+def stream_text(request, ask: TextAsk, rid: str, obj: str, include_usage: bool, figures: bool = False):
     e = ask.engine
     cancel = cancel_for(request)
     loop = asyncio.get_running_loop()
@@ -192,7 +197,7 @@ def stream_text(request, ask: TextAsk, rid: str, obj: str, include_usage: bool):
         except BaseException as exc:  # reported in the stream, never raised into the loop
             loop.call_soon_threadsafe(q.put_nowait, ("error", exc))
 
-    def chunk(delta=None, finish=None, usage=None):
+    def chunk(delta=None, finish=None, usage=None, made=None):
         if obj == "text_completion":
             choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
         else:
@@ -202,6 +207,8 @@ def stream_text(request, ask: TextAsk, rid: str, obj: str, include_usage: bool):
              else []}
         if usage is not None:
             c["usage"] = usage
+        if made is not None:
+            c["figures"] = made
         return _sse(c)
 
     async def events():
@@ -214,7 +221,7 @@ def stream_text(request, ask: TextAsk, rid: str, obj: str, include_usage: bool):
                 if kind == "delta":
                     yield chunk(value)
                 elif kind == "done":
-                    yield chunk(finish=value.finish_reason)
+                    yield chunk(finish=value.finish_reason, made=value.figures if figures else None)
                     if include_usage:
                         yield chunk(usage=_usage(value))
                     break

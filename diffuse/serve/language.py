@@ -19,6 +19,7 @@ class TextResult:
     tokens: list[int]
     prompt_tokens: int
     finish_reason: str  # "stop" | "length"
+    figures: dict | None = None  # how it was made: trips around the ring, drafts, seconds (``figures_of``)
 
 
 class TextStream:
@@ -217,12 +218,13 @@ class LanguageEngine(Engine):
             stream = TextStream(self.tokenizer, cancel, stop, on_delta)
             prompt_len = int(inputs["input_ids"].shape[1]) if "input_ids" in inputs else 0
             t0 = time.perf_counter()
-            with self.split(model, request_id=cancel.request_id), seeded(gen, seed), torch.no_grad():
+            with self.split(model, request_id=cancel.request_id) as split, seeded(gen, seed), torch.no_grad():
                 try:
                     out = model.generate(**inputs_on(inputs, model_device(model)), **gen, streamer=stream,
                                          return_dict_in_generate=True)
                 except _StopString:
                     out = None
+                trips, drafts = split.ring.channel_stats.passes, split.splitter.lm.generation.drafts
             seconds = time.perf_counter() - t0
         finally:
             self.pool.give(model)
@@ -237,7 +239,9 @@ class LanguageEngine(Engine):
         else:
             limit = gen.get("max_new_tokens") or model.generation_config.max_new_tokens
             reason = "length" if limit and len(new) >= limit else "stop"
-        return TextResult(stream.final_text(), new, prompt_len, reason), seconds, stream.first_token_at
+        figures = figures_of(len(new), trips, drafts, seconds, stream.first_token_at - t0 if stream.first_token_at
+                             else None)
+        return TextResult(stream.final_text(), new, prompt_len, reason, figures), seconds, stream.first_token_at
 
     def transcribe(self, audio_path: str, cancel: Cancel, max_tokens: int | None = None) -> TextResult:
         """The text ``diffuse query --audio FILE [--max-new-tokens N]`` prints for the same clip (greedy; without
@@ -284,3 +288,14 @@ class _Steps:
 
     def end(self) -> None:
         pass
+
+
+def figures_of(tokens: int, trips: int, drafts, seconds: float, first_s: float | None) -> dict:
+    """What an answer's request may ask to see of how it was made (``"figures": true``): its trips around the
+    ring, the drafts verified on them (``diffuse.lm.client_drafts``), tokens per second after the first."""
+    after = seconds - first_s if first_s is not None else None
+    out = {"tokens": tokens, "trips": trips, "tokens_per_trip": round(tokens / trips, 3) if trips else None,
+           "seconds": round(seconds, 4), "first_token_s": round(first_s, 4) if first_s is not None else None,
+           "tokens_per_s": round((tokens - 1) / after, 2) if after and tokens > 1 else None,
+           "drafted": drafts.drafted if drafts is not None else 0, "accepted": drafts.accepted if drafts else 0}
+    return out
