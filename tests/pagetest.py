@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from contextlib import contextmanager
 
@@ -66,10 +67,14 @@ def chats_and_generates(served, key: str) -> None:
         model="chat", messages=[{"role": "user", "content": "hello"}]).choices[0].message.content
     with opened(served.url, key) as page:
         page.select_option("#chat-model", "chat")
+        page.check("#chat-figures")  # how the answer was made, said under it
         page.fill("#chat-input", "hello")
         page.press("#chat-input", "Enter")
         page.wait_for_selector("#chat-log .msg.assistant.done", timeout=120000)
         assert page.inner_text("#chat-log .msg.assistant") == expected  # the page streamed the whole answer
+        said = page.inner_text("#chat-log .msg.figures")
+        assert re.fullmatch(r"\d+ tokens in \d+ trips around the ring \([\d.]+ a trip\), (\d+ of \d+ drafted tokens "
+                            r"accepted|no drafts)(, [\d.]+ tokens/s after the first)?, first token \d+ ms", said), said
         shot(page, "page-chat.png")
         generate(page, "image", "a red cat", steps="3", size="16x16")
         page.wait_for_function("() => { const i = document.querySelector('#gen-result img.picture');"

@@ -95,6 +95,16 @@ function say(role, text) {
   return div;
 }
 
+// how an answer was made (asked with "figures": true): trips around the ring, drafts, speed
+function figuresLine(f) {
+  const parts = [`${f.tokens} tokens in ${f.trips} trips around the ring (${f.tokens_per_trip} a trip)`];
+  if (f.drafted) parts.push(`${f.accepted} of ${f.drafted} drafted tokens accepted`);
+  else parts.push("no drafts");
+  if (f.tokens_per_s) parts.push(`${f.tokens_per_s} tokens/s after the first`);
+  if (f.first_token_s != null) parts.push(`first token ${Math.round(f.first_token_s * 1000)} ms`);
+  return parts.join(", ");
+}
+
 function readFile(file) {
   return new Promise((resolve, reject) => {
     const r = new FileReader();
@@ -128,10 +138,12 @@ async function send(event) {
   try {
     const r = await api("/v1/chat/completions", {
       method: "POST", signal: stopper.signal,
-      body: JSON.stringify({ model: $("chat-model").value, messages: history, stream: true }),
+      body: JSON.stringify({ model: $("chat-model").value, messages: history, stream: true,
+                             figures: $("chat-figures").checked }),
     });
     await readEvents(r, (chunk) => {
       if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.figures) say("figures", figuresLine(chunk.figures));
       const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
       if (delta && delta.content) {
         out.textContent += delta.content;
