@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -47,12 +48,12 @@ def start_watched(hub, who: str, home, blocks: str, log, rate: float = 2_000_000
 
     hub.rates[who] = rate
     try:
-        proc = node_process(["--model", REPO, "--blocks", blocks, "--ephemeral-key", "--threads", str(THREADS)],
-                            stderr=log, env=hub_env(hub, who, home))
+        proc = node_process(["--model", REPO, "--blocks", blocks, "--ephemeral-key", "--threads", str(THREADS),
+                             "--metrics-port", "0"], stderr=log, env=hub_env(hub, who, home))
         ready: list[str] = []
         reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)
         reader.start()
-        said: dict[str, list] = {"status": [], "hello": [], "health": []}
+        said: dict[str, list] = {"status": [], "hello": [], "health": [], "metrics": []}
         address, deadline = None, time.monotonic() + 120
         while reader.is_alive() and time.monotonic() < deadline:
             if address is None:
@@ -65,6 +66,12 @@ def start_watched(hub, who: str, home, blocks: str, log, rate: float = 2_000_000
                                  ("health", NodeSet([address]).health(5.0)[0])):
                     if "fetch" in st:
                         said[name].append(st)
+                scraped = re.search(r"metrics at (\S+)", open(log.name).read())
+                with urllib.request.urlopen(scraped.group(1), timeout=5) as r:  # its Prometheus port, as it fetches
+                    fetched = dict(re.findall(r'^diffuse_node_fetch_bytes\{.*part="(\w+)".*\} (\S+)$',
+                                              r.read().decode(), re.M))
+                if fetched:
+                    said["metrics"].append({k: float(v) for k, v in fetched.items()})
                 if said["hello"] and "open" not in said:  # an open meanwhile: refused, saying how far it got
                     me = sealing.load_identity(None)
                     sealed = dict(sealing.seal_control({"op": "open", "session": os.urandom(16)},
@@ -175,6 +182,9 @@ def test_a_node_fetching_its_slice_answers_status_and_hello_with_how_far_it_got_
     assert said["hello"][0]["ok"] and said["hello"][0]["fetch"]["bytes_total"] == first["bytes_total"]
     row = said["health"][0]
     assert row["alive"] and row["fetch"]["bytes_total"] == first["bytes_total"] and " of " in row["fetching"], row
+    scraped = said["metrics"]  # the node's metrics port said it too
+    assert scraped and {m["total"] for m in scraped} == {first["bytes_total"]}, scraped
+    assert scraped[-1]["done"] >= scraped[0]["done"] and all(m["done"] <= m["total"] for m in scraped), scraped
     assert split_run["served"]["ok"] and "fetch" not in split_run["served"], split_run["served"]
     refused = said["open"]
     assert not refused["ok"] and refused["error"].startswith("still fetching its slice: ") and " left" in \

@@ -142,6 +142,11 @@ class NodeCollector:
         yield self._by("gauge", "diffuse_node_link_bytes_per_second", "Throughput to each next hop, as last "
                        "measured (absent: quicker than the probe tells)", "next",
                        {a: k.bytes_per_s for a, k in links.items() if k.bytes_per_s})
+        fetching = getattr(node, "fetching", None)
+        state = fetching.state() if fetching is not None else None
+        yield self._by("gauge", "diffuse_node_fetch_bytes", "While --blocks fetches the slice: bytes fetched and in "
+                       "all (absent otherwise)", "part",
+                       {"done": state["bytes_done"], "total": state["bytes_total"]} if state else {})
         yield self._one("counter", "diffuse_node_batches", "Batches of several sessions' decoding passes run as one",
                         node.batches)
         yield self._one("counter", "diffuse_node_batched_rows", "Rows those batches carried", node.batched_rows)
