@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -27,12 +26,11 @@ import time
 import urllib.error
 
 from diffuse.errors import DiffuseError
+from diffuse.plan.fetchbytes import CHUNK, _git_blob, _range_start, _read_json, _sha256, merged, missing
 from diffuse.plan.fetchprogress import Progress, size_text
 from diffuse.plan.hub import RETRIES, HubRef, backoff_s, file_url, hub_failure, offline, request
 
-CHUNK = 1 << 20  # bytes read and written at a time
 NOTE_EVERY_S = 1.0  # seconds between two writes of a partial file's note while fetching (what a kill may lose)
-GAP = 0  # ranges this close are fetched as one; none: a node takes no byte of another's tensors
 
 
 MARKER = os.path.join(".diffuse", "hub.json")  # in a folder made from a Hub repo: {"repo", "commit", "revision"}
@@ -79,73 +77,6 @@ def _note_path(path: str) -> str:
     return os.path.join(d, f".{name}.diffuse.json")
 
 
-def merged(spans) -> list[list[int]]:
-    out: list[list[int]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return out
-
-
-def missing(wanted, held) -> list[list[int]]:
-    """The parts of ``wanted`` spans not in ``held`` (both lists of [start, stop)), merged across small gaps."""
-    out = []
-    held = merged(held)
-    for a, b in merged(wanted):
-        for ha, hb in held:
-            if hb <= a or ha >= b:
-                continue
-            if ha > a:
-                out.append([a, ha])
-            a = max(a, hb)
-            if a >= b:
-                break
-        if a < b:
-            out.append([a, b])
-    joined: list[list[int]] = []
-    for a, b in out:
-        if joined and a - joined[-1][1] <= GAP:
-            joined[-1][1] = b
-        else:
-            joined.append([a, b])
-    return joined
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(CHUNK * 8), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _git_blob(path: str) -> str:
-    """A file's git blob id (sha1 of ``blob <size>\\0`` and its bytes), as the Hub lists a file kept in git."""
-    h = hashlib.sha1(f"blob {os.path.getsize(path)}\0".encode())
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(CHUNK * 8), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _range_start(content_range: str | None) -> int | None:
-    """The first byte a ``Content-Range: bytes A-B/SIZE`` answer holds."""
-    try:
-        return int(content_range.split()[1].split("-")[0])
-    except (AttributeError, IndexError, ValueError):
-        return None
-
-
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 class RepoFile:
     """One file of a repo at one commit, on this disk: complete, partial (some ranges held) or absent. Its
     digest, to check it by: the Hub's sha256 (an LFS file), else its git blob id (``blob``, a plain git file)."""
@@ -170,10 +101,13 @@ class RepoFile:
     def complete(self) -> bool:
         """Every byte here and checked: its note says so (sealed) and the file is as it was sealed. A file changed
         since (or found with no note) is checked against the Hub's digest again and removed if it differs, so that
-        it is fetched anew; one the Hub gives no digest for is kept offline, fetched anew online."""
+        it is fetched anew; one the Hub gives no digest for is kept offline, fetched anew online. A file not whole
+        here that ``huggingface_hub`` holds for this commit is taken from its cache (``_adopt``)."""
+        note = self._note()
+        if not (note or {}).get("sealed") and self._adopt():
+            return True
         if not os.path.isfile(self.local):
             return False
-        note = self._note()
         if note is not None and not note.get("sealed"):
             return False
         st = os.stat(self.local)
@@ -189,6 +123,30 @@ class RepoFile:
         if note is not None:
             os.unlink(self.note_path)
         return False
+
+    def _adopt(self) -> bool:
+        """This commit's copy of the file in ``huggingface_hub``'s own cache (``hf download``, or any tool of the
+        Hub's library, put it in ``snapshots/<commit>/``), made this folder's by a hard link where the disk allows
+        (no byte copied or fetched), else copied, and sealed. The cache names each blob by the digest the Hub gave
+        for it: a blob of another name is checked against the Hub's digest first."""
+        snap = os.path.join(hub_cache(), "models--" + self.ref.repo.replace("/", "--"), "snapshots", self.commit,
+                            self.path)
+        real = os.path.realpath(snap)
+        if not os.path.isfile(real) or os.path.getsize(real) != self.size or not self.size:
+            return False
+        if os.path.basename(real) not in {d for d in (self.sha256, self.blob) if d}:
+            digest = _sha256(real) if self.sha256 else _git_blob(real) if self.blob else None
+            if digest is None or digest not in (self.sha256, self.blob):
+                return False
+        os.makedirs(os.path.dirname(self.local), exist_ok=True)
+        tmp = f"{self.local}.{os.getpid()}.{threading.get_ident()}.adopt"
+        try:
+            os.link(real, tmp)
+        except OSError:
+            shutil.copyfile(real, tmp)
+        os.replace(tmp, self.local)  # over a partial file of ours, if there was one
+        self._write_note(None)
+        return True
 
     def held(self) -> list[list[int]]:
         if self.complete():
