@@ -3,7 +3,8 @@
 The loopback Hub of tests/hubtest.py; ``huggingface_hub.snapshot_download`` (the Hub's own library, in a process
 of its own) fills a Hugging Face home from it, then Diffuse resolves the same Hub id for a whole run in another
 process with that home: from the server's access log, it was sent no byte of any file, and its folder's files are
-the cache's own blobs (hard links), not copies.
+the cache's own blobs (hard links), not copies. And a node given another slice later (the whole stack after its
+first half) is sent the second half's bytes only.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import subprocess
 import sys
 
-from hubtest import DENOISER, REPO, hub, hub_env, ranges_of  # noqa: F401 (hub: a fixture)
+from hubtest import DENOISER, REPO, block_bytes, hub, hub_env, ranges_of, tensor_spans  # noqa: F401 (hub: a fixture)
 
 
 def test_a_model_the_hubs_own_library_downloaded_is_taken_from_its_cache_not_fetched_again(hub, tmp_path):
@@ -36,3 +37,21 @@ def test_a_model_the_hubs_own_library_downloaded_is_taken_from_its_cache_not_fet
             path = os.path.relpath(os.path.join(here, name), snapshot)
             mine, theirs = os.stat(os.path.join(folder, path)), os.stat(os.path.realpath(os.path.join(here, name)))
             assert (mine.st_ino, mine.st_size) == (theirs.st_ino, theirs.st_size), path  # the cache's own blob
+
+
+def test_a_node_given_more_blocks_later_fetches_only_what_it_lacks(hub, tmp_path):
+    from test_fetch import start_node
+    from test_hardening import _stop
+
+    home = tmp_path / "home"
+    n, spans = tensor_spans(os.path.join(hub.source, DENOISER))
+    blocks = sorted({int(k.split(".")[1]) for k in spans if k.startswith("blocks.")})
+    half = len(blocks) // 2
+    with open(tmp_path / "node.log", "w+") as log:
+        for who, given in (("first", "1/2"), ("later", "1/1")):  # the same machine, its slice grown
+            proc, ready = start_node(hub, who, home, given, log)
+            _stop(proc)
+    first, later = ranges_of(hub, "first", DENOISER), ranges_of(hub, "later", DENOISER)
+    assert first and sum(b - a for a, b in later) <= 1.05 * block_bytes(spans, blocks[half:]), later
+    held = [span for k, span in spans.items() if k.startswith("blocks.") and int(k.split(".")[1]) < half]
+    assert later and not [r for r in later for o in held if r[0] < o[1] and o[0] < r[1]], later  # none twice
