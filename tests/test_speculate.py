@@ -12,6 +12,7 @@ line, before any node starts.
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import pytest
@@ -215,7 +216,16 @@ def test_the_command_line_drafts_reports_and_refuses_bad_drafting_in_one_line(sp
     assert "tokens per trip" in run.stdout + run.stderr
     # bad drafting: one line, status 2, before any node starts
     smolvlm = spec_models("smolvlm")  # another tokenizer
+    # an assistant whose weights this process has no room for (a sparse file: its size, no disk): refused before a
+    # byte of it is read
+    import shutil
+
+    huge = tmp_path / "huge-assistant"
+    shutil.copytree(model, huge)
+    for f in huge.glob("*.safetensors"):
+        os.truncate(f, 1 << 40)
     for extra, said in ((["--draft-tokens", "0"], "1 to 32"), (["--draft-tokens", "33"], "1 to 32"),
+                        (["--speculate", str(huge)], "the assistant's weights take 1024.00 GiB and this process may"),
                         (["--speculate", smolvlm], "tokenizer is not the model's"),
                         (["--speculate", str(tmp_path / "nowhere")], "nowhere"),
                         (["--whole", "--speculate", "lookup"], "--whole")):

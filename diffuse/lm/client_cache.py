@@ -48,14 +48,19 @@ class ClientCaches:
                     raise DiffuseError("a split language model's cache is cut by a number of positions to remove "
                                        f"(<= 0), not {str(tokens_to_remove)[:24]}")
                 crop(tokens_to_remove)
-                self._crops[id(cache)].append(tokens_to_remove)
+                if tokens_to_remove or self.recording(cache):  # cutting nothing trims a recording window only
+                    self._crops[id(cache)].append(tokens_to_remove)
             cache.crop = kept_crop
+
+    @staticmethod
+    def recording(cache) -> bool:
+        """Whether a layer of ``cache`` keeps the past a sliding window would drop (``activate_past_recording``)."""
+        return any(getattr(layer, "record_past", False) for layer in getattr(self_attention_part(cache), "layers", ()))
 
     def edits(self, cache) -> tuple[bool, tuple[int, ...]]:
         """What the nodes do to their caches before this pass of ``cache``: keep the past a sliding window would
         drop (as the shadow's layers do once ``activate_past_recording`` ran on it), then cut as it was cut."""
-        layers = getattr(self_attention_part(cache), "layers", ())
-        record = any(getattr(layer, "record_past", False) for layer in layers)
+        record = self.recording(cache)
         crops = self._crops.get(id(cache))
         taken = tuple(crops) if crops else ()
         if crops:
