@@ -152,8 +152,8 @@ def speculate_flags(ap) -> None:
                     "context), or an assistant model with the model's tokenizer (a folder or ORG/NAME), run whole "
                     "here; auto (default): lookup for greedy float32 decoding that asks for no logits; off")
     ap.add_argument("--draft-tokens", type=int, default=None, metavar="K",
-                    help="drafted tokens one pass verifies at most, 1 to 32 (default 8; the length follows what is "
-                    "accepted)")
+                    help="drafted tokens one pass verifies at most with lookup, where an assistant's drafts start, "
+                    "1 to 32 (default 8; the length follows what is accepted)")
 
 
 def check_port_free(listen: str) -> None:

@@ -97,28 +97,31 @@ class Drafting:
     def arguments(self, kwargs: dict, batch: int, config, model) -> dict:
         """What a ``generate`` call (its ``kwargs``, ``batch`` rows, its effective generation ``config``, on
         ``model``) adds to draft: nothing when it names a drafter itself, or beams, or more than one row
-        (transformers' assisted decoding takes one). By default (``auto``) only greedy float32 calls that ask for
-        no logits or scores draft, on decoder-only models whose ``generate`` is transformers' own (MusicGen's
-        refuses drafts). A call with images, video or sound does not draft (prompt lookup would copy their
+        (transformers' assisted decoding takes one), or a model whose ``generate`` is its own (MusicGen's refuses
+        drafts). By default (``auto``) only greedy float32 calls that ask for no logits or scores draft, on
+        decoder-only models. A call with images, video or sound does not draft (prompt lookup would copy their
         placeholder tokens into a draft, which the model reads as more media than it was given). Greedy tokens are
         the plain ones (a pass of several tokens rounds its last bits otherwise
         than a pass of one, far below a float32 model's gaps between candidates, not a bfloat16's), and a seeded
         sampling call keeps drawing what it draws whole."""
-        if batch != 1 or any(kwargs.get(k) is not None for k in ("prompt_lookup_num_tokens", "assistant_model")) \
-                or (getattr(config, "num_beams", 1) or 1) > 1 or media_inputs(kwargs):
-            return {}
         import torch
         from transformers import GenerationMixin
 
+        if batch != 1 or any(kwargs.get(k) is not None for k in ("prompt_lookup_num_tokens", "assistant_model")) \
+                or (getattr(config, "num_beams", 1) or 1) > 1 or media_inputs(kwargs) \
+                or type(model).generate is not GenerationMixin.generate:
+            return {}
         if self.auto and (getattr(config, "do_sample", False) or getattr(config, "output_logits", False)
                           or getattr(config, "output_scores", False) or model.dtype not in (torch.float32, torch.float64)
-                          or type(model).generate is not GenerationMixin.generate or model.config.is_encoder_decoder):
+                          or model.config.is_encoder_decoder):
             return {}
         if self.assistant is None:
             return {"prompt_lookup_num_tokens": self.most}
         config = self.assistant.generation_config
-        config.num_assistant_tokens = min(self.most, config.num_assistant_tokens or self.most)
-        config.num_assistant_tokens_schedule = "heuristic"  # longer after a draft taken whole, shorter after a miss
+        # each call starts at the most (transformers keeps where its schedule left the last call: a seed would then
+        # draw otherwise from one call to the next), longer after a draft taken whole, shorter after a miss
+        config.num_assistant_tokens = self.most
+        config.num_assistant_tokens_schedule = "heuristic"
         config.assistant_confidence_threshold = 0  # every draft as long as the schedule says
         return {"assistant_model": self.assistant}
 
