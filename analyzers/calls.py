@@ -45,7 +45,7 @@ class ReturnMapper(Analyzer):
         _, inputs = flatten(call.args, call.kwargs)
         # a layer called with a key/value cache: a returned tensor that replaces no input, after the hidden state,
         # is a side output the model may ignore (the stand-in checks that it is never handed to the next layer)
-        layered = any(is_cache(v) for v in (*call.args, *call.kwargs.values()))
+        layered = call.layered or any(is_cache(v) for v in (*call.args, *call.kwargs.values()))
         names = draft["call_plan"].slot_names
         decided = None if layered else _decided_by_shapes(call, inputs, names)
         if decided is not None:  # the block's weights were never read

@@ -50,7 +50,7 @@ class StackFinder(Analyzer):
     def analyze(self, subject, draft):
         model = denoiser_on_meta(subject)
         if not subject.autoregressive:
-            stacks, others = find_stacks(model)
+            stacks, others = find_stacks(model, getattr(subject, "encoders", ()))
         else:
             stacks, others = find_decoder_stacks(model)
         return {"stacks": stacks, "other_lists": others}
@@ -99,15 +99,16 @@ def find_decoder_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:
     return stacks, others
 
 
-def find_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:
+def find_stacks(model, encoders=()) -> tuple[list[StackPlan], dict[str, str]]:
     """(stacks in registration order, which is the order a DiT calls them (FACTS, Table 3); {path: why not a stack}).
-    Several denoiser components (``diffuse.plan.analysis.Denoisers``): each one's, its name before their paths."""
+    Several denoiser components (``diffuse.plan.analysis.Denoisers``): each one's, its name before their paths;
+    of those named in ``encoders`` (a pipeline's text encoders, ``diffuse.plan.encoders``), ``encoder_lists``."""
     from diffuse.plan.analysis import denoisers_class
 
     if isinstance(model, denoisers_class()):
         stacks, others = [], {}
         for name, component in model.named_children():
-            found, other = find_stacks(component)
+            found, other = encoder_lists(component) if name in encoders else find_stacks(component)
             stacks += [dataclasses.replace(st, path=f"{name}.{st.path}") for st in found]
             others.update({f"{name}.{p}": why for p, why in other.items()})
         return stacks, others
@@ -133,4 +134,28 @@ def find_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:
                 block_class=class_path(type(entries[0])),
                 params_per_block=round(sum(block_params(b) for b in entries) / len(entries)),
             ))
+    return stacks, others
+
+
+def encoder_lists(model) -> tuple[list[StackPlan], dict[str, str]]:
+    """(stacks, {path: why not}) of an encoder (a text encoder of a pipeline): every ModuleList of same-class
+    blocks, wherever it is nested (``encoder.block`` beside T5's embedding and final norm, ``text_model.encoder.
+    layers`` in CLIP's), but not a list inside a block of another. The encoder runs each once per request, its
+    layers' calls collected and sent together (``diffuse.client.encoders``), so layers called with arguments of
+    their own (a mask per attention kind) and side outputs handed on (T5's position biases) are kept."""
+    stacks, others, seen = [], {}, []
+    for path, blocks in model.named_modules():
+        if not isinstance(blocks, nn.ModuleList) or not len(blocks) or not all(map(is_block, blocks)):
+            continue
+        if any(path.startswith(p + ".") for p in seen):
+            continue  # lists inside a block of a list are part of that block
+        seen.append(path)
+        entries = list(blocks)
+        if len({type(b) for b in entries}) > 1:
+            others[path] = describe_blocks(entries)
+            continue
+        stacks.append(StackPlan(
+            path=path, length=len(entries), block_class=class_path(type(entries[0])),
+            params_per_block=round(sum(block_params(b) for b in entries) / len(entries)),
+        ))
     return stacks, others

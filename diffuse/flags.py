@@ -144,6 +144,14 @@ def quantize_flag(ap: argparse.ArgumentParser, what: str, flag: str = "--quantiz
                     "torchao config whole")
 
 
+def encoders_flag(ap: argparse.ArgumentParser) -> None:
+    """``--encoders`` (``diffuse.plan.encoders``): where a pipeline's text encoders run."""
+    ap.add_argument("--encoders", default=None, choices=("client", "ring"),
+                    help="where a pipeline's text encoders run: client (default: whole, as plain diffusers holds "
+                    "them) or ring (their layers split over the nodes like the denoiser's blocks; the tokenizer, "
+                    "token embedding and final norm stay on the client). Client and nodes must agree")
+
+
 def speculate_flags(ap) -> None:
     """``--speculate`` and ``--draft-tokens`` (``diffuse.lm.client_drafts``): drafts a pass of a split language
     model verifies."""

@@ -57,7 +57,9 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
 
         if ask.threads:
             torch.set_num_threads(ask.threads)
-        info = ModelInfo.of(path)
+        from diffuse.plan.encoders import check_encoders
+
+        info = ModelInfo.of(path, encoders=check_encoders(q.ring.options.encoders))
         model = ModelRead(info, name, Compute.of(ask.device, ask.dtype, info.path, info.subject.denoiser or None))
     if language and not info.subject.autoregressive:
         from diffuse.errors import DiffuseError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from diffuse.flags import (Parser, device_flags, key_values, positive, quantize_flag, seconds,
+from diffuse.flags import (Parser, device_flags, encoders_flag, key_values, positive, quantize_flag, seconds,
                            speculate_flags, threshold)
 
 
@@ -82,6 +82,7 @@ def query_parser(prog: str = "diffuse query") -> Parser:
     ap.add_argument("--frames", type=positive, help="video frames (num_frames; default: the model's)")
     ring_flags(ap)
     device_flags(ap)
+    encoders_flag(ap)
     ap.add_argument("--branch-groups", type=positive, default=1, metavar="G",
                     help="with --local-nodes: share the local nodes out into G groups, one per guidance branch, "
                     "which then run side by side (default 1)")
@@ -249,7 +250,7 @@ def options_of(a: argparse.Namespace):
                         cache_threshold=getattr(a, "cache_threshold", 0.0),
                         embedding_on_node=a.embedding_on_node, placement=a.placement,
                         quantize=getattr(a, "quantize", None), speculate=getattr(a, "speculate", "auto"),
-                        draft_tokens=getattr(a, "draft_tokens", None))
+                        draft_tokens=getattr(a, "draft_tokens", None), encoders=getattr(a, "encoders", None))
 
 
 def report_error(out, exc: BaseException) -> int:

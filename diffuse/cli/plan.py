@@ -13,6 +13,7 @@ from diffuse.plan.fetching import hub_folder
 from diffuse.plan.hubmodel import downloads
 from diffuse.plan.needs import (DEFAULT_CONTEXT, GIB, _dtype_size, block_costs, context_tokens, load_dtype, pass_bytes,
                                 per_pass)
+from diffuse.plan.parts import parts_lines, pipeline_parts
 from diffuse.plan.placement import MARGIN_FRACTION, MARGIN_MIN_BYTES, Capacity, DoesNotFit, Placement
 from diffuse.plan.solver import even_placement, place
 
@@ -34,7 +35,8 @@ def plan_command(argv: list[str]) -> int:
     from rich.console import Console
 
     from diffuse.cli.parsing import lan_nodes
-    from diffuse.flags import Parser, quantize_flag, seconds
+    from diffuse.flags import Parser, encoders_flag, quantize_flag, seconds
+    from diffuse.plan.encoders import check_encoders
     from diffuse.plan.quantize import check_mode
     from diffuse.plan.resolve import resolve_model
     from diffuse.plan.planner import analyze, make_plan
@@ -59,6 +61,7 @@ def plan_command(argv: list[str]) -> int:
                     "--patches; default 1: passes one after another)")
     ap.add_argument("--json", action="store_true", help="print the plan, routed as placed, as JSON")
     quantize_flag(ap, "the nodes' blocks, as the plan counts them")
+    encoders_flag(ap)
     a = ap.parse_args(argv)
     err = Console(stderr=True)
     try:
@@ -68,7 +71,7 @@ def plan_command(argv: list[str]) -> int:
             raise DiffuseError("--discover-seconds applies with --nodes auto")
         a.quantize = check_mode(a.quantize)  # an unknown mode, or torchao missing: refused before anything is read
         path = resolve_model(a.model, "headers")
-        subject, draft = analyze(path)
+        subject, draft = analyze(path, check_encoders(a.encoders))
         dtype = a.dtype or load_dtype(subject)
         _dtype_size(dtype)
         lan_nodes(a, subject, err)  # --nodes auto: the nodes announced on this network
@@ -141,10 +144,9 @@ def ask_nodes(plan: SlicingPlan, heard: Heard) -> list[Capacity]:
         if heard.report_of(stage.address) is None:
             raise DiffuseError(f"{stage.address} says nothing of its memory or speed (a node older than "
                                "placement): plan with --memory instead")
-    from diffuse.plan.analysis import ModelSubject
+    from diffuse.plan.encoders import plan_subject
 
-    return capacities(heard, plan.route, plan.compute_dtype, plan.model.content_hash,
-                      per_pass(ModelSubject.from_path(plan.model.path)))
+    return capacities(heard, plan.route, plan.compute_dtype, plan.model.content_hash, per_pass(plan_subject(plan)))
 
 
 def _mb(n: int) -> str:
@@ -166,6 +168,7 @@ def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int 
     lines = [head]
     if p.blocks[-1].end_bytes:
         lines.append(f"the last node also holds the output head ({p.blocks[-1].end_bytes / GIB:.2f} GiB)")
+    lines += [*parts_lines(pipeline_parts(subject, plan.stacks, p.blocks, _dtype_size(dtype)), dtype), ""]
     lines += [f"on {len(p.nodes)} node(s), {len(p.used)} used; margin {MARGIN_FRACTION:.0%} of each node's "
               f"memory (at least {MARGIN_MIN_BYTES >> 20} MiB):", ""]
     lines += p.lines()

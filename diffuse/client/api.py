@@ -33,10 +33,12 @@ class ModelInfo:
     path: str
     subject: object  # diffuse.plan.analysis.ModelSubject
     draft: dict
+    encoders: bool = False  # the pipeline's encoders hold stacks too (--encoders ring, diffuse.plan.encoders)
 
     @classmethod
-    def of(cls, model: str | None, role: str = "client") -> "ModelInfo":
-        """``model`` found (``resolve_model``; a Hub id fetched as far as ``role`` needs) and analysed."""
+    def of(cls, model: str | None, role: str = "client", encoders: bool = False) -> "ModelInfo":
+        """``model`` found (``resolve_model``; a Hub id fetched as far as ``role`` needs) and analysed
+        (``encoders``: with its encoders' stacks, to be held by nodes)."""
         from diffuse.plan.resolve import resolve_model
         from diffuse.plan.planner import analyze
 
@@ -46,7 +48,7 @@ class ModelInfo:
             path = default_model_dir()
         else:
             path = resolve_model(model, role)
-        return cls(path, *analyze(path))  # refusals happen here, before anything is loaded
+        return cls(path, *analyze(path, encoders), encoders)  # refusals happen here, before anything is loaded
 
     @property
     def output_kind(self) -> str:
@@ -62,17 +64,20 @@ class ModelInfo:
 
 
 def from_pretrained(model: str | None = None, device: str | None = None, dtype: str | None = None,
-                    quantize_client: str | None = None):
+                    quantize_client: str | None = None, encoders: str | None = None):
     """The pipeline at ``model`` (a folder, a shipped model's name, a Hub id ``ORG/NAME[@REVISION]``, fetched as
     far as the client needs; None: the embedded model), loaded by diffusers from safetensors without the blocks the nodes will hold;
     or a transformers model (a folder whose config.json names its architectures), loaded by
     transformers (its decoder layers are freed when it is split). ``device`` and ``dtype`` as the
     command line's ``--device`` and ``--dtype`` (``diffuse.plan.devices``; default ``auto``: the CPU, or the
     first accelerator torch sees, in what the folder declares there): where the client's ends compute.
-    ``quantize_client``: its own linear layers held quantized, as ``--quantize-client`` holds them."""
+    ``quantize_client``: its own linear layers held quantized, as ``--quantize-client`` holds them.
+    ``encoders``: "ring" leaves the blocks of the pipeline's text encoders to nodes too (``diffuse.plan.encoders``;
+    default "client": loaded whole here)."""
+    from diffuse.plan.encoders import check_encoders
     from diffuse.plan.quantize import check_mode, quantize_ends
 
-    info = ModelInfo.of(model)
+    info = ModelInfo.of(model, encoders=check_encoders(encoders))
     pipe = load_whole_or_shell(info, client_compute(info, device, dtype), shell=True)
     quantize_ends(pipe, info.draft["stacks"], check_mode(quantize_client), info.subject.denoisers, info.subject.several)
     return pipe
@@ -120,11 +125,14 @@ def load_whole_or_shell(info: "ModelInfo", compute, shell: bool, quantize: str =
     return pipe
 
 
-def model_info(pipe_or_model, model: str | None = None) -> ModelInfo:
-    """The analysis of the folder a pipeline (or a denoiser) came from."""
+def model_info(pipe_or_model, model: str | None = None, encoders: bool | None = None) -> ModelInfo:
+    """The analysis of the folder a pipeline (or a denoiser) came from (``encoders``: with its encoders' stacks
+    or without; None: as it was loaded)."""
     info = getattr(pipe_or_model, "_diffuse", None)
     if info is not None and (model is None or info.path == model):
-        return info
+        if encoders is None or encoders == info.encoders:
+            return info
+        return ModelInfo.of(info.path, encoders=encoders)
     if model is None:
         model = getattr(pipe_or_model, "name_or_path", None) or getattr(
             getattr(pipe_or_model, "config", None), "_name_or_path", None)
@@ -133,7 +141,7 @@ def model_info(pipe_or_model, model: str | None = None) -> ModelInfo:
             model = parent if os.path.isfile(os.path.join(parent, "model_index.json")) else None
     if not model:
         raise DiffuseError("cannot tell which pipeline folder this came from: pass model=PATH")
-    return ModelInfo.of(model)
+    return ModelInfo.of(model, encoders=bool(encoders))
 
 
 def _names_architectures(folder: str) -> bool:
@@ -171,6 +179,7 @@ class SplitOptions:
     request_id: str | None = None  # told to every node at the open, which logs it (diffuse.plan.logs)
     speculate: object = "auto"  # a language model's drafter: "lookup", an assistant (diffuse.lm.client_drafts)
     draft_tokens: int | None = None  # the most tokens one pass verifies (default 8)
+    encoders: str | None = None  # "ring": the pipeline's encoders' stacks on the nodes too; None: as it was loaded
 
 
 class Split(SplitReadout):
@@ -191,7 +200,9 @@ class Split(SplitReadout):
             raise DiffuseError(f"--placement {o.placement}: choose {' or '.join(PLACEMENTS)}")
         self.placement = o.placement
         self.target = pipe_or_model
-        self.info = model_info(pipe_or_model, o.model)
+        from diffuse.plan.encoders import check_encoders
+
+        self.info = model_info(pipe_or_model, o.model, None if o.encoders is None else check_encoders(o.encoders))
         listed = None if nodes in (None, "auto") else parse_groups(nodes) if isinstance(nodes, str) and ";" in nodes \
             else nodes if nodes and all(isinstance(g, list) for g in nodes) else [nodes]
         self.branch_groups = len(listed) if listed and len(listed) > 1 else o.branch_groups
@@ -289,6 +300,7 @@ class Split(SplitReadout):
             device = str(found) if found is not None else "cpu"
         dtype = self.node_dtype if self.node_dtype not in (None, "auto") else denoiser_dtype(self.denoiser)
         held = ["--quantize", self.quantize] if self.quantize else []
+        held += ["--encoders", "ring"] if self.info.encoders else []
         if device == "cpu" and dtype == "float32" and self.node_dtype in (None, "auto"):
             return ["--device", "cpu", *held]  # in the dtype each session asks, as before devices were named
         return ["--device", device, "--dtype", dtype, *held]
@@ -297,6 +309,7 @@ class Split(SplitReadout):
         from diffuse.plan.planner import denoiser_dtype, make_plan
         from diffuse.client.ring import Ring
         from diffuse.client.standin import Splitter
+        from diffuse.plan.encoders import encoder_stacks
 
         try:
             if self.nodes is None:
@@ -320,6 +333,7 @@ class Split(SplitReadout):
             else:
                 self.ring = rings[0]
             self.splitter = Splitter.on(denoiser, self.ring.plan, self.embedding_on_node)
+            self.splitter.encoders.paths = frozenset(encoder_stacks(self.ring.plan.stacks, self.info.subject))
             self.splitter.drafting = self.drafting
             self.splitter.attach(self.ring, self.patches, self.cache_threshold, self.ahead)
         except BaseException:
@@ -369,5 +383,7 @@ def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: in
     "int4" or "fp8": the nodes hold their blocks' linear weights quantized by torchao, ``diffuse.plan.quantize``;
     local nodes are started so, and a node holding another mode refuses the open), ``speculate`` ("lookup", an
     assistant model or its folder or Hub id: a language model's ``generate`` drafts tokens that one pass verifies,
-    ``diffuse.lm.client_drafts``; ``draft_tokens``: at most that many a pass, default 8)."""
+    ``diffuse.lm.client_drafts``; ``draft_tokens``: at most that many a pass, default 8), ``encoders`` ("ring": the
+    pipeline's text encoders' layers on the nodes too, ``diffuse.plan.encoders``; "client": here; default: as the
+    pipeline was loaded)."""
     return Split(pipe_or_model, nodes=nodes, local_nodes=local_nodes, patches=patches, **options)

@@ -93,12 +93,15 @@ class StandIn(nn.ModuleList):
         if index == 0:
             self._cache = _find_cache(args, kwargs)
             self._next = 1
-            if self._cache is not None:
+            encoders = getattr(self._splitter[0], "encoders", None)  # diffuse.client.encoders.EncoderPasses
+            encoder = encoders is not None and self.path in encoders.paths  # an encoder's layers: collected too
+            if self._cache is not None or encoder:
                 self._calls = [(args, kwargs)]
                 # handed on untouched until the last layer, in the structure the layer returns (a tuple, for a
                 # model that reads ``outputs[0]`` before it calls the next layer)
                 hidden = args[0] if args else kwargs.get("hidden_states")
-                self._answer = self._splitter[0].lm.layer_answer(self.stack, hidden, (args, kwargs), self._cache)
+                self._answer = encoders.answer(self.stack, hidden, (args, kwargs)) if encoder else \
+                    self._splitter[0].lm.layer_answer(self.stack, hidden, (args, kwargs), self._cache)
                 if self.stack.length == 1:
                     return self._finish()
                 return self._answer

@@ -58,10 +58,10 @@ def plan_for(heard: Heard, plan: SlicingPlan, stages, placement: str = "planned"
              depth: int = 1) -> Placement | None:
     """The placement of ``plan``'s model on ``stages`` (None when a node has not reported, or the model is
     not on this machine to read its headers: the caller then splits evenly, as before reports)."""
-    from diffuse.plan.analysis import ModelSubject
+    from diffuse.plan.encoders import plan_subject
 
     try:
-        subject = ModelSubject.from_path(plan.model.path)
+        subject = plan_subject(plan)
     except (DiffuseError, OSError):
         return None
     # a pass as it comes: a language model's token, a diffusion stack's call (its tokens not known yet)

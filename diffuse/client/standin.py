@@ -30,6 +30,7 @@ from diffuse.plan.calltree import flatten
 from diffuse.changes import Changes, guard
 from diffuse.errors import DiffuseError
 from diffuse.lm.client_ends import LanguageEnds
+from diffuse.client.encoders import EncoderPasses
 from diffuse.client.memo import RepeatMemo
 from diffuse.pipefusion.client import Patcher
 from diffuse.pipefusion.policy import why_uncut
@@ -57,6 +58,7 @@ class Splitter:
         self.tagger = None  # the first-block cache's (diffuse.firstblock), when a threshold is set
         self.uncut: dict[str, str] = {}  # stack -> why its steps run uncut although patches > 1
         self.lm = LanguageEnds(self)
+        self.encoders = EncoderPasses(self, ())  # a pipeline's encoder stacks, when they are on the ring
 
     embedding_on_node = False  # a language model's embedding table may go to the first node (opt-in)
     drafting = None  # a language model's drafts verified by the ring (diffuse.lm.client_drafts.Drafting), when asked
@@ -178,7 +180,10 @@ class Splitter:
         return self.ring.call(stack.path, args, kwargs, rmap)
 
     def run_layers(self, stack: StackPlan, calls: list[tuple[tuple, dict]], cache):
-        """A language model's pass (``diffuse.lm.client_ends``, which counts its time in ``stand_in_s``)."""
+        """A language model's pass (``diffuse.lm.client_ends``, which counts its time in ``stand_in_s``), or an
+        encoder's (``diffuse.client.encoders``)."""
+        if stack.path in self.encoders.paths:
+            return self.encoders.run(stack, calls, cache)
         if self.ring is None:
             raise DiffuseError("this model's layers are held by nodes: call it inside `with diffuse.split(...)`")
         if self.tagger is not None:

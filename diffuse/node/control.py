@@ -308,7 +308,7 @@ class NodeControl:
                            f"{held or 'none'}")
         if stage.model_hash != node.store.model_hash:
             return self.no("model", "this node serves a different model (content hash differs): "
-                           "start it with the same model folder as the client")
+                           "start it with the same model folder as the client, and the same --encoders")
         dtype = getattr(torch, stage.dtype, None) if stage.dtype else None
         if stage.dtype and not isinstance(dtype, torch.dtype):
             return self.no("request", f"unknown compute dtype {stage.dtype[:32]!r}")

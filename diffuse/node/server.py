@@ -85,6 +85,7 @@ class NodeOptions:
     batch: bool = True  # decoding passes of several sessions as one batch (--no-batch: off)
     compute: object = None  # a diffuse.plan.devices.Compute: --device and --dtype (None: the CPU, as each session asks)
     compiled: bool = False  # --compile
+    encoders: bool = False  # --encoders ring: the pipeline's encoders' stacks are served too (diffuse.plan.encoders)
 
 
 class Node:
@@ -101,7 +102,7 @@ class Node:
         from diffuse.node.stage import BlockStore
 
         self.transport = transport_for(listen)
-        subject = ModelSubject.from_path(model_path)
+        subject = ModelSubject.from_path(model_path, o.encoders)
         draft = config_draft(subject, wanted={"stacks", "two_stream"})  # not the pipeline's output: it loads far more
         self.stacks: list[StackPlan] = draft["stacks"]
         self.two_stream: dict[str, bool] = dict(draft.get("two_stream", {}))  # such stacks run uncut steps

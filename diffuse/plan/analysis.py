@@ -49,9 +49,23 @@ class ModelSubject:
     # every component holding block stacks, ``denoiser`` first (Wan 2.2: its two experts, transformer and
     # transformer_2); with more than one, the stacks are addressed from ``Denoisers``: "transformer_2.blocks"
     denoisers: tuple = ()
+    # the text (and image) encoders among ``denoisers``, last: components put on the ring too (--encoders ring,
+    # ``diffuse.plan.encoders``), whose stacks run once per request
+    encoders: tuple = ()
 
     @classmethod
-    def from_path(cls, path: str) -> "ModelSubject":
+    def from_path(cls, path: str, encoders: bool = False) -> "ModelSubject":
+        """The subject of the folder at ``path``; ``encoders``: a pipeline's encoder components (``diffuse.plan.
+        encoders``) hold stacks too, beside its denoiser's."""
+        subject = cls._from_path(path)
+        if encoders and not subject.autoregressive and subject.denoiser:
+            from diffuse.plan.encoders import with_encoders
+
+            subject = with_encoders(subject)
+        return subject
+
+    @classmethod
+    def _from_path(cls, path: str) -> "ModelSubject":
         index_file = os.path.join(path, "model_index.json")
         if not os.path.isfile(index_file):
             config_file = os.path.join(path, "config.json")
@@ -81,11 +95,8 @@ class ModelSubject:
         names = [denoiser, *_fellow_denoisers(path, model_index, denoiser)]
         if len(names) == 1:
             return cls(path=path, model_index=model_index, denoiser=denoiser, denoiser_config=cfg, denoisers=(denoiser,))
-        configs = {}
-        for name in names:
-            with open(os.path.join(path, name, "config.json")) as f:
-                configs[name] = {**json.load(f), DENOISER_ENTRY: list(model_index[name])}
-        return cls(path=path, model_index=model_index, denoiser=denoiser, denoiser_config=configs, denoisers=tuple(names))
+        return cls(path=path, model_index=model_index, denoiser=denoiser, denoiser_config=component_configs(
+            path, model_index, names), denoisers=tuple(names))
 
     @property
     def several(self) -> bool:
@@ -164,10 +175,12 @@ class ModelSubject:
         return _component_class(entry[0] if isinstance(entry, list) else "diffusers", name)
 
     def config_object(self):
-        """The model's configuration as its library's object (a transformers model's caches need it)."""
+        """The model's configuration as its library's object (a transformers model's caches need it); None for a
+        pipeline, whose encoders' caches (``diffuse.client.encoders``) are made afresh for each pass without one
+        (from empty, every kind of layer returns the keys and values it was given)."""
         if self.library == "transformers":
             return self.denoiser_class().config_class.from_dict(dict(self.denoiser_config))
-        return dict(self.denoiser_config)
+        return None
 
     def meta_denoiser(self):
         """The denoiser built weightless (parameters on meta, buffers real), cached."""
@@ -177,6 +190,15 @@ class ModelSubject:
 
 
 DENOISER_ENTRY = "_diffuse_component"  # in each config of several denoisers: its model_index.json entry
+
+
+def component_configs(path: str, model_index: dict, names) -> dict:
+    """{component: its config.json, with its model_index.json entry under ``DENOISER_ENTRY``}."""
+    configs = {}
+    for name in names:
+        with open(os.path.join(path, name, "config.json")) as f:
+            configs[name] = {**json.load(f), DENOISER_ENTRY: list(model_index[name])}
+    return configs
 
 
 def _component_class(lib: str | None, name: str):
@@ -227,7 +249,8 @@ def denoisers_class():
             parts = {}
             for name, cfg in config.items():
                 lib, class_name = cfg[DENOISER_ENTRY]
-                parts[name] = build_model(_component_class(lib, class_name), cfg)
+                own = {k: v for k, v in cfg.items() if k != DENOISER_ENTRY}
+                parts[name] = build_model(_component_class(lib, class_name), own)
             return cls(parts)
 
         def forward(self, *args, **kwargs):
@@ -349,3 +372,4 @@ class StackCall:
     args: tuple
     kwargs: dict
     block: Any = None
+    layered: bool = False  # the layers' calls are collected and sent together (a cache's, an encoder's)

@@ -114,7 +114,7 @@ def renamed_for(wmap: dict[str, str], model) -> WeightMap:
     except ImportError:
         return out
     if not isinstance(model, PreTrainedModel):
-        return out
+        return _renamed_by_part(out, model, PreTrainedModel)
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -144,6 +144,27 @@ def renamed_for(wmap: dict[str, str], model) -> WeightMap:
         if target not in out and source in out:  # a tied head is stored once, under the embedding's name
             out[target] = out[source]
             out.sources[target] = out.source(source)
+    return out
+
+
+def _renamed_by_part(wmap: "WeightMap", model, library_model) -> "WeightMap":
+    """``wmap`` of several components held as one module (``diffuse.plan.analysis.Denoisers``: a pipeline's
+    denoiser and text encoders, each name led by its component's): each transformers component's names renamed
+    by its own rules (``renamed_for``), the others' kept."""
+    parts = [(name, child) for name, child in model.named_children() if isinstance(child, library_model)]
+    if not parts:
+        return wmap
+    out = WeightMap({k: v for k, v in wmap.items() if not k.startswith(tuple(f"{n}." for n, _ in parts))})
+    out.sources.update({k: v for k, v in wmap.sources.items() if k in out})
+    for name, child in parts:
+        head = f"{name}."
+        own = WeightMap({k[len(head):]: v for k, v in wmap.items() if k.startswith(head)})
+        own.sources.update({k[len(head):]: wmap.source(k) for k in wmap if k.startswith(head)})
+        renamed = renamed_for(own, child)
+        for k, v in renamed.items():
+            out[head + k] = v
+            out.sources[head + k] = renamed.source(k)
+        out.converted.update({head + k: c for k, c in renamed.converted.items()})
     return out
 
 

@@ -88,7 +88,7 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None,
     that planning the same model again reads nothing (a client's ``Heard.costs``). ``quantize``: the mode the
     nodes hold the blocks in (``diffuse.plan.quantize``): each linear weight the mode quantizes is counted as
     it is stored then (int4 as a CPU node stores it, the larger of its two layouts)."""
-    from diffuse.plan.modelfiles import located, renamed_for, weight_map
+    from diffuse.plan.modelfiles import located, renamed_for
     from diffuse.plan.quantize import INT4_GROUP_CPU, library_rule, quantizable, weight_bytes
 
     key = (subject.path, subject.denoiser, dtype, context, tuple((s.path, s.length) for s in stacks), quantize)
@@ -96,7 +96,8 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None,
         return cache[key]
     size = _dtype_size(dtype)
     skeleton = subject.meta_denoiser()
-    wmap = located(renamed_for(weight_map(subject.component_dir), skeleton), skeleton, [s.path for s in stacks])
+    # every component holding stacks, each name led by its component's where there are several
+    wmap = located(renamed_for(subject.weight_map(), skeleton), skeleton, [s.path for s in stacks])
     headers: dict[str, dict] = {}
     per_token = cache_bytes_per_token(subject, size)
     state = per_token * context_tokens(subject, context)

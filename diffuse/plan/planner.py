@@ -28,17 +28,19 @@ def config_draft(subject: ModelSubject, wanted: set | None = None) -> dict:
     return draft
 
 
-def analyze(path: str) -> tuple[ModelSubject, dict]:
-    """Config-phase analysis: refuses unsplittable models before anything is loaded."""
-    subject = ModelSubject.from_path(path)
+def analyze(path: str, encoders: bool = False) -> tuple[ModelSubject, dict]:
+    """Config-phase analysis: refuses unsplittable models before anything is loaded (``encoders``: a pipeline's
+    encoders hold stacks too, ``diffuse.plan.encoders``)."""
+    subject = ModelSubject.from_path(path, encoders)
     if not subject.denoiser and not subject.autoregressive:
         raise RefusedModel(path, "no denoiser component (transformer/unet) in model_index.json")
     return subject, config_draft(subject)
 
 
-def learn_call(stack, args: tuple, kwargs: dict, block) -> tuple[CallPlan, ReturnMap]:
-    """The call-phase analyzers on a stack's first call (``block``: its real first block, run once)."""
-    found = run_analyzers("call", StackCall(stack, args, kwargs, block), required=CALL_FIELDS)
+def learn_call(stack, args: tuple, kwargs: dict, block, layered: bool = False) -> tuple[CallPlan, ReturnMap]:
+    """The call-phase analyzers on a stack's first call (``block``: its real first block, run once; ``layered``:
+    its layers' calls are collected and sent together, so a layer may return side outputs)."""
+    found = run_analyzers("call", StackCall(stack, args, kwargs, block, layered), required=CALL_FIELDS)
     return found["call_plan"], found["return_map"]
 
 
@@ -134,7 +136,7 @@ def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list, dtype=No
     the client's own computation bit-identical to a plain load.
     """
     from diffuse.plan.analysis import build_meta
-    from diffuse.plan.modelfiles import fp32_kept, load_into, located
+    from diffuse.plan.modelfiles import fp32_kept, load_into, located, renamed_for
 
     model = build_meta(subject.denoiser_class(), subject.denoiser_config)
 
@@ -145,7 +147,7 @@ def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list, dtype=No
                 return True
         return False
 
-    wmap = located(subject.weight_map(), model, [st.path for st in stacks])
+    wmap = located(renamed_for(subject.weight_map(), model), model, [st.path for st in stacks])
     load_into(model, "", wmap, dtype, skip=remote, keep=fp32_kept(model, dtype))
     model.eval()
     return model

@@ -1,0 +1,185 @@
+"""A pipeline's text encoders on the ring (``--encoders ring``): their layers split over the nodes like the
+denoiser's blocks, the prompt embeddings byte-identical to plain diffusers'.
+
+Three encoders of three shapes: Wan's UMT5 (every layer its own position bias), Flux's CLIP text model and
+T5 encoder (T5's block 0 makes the position biases every later block reads: a side output threaded from
+the node that holds block 0), Sana's Gemma 2 (a language model read as an encoder: a cache made for the
+call, a mask per attention kind). Each family's three nodes serve 1, 2 and 3 node rings in turn; the
+reference is each pipeline's own ``encode_prompt`` run whole by plain diffusers in a subprocess
+(tests/encode_reference.py), at the same thread count.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+
+import families
+import numpy as np
+import pytest
+
+from conftest import THREADS, Reference, reference_jobs, run_split
+
+ENCODE = {  # each pipeline's encode_prompt arguments: a prompt and a negative one where it takes them
+    "wan": {"prompt": "dance monkey", "negative_prompt": "bad quality , blurry", "max_sequence_length": 16},
+    "flux": {"prompt": "a painting of a squirrel eating a burger", "prompt_2": None, "max_sequence_length": 48},
+    "sana": {"prompt": "a squirrel", "negative_prompt": "blurry", "max_sequence_length": 20},
+}
+RINGS = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def encoded(models, tmp_path_factory, diffuse_home):
+    """{family: (the reference's arrays, {nodes: the split's arrays}, what the split learned)}: the references
+    computed in one subprocess while each family's split side runs here over its own three local nodes."""
+    root = tmp_path_factory.mktemp("encoders")
+    paths = {f: models(f) for f in ENCODE}
+    jobs = [{"model": paths[f], "kwargs": ENCODE[f], "out": str(root / f)} for f in ENCODE]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        references = pool.submit(reference_jobs, "encode_reference.py", jobs, str(root))
+        split = {f: _split_side(paths[f], ENCODE[f]) for f in ENCODE}
+        results = references.result()
+    out = {}
+    for family, result in zip(ENCODE, results):
+        assert "error" not in result, result.get("error")
+        out[family] = ([np.load(p) for p in result["arrays"]], *split[family])
+    return out
+
+
+def _split_side(model: str, kwargs: dict):
+    """The split's arrays at each ring size, and what it said of itself."""
+    import torch
+
+    import diffuse
+    from diffuse.local.nodes import start_local_nodes
+
+    nodes = start_local_nodes(model, max(RINGS), THREADS, extra=["--encoders", "ring"], fixed=False)
+    try:
+        pipe = diffuse.from_pretrained(model, encoders="ring")
+        arrays, seen = {}, {}
+        for n in RINGS:
+            with diffuse.split(pipe, nodes=[f"{x.address}#{x.key}" for x in nodes[:n]], timeout=60) as ring:
+                before = ring.splitter.encoders.passes  # the splitter outlives a ring: what it counted before
+                with torch.no_grad():
+                    found = pipe.encode_prompt(**kwargs)
+                arrays[n] = [t.numpy() for t in found if isinstance(t, torch.Tensor)]
+                splitter = ring.splitter
+                seen[n] = {"passes": splitter.encoders.passes - before, "encoders": sorted(splitter.encoders.paths),
+                           "held": sum(p.numel() for path in splitter.encoders.paths  # of the encoders' layers
+                                       for p in splitter.originals[path].parameters() if p.device.type != "meta")}
+        return arrays, seen
+    finally:
+        nodes.stop()
+
+
+@pytest.mark.parametrize("family", list(ENCODE))
+def test_prompt_embeddings_are_byte_identical_to_plain_diffusers_at_one_two_and_three_nodes(family, encoded):
+    reference, split, _ = encoded[family]
+    assert reference and all(r.size for r in reference)
+    for n in RINGS:
+        assert len(split[n]) == len(reference), n
+        for got, want in zip(split[n], reference):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert got.tobytes() == want.tobytes(), f"{family} at {n} nodes: max abs diff {np.abs(got - want).max()}"
+
+
+def test_each_encoder_stack_is_called_through_the_ring_and_the_client_holds_none_of_its_layers(encoded):
+    _, _, seen = encoded["flux"]
+    for n in RINGS:
+        assert seen[n]["encoders"] == ["text_encoder.encoder.layers", "text_encoder_2.encoder.block"]
+        assert seen[n]["passes"] == 2  # CLIP's pooled prompt, T5's sequence: one pass each
+        assert seen[n]["held"] == 0
+    _, _, seen = encoded["wan"]
+    assert [seen[n]["passes"] for n in RINGS] == [2, 2, 2]  # the prompt and the negative prompt
+
+
+def test_the_tokenizer_embedding_and_final_norm_stay_on_the_client(models):
+    import diffuse
+
+    pipe = diffuse.from_pretrained(models("flux"), encoders="ring")
+    t5 = pipe.text_encoder_2
+    assert t5.shared.weight.device.type == "cpu" and t5.encoder.final_layer_norm.weight.device.type == "cpu"
+    # the first block stays until the first call has taught its return map; every later one was never loaded
+    assert all(p.device.type == "meta" for b in list(t5.encoder.block)[1:] for p in b.parameters())
+    assert pipe.tokenizer_2 is not None
+
+
+def test_a_run_with_its_encoders_on_the_ring_is_byte_identical_to_plain_diffusers(models, tmp_path, diffuse_home):
+    model = models("flux")
+    kwargs = families.call_args("flux")
+    reference = Reference(model, kwargs, str(tmp_path / "reference.npy"))
+    split, report = run_split(model, kwargs, tmp_path, nodes=2, home=diffuse_home, extra=["--encoders", "ring"])
+    reference = reference.result()
+    assert split.tobytes() == reference.tobytes(), f"max abs diff {abs(split - reference).max()}"
+    assert report["per_stack"]["text_encoder_2.encoder.block"]["calls"] == 2  # the prompt, the negative prompt
+    assert report["per_stack"]["text_encoder.encoder.layers"]["calls"] == 2
+    assert report["client_block_params"] == 0
+
+
+def test_a_pipeline_that_reads_inner_layers_is_told_to_keep_its_encoders(models, diffuse_home):
+    """An encoder asked for every layer's hidden state (HunyuanVideo's Llama, SD3's CLIP read an inner layer)
+    cannot be answered by one pass: refused with the way out, not a wrong embedding or an IndexError."""
+    import torch
+
+    import diffuse
+    from diffuse.errors import DiffuseError
+
+    pipe = diffuse.from_pretrained(models("wan"), encoders="ring")
+    with diffuse.split(pipe, local_nodes=1, threads=THREADS, timeout=60):
+        ids = pipe.tokenizer(["dance monkey"], return_tensors="pt").input_ids
+        with torch.no_grad(), pytest.raises(DiffuseError, match="--encoders client"):
+            pipe.text_encoder(ids, output_hidden_states=True)
+
+
+def test_a_node_serving_the_pipeline_without_its_encoders_is_refused_saying_so(models, diffuse_home):
+    import diffuse
+    from diffuse.errors import DiffuseError
+    from diffuse.local.nodes import start_local_nodes
+
+    model = models("wan")
+    nodes = start_local_nodes(model, 1, THREADS, fixed=False)  # started without --encoders ring
+    try:
+        pipe = diffuse.from_pretrained(model, encoders="ring")
+        with pytest.raises(DiffuseError, match="the same --encoders"):
+            with diffuse.split(pipe, nodes=[f"{nodes[0].address}#{nodes[0].key}"], timeout=30):
+                pass
+    finally:
+        nodes.stop()
+
+
+def test_the_plan_names_the_encoder_stacks_and_gives_each_node_a_slice(models):
+    from diffuse.plan.planner import analyze, make_plan
+
+    subject, draft = analyze(models("flux"), encoders=True)
+    assert subject.encoders == ("text_encoder", "text_encoder_2")
+    assert [(s.path, s.length, s.config_key) for s in draft["stacks"]] == [
+        ("transformer.transformer_blocks", 3, "transformer.num_layers"),
+        ("transformer.single_transformer_blocks", 3, "transformer.num_single_layers"),
+        ("text_encoder.encoder.layers", 2, "text_encoder.num_hidden_layers"),
+        ("text_encoder_2.encoder.block", 2, "text_encoder_2.num_layers")]
+    plan = make_plan(subject, draft, ["a", "b"])
+    assert [str(sl) for sl in plan.route[0].slices if sl.stack.startswith("text_encoder")] == [
+        "text_encoder.encoder.layers[0:1]", "text_encoder_2.encoder.block[0:1]"]
+    assert analyze(models("flux"))[1]["stacks"][0].path == "transformer_blocks"  # the default: encoders on the client
+    assert os.path.isdir(subject.path)
+
+
+def test_diffuse_plan_lists_every_part_with_its_size_and_where_it_runs(models):
+    import re
+
+    from conftest import run_cli
+
+    said = {}
+    for where in ("client", "ring"):
+        run = run_cli(["plan", models("flux"), "--memory", "1,1", "--encoders", where])
+        assert run.returncode == 0, run.stderr[-2000:]
+        rows = [re.match(r"  (\S+)\s+(\S+)\s+(client \+ nodes|client|nodes)\s+(.*)$", line)
+                for line in run.stdout.splitlines()]
+        said[where] = {m[1]: (m[3], m[4]) for m in rows if m}
+    assert {k: v[0] for k, v in said["client"].items()} == {
+        "scheduler": "client", "text_encoder": "client", "text_encoder_2": "client", "tokenizer": "client",
+        "tokenizer_2": "client", "transformer": "client + nodes", "vae": "client"}
+    assert {k: v[0] for k, v in said["ring"].items()} == dict(
+        {k: v[0] for k, v in said["client"].items()}, text_encoder="client + nodes", text_encoder_2="client + nodes")
+    assert said["ring"]["text_encoder_2"][1].endswith("(text_encoder_2.encoder.block)")
+    assert said["client"]["scheduler"][1] == "(no weights)"
