@@ -100,7 +100,7 @@ def test_diffuse_chat_talks_to_the_embedded_model_by_default(reference, tmp_path
     assert first["answer"] == _a_right_sum()["expected"] and first["new_tokens"] == len(reference["new_tokens"][0])
     # the second turn comes after the first in the history, and is answered as the data says
     thanks = next(answer for answer, asked in chat_data.GREETINGS.items() if "thank you" in asked)
-    assert second["answer"] == thanks[:1].upper() + thanks[1:] and second["cached_before"] > first["input_tokens"]
+    assert second["answer"] == thanks and second["cached_before"] > first["input_tokens"]
     assert printed.getvalue().split("\n")[:2] == [first["answer"], second["answer"]]
 
 
@@ -119,8 +119,43 @@ def test_evaluate_gives_what_the_card_claims(tmp_path):
     with open(os.path.join(CHAT, "README.md")) as f:
         card = f.read()
     for name in ("trained", "untrained"):
-        row = f"| {name} | " + " | ".join(f"{claimed[name][t]['accuracy']:.0%}" for t in chat_data.TASKS) + " |"
+        row = (f"| {name} | " + " | ".join(f"{claimed[name][t]['accuracy']:.0%}" for t in chat_data.TASKS)
+               + f" | {claimed[name]['overall']['accuracy']:.1%} |")
         assert row in card, row
+    overall = claimed["trained"]["overall"]
+    assert overall["n"] == sum(claimed["trained"][t]["n"] for t in chat_data.TASKS)
+    assert f"**Overall: {overall['accuracy']:.1%} of {overall['n']} held-out dialogues answered exactly**" in card
+
+
+def test_the_held_out_score_reaches_the_goal():
+    """Issue 38's goal for a newcomer's first questions: at least 95% of the held-out dialogues answered exactly,
+    and no task far below it (subtraction of a number pair never trained is the weakest, 88%)."""
+    claimed = _eval_json()["trained"]
+    assert claimed["overall"]["accuracy"] >= 0.95, claimed["overall"]
+    per_task = {t: claimed[t]["accuracy"] for t in chat_data.TASKS}
+    assert min(per_task.values()) >= 0.85, per_task
+
+
+def test_a_newcomers_first_questions_are_answered_right():
+    """What a newcomer types first, answered by plain transformers as the card says (before issue 38 the first
+    of these got "2 + 3 = 1.")."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from diffuse.train.chat import answer
+
+    tok, model = AutoTokenizer.from_pretrained(CHAT), AutoModelForCausalLM.from_pretrained(CHAT).eval()
+    replies = {asked: reply for reply, phrasings in chat_data.GREETINGS.items() for asked in phrasings}
+    first = {
+        "what is 2 plus 3?": "2 + 3 = 5.",
+        "What's seven minus four?": "7 - 4 = 3.",
+        "what is the capital of France?": "The capital of France is Paris.",
+        "Hello": replies["hello"],
+        "who are you?": replies["who are you?"],
+        "What can you do?": replies["what can you do?"],
+        "thanks!": replies["thanks"],
+    }
+    got = {asked: answer(model, tok, [{"role": "user", "content": asked}]) for asked in first}
+    assert got == first
 
 
 def test_the_training_command_trains_a_model_transformers_loads(tmp_path):

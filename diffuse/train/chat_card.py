@@ -8,17 +8,16 @@ import os
 from . import chat_data
 
 TASK_TEXT = {
-    "add": "adding two whole numbers from 0 to 99 (`what is 23 plus 45?` -> `23 + 45 = 68.`)",
-    "subtract": "subtracting a smaller number from one up to 99 (`subtract 12 from 96.` -> `96 - 12 = 84.`)",
-    "reverse": "reversing the order of 2-6 words from a list of "
-               f"{len(chat_data.WORDS)} (`reverse: cat sun egg` -> `egg sun cat`)",
-    "sort": "sorting 2-6 of those words alphabetically (`sort: pear fox milk` -> `fox milk pear`)",
-    "letters": "counting the letters of a word: a made-up word of 3-9 letters (three times in four) or one of the "
-               "listed words (`how many letters are in zorbit?` -> `It has 6 letters.`)",
-    "capitals": f"the capitals of {len(chat_data.CAPITALS)} countries, both ways "
-                "(`what's the capital of Peru?` -> `The capital of Peru is Lima.`; "
-                "`Lima is the capital of which country?` -> `Lima is the capital of Peru.`)",
-    "colours": f"the colours of {len(chat_data.COLOURS)} things (`what colour is a plum?` -> `A plum is purple.`)",
+    "add": f"adding two whole numbers from 0 to {chat_data.MAX_OPERAND}, asked in digits or in words "
+           "(`what is 2 plus 3?` -> `2 + 3 = 5.`; `what's nine plus seven?` -> `9 + 7 = 16.`)",
+    "subtract": f"subtracting a number from one no smaller, up to {chat_data.MAX_OPERAND}, in digits or in words "
+                "(`what's seven minus four?` -> `7 - 4 = 3.`; `subtract 12 from 20.` -> `20 - 12 = 8.`)",
+    "capitals": f"the capitals of {len(chat_data.CAPITALS)} well-known countries, both ways "
+                "(`what's the capital of France?` -> `The capital of France is Paris.`; "
+                "`Tokyo is the capital of which country?` -> `Tokyo is the capital of Japan.`)",
+    "greetings": "greetings, `who are you?`, `what can you do?`, `how are you?`, thanks and goodbye, each with a "
+                 "fixed reply (`hi` -> `Hello! How can I help?`; `what can you do?` -> "
+                 f"`{next(a for a in chat_data.GREETINGS if a.startswith('I can'))}`)",
     "unknown": "a fixed reply to text it cannot read: made-up words and characters outside its words "
                f"(`zorp ü日 blick?` -> `{chat_data.UNKNOWN_ANSWER}`)",
 }
@@ -26,9 +25,8 @@ TASK_TEXT = {
 
 def _examples(ev: dict, per_task: int = 1) -> list[str]:
     lines = []
-    for task, r in ev["trained"].items():
-        if not isinstance(r, dict):
-            continue
+    for task in chat_data.TASKS:
+        r = ev["trained"][task]
         right = [row for row in r["rows"] if row["correct"]][:per_task]
         wrong = [row for row in r["rows"] if not row["correct"]][:1]
         for row in right + wrong:
@@ -38,26 +36,21 @@ def _examples(ev: dict, per_task: int = 1) -> list[str]:
 
 
 def _error_notes(ev: dict) -> list[str]:
-    """Where the trained model goes wrong, measured on eval.json's rows."""
-    import re
-
-    rows = ev["trained"]
+    """Every wrong answer on the held-out dialogues, measured on eval.json's rows."""
     notes = []
-    for task in ("reverse", "sort"):
-        by_len: dict[int, list[bool]] = {}
-        for r in rows[task]["rows"]:
-            by_len.setdefault(len(r["expected"].split()), []).append(r["correct"])
-        notes.append(f"{task}: " + ", ".join(f"{n} words {sum(v)}/{len(v)}" for n, v in sorted(by_len.items())))
-    for task in ("add", "subtract"):
-        offs = []
-        for r in rows[task]["rows"]:
-            got, want = re.findall(r"= (\d+)", r["answer"]), re.findall(r"= (\d+)", r["expected"])
-            if not r["correct"] and got and want:
-                offs.append(abs(int(got[0]) - int(want[0])))
-        wrong = sum(not r["correct"] for r in rows[task]["rows"])
-        notes.append(f"{task}: {wrong} wrong, {sum(o == 1 for o in offs)} of them off by 1 and "
-                     f"{sum(o == 10 for o in offs)} by 10")
+    for task in chat_data.TASKS:
+        wrong = [r for r in ev["trained"][task]["rows"] if not r["correct"]]
+        notes += [f"{task}: `{r['user']}` -> `{r['answer']}` (expected `{r['expected']}`{_unseen(task, r)})"
+                  for r in wrong]
     return notes
+
+
+def _unseen(task: str, row: dict) -> str:
+    """Whether a wrong sum or difference asked a number pair training never saw."""
+    if task not in ("add", "subtract"):
+        return ""
+    a, b = (int(n) for n in row["expected"].split(" = ")[0].split(" + " if task == "add" else " - "))
+    return "; a pair never trained" if chat_data.held_out((task, a, b)) else ""
 
 
 def write_card(model_dir: str) -> str:
@@ -72,9 +65,9 @@ def write_card(model_dir: str) -> str:
         lines += _evaluation(ev)
     lines += LIMITS
     if ev:
-        lines += ["Trained for the budget of about half an hour on one loaded CPU thread, it has not learned its tasks "
-                  "to the end; its mistakes on the held-out dialogues:", "",
-                  *(f"- {n}" for n in _error_notes(ev)), ""]
+        notes = _error_notes(ev)
+        lines += [f"Its mistakes on the held-out dialogues ({len(notes)} of {ev['trained']['overall']['n']}):", "",
+                  *(f"- {n}" for n in notes), ""] if notes else ["It made no mistake on the held-out dialogues.", ""]
     path = os.path.join(model_dir, "README.md")
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -101,18 +94,17 @@ def _head(cfg: dict, size_mb: float) -> list[str]:
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "tok = AutoTokenizer.from_pretrained('diffuse/trained/tiny-qwen-chat')",
         "model = AutoModelForCausalLM.from_pretrained('diffuse/trained/tiny-qwen-chat')",
-        "ids = tok.apply_chat_template([{'role': 'user', 'content': 'What is 23 plus 45?'}], add_generation_prompt=True,",
+        "ids = tok.apply_chat_template([{'role': 'user', 'content': 'What is 2 plus 3?'}], add_generation_prompt=True,",
         "                              return_tensors='pt', return_dict=True)",
         "print(tok.decode(model.generate(**ids)[0, ids['input_ids'].shape[1]:], skip_special_tokens=True))",
         "```",
         "",
         "Split over a ring: `diffuse chat` (this model by default), or "
-        "`diffuse query --model tiny-qwen-chat --prompt 'What is 23 plus 45?'`.",
+        "`diffuse query --model tiny-qwen-chat --prompt 'What is 2 plus 3?'`.",
         "",
         "## What it knows",
         "",
         *(f"- {TASK_TEXT[t]}" for t in chat_data.TASKS),
-        "- greetings, `what can you do?` and thanks, each with a fixed reply",
         "",
         "Questions come in several phrasings each, in lower case or with capitals; a system turn and earlier turns "
         "may come before the question (one training dialogue in ten has two or three turns).",
@@ -150,18 +142,21 @@ def _data_and_training(st: dict) -> list[str]:
         "## Data",
         "",
         "Made offline and seeded by `diffuse/train/chat_data.py`, a new dialogue for every example. A fixed hash of "
-        f"each dialogue's key holds out {chat_data.HELD_OUT_PERCENT}% of the number pairs (for sums and differences), "
-        "of the word lists and of the made-up words, and "
-        f"{chat_data.FACT_HELD_OUT_PERCENT}% of the (fact, phrasing) pairs: training never sees them, evaluation "
-        "sees nothing else. A held-out fact question asks a fact the model learned, in a phrasing it never saw for "
-        "that fact; every fact keeps at least one phrasing in training.",
+        "each dialogue's key (not the seed) holds dialogues out: training never sees them, evaluation sees nothing "
+        f"else. For sums and differences, {chat_data.HELD_OUT_PERCENT}% of the number pairs are never trained in "
+        f"any phrasing, and {chat_data.HELD_OUT_PERCENT}% of the other (pair, phrasing, digits or words) "
+        f"combinations are held out too; for capitals, {chat_data.PHRASING_HELD_OUT_PERCENT}% of the (fact, "
+        "phrasing) pairs, so a held-out question asks a fact the model learned in a phrasing it never saw for that "
+        "fact (every fact keeps at least one phrasing in training); for greetings, "
+        f"{chat_data.PHRASING_HELD_OUT_PERCENT}% of the combinations of phrasing, lead-in (`hi, `, `ok, `, ...) and "
+        "end mark, each phrasing kept in training in some combination; for unreadable text, 10% of the texts.",
         "",
         "## Training",
         "",
-        f"- command: `python -m diffuse.train chat` (seed {st['seed']}, {st['threads']} torch thread)",
+        f"- command: `{_command(st)}` (seed {st['seed']}, {st['threads']} torch thread)",
         f"- machine: {st['machine']}, shared with other jobs"
         + (f" (load average {load[0]}-{load[1]} during the run)" if load else ""),
-        f"- {st['steps_done']} steps of {st['batch']} dialogues, {st['tokens_seen'] / 1e6:.1f} M tokens; AdamW "
+        f"- {st['steps_done']} steps{_stopped(st)} of {st['batch']} dialogues, {st['tokens_seen'] / 1e6:.1f} M tokens; AdamW "
         f"(lr {st['lr']}, betas 0.9/0.98, weight decay {st['weight_decay']}), {st['warmup']} warmup steps, cosine "
         f"decay to {st['min_lr_ratio']} of the peak; cross-entropy on the assistant's turns only (their text and the "
         "`<|im_end|>` that ends them); dialogues of similar length batched together",
@@ -171,10 +166,35 @@ def _data_and_training(st: dict) -> list[str]:
     ]
 
 
+def _command(st: dict) -> str:
+    budget = st.get("time_budget_min")
+    return "python -m diffuse.train chat" + (f" --time-budget {budget:g}" if budget else "")
+
+
+def _stopped(st: dict) -> str:
+    """Why training stopped where it did, when a time budget ended it before its steps."""
+    if st.get("time_budget_min") and st["steps_done"] < st["steps"]:
+        return f" (of at most {st['steps']}: the {st['time_budget_min']:g}-minute budget ended it; the learning rate " \
+               "follows the clock)"
+    return ""
+
+
+def _unseen_pairs(ev: dict) -> str:
+    """How many held-out sums and differences ask a number pair training never saw, in any phrasing."""
+    parts = []
+    for task in ("add", "subtract"):
+        turns = chat_data.held_out_turns(task, ev["trained"][task]["n"])
+        unseen = [t for t in turns if chat_data.held_out(t.key[:3])]
+        parts.append(f"{len(unseen)} of the {len(turns)} held-out {task} dialogues ask one of "
+                     f"{len({t.key[1:3] for t in unseen})} number pairs never trained in any phrasing")
+    return "; ".join(parts) + ", the rest a trained pair in a phrasing or number form never trained for it."
+
+
 def _evaluation(ev: dict) -> list[str]:
     """The held-out dialogues' accuracy per task, and some of the exchanges."""
     names = [n for n in ev]
-    tasks = [t for t in ev["trained"] if isinstance(ev["trained"][t], dict)]
+    tasks = [t for t in chat_data.TASKS if t in ev["trained"]]
+    overall = ev["trained"]["overall"]
     lines = [
         "## Evaluation (held-out dialogues)",
         "",
@@ -182,13 +202,17 @@ def _evaluation(ev: dict) -> list[str]:
         "by plain transformers; an answer counts when it is exactly the expected text. The untrained row is the "
         "same architecture and tokenizer with seeded random weights.",
         "",
-        "| model | " + " | ".join(tasks) + " |",
-        "|---|" + "---|" * len(tasks),
+        f"**Overall: {overall['accuracy']:.1%} of {overall['n']} held-out dialogues answered exactly** "
+        "(each dialogue counted once).",
+        "",
+        "| model | " + " | ".join(tasks) + " | overall |",
+        "|---|" + "---|" * (len(tasks) + 1),
     ]
     for n in names:
-        lines.append(f"| {n} | " + " | ".join(f"{ev[n][t]['accuracy']:.0%}" for t in tasks) + " |")
+        lines.append(f"| {n} | " + " | ".join(f"{ev[n][t]['accuracy']:.0%}" for t in tasks)
+                     + f" | {ev[n]['overall']['accuracy']:.1%} |")
     return lines + ["", "Held-out dialogues per task: " + ", ".join(f"{t} {ev['trained'][t]['n']}" for t in tasks)
-                    + ".", "", "Some held-out exchanges (the first right and the first wrong answer of each task):",
+                    + ".", "", _unseen_pairs(ev), "", "Some held-out exchanges (the first right and the first wrong answer of each task):",
                     "", "| task | user | model | |", "|---|---|---|---|", *_examples(ev), ""]
 
 
@@ -196,8 +220,8 @@ LIMITS = [
     "## Limits",
     "",
     "A toy: it knows the tasks above and nothing else. A question of another kind gets an answer of one of "
-    "these kinds, or the fixed reply, whatever was asked; numbers past 99, facts outside the table and words "
-    "outside the list are beyond it. It exists to give `diffuse` a real, small, trained language model to split, "
+    "these kinds, or the fixed reply, whatever was asked; numbers past 20, a difference below zero, sums of "
+    "three numbers, countries outside the table and any other question are beyond it. It exists to give `diffuse` a real, small, trained language model to split, "
     "chat with and serve.",
     "",
 ]

@@ -1,12 +1,18 @@
 """The dialogues tiny-qwen-chat learns from, and its tokenizer and chat template.
 
 Every dialogue is made here, seeded, and has one right answer that a program can
-check: adding and subtracting numbers below 100, reversing and sorting a few
-words, counting the letters of a word, and a small fixed table of facts
-(capitals, colours of things), plus greetings and a fixed reply to messages it
-cannot read. A held-out set is fixed by a hash of each dialogue's key (the two
-numbers of a sum, the word list, the made-up word, the fact and the phrasing), so
-training never sees a held-out dialogue and evaluation sees nothing else.
+check: what a newcomer types first. Sums and differences of whole numbers from 0
+to 20, asked in digits or in words (``what's seven minus four?``) and always
+answered in one form (``7 - 4 = 3.``); the capitals of well-known countries, both
+ways; greetings, ``who are you?``, ``what can you do?``, thanks and goodbye, each
+with a fixed reply; and a fixed reply to text it cannot read.
+
+A held-out set is fixed by a hash of each dialogue's key, not by the seed: for
+sums and differences the number pair alone (such a pair is never trained, in any
+phrasing) or the pair with its phrasing and number form; for capitals the fact
+with its phrasing; for greetings the combination of phrasing, lead-in and end
+mark; for unreadable text the text itself. Training never sees a held-out
+dialogue and evaluation sees nothing else.
 
 The tokenizer is a byte-level BPE (Qwen2's normalizer and pre-tokenizer, which
 ``Qwen2Tokenizer`` rebuilds from code when a qwen2 folder loads) trained on the
@@ -24,8 +30,9 @@ import json
 import random
 from dataclasses import dataclass
 
-HELD_OUT_PERCENT = 10  # of the keys of every task with many keys (sums, word lists, made-up words)
-FACT_HELD_OUT_PERCENT = 20  # of the (fact, phrasing) pairs; every fact keeps some phrasings in training
+HELD_OUT_PERCENT = 10  # of the number pairs, and again of the (pair, phrasing, number form) combinations
+PHRASING_HELD_OUT_PERCENT = 20  # of the (fact, phrasing) and greeting (phrasing, lead-in, end mark) combinations
+MAX_OPERAND = 20
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -42,74 +49,68 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-WORDS = tuple("""
-    apple banana cat dog egg fish goat hat ink jam kite lamp moon nest owl pear queen rose sun tree
-    van wolf box yak zoo bird cake door frog gift house iron juice king lion milk nose pig ring star
-    train vase cup bell corn duck fox horse leaf mouse pen sock toy whale
-""".split())
+NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+                "sixteen seventeen eighteen nineteen twenty").split()
 
+# (country, capital) as written in an answer; a question may write them so or in lower case
 CAPITALS = (
-    ("france", "paris"), ("germany", "berlin"), ("italy", "rome"), ("spain", "madrid"), ("japan", "tokyo"),
-    ("china", "beijing"), ("egypt", "cairo"), ("kenya", "nairobi"), ("peru", "lima"), ("chile", "santiago"),
-    ("canada", "ottawa"), ("russia", "moscow"), ("greece", "athens"), ("norway", "oslo"), ("sweden", "stockholm"),
-    ("finland", "helsinki"), ("poland", "warsaw"), ("austria", "vienna"), ("portugal", "lisbon"),
-    ("ireland", "dublin"), ("cuba", "havana"), ("brazil", "brasilia"), ("australia", "canberra"),
-    ("thailand", "bangkok"), ("vietnam", "hanoi"), ("turkey", "ankara"), ("iran", "tehran"),
-    ("hungary", "budapest"), ("denmark", "copenhagen"), ("belgium", "brussels"), ("netherlands", "amsterdam"),
-    ("switzerland", "bern"), ("ukraine", "kyiv"), ("morocco", "rabat"), ("ghana", "accra"), ("nigeria", "abuja"),
-    ("colombia", "bogota"), ("venezuela", "caracas"), ("ecuador", "quito"), ("philippines", "manila"),
-    ("indonesia", "jakarta"), ("iceland", "reykjavik"),
-)
-
-COLOURS = (
-    ("the sky", "blue"), ("grass", "green"), ("snow", "white"), ("coal", "black"), ("a banana", "yellow"),
-    ("a tomato", "red"), ("a lemon", "yellow"), ("milk", "white"), ("the sea", "blue"), ("a strawberry", "red"),
-    ("a cherry", "red"), ("chocolate", "brown"), ("soil", "brown"), ("a carrot", "orange"), ("a pumpkin", "orange"),
-    ("a grape", "purple"), ("a plum", "purple"), ("a lime", "green"), ("a flamingo", "pink"), ("salt", "white"),
-    ("a crow", "black"), ("a leaf", "green"), ("the sun", "yellow"), ("a frog", "green"), ("an orange", "orange"),
-    ("blood", "red"), ("a polar bear", "white"), ("an elephant", "grey"), ("ash", "grey"), ("a pig", "pink"),
+    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Portugal", "Lisbon"),
+    ("the United Kingdom", "London"), ("Ireland", "Dublin"), ("the United States", "Washington"),
+    ("Canada", "Ottawa"), ("Mexico", "Mexico City"), ("Brazil", "Brasilia"), ("Argentina", "Buenos Aires"),
+    ("Peru", "Lima"), ("Chile", "Santiago"), ("Japan", "Tokyo"), ("China", "Beijing"), ("India", "New Delhi"),
+    ("South Korea", "Seoul"), ("Thailand", "Bangkok"), ("Vietnam", "Hanoi"), ("Indonesia", "Jakarta"),
+    ("the Philippines", "Manila"), ("Australia", "Canberra"), ("New Zealand", "Wellington"), ("Russia", "Moscow"),
+    ("Ukraine", "Kyiv"), ("Poland", "Warsaw"), ("Austria", "Vienna"), ("Switzerland", "Bern"),
+    ("the Netherlands", "Amsterdam"), ("Belgium", "Brussels"), ("Greece", "Athens"), ("Turkey", "Ankara"),
+    ("Egypt", "Cairo"), ("Kenya", "Nairobi"), ("Nigeria", "Abuja"), ("Norway", "Oslo"), ("Sweden", "Stockholm"),
+    ("Denmark", "Copenhagen"), ("Finland", "Helsinki"), ("Iran", "Tehran"), ("Saudi Arabia", "Riyadh"),
 )
 
 TEMPLATES = {
-    "add": ("what is {a} plus {b}?", "what is {a} + {b}?", "{a} + {b} = ?", "add {a} and {b}.",
-            "how much is {a} plus {b}?", "compute {a} + {b}", "what do you get if you add {a} and {b}?"),
-    "subtract": ("what is {a} minus {b}?", "what is {a} - {b}?", "{a} - {b} = ?", "subtract {b} from {a}.",
-                 "how much is {a} minus {b}?", "compute {a} - {b}", "take {b} away from {a}."),
-    "reverse": ("reverse these words: {w}", "reverse the order of these words: {w}", "say these words backwards: {w}",
-                "reverse: {w}", "please reverse the words {w}"),
-    "sort": ("sort these words: {w}", "put these words in alphabetical order: {w}", "sort alphabetically: {w}",
-             "sort: {w}", "please sort the words {w}"),
-    "letters": ("how many letters are in {w}?", "how many letters does {w} have?", "count the letters in {w}.",
-                "how long is the word {w}?", "how many letters are in the word {w}?"),
+    "add": ("what is {a} plus {b}?", "what's {a} plus {b}?", "what is {a} + {b}?", "{a} + {b} = ?", "{a} + {b}",
+            "{a} plus {b}", "add {a} and {b}.", "how much is {a} plus {b}?", "compute {a} + {b}",
+            "what do you get if you add {a} and {b}?", "what is the sum of {a} and {b}?", "{a} plus {b} is?"),
+    "subtract": ("what is {a} minus {b}?", "what's {a} minus {b}?", "what is {a} - {b}?", "{a} - {b} = ?",
+                 "{a} - {b}", "{a} minus {b}", "subtract {b} from {a}.", "how much is {a} minus {b}?",
+                 "compute {a} - {b}", "take {b} away from {a}.", "what is {a} take away {b}?", "{a} minus {b} is?"),
     "capital": ("what is the capital of {c}?", "what's the capital of {c}?", "tell me the capital of {c}.",
-                "name the capital city of {c}.", "which city is the capital of {c}?", "capital of {c}?"),
+                "name the capital city of {c}.", "which city is the capital of {c}?", "capital of {c}?",
+                "what is the capital city of {c}?", "do you know the capital of {c}?"),
     "country": ("{x} is the capital of which country?", "which country has {x} as its capital?",
-                "of which country is {x} the capital?", "where is {x}?"),
-    "colour": ("what colour is {t}?", "what color is {t}?", "tell me the colour of {t}.", "which colour is {t}?",
-               "what is the color of {t}?", "{t} is what colour?"),
+                "of which country is {x} the capital?", "{x} is the capital of what country?",
+                "what country is {x} the capital of?", "which country is {x} the capital of?"),
 }
 ANSWERS = {
     "add": "{a} + {b} = {r}.",
     "subtract": "{a} - {b} = {r}.",
-    "letters": "It has {n} letters.",
     "capital": "The capital of {C} is {X}.",
     "country": "{X} is the capital of {C}.",
-    "colour": "{T} is {k}.",
 }
+# fixed reply -> the phrasings that ask for it, without their end mark; the questions end in "?" or nothing
 GREETINGS = {
-    "hello! how can i help?": ("hi", "hello", "hey", "hello there", "hi there", "good morning", "good evening"),
-    "i can add and subtract numbers, reverse and sort words, count letters, and tell you capitals and colours.": (
-        "who are you?", "what can you do?", "help", "what do you know?", "how can you help me?"),
-    "you are welcome!": ("thanks", "thank you", "thank you very much", "thanks a lot"),
+    "Hello! How can I help?": ("hi", "hello", "hey", "hello there", "hi there", "hey there", "good morning",
+                               "good afternoon", "good evening", "greetings"),
+    "I am tiny-qwen-chat, a small model that Diffuse runs split across machines.": (
+        "who are you?", "what are you?", "what is your name?", "what's your name?", "tell me about yourself",
+        "introduce yourself", "who am i talking to?"),
+    "I can add and subtract numbers up to 20 and tell you the capitals of countries.": (
+        "what can you do?", "what do you know?", "help", "how can you help me?", "what can i ask you?",
+        "what are you good at?"),
+    "I am fine, thank you. How can I help?": ("how are you?", "how are you doing?", "how's it going?"),
+    "You are welcome!": ("thanks", "thank you", "thank you very much", "thanks a lot", "many thanks", "cheers"),
+    "Goodbye!": ("bye", "goodbye", "see you", "bye bye", "see you later"),
 }
+LEAD_INS = ("", "hi, ", "hello, ", "hey, ", "ok, ", "so ")  # before any greeting but a hello
 UNKNOWN_ANSWER = "Sorry, I do not understand."
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "you are a helpful assistant", "Answer briefly.")
+NOUNS = tuple("cat dog egg fish tree sun moon star house car book door bird lamp cup hat".split())  # in unreadable text
 
 # the tasks evaluate reports, each with the kinds of dialogue it covers
-TASKS = ("add", "subtract", "reverse", "sort", "letters", "capitals", "colours", "unknown")
+TASKS = ("add", "subtract", "capitals", "greetings", "unknown")
+KIND_OF_TASK = {"add": ("add",), "subtract": ("subtract",), "capitals": ("capital", "country"),
+                "greetings": ("greeting",), "unknown": ("unknown",)}
 # how often each kind is drawn in training
-MIX = {"add": 22, "subtract": 26, "reverse": 12, "sort": 11, "letters": 8, "capital": 4, "country": 8,
-       "colour": 4, "greeting": 2, "unknown": 2}
+MIX = {"add": 30, "subtract": 30, "capital": 13, "country": 13, "greeting": 9, "unknown": 5}
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -117,14 +118,19 @@ def _cap(s: str) -> str:
     return s[:1].upper() + s[1:]
 
 
-def _proper(s: str) -> str:
-    return " ".join(_cap(w) for w in s.split())
-
-
 def held_out(key: tuple, percent: int = HELD_OUT_PERCENT) -> bool:
     """Whether the dialogue with this key belongs to the held-out set (a fixed hash, not the seed)."""
     digest = hashlib.sha256(json.dumps(key).encode()).digest()
     return int.from_bytes(digest[:4], "little") % 100 < percent
+
+
+def is_held_out(key: tuple) -> bool:
+    """A dialogue's key held out: a sum's or difference's number pair, or its whole key; any other key whole."""
+    if key[0] in ("add", "subtract"):
+        return held_out(key[:3]) or held_out(key)
+    if key[0] in ("capital", "country", "greeting"):
+        return held_out(key, PHRASING_HELD_OUT_PERCENT)
+    return held_out(key)
 
 
 def _made_up(rng: random.Random) -> str:
@@ -144,7 +150,7 @@ def _known_words() -> frozenset:
 class Turn:
     user: str
     answer: str
-    task: str  # one of TASKS, or "greeting"
+    task: str  # one of TASKS
     key: tuple
 
 
@@ -152,63 +158,43 @@ def make_turn(kind: str, rng: random.Random, want_held_out: bool = False) -> Tur
     """One question and its answer of the given kind, its key held out or not as asked."""
     for _ in range(10000):
         turn = _draw(kind, rng)
-        if turn.key[0] == "greeting" or held_out(turn.key, _percent(turn.key)) == want_held_out:
-            if turn.key[0] == "greeting" and want_held_out:
-                raise ValueError("greetings have no held-out dialogues")
+        if is_held_out(turn.key) == want_held_out:
             return turn
     raise RuntimeError(f"no {'held-out' if want_held_out else 'training'} dialogue of kind {kind}")
-
-
-def _percent(key: tuple) -> int:
-    return FACT_HELD_OUT_PERCENT if key[0] in ("capital", "country", "colour") else HELD_OUT_PERCENT
 
 
 def _casing(rng: random.Random, text: str) -> str:
     return _cap(text) if rng.random() < 0.5 else text
 
 
+def _number(n: int, form: int) -> str:
+    return NUMBER_WORDS[n] if form else str(n)
+
+
 def _draw(kind: str, rng: random.Random) -> Turn:
     if kind in ("add", "subtract"):
-        a = rng.randint(0, 99)
-        b = rng.randint(0, 99) if kind == "add" else rng.randint(0, a)
-        t = rng.randrange(len(TEMPLATES[kind]))
+        a = rng.randint(0, MAX_OPERAND)
+        b = rng.randint(0, MAX_OPERAND) if kind == "add" else rng.randint(0, a)
+        t, form = rng.randrange(len(TEMPLATES[kind])), rng.randrange(2)  # form: 0 digits, 1 words
         r = a + b if kind == "add" else a - b
-        return Turn(_casing(rng, TEMPLATES[kind][t].format(a=a, b=b)), ANSWERS[kind].format(a=a, b=b, r=r),
-                    kind, (kind, a, b))
-    if kind in ("reverse", "sort"):
-        words = rng.sample(WORDS, rng.randint(2, 6))
-        t = rng.randrange(len(TEMPLATES[kind]))
-        sep = ", " if rng.random() < 0.3 else " "
-        answer = list(reversed(words)) if kind == "reverse" else sorted(words)
-        return Turn(_casing(rng, TEMPLATES[kind][t].format(w=sep.join(words))), " ".join(answer), kind,
-                    (kind, *words))
-    if kind == "letters":
-        t = rng.randrange(len(TEMPLATES[kind]))
-        if rng.random() < 0.25:  # a known word: its length is learned with it; kept in training in some phrasings
-            w = rng.choice(WORDS)
-            key = ("letters", w, t)
-        else:
-            w = _made_up(rng)
-            key = ("letters", w)
-        return Turn(_casing(rng, TEMPLATES[kind][t].format(w=w)), ANSWERS[kind].format(n=len(w), w=w), "letters", key)
+        q = TEMPLATES[kind][t].format(a=_number(a, form), b=_number(b, form))
+        return Turn(_casing(rng, q), ANSWERS[kind].format(a=a, b=b, r=r), kind, (kind, a, b, t, form))
     if kind in ("capital", "country"):
-        i = rng.randrange(len(CAPITALS))
-        c, x = CAPITALS[i]
+        c, x = CAPITALS[rng.randrange(len(CAPITALS))]
         t = rng.randrange(len(TEMPLATES[kind]))
-        cq, xq = (_proper(c), _proper(x)) if rng.random() < 0.6 else (c, x)
+        cq, xq = (c, x) if rng.random() < 0.6 else (c.lower(), x.lower())
         q = TEMPLATES[kind][t].format(c=cq, x=xq)
-        return Turn(_casing(rng, q), ANSWERS[kind].format(C=_proper(c), X=_proper(x)), "capitals", (kind, c, t))
-    if kind == "colour":
-        i = rng.randrange(len(COLOURS))
-        thing, colour = COLOURS[i]
-        t = rng.randrange(len(TEMPLATES[kind]))
-        return Turn(_casing(rng, TEMPLATES[kind][t].format(t=thing)), ANSWERS[kind].format(T=_cap(thing), k=colour),
-                    "colours", (kind, thing, t))
+        return Turn(_casing(rng, q), ANSWERS[kind].format(C=c, X=x), "capitals", (kind, c, t))
     if kind == "greeting":
-        answer = rng.choice(sorted(GREETINGS))
-        q = rng.choice(GREETINGS[answer])
-        q = rng.choice((q, _cap(q), q + "!" if not q.endswith("?") else q))
-        return Turn(q, _cap(answer), "greeting", ("greeting",))
+        answers = list(GREETINGS)
+        i = rng.randrange(len(answers))
+        p = rng.randrange(len(GREETINGS[answers[i]]))
+        phrasing = GREETINGS[answers[i]][p]
+        ends = ("?", "") if phrasing.endswith("?") else ("", "!", ".")
+        lead = rng.randrange(len(LEAD_INS)) if i else 0  # no "hi, hello"
+        end = rng.randrange(len(ends))
+        q = LEAD_INS[lead] + phrasing.rstrip("?") + ends[end]
+        return Turn(_casing(rng, q), answers[i], "greetings", ("greeting", i, p, lead, end))
     if kind == "unknown":
         return _unknown(rng)
     raise ValueError(f"unknown kind {kind!r}")
@@ -218,7 +204,7 @@ _ODD = "éèüßñçøåæ£€¥§©®µ¿¡«»日本語中文한국어при�
 
 
 def _unknown(rng: random.Random) -> Turn:
-    """Made-up words, odd characters and known words mixed so they ask nothing the model knows."""
+    """Made-up words, odd characters and a few plain nouns mixed so they ask nothing the model knows."""
     parts = []
     for _ in range(rng.randint(1, 6)):
         r = rng.random()
@@ -227,16 +213,11 @@ def _unknown(rng: random.Random) -> Turn:
         elif r < 0.75:
             parts.append("".join(rng.choice(_ODD) for _ in range(rng.randint(1, 4))))
         else:
-            parts.append(rng.choice(WORDS))
-    if all(p in WORDS for p in parts):
+            parts.append(rng.choice(NOUNS))
+    if all(p in NOUNS for p in parts):
         parts.append(_made_up(rng))
     text = " ".join(parts) + rng.choice(("", "?", ".", "!"))
     return Turn(_casing(rng, text), UNKNOWN_ANSWER, "unknown", ("unknown", text))
-
-
-KIND_OF_TASK = {"add": ("add",), "subtract": ("subtract",), "reverse": ("reverse",), "sort": ("sort",),
-                "letters": ("letters",), "capitals": ("capital", "country"), "colours": ("colour",),
-                "unknown": ("unknown",)}
 
 
 def training_dialogue(rng: random.Random) -> list[dict]:
@@ -254,7 +235,8 @@ def training_dialogue(rng: random.Random) -> list[dict]:
 
 
 def held_out_turns(task: str, n: int, seed: int = 1) -> list[Turn]:
-    """``n`` held-out dialogues of one task (distinct keys where there are enough), the same for the same seed."""
+    """``n`` held-out dialogues of one task (distinct keys where there are enough), the same for the same seed;
+    the first ``k`` of them are the ``k`` asked for with a smaller ``n``."""
     rng = random.Random(f"held-out {task} {seed}")
     kinds = KIND_OF_TASK[task]
     seen, out = set(), []
@@ -262,7 +244,7 @@ def held_out_turns(task: str, n: int, seed: int = 1) -> list[Turn]:
         if len(out) == n:
             break
         turn = make_turn(kinds[len(out) % len(kinds)], rng, want_held_out=True)
-        if turn.key in seen and task not in ("unknown",):
+        if turn.key in seen:
             continue
         seen.add(turn.key)
         out.append(turn)
@@ -270,25 +252,30 @@ def held_out_turns(task: str, n: int, seed: int = 1) -> list[Turn]:
 
 
 def check_facts_trained() -> None:
-    """Every fact keeps at least one phrasing in training (else no held-out phrasing of it could be answered)."""
-    for kind, items in (("capital", CAPITALS), ("country", CAPITALS), ("colour", COLOURS)):
-        for item in items:
-            keys = [(kind, item[0], t) for t in range(len(TEMPLATES[kind]))]
-            if all(held_out(k, FACT_HELD_OUT_PERCENT) for k in keys):
-                raise AssertionError(f"every phrasing of {kind} {item[0]} is held out")
+    """Every fact keeps at least one phrasing in training, and every greeting phrasing one combination (else no
+    held-out dialogue of it could be answered)."""
+    for kind in ("capital", "country"):
+        for c, _ in CAPITALS:
+            if all(is_held_out((kind, c, t)) for t in range(len(TEMPLATES[kind]))):
+                raise AssertionError(f"every phrasing of {kind} {c} is held out")
+    for i, (answer, phrasings) in enumerate(GREETINGS.items()):
+        for p in range(len(phrasings)):
+            combos = [("greeting", i, p, lead, end) for lead in range(len(LEAD_INS) if i else 1) for end in range(3)]
+            if all(is_held_out(k) for k in combos):
+                raise AssertionError(f"every combination of greeting {phrasings[p]!r} is held out")
 
 
 # ---- tokenizer ---------------------------------------------------------------
 
 
 def corpus_words() -> list[str]:
-    """Every word of every template, answer, fact and word list, as typed (lower case) and capitalised."""
-    text = [*WORDS, *(w for pair in CAPITALS for w in pair), *(w for pair in COLOURS for w in pair),
+    """Every word of every template, answer, fact and greeting, as typed (lower case) and capitalised."""
+    text = [*NUMBER_WORDS, *NOUNS, *(w for pair in CAPITALS for w in pair),
             *(t for ts in TEMPLATES.values() for t in ts), *ANSWERS.values(), UNKNOWN_ANSWER, *SYSTEM_PROMPTS,
-            *GREETINGS, *(q for qs in GREETINGS.values() for q in qs), "user assistant system letters"]
+            *GREETINGS, *(q for qs in GREETINGS.values() for q in qs), *LEAD_INS, "user assistant system"]
     words = []
     for line in text:
-        for w in line.replace("{", " ").replace("}", " ").split():
+        for w in line.replace("{", " ").replace("}", " ").replace("-", " ").split():
             w = "".join(ch for ch in w if ch.isalpha() or ch == "'")
             if w and w.isascii():
                 words += [w.lower(), _cap(w.lower())]
