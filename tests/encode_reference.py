@@ -2,10 +2,11 @@
 
     python tests/encode_reference.py --jobs JOBS.json --threads N --out RESULTS.json
 
-Each job is ``{"model": DIR, "kwargs": {...}, "out": PREFIX}``: the pipeline is loaded by
-``DiffusionPipeline.from_pretrained(DIR)`` and ``encode_prompt(**kwargs)`` called under
-``torch.no_grad()``; each tensor it returns (Nones left out, order kept) is saved as
-``PREFIX.<i>.npy`` in its own dtype. RESULTS.json lists, per job, the files written
+Each job is ``{"model": DIR, "kwargs": {...}, "out": PREFIX}`` (and optionally ``"dtype"``, loaded
+with ``torch_dtype`` set to it): the pipeline is loaded by ``DiffusionPipeline.from_pretrained(DIR)``
+and ``encode_prompt(**kwargs)`` called under ``torch.no_grad()``; each tensor it returns (Nones left
+out, order kept) is saved as ``PREFIX.<i>.npy`` in its own dtype (bfloat16, which numpy lacks, widened
+to float32: every value exactly). RESULTS.json lists, per job, the files written
 (``{"arrays": [...]}``) or the error (``{"error": "..."}``).
 
 Imports only torch, numpy and diffusers: nothing from the ``diffuse`` package, so the
@@ -22,17 +23,17 @@ import numpy as np
 import torch
 
 
-def encode(model_dir: str, kwargs: dict, out: str) -> list[str]:
+def encode(model_dir: str, kwargs: dict, out: str, dtype: str | None = None) -> list[str]:
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(model_dir)
+    pipe = DiffusionPipeline.from_pretrained(model_dir, **({"torch_dtype": getattr(torch, dtype)} if dtype else {}))
     with torch.no_grad():
         found = pipe.encode_prompt(**kwargs)
     written = []
     for t in (found if isinstance(found, tuple) else (found,)):
         if isinstance(t, torch.Tensor):
             written.append(f"{out}.{len(written)}.npy")
-            np.save(written[-1], t.numpy())
+            np.save(written[-1], (t.float() if t.dtype == torch.bfloat16 else t).numpy())  # bf16 exactly, widened
     return written
 
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for job in jobs:
         try:
-            results.append({"arrays": encode(job["model"], job["kwargs"], job["out"])})
+            results.append({"arrays": encode(job["model"], job["kwargs"], job["out"], job.get("dtype"))})
         except Exception as exc:  # noqa: BLE001 - this job's failure is reported in its own entry
             results.append({"error": f"{type(exc).__name__}: {exc}"})
     with open(args.out, "w") as f:

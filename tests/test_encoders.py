@@ -35,19 +35,21 @@ def encoded(models, tmp_path_factory, diffuse_home):
     root = tmp_path_factory.mktemp("encoders")
     paths = {f: models(f) for f in ENCODE}
     jobs = [{"model": paths[f], "kwargs": ENCODE[f], "out": str(root / f)} for f in ENCODE]
+    jobs.append({"model": paths["wan"], "kwargs": ENCODE["wan"], "out": str(root / "wan-bf16"), "dtype": "bfloat16"})
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         references = pool.submit(reference_jobs, "encode_reference.py", jobs, str(root))
-        split = {f: _split_side(paths[f], ENCODE[f]) for f in ENCODE}
+        split = {f: _split_side(paths[f], ENCODE[f], bf16=f == "wan") for f in ENCODE}
         results = references.result()
     out = {}
-    for family, result in zip(ENCODE, results):
+    for family, result in zip([*ENCODE, "wan-bf16"], results):
         assert "error" not in result, result.get("error")
-        out[family] = ([np.load(p) for p in result["arrays"]], *split[family])
-    return out
+        out[family] = [np.load(p) for p in result["arrays"]]
+    return {f: (out[f], *split[f]) for f in ENCODE} | {"wan-bf16": (out["wan-bf16"], split["wan"][1]["bf16"], {})}
 
 
-def _split_side(model: str, kwargs: dict):
-    """The split's arrays at each ring size, and what it said of itself."""
+def _split_side(model: str, kwargs: dict, bf16: bool = False):
+    """The split's arrays at each ring size, and what it said of itself (``bf16``: also its arrays loaded in
+    bfloat16, at two nodes, under "bf16")."""
     import torch
 
     import diffuse
@@ -67,16 +69,24 @@ def _split_side(model: str, kwargs: dict):
                 seen[n] = {"passes": splitter.encoders.passes - before, "encoders": sorted(splitter.encoders.paths),
                            "held": sum(p.numel() for path in splitter.encoders.paths  # of the encoders' layers
                                        for p in splitter.originals[path].parameters() if p.device.type != "meta")}
+        if bf16:  # the same nodes compute in the dtype each session asks
+            pipe = diffuse.from_pretrained(model, dtype="bfloat16", encoders="ring")
+            with diffuse.split(pipe, nodes=[f"{x.address}#{x.key}" for x in nodes[:2]], timeout=60):
+                with torch.no_grad():
+                    found = pipe.encode_prompt(**kwargs)
+            seen["bf16"] = {2: [t.float().numpy() for t in found if isinstance(t, torch.Tensor)]}
         return arrays, seen
     finally:
         nodes.stop()
 
 
-@pytest.mark.parametrize("family", list(ENCODE))
+@pytest.mark.parametrize("family", [*ENCODE, "wan-bf16"])
 def test_prompt_embeddings_are_byte_identical_to_plain_diffusers_at_one_two_and_three_nodes(family, encoded):
+    """In float32 at 1, 2 and 3 nodes; Wan's also loaded in bfloat16 (its transformer keeps modules in float32,
+    which must not make the ring compute in float32), at 2 nodes."""
     reference, split, _ = encoded[family]
     assert reference and all(r.size for r in reference)
-    for n in RINGS:
+    for n in split:
         assert len(split[n]) == len(reference), n
         for got, want in zip(split[n], reference):
             assert got.dtype == want.dtype and got.shape == want.shape
@@ -114,6 +124,29 @@ def test_a_run_with_its_encoders_on_the_ring_is_byte_identical_to_plain_diffuser
     assert report["per_stack"]["text_encoder_2.encoder.block"]["calls"] == 2  # the prompt, the negative prompt
     assert report["per_stack"]["text_encoder.encoder.layers"]["calls"] == 2
     assert report["client_block_params"] == 0
+
+
+def test_the_service_keeps_a_pipelines_encoders_on_its_nodes_and_answers_as_plain_diffusers(models, tmp_path,
+                                                                                             diffuse_home):
+    """``diffuse serve --encoders ring``: its local nodes are started with their slices of the encoders too, and
+    a request's picture is the one plain diffusers makes whole."""
+    from conftest import hello_report
+    from diffuse.serve.command import ServeOptions, Service
+    from diffuse.serve.engines import Cancel
+    from diffuse.serve.pipeline import Ask
+
+    model = models("flux")
+    kwargs = {"prompt": "a red cat", "height": 16, "width": 16, "num_inference_steps": 2}
+    reference = Reference(model, kwargs, str(tmp_path / "reference.npy"), seed=3)
+    service = Service.start([model], [], ServeOptions(local_nodes=2, threads=THREADS, encoders="ring"), lambda _: None)
+    try:
+        (engine,) = service.engines.values()
+        picture = engine.run(Ask("a red cat", height=16, width=16, steps=2, seed=3), Cancel())
+        held = {(stack, i) for n in engine.nodes.local for stack, i, _ in hello_report(n.address).holds}
+    finally:
+        service.stop()
+    assert picture.array.tobytes() == reference.result().tobytes()
+    assert {("text_encoder_2.encoder.block", 0), ("text_encoder_2.encoder.block", 1)} <= held
 
 
 def test_a_pipeline_that_reads_inner_layers_is_told_to_keep_its_encoders(models, diffuse_home):

@@ -57,6 +57,7 @@ class EncoderPasses:
         key/value cache the model made for this one call (a language model read as an encoder makes one, then
         drops it): the nodes make theirs afresh for the pass, as empty as this one."""
         ring = self.splitter.ring
+        ring = getattr(ring, "rings", (ring,))[0]  # with groups of nodes (each holds every stack): the first's
         if ring is None:
             raise DiffuseError("this pipeline's encoder layers are held by nodes: call it inside "
                                "`with diffuse.split(...)`")

@@ -270,6 +270,11 @@ def fp32_kept(model, dtype) -> frozenset:
         if dtype == torch.float16:
             kept.update(getattr(model, "_keep_in_fp32_modules", None) or ())
         kept.update(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    elif not hasattr(cls, "_keep_in_fp32_modules") and isinstance(model, torch.nn.Module):
+        # several components held as one (``diffuse.plan.analysis.Denoisers``): what each keeps (the names are
+        # matched as segments anywhere, so they apply across components too; no two families' names collide)
+        for child in model.children():
+            kept.update(fp32_kept(child, dtype))
     else:
         kept.update(getattr(model, "_keep_in_fp32_modules", None) or ())
     return frozenset(kept)

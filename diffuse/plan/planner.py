@@ -155,8 +155,10 @@ def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list, dtype=No
 
 def denoiser_dtype(denoiser) -> str:
     """The dtype a denoiser computes in: its first parameter's, passing over modules its class keeps in float32
-    (``_keep_in_fp32_modules``: Wan's modulation table comes first, in float32 under bfloat16), as diffusers'
-    own ``dtype`` property reads it."""
+    (``_keep_in_fp32_modules``: Wan's modulation table comes first, in float32 under bfloat16; with several
+    components held as one, what each of them keeps), as diffusers' own ``dtype`` property reads it."""
     kept = getattr(denoiser, "_keep_in_fp32_modules", None) or ()
+    if not hasattr(type(denoiser), "_keep_in_fp32_modules"):  # several components held as one: what each keeps
+        kept = {k for child in denoiser.children() for k in getattr(child, "_keep_in_fp32_modules", None) or ()}
     p = next((p for name, p in denoiser.named_parameters() if not any(k in name.split(".") for k in kept)), None)
     return str(p.dtype).removeprefix("torch.") if p is not None else "float32"

@@ -73,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     from diffuse.plan.logs import add_flag
 
     add_flag(ap, "the service and its local nodes")
-    from diffuse.flags import device_flags, speculate_flags
+    from diffuse.flags import device_flags, encoders_flag, speculate_flags
 
     device_flags(ap)
+    encoders_flag(ap)  # for every pipeline served; its local nodes are started so
     speculate_flags(ap)  # for every language model served (an assistant must share its tokenizer)
     return ap
 
@@ -104,15 +105,18 @@ class ServeOptions:
     log_format: str = "text"
     speculate: str = "auto"
     draft_tokens: int | None = None
+    encoders: str | None = None  # "ring": every pipeline's text encoders' layers on the nodes (diffuse.plan.encoders)
 
     @classmethod
     def of(cls, a: argparse.Namespace) -> "ServeOptions":
         return cls(**{f.name: getattr(a, f.name) for f in fields(cls)})
 
 
-def analyse(models: list[str], nodes: list[str], say) -> tuple[list, list[str]]:
-    """Every model analysed (its refusals, before any node starts) and its name; the counts and node lists
-    checked against the models."""
+def analyse(models: list[str], nodes: list[str], say, encoders: str | None = None) -> tuple[list, list[str]]:
+    """Every model analysed (its refusals, before any node starts; ``encoders``: ``--encoders``) and its name; the
+    counts and node lists checked against the models."""
+    from diffuse.plan.encoders import check_encoders
+
     from diffuse.client.api import ModelInfo
     from diffuse.client.known_nodes import parse_nodes
     from diffuse.plan.resolve import model_name
@@ -127,7 +131,7 @@ def analyse(models: list[str], nodes: list[str], say) -> tuple[list, list[str]]:
     infos = []
     for m in models:
         say(f"analysing {m}")
-        infos.append(ModelInfo.of(m))
+        infos.append(ModelInfo.of(m, encoders=check_encoders(encoders)))
     names = [model_name(m, i.path) for m, i in zip(models, infos)]  # a Hub id by its id, not its commit's folder
     if len(set(names)) != len(names):
         raise DiffuseError(f"two models share a name ({', '.join(names)}): give folders with different names")
@@ -182,7 +186,7 @@ class Service:
         opts = opts or ServeOptions()
         if opts.threads:
             torch.set_num_threads(opts.threads)
-        infos, names = analyse(models or default_models(), nodes, say)
+        infos, names = analyse(models or default_models(), nodes, say, opts.encoders)
         keys, client_key = None, opts.client_key
         if client_key is None:  # one identity for every request; local nodes serve it alone
             import tempfile
@@ -248,7 +252,8 @@ class Service:
         each = None if metrics_port is None else \
             [["--metrics-port", str(metrics_port + i if metrics_port else 0)] for i in range(plan.count)]
         local = start_local_nodes(info.path, plan.count, plan.threads, scheme=opts.local_transport, client=identity,
-                                  each=each, extra=["--log-format", opts.log_format])
+                                  each=each, extra=["--log-format", opts.log_format,
+                                                    *(["--encoders", "ring"] if info.encoders else [])])
         return NodeSet([f"{n.address}#{n.key}" for n in local], local)
 
     _keys = None  # the folder of a key made for this service alone

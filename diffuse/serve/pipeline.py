@@ -46,7 +46,7 @@ class PipelineEngine(Engine):
     def _make(self):
         import diffuse
 
-        return diffuse.from_pretrained(self.info.path)
+        return diffuse.from_pretrained(self.info.path, encoders="ring" if self.info.encoders else None)
 
     def describe(self) -> dict:
         d = super().describe()
