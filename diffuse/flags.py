@@ -152,6 +152,15 @@ def encoders_flag(ap: argparse.ArgumentParser) -> None:
                     "token embedding and final norm stay on the client). Client and nodes must agree")
 
 
+def client_memory_flag(ap: argparse.ArgumentParser) -> None:
+    """``--client-memory`` (``diffuse.plan.budget``): the client's budget for the model's weights."""
+    ap.add_argument("--client-memory", default=None, metavar="SIZE",
+                    help="the most of the model's weights this client may hold (2GiB, 1.5GB, 512MiB; a plain number: "
+                    "GiB): the encoders go to the ring where the client's part does not fit with them (unless "
+                    "--encoders says where), and a budget no placement meets is refused, naming what the smallest "
+                    "client needs")
+
+
 def speculate_flags(ap) -> None:
     """``--speculate`` and ``--draft-tokens`` (``diffuse.lm.client_drafts``): drafts a pass of a split language
     model verifies."""

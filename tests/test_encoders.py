@@ -180,6 +180,25 @@ def test_a_node_serving_the_pipeline_without_its_encoders_is_refused_saying_so(m
         nodes.stop()
 
 
+def test_the_client_memory_puts_the_encoders_where_the_client_fits_and_refuses_a_budget_nothing_meets(models):
+    """``--client-memory``: the encoders stay on the client while it fits them, go to the ring where only that
+    fits, and a budget neither meets is one line and exit 2, naming what the smallest client needs."""
+    from conftest import run_client
+    from diffuse.plan.budget import fit_encoders
+
+    model = models("flux")
+    here, with_them = fit_encoders(model, 1 << 30, None, None)
+    ring, without = fit_encoders(model, with_them - 1, None, None)
+    assert (here, ring) == (False, True) and without < with_them
+    with pytest.raises(Exception, match="needs"):
+        fit_encoders(model, with_them - 1, False, None)  # --encoders client forced: only checked
+    run = run_client(["--model", model, "--prompt", "a cat", "--client-memory", f"{(without - 1) / (1 << 20)}MiB",
+                      "--local-nodes", "1", "--quiet"])
+    assert run.returncode == 2
+    last = run.stderr.strip().splitlines()[-1]
+    assert "the smallest client needs" in last and "--encoders ring" in last, last
+
+
 def test_the_plan_names_the_encoder_stacks_and_gives_each_node_a_slice(models):
     from diffuse.plan.planner import analyze, make_plan
 

@@ -59,7 +59,10 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
             torch.set_num_threads(ask.threads)
         from diffuse.plan.encoders import check_encoders
 
-        info = ModelInfo.of(path, encoders=check_encoders(q.ring.options.encoders))
+        encoders = None if q.ring.options.encoders is None else check_encoders(q.ring.options.encoders)
+        if ask.client_memory is not None:  # the encoders go where the client's part fits (diffuse.plan.budget)
+            encoders, q = within_budget(q, path, encoders, console)
+        info = ModelInfo.of(path, encoders=bool(encoders))
         model = ModelRead(info, name, Compute.of(ask.device, ask.dtype, info.path, info.subject.denoiser or None))
     if language and not info.subject.autoregressive:
         from diffuse.errors import DiffuseError
@@ -78,6 +81,23 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
     if whole:  # run whole, or by local nodes (no --nodes): all of it, its room checked before the first byte,
         resolve_model(ask.model, "whole", quiet)  # once the model and the request passed every check
     return q, model
+
+
+def within_budget(q: QueryRequest, path: str, encoders: bool | None, console) -> tuple[bool, QueryRequest]:
+    """``--client-memory``: where the encoders go so that the client's part fits it (``diffuse.plan.budget``), said in
+    a status line; the request with that place set."""
+    from diffuse.client.progress import status
+    from diffuse.plan.analysis import ModelSubject
+    from diffuse.plan.budget import _gib, fit_encoders, parse_size
+    from diffuse.plan.devices import Compute, dtype_name
+
+    ask = q.model
+    compute = Compute.of(ask.device, ask.dtype, path, ModelSubject.from_path(path).denoiser or None)
+    dtype = dtype_name(compute.dtype, "") if compute.dtype is not None else None
+    ring, held = fit_encoders(path, parse_size(ask.client_memory), encoders, dtype or None)
+    status(console, f"--client-memory {ask.client_memory}: the client holds {_gib(held)} of weights, with the "
+                    f"encoders {'on the ring' if ring else 'here'}", q.output.quiet)
+    return ring, replace(q, ring=replace(q.ring, options=replace(q.ring.options, encoders="ring" if ring else "client")))
 
 
 def quantize_client(model, info, mode: str | None) -> None:

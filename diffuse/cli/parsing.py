@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from diffuse.flags import (Parser, device_flags, encoders_flag, key_values, positive, quantize_flag, seconds,
-                           speculate_flags, threshold)
+from diffuse.flags import (Parser, client_memory_flag, device_flags, encoders_flag, key_values, positive,
+                           quantize_flag, seconds, speculate_flags, threshold)
 
 
 def ring_flags(ap: argparse.ArgumentParser) -> None:
@@ -83,6 +83,7 @@ def query_parser(prog: str = "diffuse query") -> Parser:
     ring_flags(ap)
     device_flags(ap)
     encoders_flag(ap)
+    client_memory_flag(ap)
     ap.add_argument("--branch-groups", type=positive, default=1, metavar="G",
                     help="with --local-nodes: share the local nodes out into G groups, one per guidance branch, "
                     "which then run side by side (default 1)")
@@ -160,6 +161,12 @@ def check_flags(a: argparse.Namespace, options) -> None:
     if getattr(a, "top_p", None) is not None and not 0 < a.top_p <= 1:
         raise DiffuseError(f"--top-p {a.top_p}: must be in (0, 1]")
     groups = node_groups(nodes) if nodes not in (None, "auto") else []
+    if getattr(a, "client_memory", None) is not None:
+        from diffuse.plan.budget import parse_size
+
+        if whole:
+            raise DiffuseError("--client-memory plans a split run's client; --whole holds the whole model here")
+        parse_size(a.client_memory)
     check_speculate(a)
     if whole and (getattr(a, "speculate", "auto") not in ("auto", "off") or getattr(a, "draft_tokens", None)):
         raise DiffuseError("--speculate and --draft-tokens draft for the ring; --whole runs the model as it is")
@@ -216,7 +223,7 @@ def query_request(a: argparse.Namespace):
     options = options_of(a)
     check_flags(a, options)
     return QueryRequest(
-        model=ModelAsk(a.model, a.device, a.dtype, a.threads, a.whole, a.quantize_client),
+        model=ModelAsk(a.model, a.device, a.dtype, a.threads, a.whole, a.quantize_client, a.client_memory),
         ring=RingAsk(a.nodes, a.discover_seconds, options),
         call=PipelineCall(a.prompt, a.negative_prompt, a.steps, a.height, a.width, a.frames, dict(args), a.seed),
         text=TextCall(a.prompt, tuple(a.image), tuple(a.video), tuple(a.media), a.audio, a.no_template,

@@ -35,7 +35,7 @@ def plan_command(argv: list[str]) -> int:
     from rich.console import Console
 
     from diffuse.cli.parsing import lan_nodes
-    from diffuse.flags import Parser, encoders_flag, quantize_flag, seconds
+    from diffuse.flags import Parser, client_memory_flag, encoders_flag, quantize_flag, seconds
     from diffuse.plan.encoders import check_encoders
     from diffuse.plan.quantize import check_mode
     from diffuse.plan.resolve import resolve_model
@@ -62,6 +62,7 @@ def plan_command(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true", help="print the plan, routed as placed, as JSON")
     quantize_flag(ap, "the nodes' blocks, as the plan counts them")
     encoders_flag(ap)
+    client_memory_flag(ap)
     a = ap.parse_args(argv)
     err = Console(stderr=True)
     try:
@@ -71,7 +72,12 @@ def plan_command(argv: list[str]) -> int:
             raise DiffuseError("--discover-seconds applies with --nodes auto")
         a.quantize = check_mode(a.quantize)  # an unknown mode, or torchao missing: refused before anything is read
         path = resolve_model(a.model, "headers")
-        subject, draft = analyze(path, check_encoders(a.encoders))
+        encoders = None if a.encoders is None else check_encoders(a.encoders)
+        if a.client_memory is not None:  # the encoders where the client's part fits (diffuse.plan.budget)
+            from diffuse.plan.budget import fit_encoders, parse_size
+
+            encoders, _ = fit_encoders(path, parse_size(a.client_memory), encoders, a.dtype)
+        subject, draft = analyze(path, bool(encoders))
         dtype = a.dtype or load_dtype(subject)
         _dtype_size(dtype)
         lan_nodes(a, subject, err)  # --nodes auto: the nodes announced on this network

@@ -44,7 +44,8 @@ SIZE_ARGS = ("height", "width", "num_frames")  # the call's arguments that set i
 class ModelAsk:
     """Which model (``--model``; None: the shipped one), where the client's ends compute (``--device``,
     ``--dtype``), its torch threads (``--threads``), whether it runs whole here (``--whole``), and the mode its
-    own linear layers are held in (``--quantize-client``; None: as loaded)."""
+    own linear layers are held in (``--quantize-client``; None: as loaded), and the client's budget for the model's
+    weights (``--client-memory``, ``diffuse.plan.budget``)."""
 
     model: str | None = None
     device: str | None = None
@@ -52,6 +53,7 @@ class ModelAsk:
     threads: int | None = None
     whole: bool = False
     quantize_client: str | None = None
+    client_memory: str | None = None  # --client-memory: the most of the model's weights the client may hold
 
 
 @dataclass(frozen=True)
