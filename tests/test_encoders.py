@@ -1,10 +1,11 @@
 """A pipeline's text encoders on the ring (``--encoders ring``): their layers split over the nodes like the
 denoiser's blocks, the prompt embeddings byte-identical to plain diffusers'.
 
-Three encoders of three shapes: Wan's UMT5 (every layer its own position bias), Flux's CLIP text model and
+Encoders of four shapes: Wan's UMT5 (every layer its own position bias), Flux's CLIP text model and
 T5 encoder (T5's block 0 makes the position biases every later block reads: a side output threaded from
 the node that holds block 0), Sana's Gemma 2 (a language model read as an encoder: a cache made for the
-call, a mask per attention kind). Each family's three nodes serve 1, 2 and 3 node rings in turn; the
+call, a mask per attention kind), Qwen-Image's Qwen2.5-VL (its vision tower's stack on the nodes too,
+never called for a prompt; its language model's last hidden state read as the model records it). Each family's three nodes serve 1, 2 and 3 node rings in turn; the
 reference is each pipeline's own ``encode_prompt`` run whole by plain diffusers in a subprocess
 (tests/encode_reference.py), at the same thread count.
 """
@@ -24,6 +25,7 @@ ENCODE = {  # each pipeline's encode_prompt arguments: a prompt and a negative o
     "wan": {"prompt": "dance monkey", "negative_prompt": "bad quality , blurry", "max_sequence_length": 16},
     "flux": {"prompt": "a painting of a squirrel eating a burger", "prompt_2": None, "max_sequence_length": 48},
     "sana": {"prompt": "a squirrel", "negative_prompt": "blurry", "max_sequence_length": 20},
+    "qwenimage": {"prompt": "a squirrel", "max_sequence_length": 20},
 }
 RINGS = (1, 2, 3)
 
@@ -149,19 +151,27 @@ def test_the_service_keeps_a_pipelines_encoders_on_its_nodes_and_answers_as_plai
     assert {("text_encoder_2.encoder.block", 0), ("text_encoder_2.encoder.block", 1)} <= held
 
 
-def test_a_pipeline_that_reads_inner_layers_is_told_to_keep_its_encoders(models, diffuse_home):
-    """An encoder asked for every layer's hidden state (HunyuanVideo's Llama, SD3's CLIP read an inner layer)
-    cannot be answered by one pass: refused with the way out, not a wrong embedding or an IndexError."""
+def test_recorded_hidden_states_are_the_real_ends_and_an_inner_layer_refuses_any_use(models, diffuse_home):
+    """A model asked for every layer's hidden state (``output_hidden_states``; Qwen-Image reads the last, SD3's CLIP
+    and HunyuanVideo's Llama an inner one) gets the stack's input and last output as a whole run records them;
+    an inner layer's, which one pass does not bring back, refuses any use with the way out."""
+    import diffusers
     import torch
 
     import diffuse
     from diffuse.errors import DiffuseError
 
-    pipe = diffuse.from_pretrained(models("wan"), encoders="ring")
-    with diffuse.split(pipe, local_nodes=1, threads=THREADS, timeout=60):
-        ids = pipe.tokenizer(["dance monkey"], return_tensors="pt").input_ids
-        with torch.no_grad(), pytest.raises(DiffuseError, match="--encoders client"):
-            pipe.text_encoder(ids, output_hidden_states=True)
+    model = models("wan")
+    plain = diffusers.DiffusionPipeline.from_pretrained(model).text_encoder
+    pipe = diffuse.from_pretrained(model, encoders="ring")
+    ids = pipe.tokenizer(["dance monkey"], return_tensors="pt").input_ids
+    with diffuse.split(pipe, local_nodes=1, threads=THREADS, timeout=60), torch.no_grad():
+        got = pipe.text_encoder(ids, output_hidden_states=True).hidden_states
+        want = plain(ids, output_hidden_states=True).hidden_states
+        assert len(got) == len(want) == 3  # the input, then each of the two layers' outputs
+        assert torch.equal(got[0], want[0]) and torch.equal(got[-1], want[-1])
+        with pytest.raises(DiffuseError, match=r"text_encoder\.encoder\.block\[0\].*--encoders client"):
+            got[1] * 2
 
 
 def test_a_node_serving_the_pipeline_without_its_encoders_is_refused_saying_so(models, diffuse_home):

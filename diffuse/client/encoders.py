@@ -11,13 +11,23 @@ it differs and the side outputs threaded from the node that makes them to the
 layers that read them (``diffuse.lm.client_ends.threaded_sides``). The pass
 carries no cache (``LayerPass`` with no kind), or, where the model made one for
 the call (a language model read as an encoder), asks the nodes to make theirs
-afresh; the last node answers with what
-the stack's last layer returned, and the model goes on to its final norm, here.
+afresh; the last node answers with what the stack's last layer returned, and
+the model goes on to its final norm, here.
+
+A model asked for every layer's hidden state (``output_hidden_states``) records
+them with hooks on its layers, which stand-ins do not carry: what the pass
+brings back is recorded here instead, as those hooks would (the stack's input
+and its last layer's output, real; each inner layer's an ``InnerLayer``, which
+refuses any use, naming the way out). So Qwen-Image, which reads the last, is
+exact; SD3 and HunyuanVideo, which read an inner layer, are told to keep their
+encoders on the client.
 """
 
 from __future__ import annotations
 
 import time
+
+import torch
 
 from diffuse.errors import DiffuseError
 from diffuse.lm.client_ends import shaped, threaded_sides
@@ -39,10 +49,6 @@ class EncoderPasses:
         """What every layer but the last answers: ``hidden``, untouched, in the structure the first layer returns
         (the first call teaches it: the stack's first block runs here once, as for any stack)."""
         splitter = self.splitter
-        if _recording_layers():
-            raise DiffuseError(f"the pipeline reads the hidden state after each layer of {stack.path} (its prompt "
-                               "embedding is an inner layer's output), which a pass through the ring does not give "
-                               "back: run with --encoders client (encoders=\"client\")")
         block = splitter.first_block(stack.path)
         if block is not None:
             splitter.learned(stack, *learn_call(stack, *call, block, layered=True))
@@ -69,17 +75,54 @@ class EncoderPasses:
                              layer_trees or None)
             out = ring.receive(ring.send(stack.path, tree, tensors, rmap, extra=part))
             self.passes += 1
-            return out
         finally:
             self.splitter.stand_in_s += time.perf_counter() - t0
+        record(stack.path, len(calls), calls[0], out, rmap)
+        return out
 
 
-def _recording_layers() -> bool:
-    """Whether transformers is recording each layer's hidden state for the call being made (the model was asked
-    for ``output_hidden_states``): its collector for the running forward holds a list of them."""
+class InnerLayer(torch.Tensor):
+    """What stands, among an encoder's recorded hidden states, for an inner layer's output, which the nodes do not
+    send back: empty, and any use of it is refused, naming the layer and the way out."""
+
+    layer: str = ""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        layer = next((a.layer for a in (*args, *(kwargs or {}).values()) if isinstance(a, InnerLayer)), "")
+        raise DiffuseError(f"the pipeline reads the hidden state after {layer or 'an inner layer'}, which the nodes "
+                           "holding the encoder's layers do not send back (one pass brings the last layer's): run "
+                           "with --encoders client (encoders=\"client\")")
+
+
+def _inner(layer: str) -> InnerLayer:
+    t = torch.empty(0).as_subclass(InnerLayer)
+    t.layer = layer
+    return t
+
+
+def record(path: str, layers: int, first: tuple, out, rmap) -> None:
+    """Where transformers is recording each layer's hidden state for the running forward (``output_hidden_states``):
+    this stack's, as its layers' hooks would have recorded them (the first layer's input, when the model records
+    it, then each layer's output; the last the pass brought back, the others ``InnerLayer``)."""
+    collected = _recording()
+    if collected is None:
+        return
+    last = out if rmap.single else out[rmap.output_of(rmap.hidden_streams[0])]
+    kept, chosen = collected["hidden_states"], collected.get("_hidden_states_layers")
+    args, kwargs = first
+    # as transformers' recorder does by default: the first layer's input first (its index 0 is the hidden state)
+    states = [args[0] if args else kwargs.get("hidden_states")] if not kept else []
+    states += [_inner(f"{path}[{i}]") for i in range(layers - 1)] + [last]
+    for state in states:
+        kept.append(state if chosen is None or len(kept) in chosen else None)
+
+
+def _recording() -> dict | None:
+    """Transformers' collector of the running forward, when it records hidden states; else None."""
     try:
         from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers that records them otherwise: their absence shows later
-        return False
+    except ImportError:  # a transformers that records them otherwise: they stay as it records them
+        return None
     collected = _active_collector.get()
-    return isinstance(collected, dict) and "hidden_states" in collected
+    return collected if isinstance(collected, dict) and "hidden_states" in collected else None
