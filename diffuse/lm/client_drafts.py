@@ -138,12 +138,15 @@ def media_inputs(kwargs: dict) -> list[str]:
 
 class CountedDrafts:
     """Wraps the candidate generator one assisted ``generate`` call builds: counts what it drafts and what is
-    accepted, and where ``steer`` is set (prompt lookup asked by ``Drafting``), sets each draft's length: two
-    longer after a draft accepted whole, one past what was accepted after a partial one, paused for a while
-    (doubling, up to ``LONGEST_PAUSE`` passes) after ``MISSES_TO_PAUSE`` drafts rejected whole in a row."""
+    accepted. Where ``steer`` is set (prompt lookup asked by ``Drafting``) it sets each draft's length: two longer
+    after a draft accepted whole, one past what was accepted after a partial one. Where ``pauses`` (drafts the
+    session added to a greedy call, whose tokens drafting cannot change) it stops drafting for a while (doubling,
+    up to ``LONGEST_PAUSE`` passes) after ``MISSES_TO_PAUSE`` drafts rejected whole in a row: a pass with drafts
+    no one takes costs their rows' work on every node, and an assistant's drafting its time here. (An assistant
+    picks up what it missed meanwhile at its next draft: transformers feeds it the positions its cache lacks.)"""
 
-    def __init__(self, inner, counts: DraftCounts, steer: int | None):
-        self.inner, self.counts, self.most = inner, counts, steer
+    def __init__(self, inner, counts: DraftCounts, steer: int | None, pauses: bool = False):
+        self.inner, self.counts, self.most, self.pauses = inner, counts, steer, pauses or bool(steer)
         self.k = min(steer, 4) if steer else None
         self.misses = self.pause = self.pause_left = 0
         self.drafted_now = 0
@@ -153,7 +156,7 @@ class CountedDrafts:
 
     def get_candidates(self, input_ids, *args, **kwargs):
         self.counts.passes += 1
-        if self.most and self.pause_left > 0:
+        if self.pauses and self.pause_left > 0:
             self.pause_left -= 1
             self.counts.paused += 1
             self.drafted_now = 0
@@ -174,15 +177,14 @@ class CountedDrafts:
         accepted = min(int(num_matches), drafted)
         self.counts.accepted += accepted
         if self.most:
-            if accepted == drafted:
-                self.k, self.misses, self.pause = min(self.most, self.k + 2), 0, 0
-            elif accepted:
-                self.k, self.misses, self.pause = min(self.most, accepted + 1), 0, 0
-            else:
-                self.k, self.misses = 1, self.misses + 1
-                if self.misses >= MISSES_TO_PAUSE:
-                    self.pause = min(LONGEST_PAUSE, max(4, 2 * self.pause))
-                    self.pause_left, self.misses = self.pause, 0
+            self.k = min(self.most, self.k + 2) if accepted == drafted else min(self.most, accepted + 1)
+        if accepted:
+            self.misses = self.pause = 0
+        elif self.pauses:
+            self.misses += 1
+            if self.misses >= MISSES_TO_PAUSE:
+                self.pause = min(LONGEST_PAUSE, max(4, 2 * self.pause))
+                self.pause_left, self.misses = self.pause, 0
         return self.inner.update_candidate_strategy(input_ids, scores, num_matches)
 
 

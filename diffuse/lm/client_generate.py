@@ -32,6 +32,7 @@ class GenerateCapture:
         self.speculating = False  # the generate call under way verifies drafts (assisted decoding)
         self.drafts = None  # its counts (diffuse.lm.client_drafts.DraftCounts) while it runs, then the last call's
         self.steered = False  # its drafter is the session's prompt lookup, whose draft lengths are set here
+        self.pausing = False  # its drafts (the session's, greedy) pause while no one takes them
         self.greedy_top: int | None = None  # in a greedy generate call, the candidates a shortlist holds
         self.logits_changed: bool | None = None  # whether the model changes its logits after the head (None: unknown)
         self.active = False  # passes are held back for the head only inside generate, which always calls it
@@ -50,12 +51,14 @@ class GenerateCapture:
         def generate(*args, **kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
             check_prompt(model.config, ids)  # before any pass
-            drafting, self.steered = self.ends.splitter.drafting, False
+            drafting, self.steered, self.pausing = self.ends.splitter.drafting, False, False
             if drafting is not None:
                 added = drafting.arguments(kwargs, ids.shape[0] if isinstance(ids, torch.Tensor) else 0,
                                            effective_config(model, kwargs), model)
                 kwargs.update(added)
                 self.steered = "prompt_lookup_num_tokens" in added  # its lengths follow what is accepted
+                # drafts the session added to a greedy call pause while no one takes them (diffuse.lm.client_drafts)
+                self.pausing = bool(added) and not getattr(effective_config(model, kwargs), "do_sample", False)
             self.speculating, self.drafts = assisted(model, kwargs), None
             if self.speculating:
                 self.speculating = self._nodes_cut(kwargs, self.steered and drafting.auto)
@@ -146,7 +149,7 @@ class GenerateCapture:
             drafting = self.ends.splitter.drafting
             steer = drafting.most if self.steered and hasattr(inner, "num_output_tokens") else None
             self.drafts = DraftCounts()
-            return CountedDrafts(inner, self.drafts, steer)
+            return CountedDrafts(inner, self.drafts, steer, self.pausing)
 
         model._get_logits_processor = get_logits_processor
         model.prepare_inputs_for_generation = prepare_inputs_for_generation
