@@ -209,6 +209,51 @@ def test_the_client_memory_puts_the_encoders_where_the_client_fits_and_refuses_a
     assert "the smallest client needs" in last and "--encoders ring" in last, last
 
 
+def test_a_client_of_a_hub_model_with_its_encoders_on_the_ring_fetches_none_of_their_later_layers(tmp_path):
+    """``--encoders ring`` with a Hub id: the client fetches the encoder's ends and its stack's first block (run
+    once, to learn what the stack returns), never a layer the nodes hold (without it: the encoder whole,
+    tests/test_fetch.py)."""
+    import subprocess
+    import sys
+
+    from hubtest import REPO, hub_env, ranges_of, tensor_spans
+    from diffuse.bench.hubserver import HubServer
+    from diffuse.plan.shipped import shipped_models
+
+    encoder = "text_encoder/model.safetensors"
+    with HubServer() as hub:
+        hub.source = shipped_models()["tiny-wan-shapes"]
+        hub.publish(REPO, hub.source)
+        code = f"from diffuse.plan.resolve import resolve_model; resolve_model({REPO!r}, 'client-ring')"
+        done = subprocess.run([sys.executable, "-c", code], env=hub_env(hub, "client-ring", tmp_path),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+    _, spans = tensor_spans(f"{hub.source}/{encoder}")
+    later = [span for key, span in spans.items() if key.startswith("encoder.block.") and key.split(".")[2] != "0"]
+    fetched = ranges_of(hub, "client-ring", encoder)
+    assert later and not any(a < e and s < b for a, b in fetched for s, e in later)  # no byte of block 1
+    assert any(a <= s and e <= b for a, b in fetched for s, e in [spans["shared.weight"]])  # the embedding
+
+
+def test_placement_counts_an_encoders_layers_in_memory_but_not_in_every_pass(models):
+    """An encoder's layers run once a request: the planner gives them room on the nodes, not time in each pass,
+    so the denoiser's blocks are shared out as if they were not there."""
+    from diffuse.plan.needs import block_costs
+    from diffuse.plan.placement import Capacity
+    from diffuse.plan.planner import analyze
+    from diffuse.plan.solver import place
+
+    nodes = [Capacity(f"node{i}", 1 << 30, 1.0) for i in range(2)]
+    placed = {}
+    for ring in (False, True):
+        subject, draft = analyze(models("flux"), ring)
+        blocks = block_costs(subject, draft["stacks"], "float32")
+        assert all(b.once == b.stack.startswith("text_encoder") for b in blocks)
+        assert sum(b.weight_bytes for b in blocks if b.once) > 0 if ring else not any(b.once for b in blocks)
+        placed[ring] = place(blocks, nodes)
+    assert placed[True].slowest_s == pytest.approx(placed[False].slowest_s)
+
+
 def test_the_plan_names_the_encoder_stacks_and_gives_each_node_a_slice(models):
     from diffuse.plan.planner import analyze, make_plan
 

@@ -46,8 +46,15 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
     where = "" if os.path.basename(path.rstrip("/")) == name else f" from {path}"
     refuse_early(path, name, q.call)  # a Hub model refused here has sent its configs and headers only
     whole = ask.model is not None and (ask.whole or q.ring.nodes is None)  # a Hub model's every block fetched here
-    if ask.model is not None and not whole:
-        path = resolve_model(ask.model, "client", quiet)
+    from diffuse.plan.encoders import check_encoders
+
+    encoders = None if q.ring.options.encoders is None else check_encoders(q.ring.options.encoders)
+    if ask.client_memory is not None:  # the encoders go where the client's part fits (diffuse.plan.budget)
+        with phase(console, f"{command}: {name}{where}; weighing its parts against --client-memory (importing "
+                   "torch and its library)", q.output.quiet):
+            encoders, q = within_budget(q, path, encoders, console)
+    if ask.model is not None and not whole:  # the client's part: without the encoders' layers where nodes hold them
+        path = resolve_model(ask.model, "client-ring" if encoders else "client", quiet)
     with phase(console, f"{command}: {name}{where}; reading its config (importing torch and its library)",
                q.output.quiet):
         import torch
@@ -57,11 +64,6 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
 
         if ask.threads:
             torch.set_num_threads(ask.threads)
-        from diffuse.plan.encoders import check_encoders
-
-        encoders = None if q.ring.options.encoders is None else check_encoders(q.ring.options.encoders)
-        if ask.client_memory is not None:  # the encoders go where the client's part fits (diffuse.plan.budget)
-            encoders, q = within_budget(q, path, encoders, console)
         info = ModelInfo.of(path, encoders=bool(encoders))
         model = ModelRead(info, name, Compute.of(ask.device, ask.dtype, info.path, info.subject.denoiser or None))
     if language and not info.subject.autoregressive:

@@ -14,6 +14,8 @@ commit fetched last for that name), holding:
   split ones (the denoiser; a language model itself), and of those
   only the tensors the client keeps: all but the stacks' blocks, and each stack's first block (the client runs
   it once, at the first call, to learn what the stack returns).
+- ``"client-ring"``: as ``"client"``, with the pipeline's encoders split too (``--encoders ring``,
+  ``diffuse.plan.encoders``): of an encoder, the client fetches its ends and each stack's first block.
 - ``"whole"``: everything (the reference a split run is compared with).
 
 Only what loaders read is fetched (``diffuse.plan.repofiles``): safetensors weights (never ``.bin`` and the like,
@@ -35,7 +37,7 @@ from diffuse.plan.fetchprogress import Progress
 from diffuse.plan.hub import HubRef, Listing, listing, offline
 from diffuse.plan.repofiles import analysis_reads, loaded_files, weight_indexes
 
-ROLES = ("headers", "node", "client", "whole")
+ROLES = ("headers", "node", "client", "client-ring", "whole")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -60,8 +62,8 @@ def fetch_model(ref: HubRef, role: str = "whole", say=None) -> str:
         f.header()
     if role == "whole":  # one room check and one progress line for all of it, before any comes
         _fetch_whole(ref, rest + list(weights.values()), "its weights and tokenizer", say, folder)
-    elif role == "client":
-        _fetch_for_client(ref, folder, weights, rest, say)
+    elif role in ("client", "client-ring"):
+        _fetch_for_client(ref, folder, weights, rest, say, encoders=role == "client-ring")
     _mark(folder, found, ref)
     return folder
 
@@ -130,12 +132,13 @@ def _fetch_spans(ref: HubRef, todo: list, what: str, say, where: str) -> None:
     progress.end()
 
 
-def _fetch_for_client(ref: HubRef, folder: str, weights: dict, rest: list, say) -> None:
-    """The files ``rest`` (tokenizers and the like) and the components whole but the split ones; of those, every
-    tensor but the blocks past each stack's first. The room for all of it is checked before its first byte."""
+def _fetch_for_client(ref: HubRef, folder: str, weights: dict, rest: list, say, encoders: bool = False) -> None:
+    """The files ``rest`` (tokenizers and the like) and the components whole but the split ones (``encoders``: a
+    pipeline's encoders split too); of those, every tensor but the blocks past each stack's first. The room for
+    all of it is checked before its first byte."""
     from diffuse.plan.planner import analyze
 
-    subject, draft = analyze(folder)  # a model Diffuse refuses is refused here, before any weights come
+    subject, draft = analyze(folder, encoders)  # a model Diffuse refuses is refused here, before any weights come
     split_dirs = {os.path.normpath(d) for d in subject.component_dirs().values()}
     split = {p: f for p, f in weights.items() if os.path.normpath(os.path.dirname(f.local)) in split_dirs}
     todo = [(f, [[0, f.size]]) for f in rest + [f for p, f in weights.items() if p not in split] if not f.complete()]

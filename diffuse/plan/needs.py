@@ -20,6 +20,12 @@ class BlockCost:
     state_bytes: int = 0  # per-session state it keeps on its node (a language model's key/value cache)
     end_bytes: int = 0  # what the node holding it holds besides: a language model's output head (last block)
     end_compute: int = 0  # ... and computes, in weight bytes (the head, once a token)
+    once: bool = False  # runs once per request, not in every pass (an encoder's layer, diffuse.plan.encoders)
+
+    @property
+    def compute_bytes(self) -> int:
+        """What a pass costs its node, in weight bytes run through: none for a block that runs once a request."""
+        return 0 if self.once else self.weight_bytes + self.end_compute
 
     @property
     def held_bytes(self) -> int:
@@ -88,6 +94,7 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None,
     that planning the same model again reads nothing (a client's ``Heard.costs``). ``quantize``: the mode the
     nodes hold the blocks in (``diffuse.plan.quantize``): each linear weight the mode quantizes is counted as
     it is stored then (int4 as a CPU node stores it, the larger of its two layouts)."""
+    from diffuse.plan.encoders import encoder_stacks
     from diffuse.plan.modelfiles import located, renamed_for
     from diffuse.plan.quantize import INT4_GROUP_CPU, library_rule, quantizable, weight_bytes
 
@@ -104,6 +111,7 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None,
     head = _head_bytes(subject, skeleton, size)
     group, skip = (INT4_GROUP_CPU if quantize == "int4" else 0), (library_rule(skeleton) if quantize else ())
     out = []
+    once = set(encoder_stacks(stacks, subject))  # an encoder's layers run once a request
     for st in stacks:
         blocks = skeleton.get_submodule(st.path)
         for i in range(st.length):
@@ -127,7 +135,7 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None,
                     total += weight_bytes(quantize, h.get("shape") or [], size, group or INT4_GROUP_CPU)
                 else:
                     total += numel * (size if floating else own)
-            out.append(BlockCost(st.path, i, total, state))
+            out.append(BlockCost(st.path, i, total, state, once=st.path in once))
     if out and head:
         out[-1] = dataclasses.replace(out[-1], end_bytes=out[-1].end_bytes + head, end_compute=head)
     if cache is not None:

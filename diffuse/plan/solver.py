@@ -60,7 +60,7 @@ class _Costs:
         self.room = rooms(nodes)
         self.W, self.S = [0], [0]  # compute in weight bytes; memory besides the blocks' weights
         for b in blocks:
-            self.W.append(self.W[-1] + b.weight_bytes + b.end_compute)
+            self.W.append(self.W[-1] + b.compute_bytes)
             self.S.append(self.S[-1] + b.held_bytes)
         self.fresh = []  # per node: prefix sums of the weight bytes it does not hold yet
         for c in nodes:
@@ -319,7 +319,7 @@ def even_placement(blocks: list[BlockCost], nodes: list[Capacity], tokens: int =
         mine = [b for b in blocks for s in rows[i] if s.stack == b.stack and s.start <= b.index < s.stop]
         need.append(sum((0 if (b.stack, b.index) in c.holds else b.weight_bytes) + b.held_bytes for b in mine))
         size.append(sum(b.weight_bytes + b.held_bytes for b in mine))
-        shares.append(speeds[i] * sum(b.weight_bytes + b.end_compute for b in mine) / GIB * tokens
+        shares.append(speeds[i] * sum(b.compute_bytes for b in mine) / GIB * tokens
                       + (t.around[i] if mine else 0.0))
         if t.room[i] is not None and need[-1] > t.room[i]:
             short.append(f"{c.name} would take {need[-1] / GIB:.2f} GiB and has room for {t.room[i] / GIB:.2f} "
