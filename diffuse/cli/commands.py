@@ -76,7 +76,8 @@ def verify_main(argv: list[str]) -> int:
                 reference = output_array(whole(**call_kwargs(q.call, whole, info)))
             del whole
         with progress.phase(out, f"{os.path.basename(info.path)}: running it split", a.quiet):
-            pipe = diffuse.from_pretrained(info.path, device=a.device, dtype=a.dtype)
+            pipe = diffuse.from_pretrained(info.path, device=a.device, dtype=a.dtype,
+                                           encoders="ring" if info.encoders else None)  # --encoders, --client-memory
             with diffuse.split(pipe, nodes=q.ring.nodes, local_nodes=a.local_nodes, patches=a.patches,
                                threads=a.threads, timeout=a.timeout, local_transport=a.local_transport), \
                     torch.no_grad():
