@@ -117,7 +117,8 @@ def test_bench_quant_quick_prints_each_modes_memory_speed_and_cost(diffuse_home)
     diffusion = dict(re.findall(r"^  (none|int4) +\d+\.\d\d \+- \d+\.\d\d +\d+\.\d\dx +(\d+\.\d{3}) +\d+ +\d+/1 ", out,
                                 re.M))
     assert float(diffusion["none"]) == 0.0 and float(diffusion["int4"]) > 0.0, out
-    lm = dict(re.findall(r"^  (none|int4) +(\d\.\d{3}) +\d+\.\d{3} +\d+\.\d \+- +\d+\.\d +\d+\.\d\dx +\d+/8 ", out, re.M))
+    lm = dict(re.findall(r"^  (none|int4) +(\d\.\d{3}) +\d+\.\d{3} +\d+\.\d \+- +\d+\.\d +\d+\.\d\dx +\d+/\d+ ", out,
+                         re.M))
     assert lm.get("none") == "1.000" and "int4" in lm, out
     bad = run_cli(["bench", "quant", "--modes", "int3"], diffuse_home)
     assert bad.returncode == 2 and "int3" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -259,8 +259,11 @@ def test_status_is_cheap_and_says_only_totals(target):
     answer = target.ask({"op": "status"})
     assert set(answer) == {"ok", "sessions", "outboxes", "state_bytes", "slices", "max_sessions",
                            "max_sessions_per_client", "batching", "batches", "batched_rows",
-                           "batch_fallbacks", "refused_connections", "quantize", "totals"}, answer
+                           "batch_fallbacks", "refused_connections", "quantize", "totals", "about"}, answer
     assert answer["quantize"] == "none"  # this node was started without --quantize
+    # what a service's view of the ring shows: totals of the node, never of a session
+    assert set(answer["about"]) == {"key", "device", "dtype", "memory", "links"}, answer["about"]
+    assert set(answer["about"]["memory"]) == {"weights", "state", "buffers", "free"}, answer["about"]
     assert answer["max_sessions"] == (OPEN_FILES - 128) // 3  # what the open-file limit leaves room for
     # 64 askers that send status and never read, then leave: a hello right after is answered at once
     askers = []

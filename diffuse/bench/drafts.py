@@ -1,8 +1,8 @@
 """``python -m diffuse.bench lm --link-ms MS``: drafts verified by the ring, off and on, over slow links.
 
 The shipped chat model (tiny-qwen-chat) is served by two local nodes holding half its layers each, every
-process at one torch thread. Every hop of the ring crosses a relay of ``diffuse.bench.links`` that holds what it
-carries ``MS`` one way (client to node 1, node 1 to node 2, node 2 back to the client, and the client's requests),
+process at one torch thread. Every hop of the ring crosses a relay (``diffuse.bench.relays``) that holds what it
+carries ``MS`` one way: client to node 1, node 1 to node 2, node 2 back to the client, and the client's requests;
 so a trip around the ring costs three link delays. Three ways of decoding, greedy, side by side in each round:
 
 - off: one token a trip;
@@ -82,7 +82,7 @@ def one(model, model_dir: str, chats: list[list[dict]], split=None) -> dict:
     split its trips and drafts."""
     import torch
 
-    from diffuse.bench.lm import Clock
+    from diffuse.bench.kit import Clock
     from diffuse.lm.client_media import chat_inputs
 
     seconds = tokens = passes = drafted = accepted = 0
@@ -149,7 +149,7 @@ def main(link_ms: float, rounds: int, quick: bool) -> int:
     import torch
 
     import diffuse
-    from diffuse.bench.links import Relay, inbox_through
+    from diffuse.bench.relays import Relay, inbox_through
     from diffuse.local.nodes import start_local_nodes
     from diffuse.plan.shipped import default_chat_model_dir
 

@@ -1,6 +1,9 @@
-"""What the benchmarks share: the guided loop's fixed inputs and guidance scale, and a mean with its spread."""
+"""What the benchmarks share: the guided loop's fixed inputs and guidance scale, a mean with its spread, and a
+streamer that times tokens (``Clock``)."""
 
 from __future__ import annotations
+
+import time
 
 GUIDANCE = 5.0
 
@@ -30,3 +33,30 @@ def ratio(whole: list[float], split: list[float]) -> tuple[float, float]:
     (mw, sw), (ms, ss) = mean_se(whole), mean_se(split)
     r = mw / ms
     return r, r * ((sw / mw) ** 2 + (ss / ms) ** 2) ** 0.5
+
+
+class Clock:
+    """A streamer that notes when each token arrives (the first ``put`` is the prompt)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.times: list[float] = []
+        self._prompt = True
+
+    def put(self, value) -> None:
+        if self._prompt:
+            self._prompt = False
+            return
+        self.times.append(time.perf_counter() - self.start)
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def first(self) -> float:
+        return self.times[0]
+
+    @property
+    def per_second(self) -> float:
+        """Tokens per second after the first (the steady decoding rate)."""
+        return (len(self.times) - 1) / (self.times[-1] - self.times[0]) if len(self.times) > 1 else 0.0

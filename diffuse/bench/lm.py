@@ -38,6 +38,7 @@ import time
 
 from diffuse.bench import parts
 from diffuse.bench.bare import BareRing
+from diffuse.bench.kit import Clock
 from diffuse.bench.lm_report import BARE, print_cpu, print_rates, print_sessions, print_token_breakdown
 
 FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, prompt=64, new=32)
@@ -61,33 +62,6 @@ def build(out_dir: str, cfg: dict, family: str = "Qwen2") -> None:
         for p in model.parameters():
             p.normal_(0, 0.05)
     model.save_pretrained(out_dir)
-
-
-class Clock:
-    """A streamer that notes when each token arrives (the first ``put`` is the prompt)."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-        self.times: list[float] = []
-        self._prompt = True
-
-    def put(self, value) -> None:
-        if self._prompt:
-            self._prompt = False
-            return
-        self.times.append(time.perf_counter() - self.start)
-
-    def end(self) -> None:
-        pass
-
-    @property
-    def first(self) -> float:
-        return self.times[0]
-
-    @property
-    def per_second(self) -> float:
-        """Tokens per second after the first (the steady decoding rate)."""
-        return (len(self.times) - 1) / (self.times[-1] - self.times[0]) if len(self.times) > 1 else 0.0
 
 
 def generate(model, ids, new: int):

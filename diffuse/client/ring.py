@@ -182,15 +182,16 @@ class Ring:
         return [f"{s.address} ({chosen[s.address]})" for s in self.plan.route if chosen.get(s.address, version) < version]
 
     def call_layers(self, stack: str, calls: list[tuple[tuple, dict]], rmap: ReturnMap, cache, fresh: bool,
-                    tail: Tail | None = None, embed: Embed | None = None, record: bool = False, crops=()):
+                    tail: Tail | None = None, embed: Embed | None = None, edits: tuple = (False, ())):
         """One pass of a language model's ``stack``: every layer's own call (``calls``, in order) in one
         message; ``cache`` is the client's cache object, ``fresh`` whether the nodes start theirs anew;
         ``tail``: the last node also runs the final norm and output head (``diffuse.lm.heads``); ``embed``: the
         first layer's input slot holds token ids, which the first node embeds (``diffuse.lm.embedding``);
-        ``record``, ``crops``: the nodes edit their caches first, as the client's was (``diffuse.lm.client_cache``)."""
+        ``edits``: (record, crops), as the nodes edit their caches first, as the client's was
+        (``diffuse.lm.client_cache``)."""
         tree, layer_trees, tensors = flatten_layers(calls)
-        extra = LayerPass(type(cache).__name__, bool(fresh), layer_trees or None, tail, embed, bool(record),
-                          tuple(crops))
+        extra = LayerPass(type(cache).__name__, bool(fresh), layer_trees or None, tail, embed, bool(edits[0]),
+                          tuple(edits[1]))
         if fresh:
             self._history.clear()
         return self.receive(self.send(stack, tree, tensors, rmap, extra=extra))

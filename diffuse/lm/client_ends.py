@@ -31,7 +31,7 @@ from diffuse.errors import DiffuseError
 from diffuse.lm.client_cache import ClientCaches
 from diffuse.lm.client_embedding import EmbeddingEnd
 from diffuse.lm.client_generate import GenerateCapture
-from diffuse.lm.client_head import HeadEnd
+from diffuse.lm.client_head import FREED_FROM, HeadEnd
 from diffuse.wire.passes import Embed, Tail
 from diffuse.plan.contracts import ReturnMap, StackPlan
 from diffuse.plan.planner import learn_call
@@ -231,7 +231,7 @@ class LanguageEnds:
             embed = Embed(slot, str(rows.dtype).removeprefix("torch."))
         record, crops = self.caches.edits(cache)
         out = self.splitter.ring.call_layers(stack.path, calls, threaded_sides(calls, rmap), cache, fresh, tail,
-                                             embed=embed, record=record, crops=() if fresh else crops)
+                                             embed=embed, edits=(record, () if fresh else crops))
         self.caches.shadow(cache, range(stack.length), rows)
         if ids is not None:
             self.embedding.passes += 1
@@ -244,9 +244,10 @@ class LanguageEnds:
 
 
 def to_meta(module: nn.Module) -> None:
-    """``module``'s weights freed (a node holds them); the device they were on is kept, so that a later split's
-    stand-in for it answers ``generate``'s ``model.device`` with that device, not meta."""
+    """``module``'s weights freed (a node holds them); the device they were on is kept (``FREED_FROM``, beside
+    the module, not on it), so that a later split's stand-in for it answers ``generate``'s ``model.device`` with
+    that device, not meta."""
     first = next(module.parameters(), None)
     if first is not None and first.device.type != "meta":
-        module.__dict__["_diffuse_device"] = first.device
+        FREED_FROM[module] = first.device
     module.to("meta")

@@ -10,6 +10,7 @@ model works on the norm's output in between. What ``generate`` itself tells the 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch import nn
@@ -201,6 +202,9 @@ def logits_from(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Te
     return out.scatter_(-1, ids.long(), values)
 
 
+FREED_FROM: "weakref.WeakKeyDictionary[nn.Module, torch.device]" = weakref.WeakKeyDictionary()  # freed: where it was
+
+
 class HeldElsewhere(nn.Module):
     """A stand-in for one of a model's modules whose weights a node holds (the output head, the input
     embedding): code that reads its ``weight`` (tying, resizing) sees the original's."""
@@ -213,7 +217,7 @@ class HeldElsewhere(nn.Module):
         # norms have none) still answers ``generate``'s ``self.device`` and ``self.dtype``
         first = next(original.parameters(), None)
         if first is not None:  # (where a split before this one freed the original: the device it was on)
-            device = original.__dict__.get("_diffuse_device", first.device)
+            device = FREED_FROM.get(original, first.device)
             self.held_here = nn.Parameter(torch.empty(0, dtype=first.dtype, device=device), requires_grad=False)
 
     @property
