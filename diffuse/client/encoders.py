@@ -25,6 +25,8 @@ encoders on the client.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import time
 
 import torch
@@ -32,6 +34,7 @@ import torch
 from diffuse.errors import DiffuseError
 from diffuse.lm.client_ends import shaped, threaded_sides
 from diffuse.plan.calltree import flatten_layers
+from diffuse.plan.kvcache import is_cache
 from diffuse.plan.planner import learn_call
 from diffuse.wire.passes import LayerPass
 
@@ -50,8 +53,13 @@ class EncoderPasses:
         (the first call teaches it: the stack's first block runs here once, as for any stack)."""
         splitter = self.splitter
         block = splitter.first_block(stack.path)
-        if block is not None:
-            splitter.learned(stack, *learn_call(stack, *call, block, layered=True))
+        if block is not None:  # run aside: on a copy of the model's cache, recorded by none of its hooks
+            args, kwargs = call
+            aside = {id(v): copy.deepcopy(v) for v in (*args, *kwargs.values()) if is_cache(v)}
+            with _unrecorded():
+                splitter.learned(stack, *learn_call(stack, tuple(aside.get(id(a), a) for a in args),
+                                                    {k: aside.get(id(v), v) for k, v in kwargs.items()}, block,
+                                                    layered=True))
         rmap = splitter.plan.return_maps[stack.path]
         if len(rmap.hidden_streams) != 1:
             raise DiffuseError(f"{stack.path}[0] returns {len(rmap.hidden_streams)} hidden states; an encoder's stack "
@@ -116,6 +124,23 @@ def record(path: str, layers: int, first: tuple, out, rmap) -> None:
     states += [_inner(f"{path}[{i}]") for i in range(layers - 1)] + [last]
     for state in states:
         kept.append(state if chosen is None or len(kept) in chosen else None)
+
+
+@contextlib.contextmanager
+def _unrecorded():
+    """While the stack's first block runs here to learn what it returns, which is no part of the model's forward:
+    transformers records nothing of it (a hook its recorder put on that block earlier, as a weightless dry call
+    of the pipeline does, would add its output to the running forward's hidden states)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        yield
+        return
+    token = _active_collector.set(None)
+    try:
+        yield
+    finally:
+        _active_collector.reset(token)
 
 
 def _recording() -> dict | None:
