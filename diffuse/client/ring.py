@@ -216,7 +216,7 @@ class Ring:
                 continue
             del self._pending[n]
             self._streak = 0
-            if isinstance(sent[6], LayerPass):
+            if isinstance(sent[6], LayerPass) and sent[6].kind is not None:  # it built a cache: kept for replay
                 self._history.append(sent)
             return out
 

@@ -11,7 +11,7 @@ import functools
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from diffuse.errors import DiffuseError, PluginError
@@ -59,8 +59,6 @@ class ModelSubject:
         encoders``) hold stacks too, beside its denoiser's."""
         subject = cls._from_path(path)
         if encoders and not subject.autoregressive and subject.denoiser:
-            from diffuse.plan.encoders import with_encoders
-
             subject = with_encoders(subject)
         return subject
 
@@ -199,6 +197,29 @@ def component_configs(path: str, model_index: dict, names) -> dict:
         with open(os.path.join(path, name, "config.json")) as f:
             configs[name] = {**json.load(f), DENOISER_ENTRY: list(model_index[name])}
     return configs
+
+
+def encoder_components(path: str, model_index: dict, taken) -> list[str]:
+    """The components of the pipeline at ``path`` that transformers loads and that are models (a config.json in
+    their folder), in model_index.json's order, leaving out ``taken``."""
+    found = []
+    for name, entry in model_index.items():
+        if name in taken or name.startswith("_") or not isinstance(entry, list) or len(entry) != 2:
+            continue
+        if entry[0] == "transformers" and entry[1] and os.path.isfile(os.path.join(path, name, "config.json")):
+            found.append(name)
+    return found
+
+
+def with_encoders(subject):
+    """``subject`` (a diffusion pipeline's) with its encoder components among the components holding stacks,
+    after its denoisers; the same subject where the pipeline has none."""
+    names = encoder_components(subject.path, subject.model_index, subject.denoisers)
+    if not names:
+        return subject
+    every = (*subject.denoisers, *names)
+    configs = component_configs(subject.path, subject.model_index, every)
+    return replace(subject, denoiser_config=configs, denoisers=every, encoders=tuple(names), _meta=None)
 
 
 def _component_class(lib: str | None, name: str):

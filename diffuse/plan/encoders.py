@@ -10,7 +10,7 @@ other (``analyzers.stack_finder``), and called through stand-ins when the
 pipeline encodes its prompt (``diffuse.client.encoders``). The tokenizer, the
 token embedding and the final norm stay with the client.
 
-An encoder is found by what the folder says, never by its name: a component
+An encoder is found (``diffuse.plan.analysis.encoder_components``) by what the folder says, never by its name: a component
 that transformers loads (``model_index.json`` names the library) and that has a
 ``config.json`` (a model, not a tokenizer or a processor).
 
@@ -22,8 +22,6 @@ denoiser: an encoder runs once per request).
 
 from __future__ import annotations
 
-import dataclasses
-import os
 
 ENCODERS = ("client", "ring")
 
@@ -39,31 +37,6 @@ def check_encoders(where: str | None) -> bool:
     raise DiffuseError(f"--encoders {where}: choose {' or '.join(ENCODERS)}")
 
 
-def encoder_components(path: str, model_index: dict, taken) -> list[str]:
-    """The components of the pipeline at ``path`` that transformers loads and that are models (a config.json in
-    their folder), in model_index.json's order, leaving out ``taken``."""
-    found = []
-    for name, entry in model_index.items():
-        if name in taken or name.startswith("_") or not isinstance(entry, list) or len(entry) != 2:
-            continue
-        if entry[0] == "transformers" and entry[1] and os.path.isfile(os.path.join(path, name, "config.json")):
-            found.append(name)
-    return found
-
-
-def with_encoders(subject):
-    """``subject`` (a diffusion pipeline's) with its encoder components among the components holding stacks,
-    after its denoisers; the same subject where the pipeline has none."""
-    from diffuse.plan.analysis import component_configs
-
-    names = encoder_components(subject.path, subject.model_index, subject.denoisers)
-    if not names:
-        return subject
-    every = (*subject.denoisers, *names)
-    configs = component_configs(subject.path, subject.model_index, every)
-    return dataclasses.replace(subject, denoiser_config=configs, denoisers=every, encoders=tuple(names), _meta=None)
-
-
 def encoder_stacks(stacks, subject) -> list[str]:
     """The paths of ``stacks`` that belong to one of the subject's encoders."""
     heads = tuple(f"{name}." for name in getattr(subject, "encoders", ()))
@@ -73,7 +46,7 @@ def encoder_stacks(stacks, subject) -> list[str]:
 def plan_subject(plan):
     """The subject a plan was made from: its folder's, with the encoders' stacks where the plan's model is the
     pipeline with them (its content hash, which covers every component holding stacks, tells)."""
-    from diffuse.plan.analysis import ModelSubject
+    from diffuse.plan.analysis import ModelSubject, with_encoders
 
     subject = ModelSubject.from_path(plan.model.path)
     if subject.content_hash() != plan.model.content_hash:
