@@ -19,8 +19,8 @@ sampling draws.
 
 ``Drafting`` is a session's setting (``--speculate``, ``--draft-tokens``, ``diffuse.split(speculate=...)``): it
 adds the drafter to ``generate`` calls that name none, lets the draft length follow what is accepted (longer after
-a draft accepted whole, down to pausing prompt lookup after drafts rejected in a row), and counts drafts, accepted
-tokens and trips for ``--stats``. A ``generate`` call that names its own drafter (``prompt_lookup_num_tokens``,
+a draft accepted whole, down to pausing a greedy call's drafts after drafts rejected in a row), and counts drafts,
+accepted tokens and trips for the report. A ``generate`` call that names its own drafter (``prompt_lookup_num_tokens``,
 ``assistant_model``) runs it as transformers does, counted but not steered.
 """
 
@@ -32,7 +32,7 @@ from diffuse.errors import DiffuseError
 
 MAX_DRAFT = 32  # drafted tokens one pass verifies at most (--draft-tokens)
 DEFAULT_DRAFT = 8
-MISSES_TO_PAUSE = 3  # drafts rejected whole in a row before prompt lookup pauses
+MISSES_TO_PAUSE = 3  # drafts rejected whole in a row before drafting pauses (greedy calls)
 LONGEST_PAUSE = 64  # trips; a pause doubles while drafts keep missing
 
 
@@ -44,14 +44,14 @@ class DraftCounts:
     drafted: int = 0  # tokens drafted
     accepted: int = 0  # of those, kept
     passes: int = 0  # every pass verifying or decoding, the prompt's included
-    paused: int = 0  # passes made without drafting while prompt lookup paused
+    paused: int = 0  # passes made without drafting while drafting paused
 
     def add(self, other: "DraftCounts") -> None:
         for name in ("drafts", "drafted", "accepted", "passes", "paused"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def report(self, new_tokens: int | None = None) -> dict:
-        """Acceptance rate and tokens per trip (``new_tokens`` made by these passes), as ``--stats`` shows them."""
+        """Acceptance rate and tokens per trip (``new_tokens`` made by these passes), as the report shows them."""
         out = {"drafts": self.drafts, "drafted": self.drafted, "accepted": self.accepted, "passes": self.passes,
                "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None}
         if new_tokens is not None and self.passes:
@@ -112,8 +112,8 @@ class Drafting:
                 or type(model).generate is not GenerationMixin.generate:
             return {}
         if self.auto and (getattr(config, "do_sample", False) or getattr(config, "output_logits", False)
-                          or getattr(config, "output_scores", False) or model.dtype not in (torch.float32, torch.float64)
-                          or model.config.is_encoder_decoder):
+                          or getattr(config, "output_scores", False) or model.config.is_encoder_decoder
+                          or model.dtype not in (torch.float32, torch.float64)):
             return {}
         if self.assistant is None:
             return {"prompt_lookup_num_tokens": self.most}
@@ -190,9 +190,10 @@ class CountedDrafts:
 
 def drafting_for(speculate, draft_tokens: int | None = None, model_dir: str | None = None, say=None):
     """A session's ``Drafting`` from ``--speculate`` / ``diffuse.split(speculate=)``: None or "off" (none),
-    "auto" (the default: prompt lookup where it cannot change the tokens), "lookup", a transformers model (the assistant itself), or an assistant's folder or Hub id, loaded here whole
-    after the checks that refuse it in one line (its tokenizer must be ``model_dir``'s; it must fit the memory
-    this process may still take). ``draft_tokens``: the most tokens one pass verifies (default 8)."""
+    "auto" (the default: prompt lookup where it cannot change the tokens), "lookup", a transformers model (the
+    assistant itself), or an assistant's folder or Hub id, loaded here whole after the checks that refuse it in
+    one line (its tokenizer must be ``model_dir``'s; it must fit the memory this process may still take).
+    ``draft_tokens``: the most tokens one pass of lookup verifies, where an assistant's drafts start (default 8)."""
     most = check_draft_tokens(draft_tokens) if draft_tokens is not None else DEFAULT_DRAFT
     if speculate is None or isinstance(speculate, Drafting):
         return speculate
