@@ -24,9 +24,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import statistics
 import tempfile
 import time
+
+from diffuse.bench.kit import Clock, mean_se
 
 FREE = ["what is 2 plus 3?", "hello", "what is the capital of France?", "what can you do?", "what is 9 minus 4?",
         "thank you"]
@@ -82,7 +83,6 @@ def one(model, model_dir: str, chats: list[list[dict]], split=None) -> dict:
     split its trips and drafts."""
     import torch
 
-    from diffuse.bench.kit import Clock
     from diffuse.lm.client_media import chat_inputs
 
     seconds = tokens = passes = drafted = accepted = 0
@@ -120,8 +120,8 @@ def rounds_of(ways: dict, chats: dict, model_dir: str, rounds: int) -> dict:
 def summary(runs: list[dict]) -> dict:
     rates = [r["rate"] for r in runs]
     last = runs[-1]
-    return dict(rate=statistics.mean(rates), spread=statistics.stdev(rates) / len(rates) ** 0.5 if len(rates) > 1
-                else 0.0, rates=rates, trips=last["passes"] / last["tokens"] if last["tokens"] else 0.0,
+    rate, spread = mean_se(rates)
+    return dict(rate=rate, spread=spread, rates=rates, trips=last["passes"] / last["tokens"] if last["tokens"] else 0.0,
                 acceptance=last["accepted"] / last["drafted"] if last["drafted"] else None, answers=last["answers"],
                 tokens=last["tokens"])
 
@@ -137,8 +137,7 @@ def print_rows(rows: dict, base: str, title: str) -> None:
                 continue
             s = summary(runs)
             ratios = [a / b for a, b in zip(s["rates"], ref["rates"])]
-            ratio = statistics.mean(ratios)
-            err = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else 0.0
+            ratio, err = mean_se(ratios)
             acc = f"{100 * s['acceptance']:.0f}%" if s["acceptance"] is not None else "-"
             trips = f"{s['trips']:.2f}" if s["trips"] else "-"
             print(f"  {task:11s} {name:22s} {s['rate']:8.1f} +- {s['spread']:4.1f} {ratio:5.2f}+-{err:.2f} "

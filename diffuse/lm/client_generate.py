@@ -10,7 +10,6 @@ processors and draws here, as it does whole.
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import torch
@@ -42,7 +41,7 @@ class GenerateCapture:
 
     def wrap(self, changes) -> None:
         from diffuse.plan.kvcache import check_prompt
-        from diffuse.lm.heads import candidates_needed
+        from diffuse.lm.heads import candidates_needed, effective_config
 
         model = self.ends.model
         bound = type(model).generate.__get__(model)
@@ -51,18 +50,21 @@ class GenerateCapture:
         def generate(*args, **kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
             check_prompt(model.config, ids)  # before any pass
+            config = effective_config(model, kwargs)
             drafting, self.steered, self.pausing = self.ends.splitter.drafting, False, False
             if drafting is not None:
-                added = drafting.arguments(kwargs, ids.shape[0] if isinstance(ids, torch.Tensor) else 0,
-                                           effective_config(model, kwargs), model)
-                kwargs.update(added)
+                added = drafting.arguments(kwargs, ids.shape[0] if isinstance(ids, torch.Tensor) else 0, config,
+                                           model)
+                if added:
+                    kwargs.update(added)
+                    config = effective_config(model, kwargs)
                 self.steered = "prompt_lookup_num_tokens" in added  # its lengths follow what is accepted
                 # drafts the session added to a greedy call pause while no one takes them (diffuse.lm.client_drafts)
-                self.pausing = bool(added) and not getattr(effective_config(model, kwargs), "do_sample", False)
-            self.speculating, self.drafts = assisted(model, kwargs), None
+                self.pausing = bool(added) and not getattr(config, "do_sample", False)
+            self.speculating, self.drafts = assisted(config, kwargs), None
             if self.speculating:
                 self.speculating = self._nodes_cut(kwargs, self.steered and drafting.auto)
-            self.top = candidates_needed(model, kwargs)
+            self.top = candidates_needed(config, kwargs)
             # greedy from the best few: until this model is known not to change its logits after the head, its
             # first pass brings the whole last row (diffuse.lm.client_shortlist.ShortlistCheck learns it there)
             self.greedy_top = self.top if not self.ends.head_end.head_list else None
@@ -193,20 +195,11 @@ class GenerateCapture:
         return LogitsProcessorList([DrawnToken(self.draw)])
 
 
-def effective_config(model, kwargs: dict):
-    """The generation config a ``generate(**kwargs)`` call runs with (None where the model has none)."""
-    config = copy.deepcopy(kwargs.get("generation_config") or getattr(model, "generation_config", None))
-    for key, value in kwargs.items() if config is not None else ():
-        if hasattr(config, key):
-            setattr(config, key, value)
-    return config
-
-
-def assisted(model, kwargs: dict) -> bool:
-    """Does this ``generate`` call verify drafts (transformers' assisted decoding)?"""
+def assisted(config, kwargs: dict) -> bool:
+    """Does a ``generate(**kwargs)`` call running with ``config`` (``effective_config``) verify drafts
+    (transformers' assisted decoding)?"""
     from transformers.generation.configuration_utils import GenerationMode
 
-    config = effective_config(model, kwargs)
     if config is None:
         return False
     try:

@@ -89,16 +89,22 @@ _NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_re
             "diversity_penalty": 0.0, "low_memory": False, "output_scores": False}
 
 
-def candidates_needed(model, kwargs: dict) -> int | None:
-    """How many candidates per row a ``generate(**kwargs)`` call needs back: ``GREEDY_TOP`` for plain greedy
-    decoding, None (the whole row) for sampling or any logits processor, until ``generate`` builds its processors
-    (sampling then draws on the last node and ``GREEDY_TOP`` raw candidates come home: ``diffuse.lm.sampling``)."""
+def effective_config(model, kwargs: dict):
+    """The generation config a ``generate(**kwargs)`` call runs with (None where the model has none)."""
     config = copy.deepcopy(kwargs.get("generation_config") or getattr(model, "generation_config", None))
-    if config is None:
-        return None
-    for key, value in kwargs.items():
+    for key, value in kwargs.items() if config is not None else ():
         if hasattr(config, key):
             setattr(config, key, value)
+    return config
+
+
+def candidates_needed(config, kwargs: dict) -> int | None:
+    """How many candidates per row a ``generate(**kwargs)`` call running with ``config`` (``effective_config``)
+    needs back: ``GREEDY_TOP`` for plain greedy decoding, None (the whole row) for sampling or any logits processor,
+    until ``generate`` builds its processors (sampling then draws on the last node and ``GREEDY_TOP`` raw candidates
+    come home: ``diffuse.lm.sampling``)."""
+    if config is None:
+        return None
     if kwargs.get("logits_processor") or getattr(config, "do_sample", False) or (getattr(config, "num_beams", 1) or 1) > 1:
         return None
     for key in _WHOLE_ROW:
