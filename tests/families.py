@@ -564,8 +564,8 @@ def build_hunyuan_video(out_dir: str, seed: int = 0) -> str:
     ``image_rotary_emb`` in single blocks; ``num_refiner_layers`` sizes the nested
     ``context_embedder.token_refiner.refiner_blocks``; the Llama template needs
     ``prompt_template={"template": "{}", "crop_start": 0}``; ``guidance`` is a
-    tensor (``guidance_embeds=True``); the pipeline reads ``hidden_states[-3]``,
-    so Llama needs 2+ layers; real CFG only with ``true_cfg_scale``.
+    tensor (``guidance_embeds=True``); the pipeline reads ``hidden_states[-3]``:
+    with 3 Llama layers, the first layer's output (an inner layer); real CFG only with ``true_cfg_scale``.
     """
     from diffusers import (
         AutoencoderKLHunyuanVideo,
@@ -619,7 +619,7 @@ def build_hunyuan_video(out_dir: str, seed: int = 0) -> str:
             hidden_size=16,
             intermediate_size=37,
             num_attention_heads=4,
-            num_hidden_layers=2,
+            num_hidden_layers=3,
             vocab_size=len(tokenizer),
             hidden_act="gelu",
         )

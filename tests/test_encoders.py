@@ -5,7 +5,9 @@ Encoders of four shapes: Wan's UMT5 (every layer its own position bias), Flux's 
 T5 encoder (T5's block 0 makes the position biases every later block reads: a side output threaded from
 the node that holds block 0), Sana's Gemma 2 (a language model read as an encoder: a cache made for the
 call, a mask per attention kind), Qwen-Image's Qwen2.5-VL (its vision tower's stack on the nodes too,
-never called for a prompt; its language model's last hidden state read as the model records it). Each family's three nodes serve 1, 2 and 3 node rings in turn; the
+never called for a prompt; its language model's last hidden state read as the model records it), SD3's two
+CLIP text models (read at an inner layer: its output brought back beside the last) and T5. Each family's three
+nodes serve 1, 2 and 3 node rings in turn; the
 reference is each pipeline's own ``encode_prompt`` run whole by plain diffusers in a subprocess
 (tests/encode_reference.py), at the same thread count.
 """
@@ -26,6 +28,9 @@ ENCODE = {  # each pipeline's encode_prompt arguments: a prompt and a negative o
     "flux": {"prompt": "a painting of a squirrel eating a burger", "prompt_2": None, "max_sequence_length": 48},
     "sana": {"prompt": "a squirrel", "negative_prompt": "blurry", "max_sequence_length": 20},
     "qwenimage": {"prompt": "a squirrel", "max_sequence_length": 20},
+    # its CLIP encoders are read at their next-to-last layer: the nodes send that layer's output back too
+    "sd3": {"prompt": "a squirrel", "prompt_2": None, "prompt_3": None, "negative_prompt": "blurry",
+            "max_sequence_length": 16},
 }
 RINGS = (1, 2, 3)
 
@@ -119,9 +124,9 @@ def test_the_tokenizer_embedding_and_final_norm_stay_on_the_client(models):
 def test_a_run_with_its_encoders_on_the_ring_is_byte_identical_to_plain_diffusers(models, tmp_path, diffuse_home):
     """HunyuanVideo through ``diffuse query``: a Llama read for its hidden states (a cache made for the call, the
     states recorded; the weightless dry call before the run has put the recorder's hooks on the layers, the
-    first of which runs here once: it must record nothing; at this depth, 2 layers, the state it reads is the
-    stack's input, at a real one an inner layer's, refused) and CLIP's pooled output, then a denoiser whose
-    blocks carry two streams."""
+    first of which runs here once: it must record nothing; the state it reads is an inner layer's, the first of
+    three, brought back from the node that holds it) and CLIP's pooled output, then a denoiser whose blocks carry
+    two streams."""
     model = models("hunyuan_video")
     kwargs = families.call_args("hunyuan_video")
     reference = Reference(model, kwargs, str(tmp_path / "reference.npy"))
@@ -156,27 +161,42 @@ def test_the_service_keeps_a_pipelines_encoders_on_its_nodes_and_answers_as_plai
     assert {("text_encoder_2.encoder.block", 0), ("text_encoder_2.encoder.block", 1)} <= held
 
 
-def test_recorded_hidden_states_are_the_real_ends_and_an_inner_layer_refuses_any_use(models, diffuse_home):
-    """A model asked for every layer's hidden state (``output_hidden_states``; Qwen-Image reads the last, SD3's CLIP
-    and HunyuanVideo's Llama an inner one) gets the stack's input and last output as a whole run records them;
-    an inner layer's, which one pass does not bring back, refuses any use with the way out."""
+def test_recorded_hidden_states_come_back_from_the_nodes_as_a_whole_run_records_them(models, diffuse_home):
+    """A model asked for every layer's hidden state (``output_hidden_states``: Qwen-Image reads the last, SD3's
+    CLIP and HunyuanVideo's Llama an inner one) gets each of them as a whole run records them: the pass asks the
+    nodes for the inner layers' too, or only for those transformers was told to keep (an index). A node older
+    than wire version 4 cannot send them: such a call is refused in one line naming it, and one that reads
+    only the last layer still runs there."""
     import diffusers
     import torch
 
     import diffuse
     from diffuse.errors import DiffuseError
+    from diffuse.local.nodes import start_local_nodes
 
     model = models("wan")
     plain = diffusers.DiffusionPipeline.from_pretrained(model).text_encoder
     pipe = diffuse.from_pretrained(model, encoders="ring")
     ids = pipe.tokenizer(["dance monkey"], return_tensors="pt").input_ids
-    with diffuse.split(pipe, local_nodes=1, threads=THREADS, timeout=60), torch.no_grad():
-        got = pipe.text_encoder(ids, output_hidden_states=True).hidden_states
+    with torch.no_grad():
         want = plain(ids, output_hidden_states=True).hidden_states
-        assert len(got) == len(want) == 3  # the input, then each of the two layers' outputs
-        assert torch.equal(got[0], want[0]) and torch.equal(got[-1], want[-1])
-        with pytest.raises(DiffuseError, match=r"text_encoder\.encoder\.block\[0\].*--encoders client"):
-            got[1] * 2
+        want_one = plain(ids, output_hidden_states=[1]).hidden_states
+        with diffuse.split(pipe, local_nodes=2, threads=THREADS, timeout=60):
+            got = pipe.text_encoder(ids, output_hidden_states=True).hidden_states
+            got_one = pipe.text_encoder(ids, output_hidden_states=[1]).hidden_states
+    assert len(got) == len(want) == 3  # the input, then each of the two layers' outputs (one on each node)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert [x is None for x in got_one] == [x is None for x in want_one] == [True, False, True]
+    assert torch.equal(got_one[1], want_one[1])
+    old = start_local_nodes(model, 1, THREADS, extra=["--encoders", "ring", "--wire", "3"], fixed=False)
+    try:
+        with diffuse.split(pipe, nodes=[f"{old[0].address}#{old[0].key}"], timeout=60), torch.no_grad():
+            with pytest.raises(DiffuseError, match=rf"node {old[0].address} \(3\) cannot send back .*"
+                                                   r"--encoders client"):
+                pipe.text_encoder(ids, output_hidden_states=True)
+            assert torch.equal(pipe.text_encoder(ids).last_hidden_state, plain(ids).last_hidden_state)
+    finally:
+        old.stop()
 
 
 def test_a_node_serving_the_pipeline_without_its_encoders_is_refused_saying_so(models, diffuse_home):

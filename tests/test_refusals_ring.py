@@ -66,7 +66,7 @@ def test_wire_version_mismatch_is_refused_at_hello(models, tmp_path, diffuse_hom
         proc.terminate()
         proc.wait(10)
     assert run.returncode == 2
-    assert "speaks wire versions [1, 2, 3], this client speaks [99]: nothing in common" in run.stderr
+    assert "speaks wire versions [1, 2, 3, 4], this client speaks [99]: nothing in common" in run.stderr
 
 
 def test_pinned_key_mismatch_is_refused(models, tmp_path, diffuse_home, capsys):

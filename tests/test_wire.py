@@ -85,7 +85,7 @@ def test_captured_wire_holds_no_prompt_and_no_plaintext_tensor(models, tmp_path,
     data = b"".join(bytes(r.captured) for r in data_relays)
     assert data.count(b"CURVE".ljust(20, b"\0")) >= 2  # client -> node 1, node 1 -> node 2 (and their answers)
     assert b"NULL".ljust(20, b"\0") not in data and b"PLAIN".ljust(20, b"\0") not in data
-    assert not any(b"\xa4\x61v" + bytes([v]) + b"\x61s\x50" in data for v in (1, 2, 3))  # {"v": 1|2|3, "s": 16 bytes
+    assert not any(b"\xa4\x61v" + bytes([v]) + b"\x61s\x50" in data for v in (1, 2, 3, 4))  # {"v": 1|2|3|4, "s": 16 bytes
     checked = 0
     for t in inputs:
         raw = t.contiguous().view(torch.uint8).numpy().tobytes()

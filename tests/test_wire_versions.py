@@ -16,12 +16,13 @@ import torch
 import zmq
 
 from conftest import THREADS, run_reference
+from diffuse.plan.contracts import WIRE_VERSION as NEWEST
 from test_hardening import WAN_ARGS, _client, _node, _said, _stop
 
 
 class Mixed:
     """Two nodes of the tiny Wan with lasting keys: ``old`` holds the first half and speaks wire 1 only,
-    ``both`` holds the second half and speaks 1 and 2."""
+    ``both`` holds the second half and speaks every version."""
 
     def __init__(self, model: str, folder):
         self.model = model
@@ -95,17 +96,17 @@ def _captured(recorded, address: str, op: str) -> tuple[dict, dict]:
 # --------------------------------------------------------------------------- (a) a mixed ring
 
 
-def test_a_version_1_node_and_a_version_3_node_serve_one_client_byte_identically(mixed, recorded, tmp_path):
+def test_a_version_1_node_and_a_node_of_every_version_serve_one_client_byte_identically(mixed, recorded, tmp_path):
     reference = run_reference(mixed.model, WAN_ARGS, str(tmp_path / "reference.npy"))
     assert recorded["out"].tobytes() == reference.tobytes()
     hs = recorded["split"].ring.handshake
-    assert hs.wire == {mixed.old_ready["address"]: 1, mixed.both_ready["address"]: 3}
-    # each hop runs the highest version both its ends speak: into and out of the old node 1, back to the client 3
-    assert [h.wire for h in recorded["hops"]] == [1, 3]
+    assert hs.wire == {mixed.old_ready["address"]: 1, mixed.both_ready["address"]: NEWEST}
+    # each hop runs the highest version both its ends speak: into and out of the old node 1, back to the client the newest
+    assert [h.wire for h in recorded["hops"]] == [1, NEWEST]
     assert "opened (wire 1; hops in 1, out 1)" in mixed.log("old")
-    assert "opened (wire 3; hops in 1, out 3)" in mixed.log("both")
+    assert f"opened (wire {NEWEST}; hops in 1, out {NEWEST})" in mixed.log("both")
     assert {cbor2.loads(m[0])["v"] for m in recorded["sent"]} == {1}
-    assert {cbor2.loads(m[0])["v"] for m in recorded["received"]} == {3}
+    assert {cbor2.loads(m[0])["v"] for m in recorded["received"]} == {NEWEST}
     assert "Traceback" not in mixed.log("old") + mixed.log("both")
 
 
@@ -180,7 +181,7 @@ def test_a_recorded_session_opens_with_a_stolen_node_key_at_wire_1_but_not_at_wi
     open_v2, reply_v2 = _captured(recorded, mixed.both_ready["address"], "open")
     node = mixed.identity("both")
     payload, client = open_control(open_v2, node)
-    assert payload["wire"] == 3 and "in_key" not in payload and "out_key" not in payload  # sealed as at 2
+    assert payload["wire"] == NEWEST and "in_key" not in payload and "out_key" not in payload  # sealed as at 2
     hello = next(r for a, m, r in recorded["control"] if a == mixed.both_ready["address"] and m.get("op") == "hello")
     client_eph, node_eph = payload["eph"], hello["eph"]
     candidates = [b for b in _byte_strings(payload) + _byte_strings(hello) if len(b) == 32]
@@ -194,8 +195,8 @@ def test_a_recorded_session_opens_with_a_stolen_node_key_at_wire_1_but_not_at_wi
         with pytest.raises(WireError):
             open_with(candidate, payload["keys"], sid + payload["challenge"])
     returned = recorded["received"][0]
-    assert not any(_opens(c, 3, sid, returned) for c in candidates)
-    assert _opens(recorded["hops"][1].key, 3, sid, returned)
+    assert not any(_opens(c, NEWEST, sid, returned) for c in candidates)
+    assert _opens(recorded["hops"][1].key, NEWEST, sid, returned)
     # the node's sealed reply names the session and challenge it answers, not only the operation
     inner, sender = open_control(reply_v2, recorded["split"].ring.identity)
     assert sender == node.public and inner["re"] == "open"

@@ -15,12 +15,12 @@ afresh; the last node answers with what the stack's last layer returned, and
 the model goes on to its final norm, here.
 
 A model asked for every layer's hidden state (``output_hidden_states``) records
-them with hooks on its layers, which stand-ins do not carry: what the pass
-brings back is recorded here instead, as those hooks would (the stack's input
-and its last layer's output, real; each inner layer's an ``InnerLayer``, which
-refuses any use, naming the way out). So Qwen-Image, which reads the last, is
-exact; SD3 and HunyuanVideo, which read an inner layer, are told to keep their
-encoders on the client.
+them with hooks on its layers, which stand-ins do not carry: the pass then asks
+the nodes for each inner layer's hidden state too (``LayerPass.keep``, wire
+version 4; only those transformers was told to keep, where it was told), and
+what it brings back is recorded here as those hooks would have recorded it. So
+pipelines that read an inner layer (SD3's CLIP encoders, HunyuanVideo's Llama,
+Lumina's and CogView's) are exact as well as those that read the last.
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ import contextlib
 import copy
 import time
 
-import torch
-
 from diffuse.errors import DiffuseError
 from diffuse.lm.client_ends import shaped, threaded_sides
 from diffuse.plan.calltree import flatten_layers
+from diffuse.plan.contracts import KEEPS_LAYERS
 from diffuse.plan.kvcache import is_cache
 from diffuse.plan.planner import learn_call
 from diffuse.wire.passes import LayerPass
@@ -76,43 +75,47 @@ class EncoderPasses:
             raise DiffuseError("this pipeline's encoder layers are held by nodes: call it inside "
                                "`with diffuse.split(...)`")
         t0 = time.perf_counter()
+        keep = inner_layers_kept(len(calls))
+        if keep and getattr(ring, "old_nodes", None) and ring.old_nodes(KEEPS_LAYERS):
+            raise DiffuseError(f"the pipeline reads {stack.path}'s inner layers, which node "
+                               f"{', '.join(ring.old_nodes(KEEPS_LAYERS))[:300]} cannot send back (it speaks a wire "
+                               f"version older than {KEEPS_LAYERS}): update it, or run with --encoders client")
         try:
             rmap = threaded_sides(calls, self.splitter.plan.return_maps[stack.path])
             tree, layer_trees, tensors = flatten_layers(calls)
             part = LayerPass(type(cache).__name__ if cache is not None else None, cache is not None,
-                             layer_trees or None)
+                             layer_trees or None, keep=keep)
             out = ring.receive(ring.send(stack.path, tree, tensors, rmap, extra=part))
             self.passes += 1
         finally:
             self.splitter.stand_in_s += time.perf_counter() - t0
-        record(stack.path, len(calls), calls[0], out, rmap)
+        inner = {}
+        if keep:
+            out, states = out
+            if len(states) != len(keep):
+                raise DiffuseError(f"the nodes brought {len(states)} of the {len(keep)} inner layers of "
+                                   f"{stack.path} asked for")
+            inner = dict(zip(keep, states))
+        record(len(calls), calls[0], out, rmap, inner)
         return out
 
 
-class InnerLayer(torch.Tensor):
-    """What stands, among an encoder's recorded hidden states, for an inner layer's output, which the nodes do not
-    send back: empty, and any use of it is refused, naming the layer and the way out."""
-
-    layer: str = ""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        layer = next((a.layer for a in (*args, *(kwargs or {}).values()) if isinstance(a, InnerLayer)), "")
-        raise DiffuseError(f"the pipeline reads the hidden state after {layer or 'an inner layer'}, which the nodes "
-                           "holding the encoder's layers do not send back (one pass brings the last layer's): run "
-                           "with --encoders client (encoders=\"client\")")
+def inner_layers_kept(layers: int) -> tuple[int, ...]:
+    """The inner layers (all but the last of ``layers``) whose hidden states the running forward records, when
+    transformers records them (``output_hidden_states``): every one, or those it was told to keep; else none."""
+    collected = _recording()
+    if collected is None:
+        return ()
+    kept, chosen = collected["hidden_states"], collected.get("_hidden_states_layers")
+    first = len(kept) + (0 if kept else 1)  # where layer 0's output will stand (after the stack's input)
+    return tuple(i for i in range(layers - 1) if chosen is None or first + i in chosen)
 
 
-def _inner(layer: str) -> InnerLayer:
-    t = torch.empty(0).as_subclass(InnerLayer)
-    t.layer = layer
-    return t
-
-
-def record(path: str, layers: int, first: tuple, out, rmap) -> None:
+def record(layers: int, first: tuple, out, rmap, inner: dict) -> None:
     """Where transformers is recording each layer's hidden state for the running forward (``output_hidden_states``):
     this stack's, as its layers' hooks would have recorded them (the first layer's input, when the model records
-    it, then each layer's output; the last the pass brought back, the others ``InnerLayer``)."""
+    it, then each layer's output: the last the pass brought back, the inner ones brought back beside it, ``inner``
+    by layer index)."""
     collected = _recording()
     if collected is None:
         return
@@ -121,7 +124,7 @@ def record(path: str, layers: int, first: tuple, out, rmap) -> None:
     args, kwargs = first
     # as transformers' recorder does by default: the first layer's input first (its index 0 is the hidden state)
     states = [args[0] if args else kwargs.get("hidden_states")] if not kept else []
-    states += [_inner(f"{path}[{i}]") for i in range(layers - 1)] + [last]
+    states += [inner.get(i) for i in range(layers - 1)] + [last]
     for state in states:
         kept.append(state if chosen is None or len(kept) in chosen else None)
 

@@ -65,7 +65,7 @@ def batch_key(dtype, p) -> tuple | None:
     """What must be the same for passes (``diffuse.node.stage.Prepared``) of different sessions to run as one batch;
     None: this pass runs alone (no cache: a diffusion pass, PipeFusion's patches included; a prefill; an unusual
     cache). Only a language model's pass (``diffuse.wire.passes.LayerPass``) carries a cache."""
-    if p.cache is None or not p.blocks or not p.rmap.streams or p.rmap.sides:
+    if p.cache is None or not p.blocks or not p.rmap.streams or p.rmap.sides or p.part.keep:
         return None  # side outputs threaded on (T5's position biases) are not per row: not joined
     if not _growing_layers(p.cache, [i for i, _ in p.blocks]):
         return None

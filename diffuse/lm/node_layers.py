@@ -50,10 +50,25 @@ class LanguageModelPass(PassKind):
             sess.kv.check_room(p.cache, stream.shape[1])  # before the layers write anything into it
 
     def run(self, sess, p):
-        return run_blocks(p.blocks, p.tree, p.values, p.rmap, p.layer_trees, p.cache)
+        keep = set(p.part.keep)
+        if not keep.intersection(i for i, _ in p.blocks):
+            return run_blocks(p.blocks, p.tree, p.values, p.rmap, p.layer_trees, p.cache)
+        out = None
+        for i, block in p.blocks:  # one at a time, keeping the hidden state of each layer asked for
+            out = run_blocks([(i, block)], p.tree, p.values, p.rmap, p.layer_trees, p.cache)
+            if i in keep:
+                p.kept.append(_stream(p, out))
+        return out
 
     def answer(self, sess, p, out) -> tuple:
         tail = p.part.tail
+        if p.part.keep:  # what the stack's last layer returned, and every kept layer's hidden state
+            if tail is not None:
+                raise DiffuseError("a pass that brings inner layers back runs no tail")
+            if len(p.kept) != len(p.part.keep):
+                raise DiffuseError(f"the pass asked for {len(p.part.keep)} inner layers' outputs and brought "
+                                   f"{len(p.kept)}: a layer it names is not in the stack")
+            return [out, p.kept], None
         if tail is None:
             return out, None
         if p.tail_answer is not None:  # run with the other passes of its batch (joint_tails)

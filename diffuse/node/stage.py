@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -75,6 +75,7 @@ class Prepared:
     blocks: list[tuple[int, torch.nn.Module]]
     part: object = None  # the message's part (diffuse.wire.passes), once prepared
     tail_answer: dict | None = None  # its tail's answer, when run with a batch's others (diffuse.lm.node_layers)
+    kept: list = field(default_factory=list)  # inner layers' outputs the pass brings back (LayerPass.keep)
 
     def __post_init__(self):
         if self.part is None:
@@ -167,6 +168,8 @@ class StageSession:
         if sl.empty:
             return header, tensors
         p = Prepared(msg, stack, sl, refs, values, forward, rmap, self.trees[stack], {}, None, self.blocks[stack])
+        carried = getattr(msg.part, "kept", 0)  # earlier nodes' kept outputs: the message's last frames
+        p.kept = list(tensors[len(tensors) - carried:]) if carried else []
         kind.prepare(self, p)
         return p
 
@@ -194,6 +197,9 @@ class StageSession:
                 sent.append(p.forward[i])
             else:
                 slots.append(ref)
+        if p.kept:  # inner layers' outputs, earlier nodes' and this one's, ride on behind
+            sent += p.kept
+            p.part = replace(p.part, kept=len(p.kept))
         return p.message.handed_on(slots, p.part).to_wire(), sent
 
     _embed_spec = staticmethod(embed_spec)  # (slot, dtype) of a pass's token ids, checked (diffuse.lm.node_layers)

@@ -23,9 +23,11 @@ from diffuse.errors import DiffuseError
 
 PLAN_VERSION = 2
 # what this code speaks: 1 = hop keys sealed to the node's long-term key; 2 = agreed (forward secret); 3 = as 2, and
-# a language model's pass may ask the nodes to cut their caches (drafts verified: diffuse.lm.client_drafts)
-WIRE_VERSIONS = (1, 2, 3)
+# a language model's pass may ask the nodes to cut their caches (drafts verified: diffuse.lm.client_drafts); 4 = as 3,
+# and a pass may ask for inner layers' outputs back (an encoder read at an inner layer: diffuse.client.encoders)
+WIRE_VERSIONS = (1, 2, 3, 4)
 CUTS_CACHES = 3  # the first version whose nodes make the cuts a pass asks for
+KEEPS_LAYERS = 4  # the first version whose nodes bring inner layers' outputs back
 WIRE_VERSION = WIRE_VERSIONS[-1]  # the newest, used wherever both ends speak it
 SESSION_ID_BYTES = 16  # a session id on the wire
 

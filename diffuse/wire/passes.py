@@ -43,6 +43,7 @@ from diffuse.wire.trees import MAX_TREE_NODES, checked_tree
 
 MAX_CROPS = 64  # cache crops one pass carries (one per draft verified since the last pass)
 MAX_CROP = 1 << 20  # positions one crop removes
+MAX_KEEP = 1024  # inner layers whose outputs one pass brings back
 
 __all__ = ["Answer", "ContractError", "DrawState", "Embed", "LayerPass", "Pass", "Part", "Patch", "Reuse", "Tail",
            "WHOLE", "Whole", "checked_tree"]
@@ -187,7 +188,10 @@ class LayerPass:
     whether the nodes start theirs anew (``fresh``); each layer's call plan where it differs from the first
     layer's (by global layer index); ``embed`` and ``tail`` as above. Before the layers run, each node edits
     its cache as the client's own was edited since the last pass (drafts verified: ``diffuse.lm.client_cache``):
-    ``record`` keeps past positions a sliding window would drop, then each of ``crops`` removes that many."""
+    ``record`` keeps past positions a sliding window would drop, then each of ``crops`` removes that many.
+    ``keep``: the layers (global indices, ascending) whose outputs the pass brings back too, for a model that
+    reads an inner layer's hidden state (``diffuse.client.encoders``); the first ``kept`` of them travel as the
+    message's last tensor frames, each node adding its own as it hands the pass on."""
 
     kind: str | None = None  # None: the layers are called without a cache
     fresh: bool = False
@@ -196,9 +200,13 @@ class LayerPass:
     embed: Embed | None = None
     record: bool = False
     crops: tuple[int, ...] = ()
+    keep: tuple[int, ...] = ()
+    kept: int = 0
 
     def to_wire(self) -> dict:
         w: dict = {}
+        if self.keep:
+            w["keep"] = {"layers": list(self.keep), "kept": self.kept}
         if self.kind is not None:
             w["state"] = {"kind": self.kind, "fresh": self.fresh}
             if self.record:
@@ -214,7 +222,7 @@ class LayerPass:
         return w
 
     @classmethod
-    def from_wire(cls, x: dict, slots: int) -> "LayerPass":
+    def from_wire(cls, x: dict, slots: int, frames: int = 0) -> "LayerPass":
         state = x.get("state")
         if state is not None and not (isinstance(state, dict) and isinstance(state.get("kind"), str)
                                       and isinstance(state.get("fresh", False), bool)
@@ -230,23 +238,41 @@ class LayerPass:
             raise ContractError("malformed per-layer call plans")
         for t in layer_trees.values():
             checked_tree(t, "call plan", slots)
+        keep, kept = _keep_from_wire(x.get("keep"), frames)
         return cls(kind=state["kind"] if state is not None else None,
                    fresh=bool(state.get("fresh", False)) if state is not None else False,
                    layer_trees=layer_trees or None,
                    tail=Tail.from_wire(x["tail"]) if x.get("tail") is not None else None,
                    embed=Embed.from_wire(x["embed"], slots) if x.get("embed") is not None else None,
-                   record=bool(state.get("record", False)) if state is not None else False, crops=tuple(crops))
+                   record=bool(state.get("record", False)) if state is not None else False, crops=tuple(crops),
+                   keep=keep, kept=kept)
 
     @property
     def trees(self) -> dict:
         return self.layer_trees or {}
 
 
+def _keep_from_wire(x: Any, frames: int) -> tuple[tuple[int, ...], int]:
+    """(keep, kept) of a pass, checked: ascending layer indices, and how many of their outputs the message's last
+    frames already carry."""
+    if x is None:
+        return (), 0
+    if not isinstance(x, dict) or set(x) != {"layers", "kept"} or not isinstance(x["layers"], list):
+        raise ContractError("malformed keep: a map of layers (a list) and kept (a count)")
+    layers, kept = x["layers"], x["kept"]
+    if not 0 < len(layers) <= MAX_KEEP or not all(is_int(i) and 0 <= i < 1 << 20 for i in layers) \
+            or any(a >= b for a, b in zip(layers, layers[1:])):
+        raise ContractError(f"malformed keep: 1 to {MAX_KEEP} layer indices, ascending")
+    if not is_int(kept) or not 0 <= kept <= min(len(layers), frames):
+        raise ContractError("malformed keep: kept counts outputs the message's frames do not carry")
+    return tuple(layers), kept
+
+
 Part = Union[Whole, Patch, Reuse, LayerPass]
-_LAYER_FIELDS = ("state", "layer_trees", "tail", "embed")
+_LAYER_FIELDS = ("state", "layer_trees", "tail", "embed", "keep")
 
 
-def _part_from_wire(header: dict, slots: int) -> Part:
+def _part_from_wire(header: dict, slots: int, frames: int = 0) -> Part:
     """The one part a call carries, told by its fields; more than one is refused."""
     kinds = [name for name, there in (
         ("patch", header.get("patch") is not None),
@@ -265,7 +291,7 @@ def _part_from_wire(header: dict, slots: int) -> Part:
         return Patch.from_wire(header["patch"])
     if kinds[0] == "reuse":
         return Reuse.from_wire(header["reuse"], header.get("skip"))
-    return LayerPass.from_wire(header, slots)
+    return LayerPass.from_wire(header, slots, frames)
 
 
 # --------------------------------------------------------------------------- the pass and its answer
@@ -319,7 +345,8 @@ class Pass:
         slots = tuple(SlotRef.from_wire(w, frames) for w in header["slots"])
         tree = checked_tree(header["tree"], "call plan", len(slots)) if "tree" in header else None
         rmap = ReturnMap.from_dict(header["rmap"]) if "rmap" in header else None
-        return cls(header["stack"], header["seq"], slots, _part_from_wire(header, len(slots)), tree, rmap, asked)
+        return cls(header["stack"], header["seq"], slots, _part_from_wire(header, len(slots), frames), tree, rmap,
+                   asked)
 
     def handed_on(self, slots: list[SlotRef], part: Part) -> "Pass":
         """This pass as the next hop gets it: new slot references, its part as this node left it."""
