@@ -96,3 +96,19 @@ def test_a_return_map_with_threaded_side_outputs_travels_and_names_its_hidden_st
     rmap = ReturnMap(False, [0, None, None], ["args[0]", "side output", "side output"]).with_sides({1: 4, 2: 5})
     assert rmap.streams == [0, 4, 5] and rmap.hidden_streams == [0] and rmap.sides == (1, 2)
     assert ReturnMap.from_dict(rmap.to_dict(), slots=6) == rmap
+
+
+def test_inner_layers_asked_for_travel_in_the_pass_and_a_malformed_ask_is_refused():
+    """``LayerPass.keep``: the layers whose hidden states come back, and how many the message's last frames
+    already carry; refused at the door where the layers are not ascending or ``kept`` counts frames not there."""
+    p = LayerPass(None, keep=(0, 1, 4), kept=2)
+    w = Pass("text_encoder.layers", 1, (SlotRef(frame=0),), part=p).to_wire()
+    assert w["keep"] == {"layers": [0, 1, 4], "kept": 2}
+    assert Pass.from_wire(w, frames=3).part == p
+    with pytest.raises(ContractError, match="kept counts outputs"):
+        Pass.from_wire(w, frames=1)
+    for keep in ({"layers": [1, 1], "kept": 0}, {"layers": [2, 1], "kept": 0}, {"layers": [], "kept": 0},
+                 {"layers": [-1], "kept": 0}, {"layers": [0], "kept": 2}, {"layers": "0", "kept": 0},
+                 {"layers": [0]}, {"layers": list(range(1025)), "kept": 0}):
+        with pytest.raises(ContractError, match="malformed keep"):
+            Pass.from_wire(dict(w, keep=keep), frames=3)
