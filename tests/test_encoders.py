@@ -177,6 +177,10 @@ def test_recorded_hidden_states_come_back_from_the_nodes_as_a_whole_run_records_
     model = models("wan")
     plain = diffusers.DiffusionPipeline.from_pretrained(model).text_encoder
     pipe = diffuse.from_pretrained(model, encoders="ring")
+    # its token table (UMT5-XXL's: 2 GiB) is the file's bytes, mapped: a prompt makes its rows' pages resident
+    table = pipe.text_encoder.get_input_embeddings().weight
+    assert "/text_encoder/" in _mapped_file(table.data_ptr())
+    assert torch.equal(table, plain.get_input_embeddings().weight)
     ids = pipe.tokenizer(["dance monkey"], return_tensors="pt").input_ids
     with torch.no_grad():
         want = plain(ids, output_hidden_states=True).hidden_states
@@ -197,6 +201,17 @@ def test_recorded_hidden_states_come_back_from_the_nodes_as_a_whole_run_records_
             assert torch.equal(pipe.text_encoder(ids).last_hidden_state, plain(ids).last_hidden_state)
     finally:
         old.stop()
+
+
+def _mapped_file(address: int) -> str:
+    """The file whose mapping holds ``address`` in this process ("" for memory of no file)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5].strip() if len(fields) > 5 else ""
+    return ""
 
 
 def test_a_node_serving_the_pipeline_without_its_encoders_is_refused_saying_so(models, diffuse_home):
