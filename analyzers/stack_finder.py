@@ -50,7 +50,7 @@ class StackFinder(Analyzer):
     def analyze(self, subject, draft):
         model = denoiser_on_meta(subject)
         if not subject.autoregressive:
-            stacks, others = find_stacks(model, getattr(subject, "encoders", ()))
+            stacks, others = find_stacks(model, getattr(subject, "encoders", ()), getattr(subject, "decoders", ()))
         else:
             stacks, others = find_decoder_stacks(model)
         return {"stacks": stacks, "other_lists": others}
@@ -99,15 +99,21 @@ def find_decoder_stacks(model) -> tuple[list[StackPlan], dict[str, str]]:
     return stacks, others
 
 
-def find_stacks(model, encoders=()) -> tuple[list[StackPlan], dict[str, str]]:
+def find_stacks(model, encoders=(), decoders=()) -> tuple[list[StackPlan], dict[str, str]]:
     """(stacks in registration order, which is the order a DiT calls them (FACTS, Table 3); {path: why not a stack}).
     Several denoiser components (``diffuse.plan.analysis.Denoisers``): each one's, its name before their paths;
-    of those named in ``encoders`` (a pipeline's text encoders, ``diffuse.plan.encoders``), ``encoder_lists``."""
+    of those named in ``encoders`` (a pipeline's text encoders, ``diffuse.plan.encoders``), ``encoder_lists``; a
+    decoder (a VAE, ``diffuse.plan.decoders``) is the stack of one block it is held as, its component's name."""
     from diffuse.plan.analysis import denoisers_class
 
     if isinstance(model, denoisers_class()):
         stacks, others = [], {}
         for name, component in model.named_children():
+            if name in decoders:
+                vae = model.part(name)
+                stacks.append(StackPlan(path=name, length=1, block_class=class_path(type(vae)),
+                                        params_per_block=block_params(component[0])))
+                continue
             found, other = encoder_lists(component) if name in encoders else find_stacks(component)
             stacks += [dataclasses.replace(st, path=f"{name}.{st.path}") for st in found]
             others.update({f"{name}.{p}": why for p, why in other.items()})

@@ -152,6 +152,24 @@ def encoders_flag(ap: argparse.ArgumentParser) -> None:
                     "token embedding and final norm stay on the client). Client and nodes must agree")
 
 
+def decoder_flag(ap: argparse.ArgumentParser, node: bool = False) -> None:
+    """``--decoder`` (and a client's ``--decoder-tiling``, ``diffuse.plan.decoders``): where a pipeline's VAE runs."""
+    if node:
+        ap.add_argument("--decoder", default=None, choices=("client", "ring"),
+                        help="ring: this node serves the pipeline's VAE too (its decode, and its encode), when a "
+                        "client names it to (--decoder there); that node sees the result. Client and nodes must "
+                        "agree (default client: the client decodes)")
+        return
+    ap.add_argument("--decoder", default=None, metavar="client|ring|NODE",
+                    help="where the pipeline's VAE decodes (and encodes): client (default, as plain diffusers), ring "
+                    "(the ring's last node), or NODE (a node of --nodes by its address, or by its place: 1, 2, ...). "
+                    "That node holds the VAE's weights (the client never loads them) and sees the result; nodes "
+                    "need --decoder ring")
+    ap.add_argument("--decoder-tiling", default="auto", choices=("auto", "on", "off"),
+                    help="with --decoder on a node: on decodes in tiles (as vae.enable_tiling() whole), off never, "
+                    "auto (default) as the pipeline's VAE is set, and in tiles where the node's memory asks for it")
+
+
 def client_memory_flag(ap: argparse.ArgumentParser) -> None:
     """``--client-memory`` (``diffuse.plan.budget``): the client's budget for the model's weights."""
     ap.add_argument("--client-memory", default=None, metavar="SIZE",

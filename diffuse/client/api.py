@@ -15,56 +15,15 @@ CLI, ``diffuse verify``, the benchmarks and the tests all go through here.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, replace
 
 from diffuse.errors import DiffuseError
+from diffuse.client.modelinfo import MODEL_DEFAULTS_FILE, ModelInfo, model_info  # noqa: F401  (found here too)
 from diffuse.client.readout import SplitReadout
 from diffuse.client.request import check_options  # the split's rules, shared with the command line's flags
 
-MODEL_DEFAULTS_FILE = "diffuse_defaults.json"  # call defaults a model folder may declare for its size
-
-
-@dataclass
-class ModelInfo:
-    """What the config-phase analysis found about a pipeline folder (kept on pipelines loaded here)."""
-
-    path: str
-    subject: object  # diffuse.plan.analysis.ModelSubject
-    draft: dict
-    encoders: bool = False  # the pipeline's encoders hold stacks too (--encoders ring, diffuse.plan.encoders)
-
-    @classmethod
-    def of(cls, model: str | None, role: str = "client", encoders: bool = False) -> "ModelInfo":
-        """``model`` found (``resolve_model``; a Hub id fetched as far as ``role`` needs) and analysed
-        (``encoders``: with its encoders' stacks, to be held by nodes)."""
-        from diffuse.plan.resolve import resolve_model
-        from diffuse.plan.planner import analyze
-
-        if model is None:
-            from diffuse.plan.shipped import default_model_dir
-
-            path = default_model_dir()
-        else:
-            path = resolve_model(model, role)
-        return cls(path, *analyze(path, encoders), encoders)  # refusals happen here, before anything is loaded
-
-    @property
-    def output_kind(self) -> str:
-        return self.draft.get("output_kind", "image")
-
-    def call_defaults(self) -> dict:
-        """Call arguments the folder declares for the size it is made for (the embedded model does)."""
-        f = os.path.join(self.path, MODEL_DEFAULTS_FILE)
-        if not os.path.isfile(f):
-            return {}
-        with open(f) as fh:
-            return json.load(fh)
-
-
 def from_pretrained(model: str | None = None, device: str | None = None, dtype: str | None = None,
-                    quantize_client: str | None = None, encoders: str | None = None):
+                    quantize_client: str | None = None, encoders: str | None = None, decoder: str | None = None):
     """The pipeline at ``model`` (a folder, a shipped model's name, a Hub id ``ORG/NAME[@REVISION]``, fetched as
     far as the client needs; None: the embedded model), loaded by diffusers from safetensors without the blocks the nodes will hold;
     or a transformers model (a folder whose config.json names its architectures), loaded by
@@ -73,11 +32,13 @@ def from_pretrained(model: str | None = None, device: str | None = None, dtype: 
     first accelerator torch sees, in what the folder declares there): where the client's ends compute.
     ``quantize_client``: its own linear layers held quantized, as ``--quantize-client`` holds them.
     ``encoders``: "ring" leaves the blocks of the pipeline's text encoders to nodes too (``diffuse.plan.encoders``;
-    default "client": loaded whole here)."""
+    default "client": loaded whole here). ``decoder``: anything but "client" leaves the VAE's weights to the node
+    ``diffuse.split`` names (``diffuse.plan.decoders``), never loaded here."""
+    from diffuse.plan.decoders import check_decoder
     from diffuse.plan.encoders import check_encoders
     from diffuse.plan.quantize import check_mode, quantize_ends
 
-    info = ModelInfo.of(model, encoders=check_encoders(encoders))
+    info = ModelInfo.of(model, encoders=check_encoders(encoders), decoders=check_decoder(decoder) is not None)
     pipe = load_whole_or_shell(info, client_compute(info, device, dtype), shell=True)
     quantize_ends(pipe, info.draft["stacks"], check_mode(quantize_client), info.subject.denoisers, info.subject.several)
     return pipe
@@ -125,34 +86,6 @@ def load_whole_or_shell(info: "ModelInfo", compute, shell: bool, quantize: str =
     return pipe
 
 
-def model_info(pipe_or_model, model: str | None = None, encoders: bool | None = None) -> ModelInfo:
-    """The analysis of the folder a pipeline (or a denoiser) came from (``encoders``: with its encoders' stacks
-    or without; None: as it was loaded)."""
-    info = getattr(pipe_or_model, "_diffuse", None)
-    if info is not None and (model is None or info.path == model):
-        if encoders is None or encoders == info.encoders:
-            return info
-        return ModelInfo.of(info.path, encoders=encoders)
-    if model is None:
-        model = getattr(pipe_or_model, "name_or_path", None) or getattr(
-            getattr(pipe_or_model, "config", None), "_name_or_path", None)
-        if model and not os.path.isfile(os.path.join(model, "model_index.json")) and not _names_architectures(model):
-            parent = os.path.dirname(os.path.normpath(model))  # a denoiser saved inside its pipeline folder
-            model = parent if os.path.isfile(os.path.join(parent, "model_index.json")) else None
-    if not model:
-        raise DiffuseError("cannot tell which pipeline folder this came from: pass model=PATH")
-    return ModelInfo.of(model, encoders=bool(encoders))
-
-
-def _names_architectures(folder: str) -> bool:
-    """A transformers model folder: a config.json naming its architectures."""
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            return bool(json.load(f).get("architectures"))
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 @dataclass
 class SplitOptions:
     """How a ``Split`` runs: every option of ``diffuse.split`` but the model and its nodes (described there)."""
@@ -180,6 +113,8 @@ class SplitOptions:
     speculate: object = "auto"  # a language model's drafter: "lookup", an assistant (diffuse.lm.client_drafts)
     draft_tokens: int | None = None  # the most tokens one pass verifies (default 8)
     encoders: str | None = None  # "ring": the pipeline's encoders' stacks on the nodes too; None: as it was loaded
+    decoder: str | None = None  # the VAE on a node: "ring" (the last) or one named; "client"; None: as it was loaded
+    decoder_tiling: str | None = None  # "on", "off" or "auto" (None): the VAE's node decodes in tiles
 
 
 class Split(SplitReadout):
@@ -200,9 +135,11 @@ class Split(SplitReadout):
             raise DiffuseError(f"--placement {o.placement}: choose {' or '.join(PLACEMENTS)}")
         self.placement = o.placement
         self.target = pipe_or_model
+        from diffuse.plan.decoders import check_decoder
         from diffuse.plan.encoders import check_encoders
 
-        self.info = model_info(pipe_or_model, o.model, None if o.encoders is None else check_encoders(o.encoders))
+        self.info = model_info(pipe_or_model, o.model, None if o.encoders is None else check_encoders(o.encoders),
+                               None if o.decoder is None else check_decoder(o.decoder) is not None)
         listed = None if nodes in (None, "auto") else parse_groups(nodes) if isinstance(nodes, str) and ";" in nodes \
             else nodes if nodes and all(isinstance(g, list) for g in nodes) else [nodes]
         self.branch_groups = len(listed) if listed and len(listed) > 1 else o.branch_groups
@@ -224,6 +161,11 @@ class Split(SplitReadout):
         asked = o.local_nodes if o.local_nodes is not None else 2 * o.branch_groups
         self.local = None if nodes is not None else local_nodes_plan(
             asked // o.branch_groups, self.info.draft["stacks"], o.patches, o.threads, o.branch_groups)
+        from diffuse.client.decoders import DecoderPlace
+
+        self.decoder = DecoderPlace.of(o.decoder, o.decoder_tiling, self.info, self.nodes,  # before any node starts
+                                       self.local.count if self.local is not None else 0, self.branch_groups)
+        self.decoder_calls = None  # the VAE's stand-ins, while split (diffuse.client.decoders)
         self.patches, self.timeout, self.client_key = o.patches, o.timeout, o.client_key
         self.ahead = o.ahead  # with patches, the next guidance branch's call sent while this one finishes
         self.repair = o.repair if o.repair is not None else RepairPolicy()  # one for all of this split's rings
@@ -267,10 +209,11 @@ class Split(SplitReadout):
         if not subject.several:
             return getattr(self.target, subject.denoiser)
         held = self.target.__dict__.get("_diffuse_denoisers")
-        if held is None or any(getattr(held, n) is not getattr(self.target, n) for n in subject.denoisers):
+        if held is None or list(held.parts) != list(subject.denoisers) or any(
+                held.part(n) is not getattr(self.target, n) for n in subject.denoisers):
             from diffuse.plan.analysis import denoisers_class
 
-            held = denoisers_class()({n: getattr(self.target, n) for n in subject.denoisers})
+            held = denoisers_class()({n: getattr(self.target, n) for n in subject.denoisers}, subject.decoders)
             self.target.__dict__["_diffuse_denoisers"] = held
         return held
 
@@ -301,6 +244,7 @@ class Split(SplitReadout):
         dtype = self.node_dtype if self.node_dtype not in (None, "auto") else denoiser_dtype(self.denoiser)
         held = ["--quantize", self.quantize] if self.quantize else []
         held += ["--encoders", "ring"] if self.info.encoders else []
+        held += ["--decoder", "ring"] if self.info.decoders else []
         if device == "cpu" and dtype == "float32" and self.node_dtype in (None, "auto"):
             return ["--device", "cpu", *held]  # in the dtype each session asks, as before devices were named
         return ["--device", device, "--dtype", dtype, *held]
@@ -309,6 +253,8 @@ class Split(SplitReadout):
         from diffuse.plan.planner import denoiser_dtype, make_plan
         from diffuse.client.ring import Ring
         from diffuse.client.standin import Splitter
+        from diffuse.client.decoders import DecoderCalls, decoders_of
+        from diffuse.plan.decoders import decoder_stacks
         from diffuse.plan.encoders import encoder_stacks
 
         try:
@@ -319,6 +265,9 @@ class Split(SplitReadout):
                     per = len(self.nodes) // self.branch_groups
                     self.groups = [self.nodes[k * per:(k + 1) * per] for k in range(self.branch_groups)]
             denoiser = self.denoiser
+            if self.decoder is not None:  # the VAE's block goes to the node named
+                self.repair.decoder = self.decoder.pin(self.nodes, decoder_stacks(self.info.draft["stacks"],
+                                                                                  self.info.subject))
             rings = self._rings = []  # closed on the way out, however far this gets
             for group in self.groups or [self.nodes]:
                 plan = make_plan(self.info.subject, self.info.draft, [a for a, _ in group], [k for _, k in group],
@@ -336,6 +285,10 @@ class Split(SplitReadout):
             self.splitter.encoders.paths = frozenset(encoder_stacks(self.ring.plan.stacks, self.info.subject))
             self.splitter.drafting = self.drafting
             self.splitter.attach(self.ring, self.patches, self.cache_threshold, self.ahead)
+            if self.decoder is not None:  # the VAE's decode and encode answered by its node
+                self.decoder_calls = DecoderCalls(self.splitter, decoders_of(self.target, self.info),
+                                                  self.decoder.tiling, self.repair.decoder, self.ring.say)
+                self.decoder_calls.install(self.splitter.changes)
         except BaseException:
             self._close(hurry=True)
             raise

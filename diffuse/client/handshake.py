@@ -48,12 +48,15 @@ PROBE_TIMEOUT_S = 2.5  # a node that does not answer a ping this fast, twice in 
 CHALLENGE_FRESH_S = 60.0  # older than this, a hello's challenge is fetched again right before the open
 
 
-def route_from_slices(plan: SlicingPlan, held: list[list[Slice] | None]) -> SlicingPlan:
+def route_from_slices(plan: SlicingPlan, held: list[list[Slice] | None], as_routed=frozenset()) -> SlicingPlan:
     """The plan with each stage's slices set to what its node holds, checking that in route order they
-    chain into every stack exactly; the plan unchanged unless every node says what it holds."""
+    chain into every stack exactly; the plan unchanged unless every node says what it holds. Stacks in
+    ``as_routed`` (a VAE, ``diffuse.plan.decoders``: no part of any node's --blocks) go where the route puts them."""
     if not held or any(h is None for h in held):
         return plan
     mine = [{s.stack: s for s in h if not s.empty} for h in held]
+    for m, stage in zip(mine, plan.route):
+        m.update({s.stack: s for s in stage.slices if s.stack in as_routed and not s.empty})
 
     def refuse(why: str):
         order = "; ".join(f"{st.address}: {', '.join(map(str, m.values())) or 'nothing'}"
@@ -110,6 +113,8 @@ def hop_versions(addresses: list[str], speaks: list[list[int]], chosen: list[int
 
 class Handshake:
     """Control requests to the nodes of one session's route."""
+
+    as_routed: frozenset = frozenset()  # stacks the nodes load where the route puts them, whatever their --blocks
 
     def __init__(self, plan: SlicingPlan, client_key: str | None = None, attention: str = "auto",
                  heard: Heard | None = None, request_id: str | None = None):
@@ -207,7 +212,7 @@ class Handshake:
             if "://0.0.0.0:" in d or "://*:" in d:  # bound on all interfaces: dial the host we reached
                 d = stage.address.rsplit(":", 1)[0] + ":" + d.rsplit(":", 1)[1]
             data.append(d)
-        plan = route_from_slices(self.plan, [h.get("slices") for h in hellos])
+        plan = route_from_slices(self.plan, [h.get("slices") for h in hellos], self.as_routed)
         self.plan = plan
         hops = hop_versions([s.address for s in plan.route], [h["speaks"] for h in hellos],
                             [h["wire"] for h in hellos])

@@ -83,6 +83,7 @@ class RepairPolicy:
     placement: str = "planned"
     depth: int = 1  # passes in flight at once (patches), which the planned placement is made for
     heard: Heard = field(default_factory=Heard)  # what this policy's rings heard of their nodes, planned from
+    decoder: object = None  # the VAE's stack on one node (a diffuse.client.decoders.DecoderPin), when asked
 
     def avoid_s(self, failures_before: int) -> float:
         """How long a node is avoided after a failure, given its failures in a row before this one."""
@@ -100,7 +101,12 @@ class RepairPolicy:
         return self.avoidance.avoided(address, now)
 
     def choose(self, plan: SlicingPlan, candidates: tuple[Stage, ...], held: list, usable: list[bool]) -> SlicingPlan:
-        """The route to use (``choose_route``); a policy that prefers other holders overrides this."""
+        """The route to use (``choose_route``; the VAE's block where ``decoder`` pins it); a policy that prefers other
+        holders overrides this."""
+        if self.decoder is not None:
+            return self.decoder.routed(plan, lambda rest: choose_route(rest, candidates, held, usable, self.placement,
+                                                                        self.depth, self.heard),
+                                       candidates, usable, self.heard)
         return choose_route(plan, candidates, held, usable, self.placement, self.depth, self.heard)
 
     def listen(self, hook) -> None:

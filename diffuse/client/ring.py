@@ -154,6 +154,8 @@ class Ring:
         self.handshake = Handshake(plan, self.client_key, self.attention, self.repair.heard, self.request_id)
         self.handshake.identity = self.identity
         self.handshake.fetch_wait_s, self.handshake.say = self.timeout_s, self.say  # a node still fetching: waited for
+        if self.repair.decoder is not None:  # the VAE, loaded by the node named, whatever its --blocks
+            self.handshake.as_routed = frozenset(self.repair.decoder.stacks)
         t = self.handshake.transports[0]
         hs, home = self.handshake, load_identity(None)  # home: the inbox's CURVE server key, this session's own
         # the inbox admits the ring's last node only, by the key of the hop home (made when the session opens)

@@ -136,6 +136,7 @@ def _parser():
     flags.device_flags(ap, "this node's blocks")
     flags.quantize_flag(ap, "this node's blocks")
     flags.encoders_flag(ap)
+    flags.decoder_flag(ap, node=True)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (match the client for exact results)")
     ap.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID is gone (local nodes)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         node = Node(path, a.listen, a.blocks, key_file, NodeOptions(
             set(a.allow_client) if a.allow_client else None, a.advertise_data,
             a.max_message_mb << 20 if a.max_message_mb else None, a.max_sessions, a.max_sessions_per_client,
-            batch=not a.no_batch, compute=compute, compiled=a.compile, encoders=a.encoders == "ring"))
+            batch=not a.no_batch, compute=compute, compiled=a.compile, encoders=a.encoders == "ring",
+            decoders=a.decoder == "ring"))
     except (DiffuseError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -308,12 +308,13 @@ class NodeControl:
                            f"{held or 'none'}")
         if stage.model_hash != node.store.model_hash:
             return self.no("model", "this node serves a different model (content hash differs): "
-                           "start it with the same model folder as the client, and the same --encoders")
+                           "start it with the same model folder as the client, and the same --encoders and --decoder")
         dtype = getattr(torch, stage.dtype, None) if stage.dtype else None
         if stage.dtype and not isinstance(dtype, torch.dtype):
             return self.no("request", f"unknown compute dtype {stage.dtype[:32]!r}")
         if node.store.fixed is not None:
-            missing = [str(s) for s in stage.slices if not s.empty and not node.store.covers(s)]
+            missing = [str(s) for s in stage.slices if not s.empty and not node.store.covers(s)
+                       and s.stack not in node.store.subject.decoders]  # a VAE: loaded when a client names it
             if missing:
                 held = ", ".join(str(s) for s in node.store.fixed)
                 return self.no("model", f"asked for blocks {', '.join(missing)}, but this node holds only {held}")

@@ -86,6 +86,7 @@ class NodeOptions:
     compute: object = None  # a diffuse.plan.devices.Compute: --device and --dtype (None: the CPU, as each session asks)
     compiled: bool = False  # --compile
     encoders: bool = False  # --encoders ring: the pipeline's encoders' stacks are served too (diffuse.plan.encoders)
+    decoders: bool = False  # --decoder ring: its VAE's stack of one block too, held when a client names this node
 
 
 class Node:
@@ -96,13 +97,14 @@ class Node:
         max_sessions, max_sessions_per_client, batch = o.max_sessions, o.max_sessions_per_client, o.batch
         compute, compiled = o.compute, o.compiled
         from diffuse.plan.analysis import ModelSubject
+        from diffuse.plan.decoders import without_decoders
         from diffuse.plan.planner import config_draft
         from diffuse.wire.transport import transport_for
         from diffuse.wire.sealing import load_identity
         from diffuse.node.stage import BlockStore
 
         self.transport = transport_for(listen)
-        subject = ModelSubject.from_path(model_path, o.encoders)
+        subject = ModelSubject.from_path(model_path, o.encoders, o.decoders)
         draft = config_draft(subject, wanted={"stacks", "two_stream"})  # not the pipeline's output: it loads far more
         self.stacks: list[StackPlan] = draft["stacks"]
         self.two_stream: dict[str, bool] = dict(draft.get("two_stream", {}))  # such stacks run uncut steps
@@ -110,7 +112,8 @@ class Node:
         self.store.compiled = compiled  # --compile: each block through torch.compile as it loads (not exact)
         self.runs_on = self.store.compute  # where its blocks compute and in what (--device, --dtype)
         self.device = self.runs_on.device
-        self.store.fixed = parse_slices(blocks, self.stacks)
+        # a VAE (--decoder ring) is no part of --blocks: it is loaded when a client names this node to hold it
+        self.store.fixed = parse_slices(blocks, without_decoders(self.stacks, subject))
         self.speeds = SpeedBook(self.store.model_hash)  # its own measured speed, said at hello (diffuse.plan.placement)
         self.next_hops = NextHop()  # its links to the next hops it was given (diffuse.wire.links)
         self.max_memory: int | None = None  # --max-memory, in bytes

@@ -7,14 +7,14 @@ each may add only the fields it declared.
 
 from __future__ import annotations
 
-import functools
-
 import json
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from diffuse.errors import DiffuseError, PluginError
+from diffuse.plan.components import (  # noqa: F401  (where they were first defined: found here too)
+    DECODER_ENTRY, DENOISER_ENTRY, build_meta, build_model, coders, component_class as _component_class, denoisers_class)
 from diffuse.plan.plugins import call_hook
 
 PHASES = ("config", "call")
@@ -52,14 +52,18 @@ class ModelSubject:
     # the text (and image) encoders among ``denoisers``, last: components put on the ring too (--encoders ring,
     # ``diffuse.plan.encoders``), whose stacks run once per request
     encoders: tuple = ()
+    # the VAEs among ``denoisers``, last: each held as a stack of one block (--decoder, ``diffuse.plan.decoders``)
+    decoders: tuple = ()
 
     @classmethod
-    def from_path(cls, path: str, encoders: bool = False) -> "ModelSubject":
+    def from_path(cls, path: str, encoders: bool = False, decoders: bool = False) -> "ModelSubject":
         """The subject of the folder at ``path``; ``encoders``: a pipeline's encoder components (``diffuse.plan.
-        encoders``) hold stacks too, beside its denoiser's."""
+        encoders``) hold stacks too, beside its denoiser's; ``decoders``: its VAEs too (``diffuse.plan.decoders``)."""
         subject = cls._from_path(path)
         if encoders and not subject.autoregressive and subject.denoiser:
             subject = with_encoders(subject)
+        if decoders and not subject.autoregressive and subject.denoiser:
+            subject = with_decoders(subject)
         return subject
 
     @classmethod
@@ -110,8 +114,8 @@ class ModelSubject:
 
     def component_dirs(self) -> dict[str, str]:
         """{name prefix of the stacks' paths ("" for one denoiser): the folder of its config.json and weights}."""
-        if self.several:
-            return {f"{n}.": os.path.join(self.path, n) for n in self.denoisers}
+        if self.several:  # a decoder's weights sit in the one block it is held as (``Coder``)
+            return {f"{n}.0." if n in self.decoders else f"{n}.": os.path.join(self.path, n) for n in self.denoisers}
         return {"": self.component_dir}
 
     def weight_map(self):
@@ -187,16 +191,41 @@ class ModelSubject:
         return self._meta
 
 
-DENOISER_ENTRY = "_diffuse_component"  # in each config of several denoisers: its model_index.json entry
-
-
-def component_configs(path: str, model_index: dict, names) -> dict:
-    """{component: its config.json, with its model_index.json entry under ``DENOISER_ENTRY``}."""
+def component_configs(path: str, model_index: dict, names, decoders=()) -> dict:
+    """{component: its config.json, with its model_index.json entry under ``DENOISER_ENTRY``} (and, for those
+    in ``decoders``, ``DECODER_ENTRY``)."""
     configs = {}
     for name in names:
         with open(os.path.join(path, name, "config.json")) as f:
             configs[name] = {**json.load(f), DENOISER_ENTRY: list(model_index[name])}
+        if name in decoders:
+            configs[name][DECODER_ENTRY] = True
     return configs
+
+
+def decoder_components(path: str, model_index: dict, taken) -> list[str]:
+    """The VAEs of the pipeline at ``path``: its models (a config.json in their folder) that diffusers loads and
+    whose class decodes (a ``decode`` method), in model_index.json's order, leaving out ``taken``."""
+    found = []
+    for name, entry in model_index.items():
+        if name in taken or name.startswith("_") or not isinstance(entry, list) or len(entry) != 2 or not entry[1]:
+            continue
+        if entry[0] != "diffusers" or not os.path.isfile(os.path.join(path, name, "config.json")):
+            continue
+        if callable(getattr(_component_class(entry[0], entry[1]), "decode", None)):
+            found.append(name)
+    return found
+
+
+def with_decoders(subject):
+    """``subject`` with its VAEs among the components holding stacks (each a stack of one block), after the
+    others; the same subject where the pipeline has none."""
+    names = decoder_components(subject.path, subject.model_index, subject.denoisers)
+    if not names:
+        return subject
+    every = (*subject.denoisers, *names)
+    configs = component_configs(subject.path, subject.model_index, every, names)
+    return replace(subject, denoiser_config=configs, denoisers=every, decoders=tuple(names), _meta=None)
 
 
 def encoder_components(path: str, model_index: dict, taken) -> list[str]:
@@ -222,16 +251,6 @@ def with_encoders(subject):
     return replace(subject, denoiser_config=configs, denoisers=every, encoders=tuple(names), _meta=None)
 
 
-def _component_class(lib: str | None, name: str):
-    import importlib
-
-    import diffusers
-
-    if lib == "diffusers" or lib is None:
-        return getattr(diffusers, name)
-    return getattr(importlib.import_module(lib), name)
-
-
 def _fellow_denoisers(path: str, model_index: dict, denoiser: str) -> list[str]:
     """The pipeline's other components that hold block stacks as ``denoiser`` does: those of its very class, or
     named after it with a number (``transformer_2``), each with a config.json (Wan 2.2's low-noise expert)."""
@@ -246,59 +265,6 @@ def _fellow_denoisers(path: str, model_index: dict, denoiser: str) -> list[str]:
         if numbered or (isinstance(mine, list) and list(entry) == list(mine)):
             found.append(name)
     return found
-
-
-@functools.cache
-def denoisers_class():
-    """``Denoisers``, defined on first use (importing torch only then: ``diffuse check`` answers from its cache
-    without it); one class for the process, so instances of it compare as one type."""
-    import torch.nn
-
-    class Denoisers(torch.nn.Module):
-        """Several denoiser components of one pipeline as one module, each a child under its component name,
-        so that their stacks are addressed, split and served as one model's: ``transformer.blocks`` and
-        ``transformer_2.blocks``. It only holds them; the pipeline calls each component itself."""
-
-        def __init__(self, parts: dict):
-            super().__init__()
-            for name, module in parts.items():
-                self.add_module(name, module)
-
-        @classmethod
-        def from_config(cls, config: dict):
-            """Each component built from its own config by its own class (``build_model``)."""
-            parts = {}
-            for name, cfg in config.items():
-                lib, class_name = cfg[DENOISER_ENTRY]
-                own = {k: v for k, v in cfg.items() if k != DENOISER_ENTRY}
-                parts[name] = build_model(_component_class(lib, class_name), own)
-            return cls(parts)
-
-        def forward(self, *args, **kwargs):
-            raise TypeError("Denoisers holds several denoiser components; the pipeline calls each of them")
-
-    return Denoisers
-
-
-def build_model(cls, config: dict):
-    """``cls`` built from a config dict, by its library's own constructor (weights as the caller's context
-    makes them: on meta, empty, or real)."""
-    init_cfg = {k: v for k, v in config.items() if not k.startswith("_")}
-    if hasattr(cls, "_from_config") and hasattr(cls, "config_class"):  # a transformers model
-        return cls._from_config(cls.config_class.from_dict(dict(config)))
-    return cls.from_config(init_cfg)
-
-
-def build_meta(cls, config: dict):
-    """Build ``cls`` from ``config`` with no weights; non-persistent buffers stay real (see FACTS)."""
-    import warnings
-
-    from accelerate import init_empty_weights
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with init_empty_weights():
-            return build_model(cls, config)
 
 
 def installed_analyzers(phase: str | None = None) -> list[Analyzer]:
@@ -385,8 +351,9 @@ def run_analyzers(phase: str, subject: Any, draft: dict | None = None, required:
 class StackCall:
     """What the call-phase analyzers look at: the first call into one stack.
 
-    ``block`` is the stack's real first block, which the client keeps just
-    long enough to run once; it is freed afterwards.
+    ``block`` is the stack's first block, which the client keeps just long
+    enough to call once (weightless or with zero weights, ``analyzers/calls.py``:
+    its weights are never read); it is freed afterwards.
     """
 
     stack: Any  # StackPlan

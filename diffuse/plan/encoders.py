@@ -44,13 +44,15 @@ def encoder_stacks(stacks, subject) -> list[str]:
 
 
 def plan_subject(plan):
-    """The subject a plan was made from: its folder's, with the encoders' stacks where the plan's model is the
-    pipeline with them (its content hash, which covers every component holding stacks, tells)."""
-    from diffuse.plan.analysis import ModelSubject, with_encoders
+    """The subject a plan was made from: its folder's, with the encoders' stacks, or the VAE's (``diffuse.plan.
+    decoders``), or both, where the plan's model is the pipeline with them (its content hash, which covers every
+    component holding stacks, tells)."""
+    from diffuse.plan.analysis import ModelSubject
 
     subject = ModelSubject.from_path(plan.model.path)
-    if subject.content_hash() != plan.model.content_hash:
-        with_them = with_encoders(subject)
-        if with_them is not subject and with_them.content_hash() == plan.model.content_hash:
-            return with_them
+    if subject.content_hash() != plan.model.content_hash and not subject.autoregressive and subject.denoiser:
+        for encoders, decoders in ((True, False), (False, True), (True, True)):
+            other = ModelSubject.from_path(plan.model.path, encoders, decoders)
+            if other.denoisers != subject.denoisers and other.content_hash() == plan.model.content_hash:
+                return other
     return subject

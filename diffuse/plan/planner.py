@@ -28,10 +28,10 @@ def config_draft(subject: ModelSubject, wanted: set | None = None) -> dict:
     return draft
 
 
-def analyze(path: str, encoders: bool = False) -> tuple[ModelSubject, dict]:
+def analyze(path: str, encoders: bool = False, decoders: bool = False) -> tuple[ModelSubject, dict]:
     """Config-phase analysis: refuses unsplittable models before anything is loaded (``encoders``: a pipeline's
-    encoders hold stacks too, ``diffuse.plan.encoders``)."""
-    subject = ModelSubject.from_path(path, encoders)
+    encoders hold stacks too, ``diffuse.plan.encoders``; ``decoders``: its VAE, ``diffuse.plan.decoders``)."""
+    subject = ModelSubject.from_path(path, encoders, decoders)
     if not subject.denoiser and not subject.autoregressive:
         raise RefusedModel(path, "no denoiser component (transformer/unet) in model_index.json")
     return subject, config_draft(subject)
@@ -84,7 +84,7 @@ def load_pipeline(path: str, subject: ModelSubject | None = None, stacks: list |
         pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True, **typed)
     else:
         shell = load_denoiser_shell(path, subject, stacks, dtype)
-        shells = {n: getattr(shell, n) for n in subject.denoisers} if subject.several else {subject.denoiser: shell}
+        shells = {n: shell.part(n) for n in subject.denoisers} if subject.several else {subject.denoiser: shell}
         with _denoiser_taken_as(shells):
             pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True, **shells, **typed)
         for name, part in shells.items():
@@ -140,10 +140,12 @@ def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list, dtype=No
 
     model = build_meta(subject.denoiser_class(), subject.denoiser_config)
 
+    decoders = set(subject.decoders)  # a VAE a node holds (diffuse.plan.decoders): none of it is read here
+
     def remote(name: str) -> bool:
         for st in stacks:
             head = st.path + "."
-            if name.startswith(head) and int(name[len(head):].split(".", 1)[0]) >= 1:
+            if name.startswith(head) and (st.path in decoders or int(name[len(head):].split(".", 1)[0]) >= 1):
                 return True
         return False
 
