@@ -34,6 +34,9 @@ import subprocess
 import sys
 import tempfile
 
+from diffuse.bench import pipememory
+from diffuse.bench.pipememory import PIPELINES
+
 GIB = 1 << 30
 QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
@@ -255,10 +258,14 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = Parser(prog="diffuse bench memory", description=plain(__doc__.split("\n")[0]))
     ap.add_argument("--quick", action="store_true", help="tiny geometries, for a smoke test")
-    ap.add_argument("--model", choices=MODELS, help="only this one of the two (default: both)")
+    ap.add_argument("--model", choices=MODELS + PIPELINES,
+                    help="only this one of the two (default: both); or a pipeline's client with its text encoders "
+                         "on the client and on the ring (diffuse.bench.pipememory)")
     a = ap.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="diffuse-bench-memory-")
     try:
+        if a.model in PIPELINES:
+            pipememory.run(a.model, a.quick, tmp)
         if a.model in (None, MODELS[0]):
             g = QUICK if a.quick else QWEN25_15B
             print(f"model: Qwen2ForCausalLM at {'a tiny' if a.quick else 'Qwen2.5-1.5B'}'s geometry "
