@@ -4,8 +4,17 @@ Both look at the first call the denoiser makes into a stack. The recorder takes
 the call apart into a call plan; the learner finds, for each tensor the stack's first block
 returns, the input it replaces, which tells a node how to thread its loop of
 blocks: from shapes alone where they decide it (the block run on the meta
-device, its weights never read), else by running the block once on the call's
-values and choosing by nearness.
+device), else by running the block once on the call's values with every
+weight zero and choosing by nearness.
+
+The block's weights are never read, so the client need not hold them (nor fetch
+them from the Hub): with its weights and biases zero, each learned transform of
+a block gives zero, and what is left of the block is its skip connections, which
+hand each stream on exactly (a residual block returns ``x + f(x)``; AdaLN-Zero
+gates are zero too). Each returned tensor is then equal to the input it
+replaces, where real weights would only make it near it. What a block returns
+(how many tensors, their shapes and dtypes) does not depend on its weights'
+values; the block is called as the model calls it (its hooks, its buffers).
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ class ReturnMapper(Analyzer):
     phase = "call"
     needs = ("call_plan",)
     provides = ("return_map",)
-    description = "which input each returned tensor replaces (shape first, then nearness)"
+    description = "which input each returned tensor replaces (shape first, then nearness with zero weights)"
 
     def analyze(self, call, draft):
         _, inputs = flatten(call.args, call.kwargs)
@@ -50,8 +59,7 @@ class ReturnMapper(Analyzer):
         decided = None if layered else _decided_by_shapes(call, inputs, names)
         if decided is not None:  # the block's weights were never read
             return {"return_map": decided}
-        with torch.no_grad():
-            out = call.block(*call.args, **call.kwargs)
+        out = _zero_weight_outputs(call, inputs)
         single = isinstance(out, torch.Tensor)
         outs = [out] if single else list(out)
         mapping, taken = [None] * len(outs), set()
@@ -89,6 +97,24 @@ def _alike(o: torch.Tensor, inputs: list) -> list[int]:
     return [i for i, t in enumerate(inputs) if t.shape == o.shape and t.dtype == o.dtype]
 
 
+def _zero_weight_outputs(call, inputs: list):
+    """What the block returns on the call's values with every parameter zero (plain tensors of its parameters'
+    shapes and dtypes; a buffer held only weightless too), its own weights never read: see the module's
+    docstring. On the device of the block's weights where they are held, else of the call's first tensor."""
+    from torch.func import functional_call
+
+    block = call.block
+    fallback = next((t.device for t in inputs), torch.device("cpu"))
+
+    def zeros(t):
+        return torch.zeros(t.shape, dtype=t.dtype, device=fallback if t.is_meta else t.device)
+
+    state = {n: zeros(p) for n, p in block.named_parameters(remove_duplicate=False)}
+    state.update({n: zeros(b) for n, b in block.named_buffers(remove_duplicate=False) if b.is_meta})
+    with torch.no_grad():
+        return functional_call(block, state, tuple(call.args), dict(call.kwargs), tie_weights=False)
+
+
 def _weightless_outputs(call):
     """What the block returns, run on the meta device (shapes and dtypes, no values; its weights and the inputs'
     values never read), or None where it cannot run so (an operation that needs values)."""
@@ -109,7 +135,7 @@ def _weightless_outputs(call):
 def _decided_by_shapes(call, inputs: list, names: list) -> ReturnMap | None:
     """The return map where shapes alone decide it: each returned tensor (run weightless) has exactly one input
     of its shape and dtype, and no two share one. Else None, and the learner runs the block on the call's values
-    to choose by nearness."""
+    (its weights zero) to choose by nearness."""
     out = _weightless_outputs(call)
     if out is None:
         return None

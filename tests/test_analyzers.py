@@ -21,7 +21,7 @@ import diffusers  # noqa: E402
 
 from diffuse.plan.analysis import ModelSubject  # noqa: E402
 from diffuse.cli.check import check, print_check  # noqa: E402
-from diffuse.errors import PluginError, RefusedModel  # noqa: E402
+from diffuse.errors import RefusedModel  # noqa: E402
 from diffuse.plan.contracts import ModelIdentity, ReturnMap, SlicingPlan, even_route  # noqa: E402
 from diffuse.plan.planner import config_draft, learn_call  # noqa: E402
 
@@ -367,31 +367,37 @@ def test_print_check_puts_the_verdict_on_the_first_line(checkpoints, tmp_path, o
     assert console.export_text().splitlines()[0] == "refused: no ModuleList of repeated blocks found in NoStackTransformer"
 
 
-def test_shapes_alone_map_a_first_block_whose_weights_are_never_read(drafts):
+def test_a_first_block_is_mapped_without_reading_its_weights(drafts):
     """Where each tensor a block returns has exactly one input of its shape and dtype, the learner runs the block
-    on the meta device: a first block whose weights are not even loaded is mapped, so a client never reads a
-    block's weights to learn it. Where two inputs share a shape, it runs the block on the call's values and
-    chooses by nearness (which a weightless block cannot do)."""
+    on the meta device. Where two inputs share a shape, it runs the block on the call's values with every weight
+    zero, which leaves only the skip connections: each stream comes back exactly as it went in, so the map is the
+    same whatever the weights hold (a block whose weights are not loaded, a loaded one, one whose loaded answer
+    is as near the other input as its own) and a client never reads, nor fetches, a block's weights to learn it."""
     from torch import nn
 
     class Block(nn.Module):  # returns (context, hidden), the other way round from how it is called
-        def __init__(self):
+        def __init__(self, gain=0.01):
             super().__init__()
-            self.proj = nn.Linear(8, 8)
+            self.proj, self.gain = nn.Linear(8, 8), gain
 
         def forward(self, x, context=None):
-            return context + 0.01 * self.proj(context), x + 0.01 * self.proj(x)
+            return context + self.gain * self.proj(context), x + self.gain * self.proj(x)
 
     stack = drafts["hunyuan_video"]["stacks"][0]
     torch.manual_seed(0)
     x, ctx, same = torch.randn(1, 6, 8), torch.randn(1, 3, 8), torch.randn(1, 6, 8)
+    want = ReturnMap(single=False, outputs=[1, 0], names=["context", "args[0]"])
     weightless = Block().to("meta")
-    _, rmap = learn_call(stack, (x,), {"context": ctx}, weightless)
-    assert rmap == ReturnMap(single=False, outputs=[1, 0], names=["context", "args[0]"])
-    _, rmap = learn_call(stack, (x,), {"context": same}, Block())  # one shape for both: nearness decides
-    assert rmap == ReturnMap(single=False, outputs=[1, 0], names=["context", "args[0]"])
-    with pytest.raises(PluginError, match="return_mapper.*meta"):  # ... which needs the block's values
-        learn_call(stack, (x,), {"context": same}, weightless)
+    assert learn_call(stack, (x,), {"context": ctx}, weightless)[1] == want
+    misleading = Block(gain=1.0)  # loaded, it returns zeros: as near (or far) from either input
+    with torch.no_grad():
+        misleading.proj.weight.copy_(-torch.eye(8))
+        misleading.proj.bias.zero_()
+        assert not misleading(x, same)[0].any() and not misleading(x, same)[1].any()
+    for block in (Block(), weightless, misleading):  # one shape for both: nearness decides, weights zero
+        assert learn_call(stack, (x,), {"context": same}, block)[1] == want
+    for p in weightless.parameters():
+        assert p.is_meta  # nothing was loaded into it
 
 
 def test_the_plan_survives_a_json_round_trip_with_what_a_first_call_taught(checkpoints, drafts):

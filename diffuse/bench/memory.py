@@ -191,11 +191,10 @@ def _in_process(args: list[str]) -> dict:
     return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
-def held_bytes(path: str, nodes: int) -> tuple[list[int], int, int, int]:
+def held_bytes(path: str, nodes: int) -> tuple[list[int], int, int]:
     """From the safetensors headers: each node's slice (even halves of the blocks; a language model's head with
-    the last), the ends the client holds, the whole, and each stack's first block together (what a diffusion
-    client loaded without its blocks keeps mapped until the first call has taught it a stack's return map; its
-    weights are read only where shapes do not decide that map)."""
+    the last), the ends the client holds (a diffusion client loaded without its blocks reads none of them, the
+    first included: it learns a stack's return map with the first block weightless), and the whole."""
     from diffuse.plan.analysis import ModelSubject
     from diffuse.plan.needs import _header, block_costs
     from diffuse.plan.contracts import split_evenly
@@ -211,7 +210,7 @@ def held_bytes(path: str, nodes: int) -> tuple[list[int], int, int, int]:
                              _header(os.path.join(folder, name)).items() if k != "__metadata__")
     layers = sum(c.weight_bytes for c in costs)
     slices = [sum(c.weight_bytes + c.end_bytes for c in costs[a:b]) for a, b in split_evenly(len(costs), nodes)]
-    return slices, whole - layers, whole, sum(c.weight_bytes for c in costs if c.index == 0)
+    return slices, whole - layers, whole
 
 
 def measure(path: str, quick: bool, wan: bool) -> None:
@@ -221,7 +220,7 @@ def measure(path: str, quick: bool, wan: bool) -> None:
     pre, flag = ("wan-", ["1" if quick else "0"]) if wan else ("", [])
     one = _in_process if quick else _run
     built = one([pre + "build", path, "1" if quick else "0"])
-    slices, ends, whole_bytes, first = held_bytes(path, 2)
+    slices, ends, whole_bytes = held_bytes(path, 2)
     where = "in this process" if quick else "in a process of its own"
     print(f"built {where} (its peak {built['peak'] / GIB:.2f} GiB); {whole_bytes / GIB:.2f} GiB "
           f"of weights; load average {os.getloadavg()[0]:.2f}", flush=True)
@@ -236,9 +235,7 @@ def measure(path: str, quick: bool, wan: bool) -> None:
     print("peak resident memory (VmHWM) against what each process holds (safetensors headers):")
     print(f"  whole, one process: {whole['peak'] / GIB:6.2f} GiB   holds {whole_bytes / GIB:.2f} GiB")
     ok = client["peak"] <= ends + GOAL_CLIENT
-    also = (f"; its first block, {first / GIB:.2f} GiB, mapped, read only where shapes do not decide its return "
-            f"map" if wan else "")
-    print(f"  client:             {client['peak'] / GIB:6.2f} GiB   holds {ends / GIB:.2f} GiB (the ends{also})   "
+    print(f"  client:             {client['peak'] / GIB:6.2f} GiB   holds {ends / GIB:.2f} GiB (the ends)   "
           f"goal <= {(ends + GOAL_CLIENT) / GIB:.2f} GiB: {'met' if ok else 'not met'}")
     for i, (peak, held) in enumerate(zip(peaks, slices), 1):
         ok = peak <= held + GOAL_NODE

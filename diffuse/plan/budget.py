@@ -2,10 +2,10 @@
 
 What the client holds is counted as ``diffuse plan`` counts it (``diffuse.plan.parts``): the weights of every
 part it keeps, in the compute dtype, read from the safetensors headers (activations, the libraries' own memory
-and a stack's first block, held until the stack's first call, come on top). With the encoders on the client
-first: where that fits the budget they stay there; else they go to the ring (``--encoders ring``), where that
-fits. A budget that neither meets is refused before anything loads, naming what the smallest client needs.
-``--encoders`` given forces the place, and the budget is then only checked.
+and a transformers model's first layer, held until its stack's first call, come on top). With the encoders on
+the client first: where that fits the budget they stay there; else they go to the ring (``--encoders ring``),
+where that fits. A budget that neither meets is refused before anything loads, naming what the smallest client
+needs. ``--encoders`` given forces the place, and the budget is then only checked.
 """
 
 from __future__ import annotations

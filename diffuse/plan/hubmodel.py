@@ -12,10 +12,11 @@ commit fetched last for that name), holding:
   block it does not hold.
 - ``"client"``: every file but the weights (tokenizer and processor files too), every component whole but the
   split ones (the denoiser; a language model itself), and of those
-  only the tensors the client keeps: all but the stacks' blocks, and each stack's first block (the client runs
-  it once, at the first call, to learn what the stack returns).
+  only the tensors the client keeps: all but the stacks' blocks. No block a node holds, the first included:
+  what a stack returns is learned from its first block run weightless or with zero weights
+  (``analyzers/calls.py``), never from its weights.
 - ``"client-ring"``: as ``"client"``, with the pipeline's encoders split too (``--encoders ring``,
-  ``diffuse.plan.encoders``): of an encoder, the client fetches its ends and each stack's first block.
+  ``diffuse.plan.encoders``): of an encoder, the client fetches its ends and none of its layers.
 - ``"whole"``: everything (the reference a split run is compared with).
 
 Only what loaders read is fetched (``diffuse.plan.repofiles``): safetensors weights (never ``.bin`` and the like,
@@ -134,8 +135,8 @@ def _fetch_spans(ref: HubRef, todo: list, what: str, say, where: str) -> None:
 
 def _fetch_for_client(ref: HubRef, folder: str, weights: dict, rest: list, say, encoders: bool = False) -> None:
     """The files ``rest`` (tokenizers and the like) and the components whole but the split ones (``encoders``: a
-    pipeline's encoders split too); of those, every tensor but the blocks past each stack's first. The room for
-    all of it is checked before its first byte."""
+    pipeline's encoders split too); of those, every tensor but the stacks' blocks. The room for all of it is
+    checked before its first byte."""
     from diffuse.plan.planner import analyze
 
     subject, draft = analyze(folder, encoders)  # a model Diffuse refuses is refused here, before any weights come
@@ -201,8 +202,8 @@ def block_keys(subject, stacks) -> dict[tuple[str, int], set[tuple[str, str]]]:
 
 
 def remote_keys(subject, stacks) -> set[tuple[str, str]]:
-    """(file, tensor name in it) of every block past the first of each stack: what only nodes hold."""
-    return {k for (_, i), keys in block_keys(subject, stacks).items() if i >= 1 for k in keys}
+    """(file, tensor name in it) of every block of each stack: what only nodes hold."""
+    return {k for keys in block_keys(subject, stacks).values() for k in keys}
 
 
 def downloads(subject, stacks, rows) -> tuple[list[int], int] | None:
@@ -226,7 +227,7 @@ def downloads(subject, stacks, rows) -> tuple[list[int], int] | None:
     nodes = [sum(size(*k) for sl in row if not sl.empty for i in range(sl.start, sl.stop)
                  for k in blocks[(sl.stack, i)]) for row in rows]
     split_dirs = {os.path.normpath(d) for d in subject.component_dirs().values()}
-    far = {k for (_, i), keys in blocks.items() if i >= 1 for k in keys}
+    far = {k for keys in blocks.values() for k in keys}
     client = 0
     for p in loaded_files(listed, folder):
         local = os.path.join(folder, p)

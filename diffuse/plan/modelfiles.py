@@ -316,9 +316,7 @@ def load_into(module, prefix: str, wmap: dict[str, str], dtype=None, skip=None, 
         if full not in wmap:
             raise DiffuseError(f"the weights lack {full}, which {type(module).__name__} declares; "
                                "is the model folder complete?")
-        target = dtype if dtype is not None and current.is_floating_point() else current.dtype
-        if keep and current.is_floating_point() and any(k in full.split(".") for k in keep):
-            target = torch.float32
+        target = _loaded_dtype(current, full, dtype, keep)
         if full in converted:  # made from several checkpoint tensors, by transformers' own converter
             conv = converted[full]
             if full not in made:
@@ -331,6 +329,29 @@ def load_into(module, prefix: str, wmap: dict[str, str], dtype=None, skip=None, 
         state[name] = t
     module.load_state_dict(state, strict=skip is None, assign=True)
     return len(state)
+
+
+def _loaded_dtype(current, full: str, dtype, keep: frozenset):
+    """The dtype ``load_into`` gives the tensor ``full`` (``current``: as the module was built)."""
+    import torch
+
+    if keep and current.is_floating_point() and any(k in full.split(".") for k in keep):
+        return torch.float32
+    return dtype if dtype is not None and current.is_floating_point() else current.dtype
+
+
+def typed_unread(module, prefix: str, dtype=None, keep: frozenset = frozenset()) -> None:
+    """``module``'s tensors, none read from the files, in the dtypes ``load_into`` would give them: weightless
+    (meta) where they are, else cast. A stack's first block on the client is so: called weightless, or with its
+    weights zero, it returns what it would return loaded (``analyzers/calls.py``), and no byte of it is read or
+    fetched."""
+    import torch
+
+    state = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        target = _loaded_dtype(t, prefix + name, dtype, keep)
+        state[name] = torch.empty(t.shape, dtype=target, device="meta") if t.is_meta else t.detach().to(target)
+    module.load_state_dict(state, strict=True, assign=True)
 
 
 def _hold_read(params, prefix: str, wmap, converted: dict, skip) -> None:

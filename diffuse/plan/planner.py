@@ -38,8 +38,8 @@ def analyze(path: str, encoders: bool = False, decoders: bool = False) -> tuple[
 
 
 def learn_call(stack, args: tuple, kwargs: dict, block, layered: bool = False) -> tuple[CallPlan, ReturnMap]:
-    """The call-phase analyzers on a stack's first call (``block``: its real first block, run once; ``layered``:
-    its layers' calls are collected and sent together, so a layer may return side outputs)."""
+    """The call-phase analyzers on a stack's first call (``block``: its first block, whose weights are never read;
+    ``layered``: its layers' calls are collected and sent together, so a layer may return side outputs)."""
     found = run_analyzers("call", StackCall(stack, args, kwargs, block, layered), required=CALL_FIELDS)
     return found["call_plan"], found["return_map"]
 
@@ -65,9 +65,10 @@ def make_plan(subject: ModelSubject, draft: dict, addresses: list[str] = (), key
 def load_pipeline(path: str, subject: ModelSubject | None = None, stacks: list | None = None, dtype=None):
     """The pipeline itself, loaded by diffusers from safetensors, never with remote code.
 
-    With ``stacks``, the denoiser is built here without its blocks (only each
-    stack's first block is loaded, to learn its return map at the first call),
-    so the client never holds the weights it hands to nodes. ``dtype`` (a torch dtype; None: diffusers'
+    With ``stacks``, the denoiser is built here without its blocks (each stack's
+    first block stays weightless, in the dtypes it would be loaded in, to learn its
+    return map at the first call: ``analyzers/calls.py``), so the client never
+    holds, reads or fetches the weights it hands to nodes. ``dtype`` (a torch dtype; None: diffusers'
     default) is passed as ``torch_dtype``, and the denoiser without blocks is read in it by the same rule.
     """
     import diffusers
@@ -128,7 +129,8 @@ def load_model(path: str, subject: ModelSubject, dtype=None):
 
 
 def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list, dtype=None):
-    """The denoiser with every stack block but the first left on meta (weightless); with several denoiser
+    """The denoiser with every stack block left on meta (weightless; the first in the dtypes a load would give
+    it, ``typed_unread``; a VAE a node holds, ``diffuse.plan.decoders``, is a stack too); with several denoiser
     components, a ``Denoisers`` holding each.
 
     Tensors come from the safetensors files exactly as ``from_pretrained`` reads
@@ -136,21 +138,16 @@ def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list, dtype=No
     the client's own computation bit-identical to a plain load.
     """
     from diffuse.plan.analysis import build_meta
-    from diffuse.plan.modelfiles import fp32_kept, load_into, located, renamed_for
+    from diffuse.plan.modelfiles import fp32_kept, load_into, located, renamed_for, typed_unread
 
     model = build_meta(subject.denoiser_class(), subject.denoiser_config)
-
-    decoders = set(subject.decoders)  # a VAE a node holds (diffuse.plan.decoders): none of it is read here
-
-    def remote(name: str) -> bool:
-        for st in stacks:
-            head = st.path + "."
-            if name.startswith(head) and (st.path in decoders or int(name[len(head):].split(".", 1)[0]) >= 1):
-                return True
-        return False
-
+    heads = tuple(st.path + "." for st in stacks)
     wmap = located(renamed_for(subject.weight_map(), model), model, [st.path for st in stacks])
-    load_into(model, "", wmap, dtype, skip=remote, keep=fp32_kept(model, dtype))
+    keep = fp32_kept(model, dtype)
+    load_into(model, "", wmap, dtype, skip=lambda name: name.startswith(heads), keep=keep)
+    for st in stacks:
+        if st.path not in subject.decoders:  # a VAE a node holds (diffuse.plan.decoders) is never called here
+            typed_unread(model.get_submodule(st.path)[0], f"{st.path}.0.", dtype, keep)
     model.eval()
     return model
 
