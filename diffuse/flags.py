@@ -152,7 +152,13 @@ def encoders_flag(ap: argparse.ArgumentParser) -> None:
                     "token embedding and final norm stay on the client). Client and nodes must agree")
 
 
-def decoder_flag(ap: argparse.ArgumentParser, node: bool = False) -> None:
+def parts_flags(ap: argparse.ArgumentParser) -> None:
+    """``--encoders`` and ``--decoder`` of a command that plans where a pipeline's parts go (``diffuse plan``)."""
+    encoders_flag(ap)
+    decoder_flag(ap, tiling=False)
+
+
+def decoder_flag(ap: argparse.ArgumentParser, node: bool = False, tiling: bool = True) -> None:
     """``--decoder`` (and a client's ``--decoder-tiling``, ``diffuse.plan.decoders``): where a pipeline's VAE runs."""
     if node:
         ap.add_argument("--decoder", default=None, choices=("client", "ring"),
@@ -165,6 +171,8 @@ def decoder_flag(ap: argparse.ArgumentParser, node: bool = False) -> None:
                     "(the ring's last node), or NODE (a node of --nodes by its address, or by its place: 1, 2, ...). "
                     "That node holds the VAE's weights (the client never loads them) and sees the result; nodes "
                     "need --decoder ring")
+    if not tiling:
+        return
     ap.add_argument("--decoder-tiling", default="auto", choices=("auto", "on", "off"),
                     help="with --decoder on a node: on decodes in tiles (as vae.enable_tiling() whole), off never, "
                     "auto (default) as the pipeline's VAE is set, and in tiles where the node's memory asks for it")

@@ -46,6 +46,7 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
     where = "" if os.path.basename(path.rstrip("/")) == name else f" from {path}"
     refuse_early(path, name, q.call)  # a Hub model refused here has sent its configs and headers only
     whole = ask.model is not None and (ask.whole or q.ring.nodes is None)  # a Hub model's every block fetched here
+    from diffuse.plan.decoders import check_decoder
     from diffuse.plan.encoders import check_encoders
 
     encoders = None if q.ring.options.encoders is None else check_encoders(q.ring.options.encoders)
@@ -64,7 +65,7 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
 
         if ask.threads:
             torch.set_num_threads(ask.threads)
-        info = ModelInfo.of(path, encoders=bool(encoders))
+        info = ModelInfo.of(path, encoders=bool(encoders), decoders=check_decoder(q.ring.options.decoder) is not None)
         model = ModelRead(info, name, Compute.of(ask.device, ask.dtype, info.path, info.subject.denoiser or None))
     if language and not info.subject.autoregressive:
         from diffuse.errors import DiffuseError

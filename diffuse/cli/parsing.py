@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from diffuse.flags import (Parser, client_memory_flag, device_flags, encoders_flag, key_values, positive,
-                           quantize_flag, seconds, speculate_flags, threshold)
+from diffuse.flags import (Parser, client_memory_flag, decoder_flag, device_flags, encoders_flag, key_values,
+                           positive, quantize_flag, seconds, speculate_flags, threshold)
 
 
 def ring_flags(ap: argparse.ArgumentParser) -> None:
@@ -83,6 +83,7 @@ def query_parser(prog: str = "diffuse query") -> Parser:
     ring_flags(ap)
     device_flags(ap)
     encoders_flag(ap)
+    decoder_flag(ap)
     client_memory_flag(ap)
     ap.add_argument("--branch-groups", type=positive, default=1, metavar="G",
                     help="with --local-nodes: share the local nodes out into G groups, one per guidance branch, "
@@ -257,7 +258,8 @@ def options_of(a: argparse.Namespace):
                         cache_threshold=getattr(a, "cache_threshold", 0.0),
                         embedding_on_node=a.embedding_on_node, placement=a.placement,
                         quantize=getattr(a, "quantize", None), speculate=getattr(a, "speculate", "auto"),
-                        draft_tokens=getattr(a, "draft_tokens", None), encoders=getattr(a, "encoders", None))
+                        draft_tokens=getattr(a, "draft_tokens", None), encoders=getattr(a, "encoders", None),
+                        decoder=getattr(a, "decoder", None), decoder_tiling=getattr(a, "decoder_tiling", None))
 
 
 def report_error(out, exc: BaseException) -> int:

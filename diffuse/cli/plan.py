@@ -9,6 +9,7 @@ from diffuse.client.heard import Heard
 from diffuse.client.routing import PLACEMENTS, capacities, link_hops
 from diffuse.errors import DiffuseError
 from diffuse.plan.contracts import SlicingPlan, Stage
+from diffuse.plan.decoders import check_decoder, without_decoders
 from diffuse.plan.fetching import hub_folder
 from diffuse.plan.hubmodel import downloads
 from diffuse.plan.needs import (DEFAULT_CONTEXT, GIB, _dtype_size, block_costs, context_tokens, load_dtype, pass_bytes,
@@ -35,7 +36,7 @@ def plan_command(argv: list[str]) -> int:
     from rich.console import Console
 
     from diffuse.cli.parsing import lan_nodes
-    from diffuse.flags import Parser, client_memory_flag, encoders_flag, quantize_flag, seconds
+    from diffuse.flags import Parser, client_memory_flag, parts_flags, quantize_flag, seconds
     from diffuse.plan.encoders import check_encoders
     from diffuse.plan.quantize import check_mode
     from diffuse.plan.resolve import resolve_model
@@ -61,7 +62,7 @@ def plan_command(argv: list[str]) -> int:
                     "--patches; default 1: passes one after another)")
     ap.add_argument("--json", action="store_true", help="print the plan, routed as placed, as JSON")
     quantize_flag(ap, "the nodes' blocks, as the plan counts them")
-    encoders_flag(ap)
+    parts_flags(ap)  # --encoders, --decoder
     client_memory_flag(ap)
     a = ap.parse_args(argv)
     err = Console(stderr=True)
@@ -77,7 +78,7 @@ def plan_command(argv: list[str]) -> int:
             from diffuse.plan.budget import fit_encoders, parse_size
 
             encoders, _ = fit_encoders(path, parse_size(a.client_memory), encoders, a.dtype)
-        subject, draft = analyze(path, bool(encoders))
+        subject, draft = analyze(path, bool(encoders), check_decoder(a.decoder) is not None)
         dtype = a.dtype or load_dtype(subject)
         _dtype_size(dtype)
         lan_nodes(a, subject, err)  # --nodes auto: the nodes announced on this network
@@ -98,7 +99,7 @@ def plan_command(argv: list[str]) -> int:
         print(plan.with_route(Stage(s.address, s.key, p.rows[i]) for i, s in enumerate(plan.route)
                               if i in p.used).to_json())
         return 0
-    for line in describe(p, subject, plan, dtype, a.context):
+    for line in describe(p, subject, plan, dtype, a.context, a.decoder):
         print(line)
     for line in per_mode(subject, plan, dtype, a.context, p):
         print(line)
@@ -131,7 +132,8 @@ def _placed(a, subject, draft, dtype: str, heard: Heard) -> tuple[SlicingPlan, P
         plan = make_plan(subject, draft, [x for x, _ in nodes], [k for _, k in nodes], dtype, a.quantize)
         caps = ask_nodes(plan, heard)
         hops = link_hops(heard, [s.address for s in plan.route], pass_bytes(plan, subject, dtype), [c.hop_s for c in caps])
-    blocks = block_costs(subject, plan.stacks, dtype, a.context, quantize=a.quantize)
+    # the VAE (--decoder) is no part of the placement: it goes to the node named, beside its share
+    blocks = block_costs(subject, without_decoders(plan.stacks, subject), dtype, a.context, quantize=a.quantize)
     try:
         if a.placement == "even":
             return plan, even_placement(blocks, caps, links=hops, depth=a.patches), hops
@@ -159,8 +161,10 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
 
 
-def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int | None = None) -> list[str]:
-    """The placement in words: what the model needs, the table, and the expected times."""
+def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int | None = None,
+             decoder: str | None = None) -> list[str]:
+    """The placement in words: what the model needs, the table, and the expected times (``decoder``: where
+    ``--decoder`` puts the VAE)."""
     weights = sum(b.weight_bytes for b in p.blocks)
     state = sum(b.state_bytes for b in p.blocks)
     stacks = ", ".join(f"{s.path} ({s.length})" for s in plan.stacks)
@@ -174,7 +178,12 @@ def describe(p: Placement, subject, plan: SlicingPlan, dtype: str, context: int 
     lines = [head]
     if p.blocks[-1].end_bytes:
         lines.append(f"the last node also holds the output head ({p.blocks[-1].end_bytes / GIB:.2f} GiB)")
-    lines += [*parts_lines(pipeline_parts(subject, plan.stacks, p.blocks, _dtype_size(dtype)), dtype), ""]
+    lines += parts_lines(pipeline_parts(subject, plan.stacks, p.blocks, _dtype_size(dtype)), dtype)
+    if subject.decoders:
+        at = "the ring's last node" if decoder == "ring" else f"node {decoder}"
+        lines.append(f"  the VAE ({', '.join(subject.decoders)}) decodes on {at} (--decoder), beside its share; that "
+                     "node sees the result")
+    lines.append("")
     lines += [f"on {len(p.nodes)} node(s), {len(p.used)} used; margin {MARGIN_FRACTION:.0%} of each node's "
               f"memory (at least {MARGIN_MIN_BYTES >> 20} MiB):", ""]
     lines += p.lines()

@@ -181,7 +181,7 @@ class Handshake:
             pin_key(stage.address, key, stage.key or None)
         if hello.get("model") != self.plan.model.content_hash:
             raise NodeError(stage.address, "serves a different model (content hash differs): "
-                            "start it with the same model folder as the client, and the same --encoders")
+                            "start it with the same model folder as the client, and the same --encoders and --decoder")
         if hello.get("slices") is not None:
             try:
                 hello["slices"] = check_slices(hello["slices"], self.plan.lengths)

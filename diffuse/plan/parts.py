@@ -72,6 +72,8 @@ def pipeline_parts(subject, stacks, blocks, dtype_size: int) -> list[Part]:
         mine = [s.path for s in stacks if _component_of(s.path, subject) == name]
         ring = sum(on_nodes.get(p, 0) for p in mine)
         total = component_bytes(os.path.join(subject.path, name), dtype_size)
+        if name in getattr(subject, "decoders", ()):  # a VAE on a node (diffuse.plan.decoders): all of it there
+            ring = total
         parts.append(Part(name, str(entry[1]), max(0, total - ring), ring, tuple(mine)))
     return parts
 

@@ -1,0 +1,69 @@
+"""Ground truth for a pipeline whose VAE decodes (and encodes) elsewhere: the pipeline run whole in plain diffusers,
+its VAE set as the job says.
+
+    python tests/decode_reference.py --jobs JOBS.json --threads N --out RESULTS.json
+
+Each job is ``{"model": DIR, "kwargs": {...}, "seed": S, "out": FILE.npy}``, and optionally ``"pipeline"`` (a
+diffusers pipeline class loaded from the same folder in place of the one model_index.json names: an
+image-to-image pipeline, whose VAE encodes too), ``"image"`` (an .npy file passed as the call's ``image``),
+``"tiling"`` (``vae.enable_tiling()`` first) and ``"vae"`` (attributes set on the VAE then, such as its tile
+sizes). The pipeline is called under ``torch.no_grad()`` with
+``generator=torch.Generator("cpu").manual_seed(S)`` and ``output_type="np"``; the first field of its output is
+saved as returned. RESULTS.json lists, per job, ``{"array": FILE}`` or ``{"error": "..."}``.
+
+Imports only torch, numpy and diffusers: nothing from the ``diffuse`` package, so the reference cannot share a
+bug with what it checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import torch
+
+
+def run(job: dict) -> str:
+    import diffusers
+
+    cls = getattr(diffusers, job["pipeline"]) if job.get("pipeline") else diffusers.DiffusionPipeline
+    pipe = cls.from_pretrained(job["model"])
+    pipe.set_progress_bar_config(disable=True)
+    if job.get("tiling"):
+        pipe.vae.enable_tiling()
+    for key, value in (job.get("vae") or {}).items():
+        setattr(pipe.vae, key, value)
+    kwargs = dict(job["kwargs"])
+    if job.get("image"):
+        kwargs["image"] = np.load(job["image"])
+    with torch.no_grad():
+        output = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(job.get("seed", 0)), output_type="np")
+    np.save(job["out"], np.asarray(output[0]))
+    return job["out"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", required=True, help="a JSON list of {model, kwargs, seed, out, ...}")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's own default)")
+    parser.add_argument("--out", required=True, help="where to write the results (JSON)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with open(args.jobs) as f:
+        jobs = json.load(f)
+    results = []
+    for job in jobs:
+        try:
+            results.append({"array": run(job)})
+        except Exception as exc:  # noqa: BLE001 - this job's failure is reported in its own entry
+            results.append({"error": f"{type(exc).__name__}: {exc}"})
+    with open(args.out, "w") as f:
+        json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

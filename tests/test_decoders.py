@@ -1,0 +1,212 @@
+"""A pipeline's VAE on a node, by opt-in (``--decoder ring|NODE``): its decode (and an image-to-image pipeline's
+encode) run on the node named, the client holding none of its weights; the picture byte-identical to plain
+diffusers' whole run, tiled or not.
+
+Wan's video VAE (its decode a loop over frames with a cache of its causal convolutions) on the ring's last node,
+and Flux's image VAE on the first node named, each over two real node processes, through ``diffuse.split``; the
+same run through ``diffuse query`` on Wan's nodes; tiled, with tiles small enough that the tiny pictures are cut,
+equal to plain diffusers' own tiled decode (``vae.enable_tiling()``) and not to its untiled one; Flux's
+image-to-image pipeline, made of the split pipeline's components, encoding its image on the node. The
+references are plain diffusers in one subprocess (tests/decode_reference.py), at the same thread count.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import families
+import numpy as np
+import pytest
+
+from conftest import THREADS, reference_jobs, run_cli, run_client
+
+# tiles small enough to cut the tiny pictures (Flux's 16x16 picture, Wan's 32x32 frames)
+TILES = {"flux": {"tile_sample_min_size": 8, "tile_latent_min_size": 8, "tile_overlap_factor": 0.25},
+         "wan": {"tile_sample_min_height": 16, "tile_sample_min_width": 16, "tile_sample_stride_height": 8,
+                 "tile_sample_stride_width": 8}}
+WHERE = {"flux": "1", "wan": "ring"}  # the node named: Flux's first, Wan's the ring's last
+I2I = {"prompt": "a squirrel", "strength": 0.6, "num_inference_steps": 2, "height": 16, "width": 16,
+       "max_sequence_length": 48}
+
+
+@pytest.fixture(scope="module")
+def nodes(models):
+    """Each family's nodes, started with --decoder ring: Wan's with --blocks (the VAE is no part of them), Flux's
+    without, and a third Flux node with almost no memory."""
+    from diffuse.local.nodes import start_local_nodes
+
+    started = {"wan": start_local_nodes(models("wan"), 2, THREADS, extra=["--decoder", "ring"]),
+               "flux": start_local_nodes(models("flux"), 3, THREADS, extra=["--decoder", "ring"], fixed=False,
+                                         each=[[], [], ["--max-memory", "0.00001"]])}
+    yield started
+    for group in started.values():
+        group.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(models, nodes, tmp_path_factory):
+    """{case: (the reference's array, the split's array)} and {family: what the split saw}; the references run in
+    one subprocess while the split side runs here."""
+    root = tmp_path_factory.mktemp("decoders")
+    image = root / "image.npy"
+    np.save(image, np.linspace(0, 1, 16 * 16 * 3, dtype=np.float32).reshape(1, 16, 16, 3))
+    jobs = {}
+    for family in ("flux", "wan"):
+        args = {"model": models(family), "kwargs": families.call_args(family), "seed": 0}
+        jobs[family] = {**args, "out": str(root / f"{family}.npy")}
+        jobs[f"{family}-tiled"] = {**args, "out": str(root / f"{family}-tiled.npy"), "tiling": True,
+                                   "vae": TILES[family]}
+    jobs["flux-i2i"] = {"model": models("flux"), "kwargs": I2I, "seed": 0, "out": str(root / "i2i.npy"),
+                        "pipeline": "FluxImg2ImgPipeline", "image": str(image)}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        references = pool.submit(reference_jobs, "decode_reference.py", list(jobs.values()), str(root))
+        split, seen = {}, {}
+        for family in ("flux", "wan"):
+            arrays, seen[family] = _split_side(models(family), nodes[family][:2], family, np.load(image))
+            split.update(arrays)
+        results = references.result()
+    out = {}
+    for case, result in zip(jobs, results):
+        assert "error" not in result, f"{case}: {result.get('error')}"
+        out[case] = (np.load(result["array"]), split[case])
+    return out, seen
+
+
+def _split_side(model: str, nodes, family: str, image):
+    """The family's runs through ``diffuse.split`` over ``nodes``, untiled and tiled (and Flux's image-to-image),
+    and what the split saw: the node holding the VAE, the passes, the client's VAE tensors."""
+    import diffusers
+    import torch
+
+    import diffuse
+
+    pipe = diffuse.from_pretrained(model, decoder="ring")
+    listed = [f"{n.address}#{n.key}" for n in nodes]
+    arrays, seen = {}, {}
+
+    def run(case, call=None, **kwargs):
+        with diffuse.split(pipe, nodes=listed, timeout=60, decoder=WHERE[family]) as ring, torch.no_grad():
+            out = (call or pipe)(**kwargs, generator=torch.Generator("cpu").manual_seed(0), output_type="np")
+            arrays[case] = np.asarray(out[0])
+            seen[case] = {"holder": [s.address for s in ring.plan.route for sl in s.slices
+                                     if sl.stack == "vae" and not sl.empty],
+                          "passes": dict(ring.decoder_calls.passes)}
+
+    run(family, **families.call_args(family))
+    pipe.vae.enable_tiling()
+    for key, value in TILES[family].items():
+        setattr(pipe.vae, key, value)
+    run(f"{family}-tiled", **families.call_args(family))
+    pipe.vae.disable_tiling()
+    if family == "flux":  # an image-to-image pipeline of the same components: its VAE encodes the image on the node
+        run("flux-i2i", diffusers.FluxImg2ImgPipeline(**pipe.components), image=image, **I2I)
+    seen["client"] = {p.device.type for p in pipe.vae.parameters()} | {b.device.type for b in pipe.vae.buffers()}
+    seen["nodes"] = [n.address for n in nodes]
+    return arrays, seen
+
+
+@pytest.mark.parametrize("case", ["wan", "flux", "wan-tiled", "flux-tiled", "flux-i2i"])
+def test_the_picture_is_byte_identical_to_plain_diffusers_with_the_vae_on_a_node(case, runs):
+    """Untiled, tiled (against diffusers' own tiled decode, with the same tile sizes) and an image-to-image run."""
+    reference, split = runs[0][case]
+    assert reference.shape == split.shape and reference.dtype == split.dtype == np.float32
+    assert split.tobytes() == reference.tobytes(), f"{case}: max abs diff {np.abs(split - reference).max()}"
+
+
+@pytest.mark.parametrize("family", ["wan", "flux"])
+def test_tiles_cut_the_picture(family, runs):
+    """The tiled reference differs from the untiled one: the tiles were small enough to change the decode."""
+    assert runs[0][f"{family}-tiled"][0].tobytes() != runs[0][family][0].tobytes()
+
+
+def test_only_the_node_named_holds_the_vae_and_the_client_reads_none_of_it(runs):
+    _, seen = runs
+    assert seen["wan"]["wan"]["holder"] == [seen["wan"]["nodes"][-1]]  # ring: the route's last
+    assert seen["flux"]["flux"]["holder"] == [seen["flux"]["nodes"][0]]  # named: the first
+    for family in ("wan", "flux"):
+        assert seen[family][family]["passes"] == {"decode": 1, "encode": 0}
+        assert seen[family]["client"] == {"meta"}  # the client's VAE: weightless, never read
+    assert seen["flux"]["flux-i2i"]["passes"] == {"decode": 1, "encode": 1}
+
+
+def test_diffuse_query_with_the_vae_on_a_named_node_is_byte_identical(models, nodes, runs, tmp_path, diffuse_home):
+    """Through the command, on Wan's two nodes, the VAE on the first (named by its address)."""
+    import json
+
+    wan = nodes["wan"]
+    kwargs = families.call_args("wan")
+    argv = ["--model", models("wan"), "--seed", "0", "--threads", str(THREADS), "--quiet", "--timeout", "60",
+            "--nodes", ",".join(f"{n.address}#{n.key}" for n in wan), "--decoder", wan[0].address,
+            "--save-array", str(tmp_path / "split.npy"), "--report", str(tmp_path / "report.json"),
+            "--out", str(tmp_path / "out.mp4")]
+    for k, v in kwargs.items():
+        argv += ["--arg", f"{k}={json.dumps(v)}"]
+    run = run_client(argv, diffuse_home)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert np.load(tmp_path / "split.npy").tobytes() == runs[0]["wan"][0].tobytes()
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["per_stack"]["vae"]["calls"] == 1 and report["client_block_params"] == 0
+
+
+@pytest.mark.parametrize("where, said", [
+    ("3", "--decoder 3: there is no node 3 (2 local nodes"),
+    ("tcp://127.0.0.1:9", "--decoder tcp://127.0.0.1:9: local nodes are named by their place (1 to 2)"),
+])
+def test_a_node_that_is_not_there_is_refused_in_one_line_before_any_node_starts(where, said, models, diffuse_home):
+    import time
+
+    t0 = time.perf_counter()
+    run = run_client(["--model", models("flux"), "--local-nodes", "2", "--decoder", where, "--quiet"], diffuse_home)
+    assert run.returncode == 2 and said in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert time.perf_counter() - t0 < 5  # refused before local nodes started (each imports torch for seconds)
+
+
+def test_a_node_whose_memory_cannot_hold_the_vae_is_refused_in_one_line(models, nodes, diffuse_home):
+    """Flux's third node may take 10 KiB (--max-memory), less than the VAE's weights (18 KiB): the other stacks go
+    to the first node, the VAE named to the third is refused at the route, before any session opens."""
+    flux = nodes["flux"]
+    listed = ",".join(f"{n.address}#{n.key}" for n in (flux[0], flux[2]))
+    run = run_client(["--model", models("flux"), "--nodes", listed, "--decoder", "2", "--prompt", "a squirrel",
+                      "--steps", "1", "--quiet",
+                      "--timeout", "30", "--height", "16", "--width", "16"], diffuse_home)
+    assert run.returncode == 2, run.stderr
+    line = run.stderr.strip().splitlines()
+    assert len(line) == 1 and f"--decoder: node {flux[2].address} has 0.000 GiB available" in line[0], run.stderr
+    assert "name a node with more memory, or --decoder client" in line[0]
+
+
+def test_client_and_nodes_that_disagree_on_the_vae_are_refused_saying_which_flag(models, nodes, diffuse_home):
+    """Nodes started with --decoder ring serve the pipeline with its VAE (their content hash covers it): a client
+    without --decoder is told what to match, as one with it is by nodes without."""
+    first = nodes["flux"][0]
+    run = run_client(["--model", models("flux"), "--nodes", f"{first.address}#{first.key}", "--prompt", "a",
+                      "--steps", "1",
+                      "--quiet", "--timeout", "30", "--height", "16", "--width", "16"], diffuse_home)
+    assert run.returncode == 2 and "the same --encoders and --decoder" in run.stderr, run.stderr
+
+
+def test_diffuse_plan_says_where_the_vae_runs(models):
+    """The parts: the VAE on the nodes, all of it, on the node named; without --decoder, on the client."""
+    run = run_cli(["plan", models("flux"), "--memory", "1,1", "--decoder", "2"])
+    assert run.returncode == 0, run.stderr[-2000:]
+    vae = next(line.split() for line in run.stdout.splitlines() if line.strip().startswith("vae "))
+    assert vae[1:4] == ["AutoencoderKL", "nodes", "nodes"] and vae[-1] == "(vae)", vae
+    assert "the VAE (vae) decodes on node 2 (--decoder), beside its share; that node sees the result" in run.stdout
+    plain = run_cli(["plan", models("flux"), "--memory", "1,1"])
+    assert next(line.split() for line in plain.stdout.splitlines() if line.strip().startswith("vae "))[2] == "client"
+
+
+def test_the_largest_activation_of_a_decode_is_read_off_the_weightless_vae(models):
+    """What --decoder-tiling auto weighs against the node's room: at least the decoded picture itself, and more
+    for a larger latent, read without computing anything."""
+    import torch
+
+    import diffuse
+    from diffuse.client.decoders import decode_peak
+    from diffuse.plan.components import runtime_settings
+
+    vae = diffuse.from_pretrained(models("flux"), decoder="ring").vae
+    channels = vae.config.latent_channels
+    small = decode_peak(vae, runtime_settings(vae), (torch.zeros(1, channels, 8, 8),), {})
+    large = decode_peak(vae, runtime_settings(vae), (torch.zeros(1, channels, 32, 32),), {})
+    assert small >= 3 * 8 * 8 * 4 and large == 16 * small
