@@ -210,3 +210,29 @@ def test_the_largest_activation_of_a_decode_is_read_off_the_weightless_vae(model
     small = decode_peak(vae, runtime_settings(vae), (torch.zeros(1, channels, 8, 8),), {})
     large = decode_peak(vae, runtime_settings(vae), (torch.zeros(1, channels, 32, 32),), {})
     assert small >= 3 * 8 * 8 * 4 and large == 16 * small
+
+
+def test_a_client_of_a_hub_model_with_its_vae_on_a_node_fetches_none_of_its_weights(tmp_path):
+    """``--decoder`` with a Hub id: the client fetches the VAE's config and its file's header, not a byte of its
+    tensors (a node fetches them as it loads the VAE); the transformer's ends still come."""
+    import subprocess
+    import sys
+
+    from hubtest import REPO, hub_env, ranges_of, tensor_spans
+    from diffuse.bench.hubserver import HubServer
+    from diffuse.plan.shipped import shipped_models
+
+    vae, transformer = "vae/diffusion_pytorch_model.safetensors", "transformer/diffusion_pytorch_model.safetensors"
+    with HubServer() as hub:
+        hub.source = shipped_models()["tiny-wan-shapes"]
+        hub.publish(REPO, hub.source)
+        code = ("import diffuse; pipe = diffuse.from_pretrained(" f"{REPO!r}, decoder='ring'); "
+                "assert {p.device.type for p in pipe.vae.parameters()} == {'meta'}")
+        done = subprocess.run([sys.executable, "-c", code], env=hub_env(hub, "client-decoder", tmp_path),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+    _, spans = tensor_spans(f"{hub.source}/{vae}")
+    fetched = ranges_of(hub, "client-decoder", vae)
+    assert spans and not any(a < e and s < b for a, b in fetched for s, e in spans.values())  # no byte of a tensor
+    assert fetched  # its header: the client reads the VAE's layout, as every part's
+    assert ranges_of(hub, "client-decoder", transformer)  # the denoiser's ends

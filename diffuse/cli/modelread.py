@@ -46,6 +46,7 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
     where = "" if os.path.basename(path.rstrip("/")) == name else f" from {path}"
     refuse_early(path, name, q.call)  # a Hub model refused here has sent its configs and headers only
     whole = ask.model is not None and (ask.whole or q.ring.nodes is None)  # a Hub model's every block fetched here
+    from diffuse.client.modelinfo import client_role
     from diffuse.plan.decoders import check_decoder
     from diffuse.plan.encoders import check_encoders
 
@@ -55,7 +56,7 @@ def read_model(q: QueryRequest, console, command: str = "diffuse query", languag
                    "torch and its library)", q.output.quiet):
             encoders, q = within_budget(q, path, encoders, console)
     if ask.model is not None and not whole:  # the client's part: without the encoders' layers where nodes hold them
-        path = resolve_model(ask.model, "client-ring" if encoders else "client", quiet)
+        path = resolve_model(ask.model, client_role(encoders, check_decoder(q.ring.options.decoder)), quiet)
     with phase(console, f"{command}: {name}{where}; reading its config (importing torch and its library)",
                q.output.quiet):
         import torch

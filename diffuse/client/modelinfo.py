@@ -35,7 +35,7 @@ class ModelInfo:
 
             path = default_model_dir()
         else:
-            path = resolve_model(model, role)
+            path = resolve_model(model, client_role(encoders, decoders) if role == "client" else role)
         subject, draft = analyze(path, encoders, decoders)  # refusals happen here, before anything is loaded
         return cls(path, subject, draft, encoders, bool(subject.decoders))
 
@@ -50,6 +50,12 @@ class ModelInfo:
             return {}
         with open(f) as fh:
             return json.load(fh)
+
+
+def client_role(encoders, decoders) -> str:
+    """What a client fetches of a Hub model (``diffuse.plan.hubmodel``'s roles): without the layers of its encoders
+    (``encoders``, on the ring) or any of its VAE (``decoders``, on a node) where nodes hold them."""
+    return "client" + ("-ring" if encoders else "") + ("-decoder" if decoders else "")
 
 
 def model_info(pipe_or_model, model: str | None = None, encoders: bool | None = None,

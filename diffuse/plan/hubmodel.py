@@ -17,6 +17,8 @@ commit fetched last for that name), holding:
   (``analyzers/calls.py``), never from its weights.
 - ``"client-ring"``: as ``"client"``, with the pipeline's encoders split too (``--encoders ring``,
   ``diffuse.plan.encoders``): of an encoder, the client fetches its ends and none of its layers.
+- ``"client-decoder"``, ``"client-ring-decoder"``: as ``"client"`` and ``"client-ring"``, with the VAE on a node
+  (``--decoder``, ``diffuse.plan.decoders``): none of its weights, only its config and its files' headers.
 - ``"whole"``: everything (the reference a split run is compared with).
 
 Only what loaders read is fetched (``diffuse.plan.repofiles``): safetensors weights (never ``.bin`` and the like,
@@ -38,7 +40,7 @@ from diffuse.plan.fetchprogress import Progress
 from diffuse.plan.hub import HubRef, Listing, listing, offline
 from diffuse.plan.repofiles import analysis_reads, loaded_files, weight_indexes
 
-ROLES = ("headers", "node", "client", "client-ring", "whole")
+ROLES = ("headers", "node", "client", "client-ring", "client-decoder", "client-ring-decoder", "whole")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -63,8 +65,8 @@ def fetch_model(ref: HubRef, role: str = "whole", say=None) -> str:
         f.header()
     if role == "whole":  # one room check and one progress line for all of it, before any comes
         _fetch_whole(ref, rest + list(weights.values()), "its weights and tokenizer", say, folder)
-    elif role in ("client", "client-ring"):
-        _fetch_for_client(ref, folder, weights, rest, say, encoders=role == "client-ring")
+    elif role.startswith("client"):
+        _fetch_for_client(ref, folder, weights, rest, say, "-ring" in role, role.endswith("-decoder"))
     _mark(folder, found, ref)
     return folder
 
@@ -133,13 +135,15 @@ def _fetch_spans(ref: HubRef, todo: list, what: str, say, where: str) -> None:
     progress.end()
 
 
-def _fetch_for_client(ref: HubRef, folder: str, weights: dict, rest: list, say, encoders: bool = False) -> None:
+def _fetch_for_client(ref: HubRef, folder: str, weights: dict, rest: list, say, encoders: bool = False,
+                      decoders: bool = False) -> None:
     """The files ``rest`` (tokenizers and the like) and the components whole but the split ones (``encoders``: a
-    pipeline's encoders split too); of those, every tensor but the stacks' blocks. The room for all of it is
+    pipeline's encoders split too; ``decoders``: its VAE, all of it a stack a node holds); of those, every tensor
+    but the stacks' blocks. The room for all of it is
     checked before its first byte."""
     from diffuse.plan.planner import analyze
 
-    subject, draft = analyze(folder, encoders)  # a model Diffuse refuses is refused here, before any weights come
+    subject, draft = analyze(folder, encoders, decoders)  # a model Diffuse refuses is refused here, before any weights come
     split_dirs = {os.path.normpath(d) for d in subject.component_dirs().values()}
     split = {p: f for p, f in weights.items() if os.path.normpath(os.path.dirname(f.local)) in split_dirs}
     todo = [(f, [[0, f.size]]) for f in rest + [f for p, f in weights.items() if p not in split] if not f.complete()]

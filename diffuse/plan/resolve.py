@@ -11,7 +11,8 @@ def resolve_model(model: str, role: str = "whole", say=None) -> str:
     """A local model folder for ``model``: a path; the name of a model shipped in the package
     (``tiny-wan-shapes``, ``tiny-qwen-chat``, see ``diffuse.plan.shipped.shipped_models``); or a Hugging Face
     Hub id, ``ORG/NAME[@REVISION]``, fetched as far as ``role`` needs (``diffuse.plan.hubmodel``: "headers",
-    "node", "client", "client-ring", "whole"). Offline (``HF_HUB_OFFLINE``) a Hub id is what was fetched here before, or a
+    "node", "client", "client-ring", "client-decoder", "client-ring-decoder", "whole"). Offline
+    (``HF_HUB_OFFLINE``) a Hub id is what was fetched here before, or a
     snapshot in the Hugging Face cache (``hf download``). ``say``: where fetching says its progress (default: standard
     error; ``lambda line: None`` for none)."""
     if os.path.isdir(model):
