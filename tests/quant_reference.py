@@ -70,19 +70,22 @@ def leftover(model, only: list[str], mode: str) -> int:
 
 def pipeline_run(args) -> None:
     import diffusers
-    from diffusers import DiffusionPipeline, TorchAoConfig
+    import transformers
+    from diffusers import DiffusionPipeline
 
     from reference import import_component_libraries
 
     import_component_libraries(args.model)
     only = [""] if args.everything else args.only  # --everything: every linear layer of it (as its groups allow)
     parts = {}
-    for component in args.component:  # each denoiser (two where the pipeline has two experts)
+    for component in args.component:  # each denoiser (two where the pipeline has two experts), each text encoder
         with open(os.path.join(args.model, component, "config.json")) as f:
-            cls = getattr(diffusers, json.load(f)["_class_name"])
+            config = json.load(f)
+        library = diffusers if "_class_name" in config else transformers  # (a transformers model names its class
+        cls = getattr(library, config.get("_class_name") or config["architectures"][0])  # in architectures)
         folder = os.path.join(args.model, component)
         skip = outside(cls.from_pretrained(folder), only, args.mode)
-        parts[component] = cls.from_pretrained(folder, torch_dtype=torch.float32, quantization_config=TorchAoConfig(
+        parts[component] = cls.from_pretrained(folder, torch_dtype=torch.float32, quantization_config=library.TorchAoConfig(
             torchao_config(args.mode), modules_to_not_convert=skip))  # float32, as a plain load (torchao's: bf16)
         if not args.everything:  # (with nothing named outside, no block layer is skipped by name; what is left
             leftover(parts[component], only, args.mode)  # plain then is what the library keeps in float32, as

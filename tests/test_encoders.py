@@ -15,6 +15,7 @@ reference is each pipeline's own ``encode_prompt`` run whole by plain diffusers 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 
 import families
@@ -330,3 +331,22 @@ def test_diffuse_plan_lists_every_part_with_its_size_and_where_it_runs(models):
         {k: v[0] for k, v in said["client"].items()}, text_encoder="client + nodes", text_encoder_2="client + nodes")
     assert said["ring"]["text_encoder_2"][1].endswith("(text_encoder_2.encoder.block)")
     assert said["client"]["scheduler"][1] == "(no weights)"
+
+
+def test_quantized_encoder_layers_on_the_ring_equal_plain_diffusers_loading_them_with_the_same_torchao_config(
+        models, tmp_path, diffuse_home):
+    """``--encoders ring --quantize int8``: the nodes hold the text encoder's layers quantized as they hold the
+    denoiser's, and the run is byte-identical to plain diffusers loading the transformer and the text encoder
+    (through transformers' own ``TorchAoConfig``) with their layers quantized, whole, in a subprocess; not to
+    the run with the denoiser's blocks alone quantized."""
+    from test_quant import finished, reference
+
+    model, kwargs = models("wan"), families.call_args("wan")
+    both, blocks = (reference("int8", model, str(tmp_path / f"{name}.npy"), family="wan", kwargs=json.dumps(kwargs),
+                              seed=0, component=component, only=["encoder.block"])
+                    for name, component in (("both", ["transformer", "text_encoder"]), ("blocks", ["transformer"])))
+    split, _ = run_split(model, kwargs, tmp_path, nodes=2, home=diffuse_home,
+                         extra=["--encoders", "ring", "--quantize", "int8"])
+    finished(both), finished(blocks)
+    assert split.tobytes() == np.load(tmp_path / "both.npy").tobytes()
+    assert split.tobytes() != np.load(tmp_path / "blocks.npy").tobytes()
