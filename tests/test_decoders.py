@@ -148,6 +148,31 @@ def test_diffuse_query_with_the_vae_on_a_named_node_is_byte_identical(models, no
     assert report["per_stack"]["vae"]["calls"] == 1 and report["client_block_params"] == 0
 
 
+def test_the_service_decodes_on_the_node_named_and_answers_as_plain_diffusers(models, nodes, tmp_path, diffuse_home):
+    """``diffuse serve --decoder 2`` over Flux's two nodes: its warm copy of the pipeline holds no VAE weights, a
+    request's session opens with the VAE on the second node, and the picture is the one plain diffusers makes."""
+    from conftest import Reference, hello_report
+    from diffuse.serve.command import ServeOptions, Service
+    from diffuse.serve.engines import Cancel
+    from diffuse.serve.pipeline import Ask
+
+    model, flux = models("flux"), nodes["flux"][:2]
+    reference = Reference(model, {"prompt": "a red cat", "height": 16, "width": 16, "num_inference_steps": 2},
+                          str(tmp_path / "reference.npy"), seed=3)
+    service = Service.start([model], [",".join(f"{n.address}#{n.key}" for n in flux)],
+                            ServeOptions(threads=THREADS, decoder="2"), lambda _: None)
+    try:
+        (engine,) = service.engines.values()
+        picture = engine.run(Ask("a red cat", height=16, width=16, steps=2, seed=3), Cancel())
+        warm = engine.pool.take(Cancel())  # the copy the request used, back in the pool
+        assert {p.device.type for p in warm.vae.parameters()} == {"meta"}
+        held = {(stack, i) for stack, i, _ in hello_report(flux[1].address).holds}  # no earlier test named it
+    finally:
+        service.stop()
+    assert picture.array.tobytes() == reference.result().tobytes()
+    assert ("vae", 0) in held
+
+
 @pytest.mark.parametrize("where, said", [
     ("3", "--decoder 3: there is no node 3 (2 local nodes"),
     ("tcp://127.0.0.1:9", "--decoder tcp://127.0.0.1:9: local nodes are named by their place (1 to 2)"),

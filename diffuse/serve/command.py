@@ -73,10 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     from diffuse.plan.logs import add_flag
 
     add_flag(ap, "the service and its local nodes")
-    from diffuse.flags import device_flags, encoders_flag, speculate_flags
+    from diffuse.flags import decoder_flag, device_flags, encoders_flag, speculate_flags
 
     device_flags(ap)
     encoders_flag(ap)  # for every pipeline served; its local nodes are started so
+    decoder_flag(ap)  # ... and its VAE, on the node named (each request's session opens with it there)
     speculate_flags(ap)  # for every language model served (an assistant must share its tokenizer)
     return ap
 
@@ -106,15 +107,19 @@ class ServeOptions:
     speculate: str = "auto"
     draft_tokens: int | None = None
     encoders: str | None = None  # "ring": every pipeline's text encoders' layers on the nodes (diffuse.plan.encoders)
+    decoder: str | None = None  # every pipeline's VAE on a node: "ring" (the last) or one named (diffuse.plan.decoders)
+    decoder_tiling: str | None = None  # ... decoding in tiles: "on", "off" or "auto"
 
     @classmethod
     def of(cls, a: argparse.Namespace) -> "ServeOptions":
         return cls(**{f.name: getattr(a, f.name) for f in fields(cls)})
 
 
-def analyse(models: list[str], nodes: list[str], say, encoders: str | None = None) -> tuple[list, list[str]]:
-    """Every model analysed (its refusals, before any node starts; ``encoders``: ``--encoders``) and its name; the
-    counts and node lists checked against the models."""
+def analyse(models: list[str], nodes: list[str], say, encoders: str | None = None,
+            decoder: str | None = None) -> tuple[list, list[str]]:
+    """Every model analysed (its refusals, before any node starts; ``encoders``: ``--encoders``, ``decoder``:
+    ``--decoder``) and its name; the counts and node lists checked against the models."""
+    from diffuse.plan.decoders import check_decoder
     from diffuse.plan.encoders import check_encoders
 
     from diffuse.client.api import ModelInfo
@@ -131,7 +136,7 @@ def analyse(models: list[str], nodes: list[str], say, encoders: str | None = Non
     infos = []
     for m in models:
         say(f"analysing {m}")
-        infos.append(ModelInfo.of(m, encoders=check_encoders(encoders)))
+        infos.append(ModelInfo.of(m, encoders=check_encoders(encoders), decoders=check_decoder(decoder) is not None))
     names = [model_name(m, i.path) for m, i in zip(models, infos)]  # a Hub id by its id, not its commit's folder
     if len(set(names)) != len(names):
         raise DiffuseError(f"two models share a name ({', '.join(names)}): give folders with different names")
@@ -154,7 +159,8 @@ def load_engines(names: list[str], infos: list, split_options: dict, opts: Serve
             e = LanguageEngine(name, info, None, dict(split_options, speculate=drafting), started, opts.parallel,
                                opts.max_waiting, opts.max_tokens)
         else:
-            e = PipelineEngine(name, info, None, split_options, started, 1, opts.max_waiting)
+            placed = dict(decoder=opts.decoder, decoder_tiling=opts.decoder_tiling) if info.decoders else {}
+            e = PipelineEngine(name, info, None, dict(split_options, **placed), started, 1, opts.max_waiting)
         engines[name] = e
         say(f"loading {name}'s client ends ({e.kind})")
         e.pool.prewarm()
@@ -186,7 +192,7 @@ class Service:
         opts = opts or ServeOptions()
         if opts.threads:
             torch.set_num_threads(opts.threads)
-        infos, names = analyse(models or default_models(), nodes, say, opts.encoders)
+        infos, names = analyse(models or default_models(), nodes, say, opts.encoders, opts.decoder)
         keys, client_key = None, opts.client_key
         if client_key is None:  # one identity for every request; local nodes serve it alone
             import tempfile
@@ -253,7 +259,8 @@ class Service:
             [["--metrics-port", str(metrics_port + i if metrics_port else 0)] for i in range(plan.count)]
         local = start_local_nodes(info.path, plan.count, plan.threads, scheme=opts.local_transport, client=identity,
                                   each=each, extra=["--log-format", opts.log_format,
-                                                    *(["--encoders", "ring"] if info.encoders else [])])
+                                                    *(["--encoders", "ring"] if info.encoders else []),
+                                                    *(["--decoder", "ring"] if info.decoders else [])])
         return NodeSet([f"{n.address}#{n.key}" for n in local], local)
 
     _keys = None  # the folder of a key made for this service alone

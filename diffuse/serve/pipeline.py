@@ -46,7 +46,8 @@ class PipelineEngine(Engine):
     def _make(self):
         import diffuse
 
-        return diffuse.from_pretrained(self.info.path, encoders="ring" if self.info.encoders else None)
+        return diffuse.from_pretrained(self.info.path, encoders="ring" if self.info.encoders else None,
+                                       decoder="ring" if self.info.decoders else None)
 
     def describe(self) -> dict:
         d = super().describe()
