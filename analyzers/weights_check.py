@@ -39,6 +39,7 @@ class WeightsCheck(Analyzer):
         if not all(map(has_weights, subject.component_dirs().values())):  # config files only (checked before download)
             return {"stack_weights": {s.path: "not checked (the folder holds no weights)" for s in stacks}}
         try:
+            gguf_matches(subject, model)
             return {"stack_weights": stack_weights(subject.weight_map(), model, [s.path for s in stacks])}
         except RefusedModel:
             raise
@@ -46,10 +47,22 @@ class WeightsCheck(Analyzer):
             raise RefusedModel(subject.path, str(exc)) from exc
 
 
+def gguf_matches(subject, model) -> None:
+    """Each GGUF denoiser file checked against its component's config: every tensor there, in its shape."""
+    from diffuse.plan.ggufread import GGUFFile, check_names, gguf_parts
+
+    for prefix, path in gguf_parts(subject).items():
+        component = model.get_submodule(prefix[:-1]) if prefix else model
+        check_names(GGUFFile(path), component, type(component).__name__)
+
+
 def has_weights(component_dir: str) -> bool:
     from diffuse.plan.modelfiles import WEIGHTS_NAMES
 
-    return any(os.path.isfile(os.path.join(component_dir, n)) for pair in WEIGHTS_NAMES for n in pair)
+    from diffuse.plan.ggufread import gguf_in
+
+    return any(os.path.isfile(os.path.join(component_dir, n)) for pair in WEIGHTS_NAMES for n in pair) or \
+        gguf_in(component_dir) is not None
 
 
 def stack_weights(files: dict[str, str], model, paths: list[str]) -> dict[str, str]:
@@ -57,6 +70,7 @@ def stack_weights(files: dict[str, str], model, paths: list[str]) -> dict[str, s
     the first tensor a node could not load as the library does. ``files``: tensor name -> safetensors file."""
     from safetensors import safe_open
 
+    from diffuse.plan.ggufread import GGUFFile
     from diffuse.plan.modelfiles import located, renamed_for
 
     wmap = located(renamed_for(files, model), model, paths)
@@ -64,7 +78,9 @@ def stack_weights(files: dict[str, str], model, paths: list[str]) -> dict[str, s
 
     def shape_of(key: str, file: str) -> tuple:
         if file not in headers:
-            headers[file] = safe_open(file, "pt")
+            headers[file] = GGUFFile(file) if file.endswith(".gguf") else safe_open(file, "pt")
+        if file.endswith(".gguf"):
+            return headers[file].shape(key) if key in headers[file] else None
         return tuple(headers[file].get_slice(key).get_shape())
 
     out, made = {}, {}

@@ -225,10 +225,10 @@ def fitting_modes(subject, plan: SlicingPlan, dtype: str, context: int | None, c
 def by_mode(subject, plan: SlicingPlan, dtype: str, context: int | None, caps: list[Capacity]):
     """(mode, bytes its blocks take, the fewest of ``caps`` that hold them or None) for no quantization and each
     ``--quantize`` mode."""
+    from diffuse.plan.ggufread import quantize_modes
     from diffuse.plan.placement import nodes_needed, rooms
-    from diffuse.plan.quantize import MODES
 
     room = rooms(caps)
-    for mode in ("", *MODES):
+    for mode in quantize_modes(subject):  # (a GGUF denoiser: only as its file holds it)
         blocks = block_costs(subject, plan.stacks, dtype, context, quantize=mode)
         yield mode, sum(b.weight_bytes + b.held_bytes for b in blocks), nodes_needed(blocks, room)

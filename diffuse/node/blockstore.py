@@ -30,6 +30,7 @@ from diffuse.errors import DiffuseError
 from diffuse.plan.modelfiles import fp32_kept, load_into, located, renamed_for, weight_map
 from diffuse.plan.contracts import Slice, StackPlan
 from diffuse.plan.fetching import hub_commit, hub_folder
+from diffuse.plan.ggufread import gguf_parts, load_gguf_block, part_of
 from diffuse.plan.quantize import large_from_system, library_rule, off_the_file, quantize, release_freed
 
 log = logging.getLogger("diffuse.node")
@@ -96,7 +97,9 @@ class BlockStore:
         self._forget_old_dtypes(dtype)
         t0 = time.perf_counter()
         skeleton = build_meta(self.subject.denoiser_class(), self.subject.denoiser_config)
-        wmap = located(renamed_for(self.subject.weight_map(), skeleton), skeleton, {s for s, _ in wanted})
+        ggufs = gguf_parts(self.subject)  # a GGUF denoiser: its blocks held as diffusers' GGUF quantizer holds them
+        plain = {s for s, _ in wanted if not part_of(ggufs, f"{s}.")}
+        wmap = located(renamed_for(self.subject.weight_map(), skeleton), skeleton, plain) if plain else {}
         files: dict[str, object] = {}
         keep = fp32_kept(skeleton, dtype)
         rule = library_rule(skeleton) if self.compute.quant else ()  # what the model's library leaves unquantized
@@ -105,10 +108,13 @@ class BlockStore:
         try:
             for stack, i in wanted:
                 block = skeleton.get_submodule(stack)[i]
-                load_into(block, f"{stack}.{i}.", wmap, dtype, files=files, device=self.device, keep=keep)
+                if stack in plain:
+                    load_into(block, f"{stack}.{i}.", wmap, dtype, files=files, device=self.device, keep=keep)
+                else:
+                    load_gguf_block(skeleton, ggufs, (stack, i), block, dtype, files, self.device)
                 place(block, self.device)  # what the files do not hold (buffers made at construction)
-                p = next(block.parameters(), None)
-                actual = dtype or (p.dtype if p is not None else torch.float32)
+                p = next((p for p in block.parameters() if p.is_floating_point()), None)
+                actual = dtype or (p.dtype if p is not None and stack in plain else torch.float32)
                 if quantize(block, f"{stack}.{i}.", self.compute.quant, self.device, actual, rule):
                     # the file's pages read to quantize this block, and what quantizing it freed, go now: the
                     # node's peak is its quantized slice and one block, not the unquantized slice

@@ -86,10 +86,13 @@ def node_compute(device: str | None, dtype: str | None, path: str, quantize: str
 
     from diffuse.plan.analysis import ModelSubject
     from diffuse.plan.devices import Compute, resolve_device
+    from diffuse.plan.ggufread import no_quantize_over_gguf
     from diffuse.plan.quantize import check_mode
 
     mode = check_mode(quantize, resolve_device(device))  # refused before the folder is read
-    compute = Compute.of(device, dtype, path, ModelSubject.from_path(path).denoiser or None)
+    subject = ModelSubject.from_path(path)
+    no_quantize_over_gguf(subject, mode)  # a GGUF denoiser is quantized already
+    compute = Compute.of(device, dtype, path, subject.denoiser or None)
     return dataclasses.replace(compute, quant=mode)
 
 

@@ -14,7 +14,13 @@ WEIGHTS_NAMES = (("diffusion_pytorch_model.safetensors.index.json", "diffusion_p
 
 
 def weight_map(component_dir: str) -> dict[str, str]:
-    """Parameter name -> safetensors file, from the index or the single weights file."""
+    """Parameter name -> safetensors file, from the index or the single weights file (or -> the component's one
+    GGUF file: ``diffuse.plan.ggufread``)."""
+    from diffuse.plan.ggufread import GGUFFile, gguf_in
+
+    gguf = gguf_in(component_dir)
+    if gguf is not None:
+        return {k: gguf for k in GGUFFile(gguf).names()}
     for index_name, single_name in WEIGHTS_NAMES:
         index = os.path.join(component_dir, index_name)
         if os.path.isfile(index):
@@ -25,7 +31,7 @@ def weight_map(component_dir: str) -> dict[str, str]:
             break
     else:
         raise DiffuseError(f"{component_dir} has no safetensors weights ({' or '.join(n for _, n in WEIGHTS_NAMES)}, "
-                           "or an index of them); Diffuse loads safetensors only")
+                           "or an index of them) and no .gguf file; Diffuse loads safetensors (and a denoiser's GGUF)")
     from safetensors import safe_open
 
     with safe_open(single, "pt") as f:
@@ -177,6 +183,12 @@ def _shapes(wmap: dict[str, str], keys) -> dict[str, tuple]:
         by_file.setdefault(wmap[k], []).append(k)
     out = {}
     for fn, names in by_file.items():
+        if fn.endswith(".gguf"):
+            from diffuse.plan.ggufread import GGUFFile
+
+            g = GGUFFile(fn)
+            out.update({k: g.shape(wmap.source(k) if isinstance(wmap, WeightMap) else k) for k in names})
+            continue
         with safe_open(fn, "pt") as f:
             for k in names:
                 out[k] = tuple(f.get_slice(wmap.source(k) if isinstance(wmap, WeightMap) else k).get_shape())
@@ -246,6 +258,10 @@ def content_hash(component_dir: str) -> str:
             with open(os.path.join(component_dir, name), "rb") as f:
                 n = int.from_bytes(f.read(8), "little")
                 h.update(name.encode() + f.read(n))
+        elif name.endswith(".gguf"):  # a GGUF denoiser: its header (names, types, shapes, offsets)
+            from diffuse.plan.ggufread import header_bytes
+
+            h.update(name.encode() + header_bytes(os.path.join(component_dir, name)))
     return h.hexdigest()
 
 
@@ -296,7 +312,6 @@ def load_into(module, prefix: str, wmap: dict[str, str], dtype=None, skip=None, 
     """
     import torch
     from safetensors import safe_open
-
     files = {} if files is None else files
     where = "cpu" if device is None else str(device)
 

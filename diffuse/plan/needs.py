@@ -39,7 +39,12 @@ _SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "
 
 
 def _header(path: str) -> dict:
-    """A safetensors file's header: tensor name -> {dtype, shape, data_offsets} (no tensor data is read)."""
+    """A safetensors file's header: tensor name -> {dtype, shape, data_offsets} (no tensor data is read); a GGUF
+    file's: name -> {dtype (its GGML type), shape, nbytes} (``diffuse.plan.ggufread.header_entries``)."""
+    if path.endswith(".gguf"):
+        from diffuse.plan.ggufread import header_entries
+
+        return header_entries(path)
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         if not 0 < n <= 100 << 20:
@@ -98,6 +103,9 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None,
     from diffuse.plan.modelfiles import located, renamed_for
     from diffuse.plan.quantize import INT4_GROUP_CPU, library_rule, quantizable, weight_bytes
 
+    from diffuse.plan.ggufread import no_quantize_over_gguf
+
+    no_quantize_over_gguf(subject, quantize)  # a GGUF denoiser is counted as its file holds it
     key = (subject.path, subject.denoiser, dtype, context, tuple((s.path, s.length) for s in stacks), quantize)
     if cache is not None and key in cache:
         return cache[key]
@@ -133,6 +141,8 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None,
                 floating = str(h.get("dtype", "")).startswith(("F", "BF")) and t.is_floating_point()
                 if name in squeezed:
                     total += weight_bytes(quantize, h.get("shape") or [], size, group or INT4_GROUP_CPU)
+                elif "nbytes" in h and h.get("dtype") not in ("F32", "F16"):  # GGUF-quantized: held as stored
+                    total += int(h["nbytes"])
                 else:
                     total += numel * (size if floating else own)
             out.append(BlockCost(st.path, i, total, state, once=st.path in once))

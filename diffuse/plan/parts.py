@@ -47,6 +47,9 @@ def component_bytes(folder: str, dtype_size: int) -> int:
         for name, h in _header(file).items():
             if name == "__metadata__" or not isinstance(h, dict):
                 continue
+            if "nbytes" in h and h.get("dtype") not in ("F32", "F16"):  # a GGUF file's quantized tensor, as stored
+                total += int(h["nbytes"])
+                continue
             count = 1
             for d in h.get("shape", ()):
                 count *= d

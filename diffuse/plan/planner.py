@@ -46,6 +46,9 @@ def learn_call(stack, args: tuple, kwargs: dict, block, layered: bool = False) -
 
 def make_plan(subject: ModelSubject, draft: dict, addresses: list[str] = (), keys: list[str] | None = None,
               compute_dtype: str = "float32", quantize: str = "") -> SlicingPlan:
+    from diffuse.plan.ggufread import no_quantize_over_gguf
+
+    no_quantize_over_gguf(subject, quantize)  # a GGUF denoiser's blocks are held as the file holds them
     stacks = tuple(draft["stacks"])
     two = draft.get("two_stream", {})
     return SlicingPlan(
@@ -78,13 +81,14 @@ def load_pipeline(path: str, subject: ModelSubject | None = None, stacks: list |
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
     typed = {"torch_dtype": dtype} if dtype is not None else {}
-    if not stacks:
+    if not stacks and not _gguf(path, subject):
         if partial_folder(path):
             raise DiffuseError(f"{path} holds only part of its model (what a client or a node of it fetched): "
                                "load it by its Hub id for a whole run, which fetches the rest")
         pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True, **typed)
     else:
-        shell = load_denoiser_shell(path, subject, stacks, dtype)
+        subject = subject or ModelSubject.from_path(path)
+        shell = load_denoiser_shell(path, subject, stacks or [], dtype)  # no stacks: a GGUF denoiser, whole
         shells = {n: shell.part(n) for n in subject.denoisers} if subject.several else {subject.denoiser: shell}
         with _denoiser_taken_as(shells):
             pipe = diffusers.DiffusionPipeline.from_pretrained(path, use_safetensors=True, **shells, **typed)
@@ -93,6 +97,14 @@ def load_pipeline(path: str, subject: ModelSubject | None = None, stacks: list |
                 raise DiffuseError(f"diffusers loaded its own {name} instead of the one without blocks")
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def _gguf(path: str, subject: ModelSubject | None) -> bool:
+    """Whether a denoiser of the pipeline at ``path`` is a GGUF file (loaded here, whole, as diffusers' GGUF
+    quantizer holds it: ``diffuse.plan.ggufread``)."""
+    from diffuse.plan.ggufread import gguf_parts
+
+    return bool(gguf_parts(subject or ModelSubject.from_path(path)))
 
 
 @contextlib.contextmanager
@@ -138,13 +150,17 @@ def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list, dtype=No
     the client's own computation bit-identical to a plain load.
     """
     from diffuse.plan.analysis import build_meta
+    from diffuse.plan.ggufread import gguf_parts, load_gguf_parts, part_of
     from diffuse.plan.modelfiles import fp32_kept, load_into, located, renamed_for, typed_unread
 
     model = build_meta(subject.denoiser_class(), subject.denoiser_config)
     heads = tuple(st.path + "." for st in stacks)
-    wmap = located(renamed_for(subject.weight_map(), model), model, [st.path for st in stacks])
     keep = fp32_kept(model, dtype)
-    load_into(model, "", wmap, dtype, skip=lambda name: name.startswith(heads), keep=keep)
+    ggufs = gguf_parts(subject)  # GGUF denoisers: held as diffusers' GGUF quantizer holds them
+    load_gguf_parts(model, ggufs, dtype, skip=lambda name: name.startswith(heads))
+    if len(ggufs) < len(subject.component_dirs()):
+        wmap = located(renamed_for(subject.weight_map(), model), model, [st.path for st in stacks])
+        load_into(model, "", wmap, dtype, skip=lambda name: name.startswith(heads) or part_of(ggufs, name), keep=keep)
     for st in stacks:
         if st.path not in subject.decoders:  # a VAE a node holds (diffuse.plan.decoders) is never called here
             typed_unread(model.get_submodule(st.path)[0], f"{st.path}.0.", dtype, keep)
@@ -159,5 +175,6 @@ def denoiser_dtype(denoiser) -> str:
     kept = getattr(denoiser, "_keep_in_fp32_modules", None) or ()
     if not hasattr(type(denoiser), "_keep_in_fp32_modules"):  # several components held as one: what each keeps
         kept = {k for child in denoiser.children() for k in getattr(child, "_keep_in_fp32_modules", None) or ()}
-    p = next((p for name, p in denoiser.named_parameters() if not any(k in name.split(".") for k in kept)), None)
+    p = next((p for name, p in denoiser.named_parameters()  # (a GGUF weight's quantized bytes are not its dtype)
+              if p.is_floating_point() and not any(k in name.split(".") for k in kept)), None)
     return str(p.dtype).removeprefix("torch.") if p is not None else "float32"

@@ -249,7 +249,8 @@ def quantize_ends(pipe_or_model, stacks, mode: str, denoisers: tuple[str, ...] =
         left_alone = library_rule(part)
         for sub_name, sub in list(part.named_modules()):
             if (not isinstance(sub, torch.nn.Linear) or sub is head or f"{sub_name}.".startswith(inside or ("\0",))
-                    or left_alone(f"{sub_name}.weight") or sub.weight.device.type == "meta"):
+                    or left_alone(f"{sub_name}.weight") or sub.weight.device.type == "meta"
+                    or not sub.weight.is_floating_point()):  # quantized already (a GGUF denoiser's layers)
                 continue
             group = group_of(mode, sub.weight.device, sub.weight.dtype)
             if group and sub.in_features % group:
