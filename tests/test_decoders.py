@@ -261,3 +261,19 @@ def test_a_client_of_a_hub_model_with_its_vae_on_a_node_fetches_none_of_its_weig
     assert spans and not any(a < e and s < b for a, b in fetched for s, e in spans.values())  # no byte of a tensor
     assert fetched  # its header: the client reads the VAE's layout, as every part's
     assert ranges_of(hub, "client-decoder", transformer)  # the denoiser's ends
+
+
+def test_the_client_memory_counts_no_vae_weights_where_a_node_holds_the_vae(models):
+    """``--client-memory`` weighs what the client keeps: with the VAE on a node, none of it; a budget between the
+    two is met only so (the budget never moves the VAE itself: that node sees the result)."""
+    from diffuse.errors import DiffuseError
+    from diffuse.plan.budget import client_weights, fit_encoders
+    from diffuse.plan.parts import component_bytes
+    from diffuse.plan.planner import analyze
+
+    flux = models("flux")
+    with_vae, without = (client_weights(*analyze(flux, decoders=d), "float32") for d in (False, True))
+    assert with_vae - without == component_bytes(f"{flux}/vae", 4) > 0
+    assert fit_encoders(flux, without, False, None, decoders=True) == (False, without)
+    with pytest.raises(DiffuseError, match="--client-memory .* the smallest client needs"):
+        fit_encoders(flux, without, False, None)

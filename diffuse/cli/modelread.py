@@ -93,12 +93,14 @@ def within_budget(q: QueryRequest, path: str, encoders: bool | None, console) ->
     from diffuse.client.progress import status
     from diffuse.plan.analysis import ModelSubject
     from diffuse.plan.budget import _gib, fit_encoders, parse_size
+    from diffuse.plan.decoders import check_decoder
     from diffuse.plan.devices import Compute, dtype_name
 
     ask = q.model
     compute = Compute.of(ask.device, ask.dtype, path, ModelSubject.from_path(path).denoiser or None)
     dtype = dtype_name(compute.dtype, "") if compute.dtype is not None else None
-    ring, held = fit_encoders(path, parse_size(ask.client_memory), encoders, dtype or None)
+    ring, held = fit_encoders(path, parse_size(ask.client_memory), encoders, dtype or None,
+                              check_decoder(q.ring.options.decoder) is not None)
     status(console, f"--client-memory {ask.client_memory}: the client holds {_gib(held)} of weights, with the "
                     f"encoders {'on the ring' if ring else 'here'}", q.output.quiet)
     return ring, replace(q, ring=replace(q.ring, options=replace(q.ring.options, encoders="ring" if ring else "client")))

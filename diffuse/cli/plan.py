@@ -77,7 +77,7 @@ def plan_command(argv: list[str]) -> int:
         if a.client_memory is not None:  # the encoders where the client's part fits (diffuse.plan.budget)
             from diffuse.plan.budget import fit_encoders, parse_size
 
-            encoders, _ = fit_encoders(path, parse_size(a.client_memory), encoders, a.dtype)
+            encoders, _ = fit_encoders(path, parse_size(a.client_memory), encoders, a.dtype, check_decoder(a.decoder) is not None)
         subject, draft = analyze(path, bool(encoders), check_decoder(a.decoder) is not None)
         dtype = a.dtype or load_dtype(subject)
         _dtype_size(dtype)

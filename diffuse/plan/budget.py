@@ -5,7 +5,9 @@ part it keeps, in the compute dtype, read from the safetensors headers (activati
 and a transformers model's first layer, held until its stack's first call, come on top). With the encoders on
 the client first: where that fits the budget they stay there; else they go to the ring (``--encoders ring``),
 where that fits. A budget that neither meets is refused before anything loads, naming what the smallest client
-needs. ``--encoders`` given forces the place, and the budget is then only checked.
+needs. ``--encoders`` given forces the place, and the budget is then only checked. A VAE on a node
+(``--decoder``, ``diffuse.plan.decoders``) is no part of the client's weights; the budget never puts it there (that
+node sees the result: only the user names it).
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ def client_weights(subject, draft: dict, dtype: str) -> int:
     return sum(p.client_bytes for p in pipeline_parts(subject, draft["stacks"], blocks, _dtype_size(dtype)))
 
 
-def fit_encoders(path: str, budget: int, forced: bool | None, dtype: str | None) -> tuple[bool, int]:
+def fit_encoders(path: str, budget: int, forced: bool | None, dtype: str | None,
+                 decoders: bool = False) -> tuple[bool, int]:
     """(whether the encoders go to the ring, what the client then holds) for the pipeline at ``path`` under
     ``budget`` bytes (``forced``: ``--encoders`` as given, None where not; ``dtype``: the client's, None: what a
-    plain load gives); refused where no place of the encoders fits."""
+    plain load gives; ``decoders``: its VAE on a node, not counted); refused where no place of the encoders fits."""
     from diffuse.plan.needs import load_dtype
     from diffuse.plan.planner import analyze
 
@@ -52,7 +55,7 @@ def fit_encoders(path: str, budget: int, forced: bool | None, dtype: str | None)
     def holds(ring: bool) -> int:
         nonlocal has_encoders
         if ring not in held:
-            subject, draft = analyze(path, ring)
+            subject, draft = analyze(path, ring, decoders)
             has_encoders = has_encoders and bool(subject.encoders or not ring)
             held[ring] = client_weights(subject, draft, dtype or load_dtype(subject))
         return held[ring]
