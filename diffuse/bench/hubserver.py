@@ -9,7 +9,8 @@ size and sha256 (``/api/models/ORG/NAME[/revision/REV]``), and ``resolve`` (``HE
 file answers 404 with the Hub's error codes. Each publish of a folder to a repo is a new commit (its sha is
 that of the file list), and ``main`` moves to it; older commits stay reachable by sha.
 
-Every request is logged (``HubServer.log``: who, method, repo, file, the byte range asked and the bytes sent).
+Every request is logged (``HubServer.log``: who, method, repo, file, the byte range asked, the bytes sent and the
+client's ``User-Agent``).
 Who is the first path segment when it starts with ``~``: a process given ``HF_ENDPOINT=<url>/~node0`` is logged
 as ``node0``. ``rate`` (bytes a second, for every transfer together) slows transfers, so that one can be cut
 midway; ``rates`` (who -> bytes a second) slows those to one process only, on a clock of its own; ``faults``
@@ -172,7 +173,7 @@ class _Handler(BaseHTTPRequestHandler):
         parts = [urllib.parse.unquote(p) for p in url.path.split("/") if p]
         who = parts.pop(0)[1:] if parts and parts[0].startswith("~") else ""
         entry = {"who": who, "method": self.command, "repo": "", "file": "", "range": None, "sent": 0,
-                 "status": 0}
+                 "status": 0, "agent": self.headers.get("User-Agent", "")}
         try:
             self._route(parts, urllib.parse.parse_qs(url.query), entry, body)
         except (BrokenPipeError, ConnectionResetError):

@@ -1,19 +1,22 @@
-"""Files of a Hub model on this disk, fetched by byte ranges: whole, or only the parts a process runs.
+"""Files of a Hub model on this disk: whole, or only the parts a process runs.
 
 A model at one commit is a folder, ``<HF hub cache>/diffuse/models--ORG--NAME/<commit>/``, laid out as the repo
 is, so the loaders read it as any model folder. A file is complete there, or it is *partial*: as large as on the
 Hub but holding only some byte ranges (a sparse file: the ranges not fetched take no disk), with a note beside it
 (``.NAME.diffuse.json``: its size, its digest, the ranges held). A safetensors file a node holds part of is
-partial: its header and the tensors of its slice. A whole file is fetched the same way and sealed (its note says
-so, with the file's size and modification time) once every byte is there and its digest is the Hub's (the sha256
-of a file in LFS, the git blob id of one in git), so an interrupted fetch resumes from the ranges held, and no
-file is ever taken for complete that is not.
+partial: its header and the tensors of its slice. A file is sealed (its note says so, with the file's size and
+modification time) once every byte is there and its digest is the Hub's (the sha256 of a file in LFS, the git
+blob id of one in git), so an interrupted fetch resumes from the ranges held, and no file is ever taken for
+complete that is not.
 
-Progress lines: ``diffuse.plan.fetchprogress``.
+A file wanted whole comes through ``huggingface_hub`` into its own cache and is linked here from there
+(``diffuse.plan.libfetch``, which says why and how it resumes); parts of files come by Diffuse's own range
+reads, which the library has no way to ask for. Progress lines: ``diffuse.plan.fetchprogress``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -29,6 +32,7 @@ from diffuse.errors import DiffuseError
 from diffuse.plan.fetchbytes import CHUNK, _git_blob, _range_start, _read_json, _sha256, merged, missing
 from diffuse.plan.fetchprogress import Progress, size_text
 from diffuse.plan.hub import RETRIES, HubRef, backoff_s, file_url, hub_failure, offline, request
+from diffuse.plan.libfetch import fetch_whole, library_wanted, offer
 
 NOTE_EVERY_S = 1.0  # seconds between two writes of a partial file's note while fetching (what a kill may lose)
 
@@ -119,22 +123,37 @@ class RepoFile:
             return True
         print(f"{self.local} is damaged ({st.st_size} bytes, changed since it was fetched and checked): "
               "fetching it again", file=sys.stderr)
+        self._drop_library_copy(st)
         os.unlink(self.local)
         if note is not None:
             os.unlink(self.note_path)
         return False
 
-    def _adopt(self) -> bool:
+    def _snapshot(self) -> str:
+        """Where ``huggingface_hub``'s cache keeps this file of this commit (a link to its blob)."""
+        return os.path.join(hub_cache(), "models--" + self.ref.repo.replace("/", "--"), "snapshots", self.commit,
+                            self.path)
+
+    def _drop_library_copy(self, st: os.stat_result) -> None:
+        """The library's blob of this file removed where it is this very file (``st``: its stat; linked by
+        ``_adopt``), which was found damaged: else the library would hand the same bytes back."""
+        real = os.path.realpath(self._snapshot())
+        try:
+            if os.path.samestat(os.stat(real), st):
+                os.unlink(real)
+        except OSError:
+            pass
+
+    def _adopt(self, check: bool = False) -> bool:
         """This commit's copy of the file in ``huggingface_hub``'s own cache (``hf download``, or any tool of the
         Hub's library, put it in ``snapshots/<commit>/``), made this folder's by a hard link where the disk allows
         (no byte copied or fetched), else copied, and sealed. The cache names each blob by the digest the Hub gave
-        for it: a blob of another name is checked against the Hub's digest first."""
-        snap = os.path.join(hub_cache(), "models--" + self.ref.repo.replace("/", "--"), "snapshots", self.commit,
-                            self.path)
-        real = os.path.realpath(snap)
+        for it: a blob of another name, or any where ``check`` (one just fetched), is checked against the Hub's
+        digest first."""
+        real = os.path.realpath(self._snapshot())
         if not os.path.isfile(real) or os.path.getsize(real) != self.size or not self.size:
             return False
-        if os.path.basename(real) not in {d for d in (self.sha256, self.blob) if d}:
+        if check or os.path.basename(real) not in {d for d in (self.sha256, self.blob) if d}:
             digest = _sha256(real) if self.sha256 else _git_blob(real) if self.blob else None
             if digest is None or digest not in (self.sha256, self.blob):
                 return False
@@ -147,6 +166,26 @@ class RepoFile:
         os.replace(tmp, self.local)  # over a partial file of ours, if there was one
         self._write_note(None)
         return True
+
+    def whole_wanted(self, spans) -> bool:
+        """Whether holding ``spans`` means fetching the whole file, bar its header where that is all it holds: a
+        file for ``huggingface_hub`` to fetch (``diffuse.plan.libfetch.fetch_whole``)."""
+        held = self.held()
+        if not self.size or merged(held + [list(s) for s in spans]) != [[0, self.size]]:
+            return False
+        if not held:
+            return True
+        with open(self.local, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+        return merged(held) == [[0, 8 + n]]
+
+    @contextlib.contextmanager
+    def locked(self):
+        """This file's lock (beside it), held: processes fetching the same file take turns."""
+        os.makedirs(os.path.dirname(self.local), exist_ok=True)
+        with open(_note_path(self.local)[: -len(".json")] + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
 
     def held(self) -> list[list[int]]:
         if self.complete():
@@ -175,9 +214,7 @@ class RepoFile:
         Processes fetching the same file take turns (a lock beside it) and fetch only what the other left."""
         if not self.to_fetch(spans) and not self._unsealed_whole() and (self.size or self.complete()):
             return
-        os.makedirs(os.path.dirname(self.local), exist_ok=True)
-        with open(_note_path(self.local)[: -len(".json")] + ".lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with self.locked():
             self._fetch_locked(spans, progress)
 
     def _unsealed_whole(self) -> bool:
@@ -325,6 +362,19 @@ def room_for(needs: dict[str, list[str]], folder: str, what: str) -> int:
     return total
 
 
+def fetch_all(todo: list, progress: Progress) -> None:
+    """Each (file, byte ranges) of ``todo`` held: a file wanted whole by ``huggingface_hub``
+    (``diffuse.plan.libfetch.fetch_whole``), the others, and what a killed fetch of the library left of one, by
+    range here."""
+    for f, spans in todo:
+        progress.file = f.path
+        whole = library_wanted() and f.whole_wanted(spans)
+        if not (whole and fetch_whole(f, progress, hub_cache())):
+            f.fetch(spans, progress)
+            if whole and f.complete():  # taken up by range after a killed fetch: the library's now too
+                offer(f, hub_cache())
+
+
 def hold(needs: dict[str, list[str]], say=None, watch=None) -> None:
     """Every tensor ``needs`` names (safetensors file -> tensor names) held on this disk: in a partial file of a
     Hub model, the byte ranges of those not held yet are fetched first (one progress line for them all). A file
@@ -338,7 +388,5 @@ def hold(needs: dict[str, list[str]], say=None, watch=None) -> None:
     progress = Progress(str(todo[0][0].ref), total, say)
     if watch is not None:
         watch(progress)
-    for f, spans in todo:
-        progress.file = f.path
-        f.fetch(spans, progress)
+    fetch_all(todo, progress)
     progress.end()

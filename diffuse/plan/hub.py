@@ -1,7 +1,8 @@
 """Talking to the Hugging Face Hub: a model named ``ORG/NAME[@REVISION]``, its commit and file list, and byte
 ranges of its files, over the Hub's plain file API.
 
-Diffuse speaks HTTP itself here (``urllib``), so that the libraries it loads models with can stay offline
+Diffuse speaks HTTP itself here (``urllib``; a file wanted whole is fetched by ``huggingface_hub`` in a process of
+its own, ``diffuse.plan.libfetch``), so that the libraries it loads models with can stay offline
 (``HF_HUB_OFFLINE=1``, set by Diffuse's commands) while it fetches: offline for Diffuse is what the user asked
 (``DIFFUSE_HUB_OFFLINE``, which the commands set from ``HF_HUB_OFFLINE`` as it was before they ran, see
 ``diffuse.home.libraries_offline``). ``HF_ENDPOINT`` and ``HF_TOKEN`` (or the token ``hf auth login`` saved) are

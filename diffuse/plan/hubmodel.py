@@ -24,7 +24,8 @@ commit fetched last for that name), holding:
 Only what loaders read is fetched (``diffuse.plan.repofiles``): safetensors weights (never ``.bin`` and the like,
 nor a ``.fp16.``-style variant beside the plain file, nor a file a folder's weight index does not name), the
 components a diffusers ``model_index.json`` names, and no media of the model card. ``.diffuse/hub.json`` in the
-folder says which repo and commit it is.
+folder says which repo and commit it is. A file wanted whole comes through ``huggingface_hub`` into its cache and
+is linked here (``diffuse.plan.libfetch``); parts of files by Diffuse's own range reads.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import re
 import threading
 
 from diffuse.errors import DiffuseError
-from diffuse.plan.fetching import MARKER, RepoFile, check_room, hub_folder, repo_root, spans_of
+from diffuse.plan.fetching import MARKER, RepoFile, check_room, fetch_all, hub_folder, repo_root, spans_of
 from diffuse.plan.fetchprogress import Progress
 from diffuse.plan.hub import HubRef, Listing, listing, offline
 from diffuse.plan.repofiles import analysis_reads, loaded_files, weight_indexes
@@ -130,8 +131,7 @@ def _fetch_spans(ref: HubRef, todo: list, what: str, say, where: str) -> None:
     total = sum(b - a for f, spans in todo for a, b in f.to_fetch(spans))
     check_room(where, total, f"{ref}'s {what}")
     progress = Progress(f"{ref} ({what})", total, say)
-    for f, spans in todo:
-        f.fetch(spans, progress)
+    fetch_all(todo, progress)
     progress.end()
 
 

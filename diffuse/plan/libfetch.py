@@ -1,0 +1,253 @@
+"""Whole files of a Hub model fetched by ``huggingface_hub`` (``hf_hub_download``) into its own cache, then made
+Diffuse's by a hard link.
+
+Where a process needs a whole file (a config, a tokenizer, a component it runs whole, a shard every tensor of
+which is a node's own), the Hub's own library fetches it: into its cache (``HF_HUB_CACHE``, else
+``HF_HOME/hub``), in its layout (``models--ORG--NAME/blobs/<etag>``, linked from ``snapshots/<commit>/<path>``),
+where every other tool of the Hub's finds it, through ``hf_xet`` (or ``hf_transfer``) where installed, with the
+endpoint and token Diffuse reads (``HF_ENDPOINT``, ``HF_TOKEN``). Diffuse then takes the file into its own folder
+(``RepoFile._adopt``: a hard link, so no byte is stored twice), checks it against the Hub's digest and seals it.
+
+Part of a file (a node's tensors in a shard that holds others' too, the client's ends in the denoiser's file)
+still comes by Diffuse's own HTTP range reads (``diffuse.plan.fetching``): the library fetches whole files only,
+and through it every node would fetch every shard it touches whole.
+
+The library runs in a process of its own (``python -m diffuse.plan.libfetch``), started at a process's first
+whole file and kept for the next ones: Diffuse's commands keep the libraries offline (``HF_HUB_OFFLINE=1``, which
+``huggingface_hub`` reads once, at import), and that process is online. It is handed one file at a time and
+says the bytes as they come (the fetch's progress: bytes, rate, time left), retries a server error or a dropped
+connection with Diffuse's backoff (``RETRIES``; the library resumes a cut transfer itself), and ends with the
+process that started it (its input closes, or its parent is gone). A failure comes back as one line, as for
+range reads (``hub_failure``).
+
+Resume across runs: the library writes a file to ``blobs/<etag>.<random>.incomplete``, in order from its start
+(a megabyte at a time here), and removes it on a failure it sees; killed, it leaves it behind and never reads it
+again. Diffuse takes such a
+leftover as the bytes its own partial file holds and fetches the rest by range (``leftover``), so a fetch killed
+midway goes on where it stopped; the whole is checked against the Hub's digest, as every file is.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+NO_SPACE = 28  # errno.ENOSPC
+LEFT_S = 3.0  # seconds unwritten after which a partial file of the library's is taken for left behind
+
+
+def blobs_dir(cache: str, repo: str) -> str:
+    return os.path.join(cache, "models--" + repo.replace("/", "--"), "blobs")
+
+
+def leftover(cache: str, repo: str, digest: str | None, size: int) -> str | None:
+    """The largest file a killed ``huggingface_hub`` left of the blob ``digest`` (its etag: the sha256 of a file
+    in LFS, else its git blob id) that no one has written for ``LEFT_S``, no larger than the file; None where
+    none. (Diffuse's own processes take the file's lock before they look, so only another tool's download under
+    way could be mistaken for one.)"""
+    if not digest:
+        return None
+    found = [p for p in glob.glob(os.path.join(blobs_dir(cache, repo), f"{glob.escape(digest)}.*.incomplete"))
+             if 0 < os.path.getsize(p) <= size and time.time() - os.path.getmtime(p) > LEFT_S]
+    return max(found, key=os.path.getsize) if found else None
+
+
+def library_wanted() -> bool:
+    """Whether whole files go through ``huggingface_hub`` (``DIFFUSE_HUB_LIBRARY=0``: Diffuse's range reads for
+    every byte, as before; what ``python -m diffuse.bench fetch`` compares)."""
+    return os.environ.get("DIFFUSE_HUB_LIBRARY", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def offer(f, cache: str) -> None:
+    """The complete file ``f`` put in ``huggingface_hub``'s layout in ``cache`` too, where it lacks it: linked as
+    the blob its digest names, and from the commit's snapshot (a relative link, as the library makes them)."""
+    digest = f.sha256 or f.blob
+    snap = os.path.join(os.path.dirname(blobs_dir(cache, f.ref.repo)), "snapshots", f.commit, f.path)
+    if not digest or os.path.lexists(snap):
+        return
+    blob = os.path.join(blobs_dir(cache, f.ref.repo), digest)
+    try:
+        os.makedirs(os.path.dirname(blob), exist_ok=True)
+        if not os.path.exists(blob):
+            os.link(f.local, blob)
+        os.makedirs(os.path.dirname(snap), exist_ok=True)
+        os.symlink(os.path.relpath(blob, os.path.dirname(snap)), snap)
+    except OSError:  # another disk, or no links there: the file stays Diffuse's only
+        pass
+
+
+def fetch_whole(f, progress, cache: str) -> bool:
+    """The file ``f`` (a ``diffuse.plan.fetching.RepoFile``) fetched whole by ``huggingface_hub`` into its cache
+    ``cache`` and taken from there (``RepoFile._adopt``, its digest checked), under the file's lock; its bytes added
+    to ``progress``. False where a killed fetch of the library's left part of it: those bytes are now the file's
+    (a partial file), for ``RepoFile.fetch`` to fetch the rest by range."""
+    from diffuse.errors import DiffuseError
+    from diffuse.plan.hub import RETRIES, endpoint, hub_failure, token
+
+    with f.locked():
+        if f.complete():
+            return True
+        left = leftover(cache, f.ref.repo, f.sha256 or f.blob, f.size)
+        if left is not None and os.path.getsize(left) > sum(b - a for a, b in f.held()):
+            n = os.path.getsize(left)
+            f._write_note([])  # first: a file with no note beside it would be taken for one to check
+            os.replace(left, f.local)
+            os.truncate(f.local, f.size)
+            f._write_note([[0, n]])
+            if progress is not None:
+                progress.add(n)  # as good as fetched: the range read brings the rest
+            return False
+        said = Worker.fetch({"repo": f.ref.repo, "commit": f.commit, "path": f.path, "cache": cache,
+                             "endpoint": endpoint(), "token": token(), "retries": RETRIES,
+                             "backoff": float(os.environ.get("DIFFUSE_FETCH_BACKOFF", "1"))}, progress)
+        if "failed" in said:
+            exc = failure(said["failed"])
+            if isinstance(exc, OSError):
+                raise DiffuseError(f"the disk holding {cache} is full: free space there (or set HF_HOME to a disk "
+                                   "with room) and run again") from None
+            raise hub_failure(exc, f.ref) from None
+        if not f._adopt(check=True):
+            f._drop_library_copy(os.stat(os.path.realpath(f._snapshot())))
+            raise DiffuseError(f"{f.ref}: {f.path} arrived damaged (its digest is not the one the Hub lists); it "
+                               "was removed: run again to fetch it anew")
+        return True
+
+
+class Worker:
+    """The process running ``huggingface_hub`` for this one (see the module's docstring)."""
+
+    _lock = threading.Lock()
+    _proc: subprocess.Popen | None = None
+
+    @classmethod
+    def fetch(cls, ask: dict, progress) -> dict:
+        """``ask`` (repo, commit, path, cache, endpoint, token; retries, backoff: the tries and the first wait
+        between two) fetched whole into the library's cache; its bytes
+        added to ``progress`` as they come. The answer: ``{"done": path in the snapshot}`` or ``{"failed": ...}``
+        (``failure`` reads it)."""
+        with cls._lock:
+            proc = cls._started()
+            proc.stdin.write(json.dumps(ask) + "\n")
+            proc.stdin.flush()
+            for line in proc.stdout:
+                said = json.loads(line)
+                if "bytes" in said:
+                    if progress is not None:
+                        progress.add(said["bytes"])
+                    continue
+                return said
+            cls._proc = None
+            return {"failed": {"unreachable": f"the process fetching with huggingface_hub ended ({proc.wait()})"}}
+
+    @classmethod
+    def _started(cls) -> subprocess.Popen:
+        if cls._proc is None or cls._proc.poll() is not None:
+            env = dict(os.environ, HF_HUB_OFFLINE="0", HF_HUB_DISABLE_PROGRESS_BARS="1", PYTHONUNBUFFERED="1")
+            cls._proc = subprocess.Popen([sys.executable, "-m", "diffuse.plan.libfetch", str(os.getpid())],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         text=True, env=env)
+        return cls._proc
+
+
+def failure(said: dict):
+    """What the worker said of a failed fetch, as the exception ``diffuse.plan.hub.hub_failure`` turns into one
+    line (an ``HTTPError`` with the Hub's error code, or a ``URLError``); an ``OSError`` for a full disk."""
+    import email.message
+    import urllib.error
+
+    if said.get("nospace"):
+        return OSError(NO_SPACE, "no space left on the device")
+    if said.get("status"):
+        headers = email.message.Message()
+        for k, v in (said.get("headers") or {}).items():
+            headers[k] = v
+        return urllib.error.HTTPError(said.get("url") or "", said["status"], said.get("reason") or "", headers, None)
+    return urllib.error.URLError(said.get("unreachable") or "unknown failure")
+
+
+# -- the worker's side: python -m diffuse.plan.libfetch PARENT_PID ----------------------------------------------
+
+
+def _say(what: dict) -> None:
+    try:
+        sys.stdout.write(json.dumps(what) + "\n")
+        sys.stdout.flush()
+    except OSError:  # the parent is gone: end here, before the library cleans up what it fetched so far
+        os._exit(1)
+
+
+def _told():
+    """A ``tqdm`` that says each update (the library's bytes) to the parent."""
+    from tqdm.auto import tqdm
+
+    class Told(tqdm):
+        def update(self, n=1):
+            if n:
+                _say({"bytes": int(n)})
+            return super().update(n)
+
+    return Told
+
+
+def _described(exc: BaseException) -> dict:
+    """A failure as the parent reads it (``failure``)."""
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    if status:
+        keep = ("X-Error-Code", "X-Error-Message")
+        return {"status": int(status), "reason": getattr(response, "reason_phrase", "") or "",
+                "url": str(getattr(getattr(response, "request", None), "url", "") or ""),
+                "headers": {k: response.headers[k] for k in keep if k in response.headers}}
+    for e in (exc, exc.__cause__, exc.__context__):
+        if isinstance(e, OSError) and e.errno == NO_SPACE:
+            return {"nospace": True}
+    cause = exc.__cause__ or exc
+    return {"unreachable": f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}"}
+
+
+def _fetched(ask: dict) -> str:
+    from huggingface_hub import hf_hub_download
+
+    retries = ask["retries"]
+    for attempt in range(retries):
+        try:
+            return hf_hub_download(ask["repo"], ask["path"], revision=ask["commit"], cache_dir=ask["cache"],
+                                   endpoint=ask["endpoint"], token=ask["token"] or False, tqdm_class=_told())
+        except Exception as exc:  # noqa: BLE001 (said to the parent, which makes it one line)
+            said = _described(exc)
+            status = said.get("status") or 0
+            if said.get("nospace") or (status and status < 500 and status != 429) or attempt == retries - 1:
+                raise
+            time.sleep(ask["backoff"] * 2 ** attempt)
+    raise AssertionError("unreachable")
+
+
+def _watch(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)  # the library's partial file stays, for the next run to take up (``leftover``)
+
+
+def main(argv: list[str]) -> int:
+    from huggingface_hub import constants
+
+    # a download is written (and its progress said) a piece at a time: 1 MiB, not the library's 10 MiB, so that a
+    # fetch killed midway leaves all but its last megabyte for the next run to take up
+    constants.DOWNLOAD_CHUNK_SIZE = 1 << 20
+    threading.Thread(target=_watch, args=(int(argv[0]),), daemon=True).start()
+    for line in sys.stdin:
+        ask = json.loads(line)
+        try:
+            _say({"done": _fetched(ask)})
+        except Exception as exc:  # noqa: BLE001
+            _say({"failed": _described(exc)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

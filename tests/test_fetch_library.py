@@ -1,0 +1,98 @@
+"""Whole files come through ``huggingface_hub`` (``diffuse.plan.libfetch``), parts of files by Diffuse's own range
+reads, against the loopback Hub of tests/hubtest.py; what each fetched is read from the server's access log, by
+the client each request came from (its ``User-Agent``).
+
+A client's fetch: every file it holds whole was sent once, whole, to the Hub's library, and is the library's
+blob in its snapshot layout (the same inode in Diffuse's folder); the denoiser's file, of which it holds the ends,
+came by range to Diffuse and is not in that layout; the progress counted every byte. A fetch killed while the
+library fetched a file goes on, in the next run, from the bytes the library left: that file's bytes over both runs
+are its size, its last unwritten megabyte and a second's worth at most, and it ends in the library's layout too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from hubtest import DENOISER, REPO, TOKENIZER, hub, hub_env, tensor_spans  # noqa: F401 (hub: a fixture)
+
+
+def sent(hub, who: str, file: str, by: str) -> list[tuple]:
+    """(range asked, bytes sent) of each GET of ``file`` that ``who`` made through ``by`` (a User-Agent's part)."""
+    return [(e["range"], e["sent"]) for e in hub.log if e["who"] == who and e["file"] == file
+            and e["method"] == "GET" and by in e["agent"] and e["sent"]]
+
+
+def snapshot(home, commit: str) -> str:
+    return os.path.join(home, "hf", "hub", "models--org--tiny-wan", "snapshots", commit)
+
+
+def test_a_client_gets_whole_files_through_the_hubs_library_and_parts_by_range(hub, tmp_path, monkeypatch):
+    from diffuse.plan.hub import hub_ref
+    from diffuse.plan.hubmodel import fetch_model, stored_listing
+    from diffuse.plan.repofiles import loaded_files
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint("lib-client"))
+    monkeypatch.setenv("DIFFUSE_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as Diffuse's commands keep the libraries: the worker is online
+    lines: list[str] = []
+    folder = fetch_model(hub_ref(REPO), "client", say=lines.append)
+    snap = snapshot(tmp_path, hub.commit)
+    whole = [p for p in loaded_files(stored_listing(folder), folder) if p != DENOISER]
+    assert TOKENIZER in whole and "vae/diffusion_pytorch_model.safetensors" in whole
+    for path in whole:
+        size = os.path.getsize(os.path.join(hub.source, path))
+        assert sent(hub, "lib-client", path, "hf_hub") == [(None, size)], path  # once, whole, by the library
+        mine, theirs = os.stat(os.path.join(folder, path)), os.stat(os.path.join(snap, path))
+        assert (mine.st_ino, mine.st_size) == (theirs.st_ino, size), path  # the library's own blob
+    n, _ = tensor_spans(os.path.join(hub.source, DENOISER))
+    ranges = sent(hub, "lib-client", DENOISER, "diffuse")
+    assert ranges and all(r is not None for r, _ in ranges) and not sent(hub, "lib-client", DENOISER, "hf_hub")
+    assert sum(k for _, k in ranges) < os.path.getsize(os.path.join(hub.source, DENOISER)) - 8 - n  # no block
+    assert not os.path.exists(os.path.join(snap, DENOISER))  # a partial file is Diffuse's alone
+    assert lines and "(100%)" in lines[-1], lines  # the library's bytes counted as they came
+
+
+def test_a_whole_file_fetch_killed_midway_goes_on_from_what_the_library_left(hub, tmp_path):
+    home = tmp_path / "home"
+    with open(os.path.join(hub.source, DENOISER), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    size = os.path.getsize(os.path.join(hub.source, DENOISER))
+    blobs = os.path.join(home, "hf", "hub", "models--org--tiny-wan", "blobs")
+    code = "import sys; from diffuse.plan.resolve import resolve_model; resolve_model(sys.argv[1], 'whole')"
+    rate = 1_000_000
+    hub.rates["lib-killed"] = rate
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", code, REPO], env=hub_env(hub, "lib-killed", home),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline, part = time.monotonic() + 90, []
+        while proc.poll() is None and time.monotonic() < deadline and not part:
+            time.sleep(0.1)
+            part = [p for p in (os.listdir(blobs) if os.path.isdir(blobs) else ()) if p.startswith(digest)
+                    and p.endswith(".incomplete") and os.path.getsize(os.path.join(blobs, p)) > 1_500_000]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        time.sleep(3.5)  # LEFT_S: the worker ends with its parent; the file it left is not written since
+    finally:
+        hub.rates.pop("lib-killed", None)  # (only now: the server sends no faster while the worker reads on)
+    assert part, "the library never got far into the denoiser's file"
+    deadline = time.monotonic() + 10  # the server logs a transfer once its end is seen
+    while not sent(hub, "lib-killed", DENOISER, "hf_hub") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    first = sum(k for _, k in sent(hub, "lib-killed", DENOISER, "hf_hub"))
+    assert 1_500_000 < first < size, first
+    run = subprocess.run([sys.executable, "-c", code, REPO], env=hub_env(hub, "lib-again", home),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    again = sent(hub, "lib-again", DENOISER, "")
+    assert again and all(r is not None and r[0] > 1_000_000 for r, _ in again), again  # by range, past the start
+    # twice at most: the megabyte the library had not written yet, and what a second brought meanwhile
+    assert first + sum(k for _, k in again) <= size + (1 << 20) + rate, (first, again, size)
+    kept = os.path.join(snapshot(home, hub.commit), DENOISER)
+    with open(kept, "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == digest  # whole and right, in the library's layout too
