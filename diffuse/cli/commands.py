@@ -72,14 +72,18 @@ def verify_main(argv: list[str]) -> int:
         with progress.phase(out, f"{os.path.basename(info.path)}: running it whole, in this process, on "
                        f"{compute.describe()}", a.quiet):
             whole = load_whole_or_shell(info, compute, shell=False)
+            for name in info.subject.decoders if q.ring.options.decoder_tiling == "on" else ():
+                getattr(whole, name).enable_tiling()  # the split's node decodes in tiles: so does the whole run
             with torch.no_grad():
                 reference = output_array(whole(**call_kwargs(q.call, whole, info)))
             del whole
         with progress.phase(out, f"{os.path.basename(info.path)}: running it split", a.quiet):
-            pipe = diffuse.from_pretrained(info.path, device=a.device, dtype=a.dtype,
-                                           encoders="ring" if info.encoders else None)  # --encoders, --client-memory
+            pipe = diffuse.from_pretrained(info.path, device=a.device, dtype=a.dtype,  # --encoders, --client-memory
+                                           encoders="ring" if info.encoders else None,
+                                           decoder="ring" if info.decoders else None)  # --decoder
             with diffuse.split(pipe, nodes=q.ring.nodes, local_nodes=a.local_nodes, patches=a.patches,
-                               threads=a.threads, timeout=a.timeout, local_transport=a.local_transport), \
+                               threads=a.threads, timeout=a.timeout, local_transport=a.local_transport,
+                               decoder=q.ring.options.decoder, decoder_tiling=q.ring.options.decoder_tiling), \
                     torch.no_grad():
                 split = output_array(pipe(**call_kwargs(q.call, pipe, info)))
         result["diff"] = float(np.abs(reference.astype(np.float64) - split).max())
