@@ -115,7 +115,9 @@ class BlockStore:
                 place(block, self.device)  # what the files do not hold (buffers made at construction)
                 p = next((p for p in block.parameters() if p.is_floating_point()), None)
                 actual = dtype or (p.dtype if p is not None and stack in plain else torch.float32)
-                if quantize(block, f"{stack}.{i}.", self.compute.quant, self.device, actual, rule):
+                # a VAE (--decoder) is held as plain diffusers holds it beside a quantized denoiser: unquantized
+                if stack not in self.subject.decoders and quantize(block, f"{stack}.{i}.", self.compute.quant,
+                                                                   self.device, actual, rule):
                     # the file's pages read to quantize this block, and what quantizing it freed, go now: the
                     # node's peak is its quantized slice and one block, not the unquantized slice
                     off_the_file(block)
