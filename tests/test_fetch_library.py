@@ -7,6 +7,8 @@ blob in its snapshot layout (the same inode in Diffuse's folder); the denoiser's
 came by range to Diffuse and is not in that layout; the progress counted every byte. A fetch killed while the
 library fetched a file goes on, in the next run, from the bytes the library left: that file's bytes over both runs
 are its size, its last unwritten megabyte and a second's worth at most, and it ends in the library's layout too.
+And ``diffuse.from_pretrained(..., local_nodes=True)`` checks the room for all of a Hub model once, before its
+first tensor byte.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from hubtest import DENOISER, REPO, TOKENIZER, hub, hub_env, tensor_spans  # noqa: F401 (hub: a fixture)
 
 
@@ -77,7 +80,7 @@ def test_a_whole_file_fetch_killed_midway_goes_on_from_what_the_library_left(hub
                     and p.endswith(".incomplete") and os.path.getsize(os.path.join(blobs, p)) > 1_500_000]
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        time.sleep(3.5)  # LEFT_S: the worker ends with its parent; the file it left is not written since
+        time.sleep(2.5)  # LEFT_S: the worker ends with its parent; the file it left is not written since
     finally:
         hub.rates.pop("lib-killed", None)  # (only now: the server sends no faster while the worker reads on)
     assert part, "the library never got far into the denoiser's file"
@@ -96,3 +99,40 @@ def test_a_whole_file_fetch_killed_midway_goes_on_from_what_the_library_left(hub
     kept = os.path.join(snapshot(home, hub.commit), DENOISER)
     with open(kept, "rb") as f:
         assert hashlib.sha256(f.read()).hexdigest() == digest  # whole and right, in the library's layout too
+
+
+def test_from_pretrained_for_local_nodes_checks_the_room_for_all_of_a_hub_model_once(hub, tmp_path, monkeypatch):
+    """``diffuse.from_pretrained(ORG/NAME, local_nodes=True)``: the model is fetched whole at once, its room checked
+    once, before its first tensor byte: on a disk with room for the client's part but not for all of it, refused in
+    one line before any tensor byte (the client's part alone is let through); with room, all of it comes, and the
+    local nodes' start (``complete_model``) fetches nothing more."""
+    import shutil
+
+    import diffuse
+    from diffuse.errors import DiffuseError
+    from diffuse.plan.hubmodel import complete_model
+
+    monkeypatch.setenv("DIFFUSE_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    disk_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: disk_usage(path)._replace(free=(64 << 20) + 12_000_000))
+    for who, local in (("api-short", True), ("api-client", False)):
+        monkeypatch.setenv("HF_HOME", str(tmp_path / who))
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint(who))
+        if local:
+            with pytest.raises(DiffuseError, match="needs .* in ") as refused:
+                diffuse.from_pretrained(REPO, local_nodes=True)
+            assert "\n" not in str(refused.value)
+            for path in (DENOISER, "vae/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors"):
+                n, _ = tensor_spans(os.path.join(hub.source, path))
+                assert hub.fetched(who, path) <= 8 + n, (path, hub.fetched(who, path))  # its header, no tensor
+        else:
+            diffuse.from_pretrained(REPO)  # the client's part fits
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "api-whole"))
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint("api-whole"))
+    pipe = diffuse.from_pretrained(REPO, local_nodes=True)
+    assert hub.fetched("api-whole", DENOISER) >= os.path.getsize(os.path.join(hub.source, DENOISER))
+    before = hub.fetched("api-whole")
+    complete_model(pipe._diffuse.path)  # what starting local nodes fetches
+    assert hub.fetched("api-whole") == before

@@ -23,7 +23,8 @@ from diffuse.client.readout import SplitReadout
 from diffuse.client.request import check_options  # the split's rules, shared with the command line's flags
 
 def from_pretrained(model: str | None = None, device: str | None = None, dtype: str | None = None,
-                    quantize_client: str | None = None, encoders: str | None = None, decoder: str | None = None):
+                    quantize_client: str | None = None, encoders: str | None = None, decoder: str | None = None,
+                    local_nodes: bool = False):
     """The pipeline at ``model`` (a folder, a shipped model's name, a Hub id ``ORG/NAME[@REVISION]``, fetched as
     far as the client needs; None: the embedded model), loaded by diffusers from safetensors without the blocks the nodes will hold;
     or a transformers model (a folder whose config.json names its architectures), loaded by
@@ -33,12 +34,16 @@ def from_pretrained(model: str | None = None, device: str | None = None, dtype: 
     ``quantize_client``: its own linear layers held quantized, as ``--quantize-client`` holds them.
     ``encoders``: "ring" leaves the blocks of the pipeline's text encoders to nodes too (``diffuse.plan.encoders``;
     default "client": loaded whole here). ``decoder``: anything but "client" leaves the VAE's weights to the node
-    ``diffuse.split`` names (``diffuse.plan.decoders``), never loaded here."""
+    ``diffuse.split`` names (``diffuse.plan.decoders``), never loaded here. ``local_nodes``: the nodes will run
+    here too (``diffuse.split(pipe, local_nodes=N)``), so a Hub model is fetched whole now, the room for all of it
+    checked once before its first tensor byte (as ``diffuse query`` with local nodes does), not the client's part
+    now and the rest as the nodes start."""
     from diffuse.plan.decoders import check_decoder
     from diffuse.plan.encoders import check_encoders
     from diffuse.plan.quantize import check_mode, quantize_ends
 
-    info = ModelInfo.of(model, encoders=check_encoders(encoders), decoders=check_decoder(decoder) is not None)
+    info = ModelInfo.of(model, "whole" if local_nodes else "client", encoders=check_encoders(encoders),
+                        decoders=check_decoder(decoder) is not None)
     pipe = load_whole_or_shell(info, client_compute(info, device, dtype), shell=True)
     quantize_ends(pipe, info.draft["stacks"], check_mode(quantize_client), info.subject.denoisers, info.subject.several)
     return pipe
@@ -141,7 +146,8 @@ class Split(SplitReadout):
         from diffuse.plan.encoders import check_encoders
 
         self.info = model_info(pipe_or_model, o.model, None if o.encoders is None else check_encoders(o.encoders),
-                               None if o.decoder is None else check_decoder(o.decoder) is not None)
+                               None if o.decoder is None else check_decoder(o.decoder) is not None,
+                               "whole" if nodes is None else "client")  # local nodes: all of it, one room check
         listed = None if nodes in (None, "auto") else parse_groups(nodes) if isinstance(nodes, str) and ";" in nodes \
             else nodes if nodes and all(isinstance(g, list) for g in nodes) else [nodes]
         self.branch_groups = len(listed) if listed and len(listed) > 1 else o.branch_groups

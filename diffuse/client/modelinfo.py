@@ -59,9 +59,10 @@ def client_role(encoders, decoders) -> str:
 
 
 def model_info(pipe_or_model, model: str | None = None, encoders: bool | None = None,
-               decoders: bool | None = None) -> ModelInfo:
+               decoders: bool | None = None, role: str = "client") -> ModelInfo:
     """The analysis of the folder a pipeline (or a denoiser) came from (``encoders``: with its encoders' stacks
-    or without, ``decoders``: with its VAE's or without; None: as it was loaded)."""
+    or without, ``decoders``: with its VAE's or without; None: as it was loaded; ``role``: what a Hub id ``model``
+    is fetched for, ``ModelInfo.of``)."""
     info = getattr(pipe_or_model, "_diffuse", None)
     if info is not None and (model is None or info.path == model):
         encoders = info.encoders if encoders is None else encoders
@@ -77,7 +78,7 @@ def model_info(pipe_or_model, model: str | None = None, encoders: bool | None = 
             model = parent if os.path.isfile(os.path.join(parent, "model_index.json")) else None
     if not model:
         raise DiffuseError("cannot tell which pipeline folder this came from: pass model=PATH")
-    return ModelInfo.of(model, encoders=bool(encoders), decoders=bool(decoders))
+    return ModelInfo.of(model, role, encoders=bool(encoders), decoders=bool(decoders))
 
 
 def _names_architectures(folder: str) -> bool:

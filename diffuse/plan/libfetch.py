@@ -38,7 +38,7 @@ import threading
 import time
 
 NO_SPACE = 28  # errno.ENOSPC
-LEFT_S = 3.0  # seconds unwritten after which a partial file of the library's is taken for left behind
+LEFT_S = 2.0  # seconds unwritten after which a partial file of the library's is taken for left behind
 
 
 def blobs_dir(cache: str, repo: str) -> str:
