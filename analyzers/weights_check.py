@@ -70,7 +70,7 @@ def stack_weights(files: dict[str, str], model, paths: list[str]) -> dict[str, s
     the first tensor a node could not load as the library does. ``files``: tensor name -> safetensors file."""
     from safetensors import safe_open
 
-    from diffuse.plan.ggufread import GGUFFile
+    from diffuse.plan.ggufread import for_component
     from diffuse.plan.modelfiles import located, renamed_for
 
     wmap = located(renamed_for(files, model), model, paths)
@@ -78,7 +78,7 @@ def stack_weights(files: dict[str, str], model, paths: list[str]) -> dict[str, s
 
     def shape_of(key: str, file: str) -> tuple:
         if file not in headers:
-            headers[file] = GGUFFile(file) if file.endswith(".gguf") else safe_open(file, "pt")
+            headers[file] = for_component(file) if file.endswith(".gguf") else safe_open(file, "pt")
         if file.endswith(".gguf"):
             return headers[file].shape(key) if key in headers[file] else None
         return tuple(headers[file].get_slice(key).get_shape())

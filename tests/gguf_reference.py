@@ -5,8 +5,9 @@ by diffusers' own single-file loader and GGUF quantizer.
         --kwargs JSON --seed S --threads N --out OUT.npy [--plain-model DIR --plain-out PLAIN.npy]
 
 The component is loaded by its own class, ``from_single_file(FILE, quantization_config=
-GGUFQuantizationConfig(compute_dtype=D), torch_dtype=D, config=PIPELINE_DIR, subfolder=COMPONENT)``, and handed to
-``DiffusionPipeline.from_pretrained(PIPELINE_DIR)``; the call and what is saved are ``reference.py``'s. Imports
+GGUFQuantizationConfig(compute_dtype=D), torch_dtype=D, config=PIPELINE_DIR, subfolder=COMPONENT)`` (diffusers
+converts a file in the model's original layout as it loads it), and the pipeline assembled with it
+(``assembled``); the call and what is saved are ``reference.py``'s. Imports
 nothing of Diffuse's, so the reference cannot share a bug with what it checks. ``--plain-model`` runs that folder's
 pipeline too, as saved (unquantized), into ``--plain-out``: what a run that quantized nothing would give.
 """
@@ -47,10 +48,35 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     part = cls.from_single_file(args.gguf, quantization_config=GGUFQuantizationConfig(compute_dtype=dtype),
                                 torch_dtype=dtype, config=args.model, subfolder=args.component)
-    np.save(args.out, run(DiffusionPipeline.from_pretrained(args.model, **{args.component: part}), args))
+    np.save(args.out, run(assembled(args.model, args.component, part), args))
     if args.plain_model:
         np.save(args.plain_out, run(DiffusionPipeline.from_pretrained(args.plain_model), args))
     return 0
+
+
+def assembled(model_dir: str, component: str, part):
+    """The pipeline of ``model_dir`` with ``part`` as its ``component``: every other component loaded by its own
+    class from its folder, and the pipeline class called with them and model_index.json's settings, as
+    ``DiffusionPipeline.from_pretrained`` does (which would load an optional denoiser from its folder even when
+    one is passed: Wan's)."""
+    import importlib
+
+    import diffusers
+
+    with open(os.path.join(model_dir, "model_index.json")) as f:
+        index = json.load(f)
+    parts = {}
+    for name, value in index.items():
+        if name.startswith("_"):
+            continue
+        if name == component:
+            parts[name] = part
+        elif isinstance(value, list) and len(value) == 2:
+            parts[name] = None if value[0] is None else getattr(importlib.import_module(value[0]), value[1]) \
+                .from_pretrained(os.path.join(model_dir, name))
+        else:
+            parts[name] = value  # a setting of the pipeline's own (Wan 2.2's boundary_ratio, ...)
+    return getattr(diffusers, index["_class_name"])(**parts)
 
 
 def run(pipe, args) -> np.ndarray:

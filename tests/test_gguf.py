@@ -40,9 +40,10 @@ def _kind(name: str, shape: tuple):
     return q.F32
 
 
-def write_gguf(component_dir: str, path: str, drop: str = "", reshape: str = "") -> dict[str, str]:
+def write_gguf(component_dir: str, path: str, drop: str = "", reshape: str = "", named=None) -> dict[str, str]:
     """The component's safetensors weights written to ``path`` as a GGUF file, each tensor as ``_kind`` says
-    (``drop``: a tensor left out; ``reshape``: one written with its last row missing); name -> type."""
+    (``drop``: a tensor left out; ``reshape``: one written with its last row missing; ``named``: each tensor's name
+    in the file, from its name in the model); name -> type."""
     import glob
 
     import gguf
@@ -59,20 +60,40 @@ def write_gguf(component_dir: str, path: str, drop: str = "", reshape: str = "")
             continue
         a = t.float().numpy()
         a = a[:-1] if name == reshape else a
-        kind = _kind(name, a.shape)
+        kind, called = _kind(name, a.shape), named(name) if named else name
         if kind == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, a)
+            writer.add_tensor(called, a)
         elif kind == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(name, a.astype(np.float16))
+            writer.add_tensor(called, a.astype(np.float16))
         else:
             q = quantize(a, kind)
-            writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=kind)
+            writer.add_tensor(called, q, raw_shape=q.shape, raw_dtype=kind)
         kinds[name] = kind.name
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return kinds
+
+
+# the tiny Wan's names as Wan's own checkpoints name them (what GGUF files of Wan carry): diffusers' conversion
+# (convert_wan_transformer_to_diffusers) undone, for the tensors the tiny Wan has
+WAN_ORIGINAL = [("condition_embedder.time_embedder.linear_", "time_embedding.#"),
+                ("condition_embedder.text_embedder.linear_", "text_embedding.#"),
+                ("condition_embedder.time_proj", "time_projection.1"), ("attn1", "self_attn"), ("attn2", "cross_attn"),
+                (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."),
+                ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"), ("proj_out", "head.head"),
+                (".norm2.", ".norm3."), (".scale_shift_table", ".modulation")]
+
+
+def wan_original(name: str) -> str:
+    if name == "scale_shift_table":
+        return "head.modulation"
+    for ours, theirs in WAN_ORIGINAL:
+        if theirs.endswith("#") and name.startswith(ours):  # linear_1 -> .0, linear_2 -> .2
+            return theirs[:-1] + {"1": "0", "2": "2"}[name[len(ours)]] + name[len(ours) + 1:]
+        name = name.replace(ours, theirs)
+    return name
 
 
 def pipeline_with(base: str, dest: str, gguf_file: str) -> str:
@@ -103,11 +124,27 @@ def spoil_all_but(folder: str, keep) -> int:
     return len(spoilt)
 
 
-def _block(name: str):
-    for stack in STACKS:
+def _block(name: str, stacks=STACKS):
+    for stack in stacks:
         if name.startswith(stack + "."):
             return stack, int(name[len(stack) + 1:].split(".")[0])
     return None
+
+
+def spoilt_copies(base: str, gguf_file: str, root, slices, stacks=STACKS) -> dict:
+    """The pipeline as each node (holding ``slices[n]``) and the client are given it: every tensor of the file but
+    theirs spoilt; the client's every block tensor (it learns what a block returns without reading one)."""
+    out = {}
+    for n, own in enumerate(slices):
+        out[f"node{n}"] = pipeline_with(base, str(root / f"node{n}"), gguf_file)
+
+        def theirs(name, own=own):
+            where = _block(name, stacks)
+            return where is not None and where[1] in own[where[0]]
+        assert spoil_all_but(out[f"node{n}"], theirs) > 0
+    out["client"] = pipeline_with(base, str(root / "client"), gguf_file)
+    assert spoil_all_but(out["client"], lambda name: _block(name, stacks) is None) > 0
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +155,7 @@ def flux_gguf(models, tmp_path_factory) -> dict:
     kinds = write_gguf(os.path.join(base, "transformer"), str(root / "flux.gguf"))
     out = {"kinds": kinds, "base": base, "file": str(root / "flux.gguf"),
            "whole": pipeline_with(base, str(root / "whole"), str(root / "flux.gguf"))}
-    for n, own in enumerate(SLICES):
-        out[f"node{n}"] = pipeline_with(base, str(root / f"node{n}"), str(root / "flux.gguf"))
-        assert spoil_all_but(out[f"node{n}"], lambda name, own=own: _block(name) is not None
-                             and _block(name)[1] in own[_block(name)[0]]) > 0
-    # the client: every block's tensors spoilt (it learns what a block returns without reading one)
-    out["client"] = pipeline_with(base, str(root / "client"), str(root / "flux.gguf"))
-    assert spoil_all_but(out["client"], lambda name: _block(name) is None) > 0
-    return out
+    return {**out, **spoilt_copies(base, out["file"], root, SLICES)}
 
 
 def _args(kwargs: dict) -> list[str]:
@@ -138,45 +168,90 @@ def _ready(proc) -> dict:
     return json.loads(line)
 
 
-def test_gguf_split_reads_only_its_own_tensors_and_is_byte_identical_to_plain_diffusers(flux_gguf, tmp_path,
-                                                                                          diffuse_home):
-    kwargs = families.call_args("flux")
-    ref = subprocess.Popen([sys.executable, os.path.join(TESTS, "gguf_reference.py"), "--model", flux_gguf["whole"],
-                            "--gguf", os.path.join(flux_gguf["whole"], "transformer", "flux.gguf"),
-                            "--kwargs", json.dumps(kwargs), "--threads", str(THREADS), "--out",
-                            str(tmp_path / "reference.npy"), "--plain-model", flux_gguf["base"],
-                            "--plain-out", str(tmp_path / "plain.npy")],
-                           env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def reference(folder: str, base: str, kwargs: dict, tmp_path) -> subprocess.Popen:
+    """tests/gguf_reference.py on ``folder`` (and on ``base`` as saved, unquantized), started now."""
+    return subprocess.Popen([sys.executable, os.path.join(TESTS, "gguf_reference.py"), "--model", folder, "--gguf",
+                             os.path.join(folder, "transformer", "flux.gguf"), "--kwargs", json.dumps(kwargs),
+                             "--threads", str(THREADS), "--out", str(tmp_path / "reference.npy"), "--plain-model",
+                             base, "--plain-out", str(tmp_path / "plain.npy")],
+                            env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def split_over(copies: dict, slices, kwargs: dict, tmp_path, home: str) -> dict:
+    """The pipeline split over one node per slice, each started on its copy with --blocks, the client on its own;
+    its report."""
     nodes = []
     try:
-        for n, own in enumerate(SLICES):
+        for n, own in enumerate(slices):
             blocks = ",".join(f"{s}[{r.start}:{r.stop}]" for s, r in own.items())
-            nodes.append(node_process(["--model", flux_gguf[f"node{n}"], "--blocks", blocks, "--ephemeral-key",
+            nodes.append(node_process(["--model", copies[f"node{n}"], "--blocks", blocks, "--ephemeral-key",
                                        "--threads", str(THREADS), "--log-level", "WARNING"]))
         pinned = ",".join(f"{r['address']}#{r['key']}" for r in map(_ready, nodes))
         report = tmp_path / "report.json"
-        split = run_client(["--model", flux_gguf["client"], "--nodes", pinned, "--threads", str(THREADS), "--quiet",
+        split = run_client(["--model", copies["client"], "--nodes", pinned, "--threads", str(THREADS), "--quiet",
                             "--timeout", "120", "--seed", "0", "--save-array", str(tmp_path / "split.npy"),
-                            "--report", str(report), *_args(kwargs)], diffuse_home)
+                            "--report", str(report), *_args(kwargs)], home)
         assert split.returncode == 0, split.stderr[-3000:]
     finally:
         for proc in nodes:
             proc.terminate()
             proc.wait(30)
+    with open(report) as f:
+        return json.load(f)
+
+
+def same_as_reference(ref: subprocess.Popen, tmp_path) -> np.ndarray:
+    """The split's array, checked byte for byte against the reference's, which differs from the unquantized run."""
+    _, err = ref.communicate(timeout=600)
+    assert ref.returncode == 0, err[-3000:]
+    expected, got = np.load(tmp_path / "reference.npy"), np.load(tmp_path / "split.npy")
+    assert got.shape == expected.shape and np.isfinite(expected).all()
+    assert got.tobytes() == expected.tobytes(), f"max abs diff {np.abs(got - expected).max()}"
+    assert np.abs(expected - np.load(tmp_path / "plain.npy")).max() > 0, "nothing was quantized"
+    return expected
+
+
+def test_gguf_split_reads_only_its_own_tensors_and_is_byte_identical_to_plain_diffusers(flux_gguf, tmp_path,
+                                                                                          diffuse_home):
+    kwargs = families.call_args("flux")
+    ref = reference(flux_gguf["whole"], flux_gguf["base"], kwargs, tmp_path)
+    report = split_over(flux_gguf, SLICES, kwargs, tmp_path, diffuse_home)
+    assert report["client_block_params"] == 0
     # the same run whole here (--whole), from the file as it is
     whole = run_client(["--model", flux_gguf["whole"], "--whole", "--threads", str(THREADS), "--quiet", "--seed", "0",
                         "--save-array", str(tmp_path / "whole.npy"), *_args(kwargs)], diffuse_home)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    _, err = ref.communicate(timeout=600)
-    assert ref.returncode == 0, err[-3000:]
-    expected, plain = np.load(tmp_path / "reference.npy"), np.load(tmp_path / "plain.npy")
-    got = np.load(tmp_path / "split.npy")
-    assert got.shape == expected.shape and np.isfinite(expected).all()
-    assert got.tobytes() == expected.tobytes(), f"max abs diff {np.abs(got - expected).max()}"
+    expected = same_as_reference(ref, tmp_path)
     assert np.load(tmp_path / "whole.npy").tobytes() == expected.tobytes()
-    assert np.abs(expected - plain).max() > 0, "the GGUF run gave the unquantized output: nothing was quantized"
-    with open(report) as f:
-        assert json.load(f)["client_block_params"] == 0
+
+
+def test_a_gguf_file_in_wans_own_layout_is_converted_by_diffusers_rule_and_split_exactly(models, tmp_path,
+                                                                                     diffuse_home):
+    """A GGUF file named as Wan's own checkpoints name their tensors (as published Wan GGUF files are): seen under
+    the model's names by diffusers' own conversion, run on views of the file; split over two nodes (each, and the
+    client, given the file with every tensor but its own spoilt), byte for byte what diffusers' from_single_file
+    (which converts it) runs whole."""
+    import torch
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    base = models("wan")
+    kinds = write_gguf(os.path.join(base, "transformer"), str(tmp_path / "wan.gguf"), named=wan_original)
+    assert {"Q4_0", "Q8_0"} & set(kinds.values()) and {"F16", "F32"} & set(kinds.values())
+    back = convert_wan_transformer_to_diffusers({wan_original(n): torch.zeros(1) for n in kinds})
+    same = set(map(wan_original, kinds)) & set(kinds)  # (patch_embedding, the blocks' norm1 ... keep their names)
+    assert set(back) == set(kinds) and len(same) < len(kinds) // 4, same  # another layout, and diffusers converts it
+    folder = pipeline_with(base, str(tmp_path / "wan"), str(tmp_path / "wan.gguf"))
+    from diffuse.plan.ggufread import GGUFFile, _component_model
+
+    seen = GGUFFile(os.path.join(folder, "transformer", "flux.gguf")).adopt(_component_model(base + "/transformer"))
+    assert seen.converted is not None and sorted(seen.names()) == sorted(kinds)
+    # each model tensor traced to the one file tensor it is (what a process reads for it, and nothing else)
+    assert seen.converted.sources == {n: {wan_original(n)} for n in kinds}
+    kwargs, slices = families.call_args("wan"), ({"blocks": range(0, 2)}, {"blocks": range(2, 4)})
+    ref = reference(folder, base, kwargs, tmp_path)
+    split_over(spoilt_copies(base, str(tmp_path / "wan.gguf"), tmp_path, slices, ("blocks",)), slices, kwargs,
+               tmp_path, diffuse_home)
+    same_as_reference(ref, tmp_path)
 
 
 def test_placement_counts_the_files_own_bytes(flux_gguf, diffuse_home):

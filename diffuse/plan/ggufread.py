@@ -13,8 +13,9 @@ does). A split run therefore equals ``Model.from_single_file(FILE, quantization_
 GGUFQuantizationConfig(compute_dtype=D), torch_dtype=D, config=...)`` run whole, D the run's compute dtype
 (float32 unless ``--dtype`` names another).
 
-The file's tensors must carry the model's own (diffusers') names, as diffusers loads such a file without
-converting it; a file in another layout is refused in one line.
+A file whose tensors carry the model's own (diffusers') names is read as it is, as diffusers reads it; one in
+the model's original layout is converted by diffusers' own conversion (``diffuse.plan.gguflayout``), run so that
+each process still reads only its own tensors' bytes.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def need_gguf(what: str = "a GGUF checkpoint"):
 
 
 class GGUFFile:
-    """One GGUF file's header: each tensor's type, shape (as torch orders it) and bytes, by name."""
+    """One GGUF file's header: each tensor's type, shape (as torch orders it) and bytes, by name. A file in a
+    model's original layout is seen under the model's own names once ``adopt`` has found it so."""
 
     def __init__(self, path: str):
         gguf = need_gguf(f"{os.path.basename(path)} (a GGUF checkpoint)")
@@ -62,38 +64,124 @@ class GGUFFile:
         except (ValueError, OSError, KeyError) as exc:
             raise DiffuseError(f"{path}: not a GGUF file the gguf package reads ({str(exc)[:120]})") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
+        self.converted = None  # a ``diffuse.plan.gguflayout.Converted`` where the file is in another layout
+        self.adopted = False  # its names settled against the model's (``adopt``)
         self.checked = False  # checked against the model's config (``check_names``)
 
+    def adopt(self, model) -> "GGUFFile":
+        """Seen under ``model``'s names: a file holding fewer than half of them is in the model's original
+        layout, converted as diffusers converts it (``diffuse.plan.gguflayout``)."""
+        if not self.adopted and model is not None:
+            own = list(model.state_dict())
+            if sum(n in self.tensors for n in own) <= len(own) // 2:
+                from diffuse.plan.gguflayout import Converted
+
+                self.converted = Converted(self, model)
+            self.adopted = True
+        return self
+
     def __contains__(self, name: str) -> bool:
-        return name in self.tensors
+        return name in (self.converted.meta if self.converted is not None else self.tensors)
 
     def names(self) -> list[str]:
-        return list(self.tensors)
+        return list(self.converted.meta if self.converted is not None else self.tensors)
 
     def kind(self, name: str) -> str:
         """The tensor's GGML type: F32, F16, Q8_0, Q4_K, ..."""
+        if self.converted is not None:
+            t = self.converted.meta[name]
+            return t.quant_type.name if hasattr(t, "quant_type") else {"float16": "F16"}.get(str(t.dtype)[6:], "F32")
         return self.tensors[name].tensor_type.name
 
     def shape(self, name: str) -> tuple:
         """The tensor's shape as torch orders it (GGUF lists the innermost dimension first)."""
+        if self.converted is not None:
+            from diffusers.quantizers.gguf.utils import GGML_QUANT_SIZES, _quant_shape_from_byte_shape
+
+            t = self.converted.meta[name]
+            if not hasattr(t, "quant_type"):
+                return tuple(t.shape)
+            block, size = GGML_QUANT_SIZES[t.quant_type]
+            return tuple(_quant_shape_from_byte_shape(t.shape, size, block))
         return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
 
     def nbytes(self, name: str) -> int:
+        if self.converted is not None:
+            return self.converted.meta[name].numel() * self.converted.meta[name].element_size()
         return int(self.tensors[name].n_bytes)
 
     def header_size(self) -> int:
         """Bytes before the first tensor's data: the header, metadata and tensor table."""
         return int(self.reader.data_offset)
 
-    def tensor(self, name: str):
-        """The tensor as diffusers' GGUF loader makes it: its bytes copied out of the file, kept quantized (a
-        ``GGUFParameter``) unless its type is F32 or F16."""
+    def read(self, names: list[str]) -> dict:
+        """The tensors ``names`` as diffusers' GGUF loader makes them: their bytes copied out of the file, kept
+        quantized (a ``GGUFParameter``) unless the type is F32 or F16."""
+        if self.converted is not None:
+            return self.converted.read(names)
         import torch
         from diffusers.quantizers.gguf.utils import GGUFParameter
 
-        t = self.tensors[name]
-        weights = torch.from_numpy(t.data.copy())
-        return weights if t.tensor_type.name in PLAIN else GGUFParameter(weights, quant_type=t.tensor_type)
+        out = {}
+        for name in names:
+            t = self.tensors[name]
+            weights = torch.from_numpy(t.data.copy())
+            out[name] = weights if t.tensor_type.name in PLAIN else GGUFParameter(weights, quant_type=t.tensor_type)
+        return out
+
+    def view(self, name: str):
+        """The file's tensor ``name`` as a view of the mapped file (nothing read), typed as ``read`` types it."""
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the mapping is read-only, and nothing writes to it
+            return self._typed(name, torch.from_numpy(self.tensors[name].data))
+
+    def weightless(self, name: str):
+        """The file's tensor ``name`` on the meta device: its shape and type, no data."""
+        import numpy as np
+        import torch
+
+        data = self.tensors[name].data
+        dtype = torch.from_numpy(np.empty(0, dtype=data.dtype)).dtype
+        return self._typed(name, torch.empty(tuple(data.shape), dtype=dtype, device="meta"))
+
+    def rows(self, name: str) -> int:
+        """The first dimension of the file's tensor ``name`` as stored (a quantized one's rows of bytes)."""
+        shape = self.tensors[name].data.shape
+        return int(shape[0]) if len(shape) else 1
+
+    def _typed(self, name: str, data):
+        from diffusers.quantizers.gguf.utils import GGUFParameter
+
+        kind = self.tensors[name].tensor_type
+        return data if kind.name in PLAIN else GGUFParameter(data, quant_type=kind)
+
+
+def for_component(path: str, files: dict | None = None) -> GGUFFile:
+    """``path``'s file seen under its component's names (the component's config.json beside it says which
+    model it is; ``adopt``)."""
+    gfile = opened(path, files)
+    if not gfile.adopted:
+        gfile.adopt(_component_model(os.path.dirname(path)))
+    return gfile
+
+
+def _component_model(folder: str):
+    """The weightless model a component folder's config.json names, if diffusers names it; else None."""
+    import json
+
+    import diffusers
+
+    from diffuse.plan.components import build_meta
+
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        cls = getattr(diffusers, str(config.get("_class_name")), None)
+    except (OSError, ValueError):
+        return None
+    return build_meta(cls, config) if isinstance(cls, type) else None
 
 
 def opened(path: str, files: dict | None = None) -> GGUFFile:
@@ -108,7 +196,7 @@ def opened(path: str, files: dict | None = None) -> GGUFFile:
 def header_entries(path: str) -> dict[str, dict]:
     """Tensor name -> {dtype, shape, nbytes}, read from the header alone (as ``needs._header`` gives a
     safetensors file's, plus the bytes each tensor holds in the file)."""
-    f = GGUFFile(path)
+    f = for_component(path)
     return {n: {"dtype": f.kind(n), "shape": list(f.shape(n)), "nbytes": f.nbytes(n)} for n in f.names()}
 
 
@@ -130,11 +218,12 @@ def check_names(gfile: GGUFFile, model, model_name: str) -> None:
     """Refuse, in one line, a file whose tensors are not the model's own: one it lacks or holds in another
     shape (the first found is named), or a file in another layout than diffusers'."""
     own = model.state_dict()
+    gfile.adopt(model)  # (a file in the model's original layout: seen under the model's names)
     missing = [n for n in own if n not in gfile]
     if len(missing) > len(own) // 2:  # another layout (a model's original names), not a tensor or two short
         raise DiffuseError(f"{os.path.basename(gfile.path)} does not name its tensors as {model_name} does "
-                           f"(diffusers' layout; it has e.g. {gfile.names()[0]!r}, the model {next(iter(own))!r}): "
-                           "Diffuse reads GGUF files in diffusers' layout only")
+                           f"(diffusers' layout; it has e.g. {gfile.names()[0]!r}, the model {next(iter(own))!r}), "
+                           "nor in an original layout diffusers converts")
     if missing:
         raise DiffuseError(f"{os.path.basename(gfile.path)} does not match the model's config: it has no tensor "
                            f"{missing[0]} (of {len(missing)} missing), which {model_name} declares")
@@ -167,7 +256,9 @@ def load_gguf_into(module, prefix: str, gfile: GGUFFile, dtype=None, skip=None, 
         if gfile.shape(full) != tuple(current.shape):
             raise DiffuseError(f"{os.path.basename(gfile.path)} does not match the model's config: its {full} has "
                                f"shape {list(gfile.shape(full))} where the model declares {list(current.shape)}")
-        state[name] = gfile.tensor(full)
+        state[name] = full
+    read = gfile.read(list(state.values()))  # only these tensors' bytes (a converted file: their sources' only)
+    state = {name: read[full] for name, full in state.items()}
     quantizer = GGUFQuantizer(GGUFQuantizationConfig(compute_dtype=dtype))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

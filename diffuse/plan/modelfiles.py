@@ -16,11 +16,11 @@ WEIGHTS_NAMES = (("diffusion_pytorch_model.safetensors.index.json", "diffusion_p
 def weight_map(component_dir: str) -> dict[str, str]:
     """Parameter name -> safetensors file, from the index or the single weights file (or -> the component's one
     GGUF file: ``diffuse.plan.ggufread``)."""
-    from diffuse.plan.ggufread import GGUFFile, gguf_in
+    from diffuse.plan.ggufread import for_component, gguf_in
 
     gguf = gguf_in(component_dir)
-    if gguf is not None:
-        return {k: gguf for k in GGUFFile(gguf).names()}
+    if gguf is not None:  # under the component's own names (converted from another layout where it is in one)
+        return {k: gguf for k in for_component(gguf).names()}
     for index_name, single_name in WEIGHTS_NAMES:
         index = os.path.join(component_dir, index_name)
         if os.path.isfile(index):
@@ -184,9 +184,9 @@ def _shapes(wmap: dict[str, str], keys) -> dict[str, tuple]:
     out = {}
     for fn, names in by_file.items():
         if fn.endswith(".gguf"):
-            from diffuse.plan.ggufread import GGUFFile
+            from diffuse.plan.ggufread import for_component
 
-            g = GGUFFile(fn)
+            g = for_component(fn)
             out.update({k: g.shape(wmap.source(k) if isinstance(wmap, WeightMap) else k) for k in names})
             continue
         with safe_open(fn, "pt") as f:
