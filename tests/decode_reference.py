@@ -6,8 +6,8 @@ its VAE set as the job says.
 Each job is ``{"model": DIR, "kwargs": {...}, "seed": S, "out": FILE.npy}``, and optionally ``"pipeline"`` (a
 diffusers pipeline class loaded from the same folder in place of the one model_index.json names: an
 image-to-image pipeline, whose VAE encodes too), ``"image"`` (an .npy file passed as the call's ``image``),
-``"tiling"`` (``vae.enable_tiling()`` first) and ``"vae"`` (attributes set on the VAE then, such as its tile
-sizes). The pipeline is called under ``torch.no_grad()`` with
+``"tiling"`` (``vae.enable_tiling()`` first), ``"vae"`` (attributes set on the VAE then, such as its tile
+sizes) and ``"dtype"`` (loaded with ``torch_dtype`` set to it). The pipeline is called under ``torch.no_grad()`` with
 ``generator=torch.Generator("cpu").manual_seed(S)`` and ``output_type="np"``; the first field of its output is
 saved as returned. RESULTS.json lists, per job, ``{"array": FILE}`` or ``{"error": "..."}``.
 
@@ -29,7 +29,7 @@ def run(job: dict) -> str:
     import diffusers
 
     cls = getattr(diffusers, job["pipeline"]) if job.get("pipeline") else diffusers.DiffusionPipeline
-    pipe = cls.from_pretrained(job["model"])
+    pipe = cls.from_pretrained(job["model"], **({"torch_dtype": getattr(torch, job["dtype"])} if job.get("dtype") else {}))
     pipe.set_progress_bar_config(disable=True)
     if job.get("tiling"):
         pipe.vae.enable_tiling()

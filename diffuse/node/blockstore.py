@@ -108,8 +108,9 @@ class BlockStore:
         try:
             for stack, i in wanted:
                 block = skeleton.get_submodule(stack)[i]
-                if stack in plain:
-                    load_into(block, f"{stack}.{i}.", wmap, dtype, files=files, device=self.device, keep=keep)
+                if stack in plain:  # a VAE (--decoder) keeps in float32 what its own class says, no other part's
+                    own = fp32_kept(block, dtype) if stack in self.subject.decoders else keep
+                    load_into(block, f"{stack}.{i}.", wmap, dtype, files=files, device=self.device, keep=own)
                 else:
                     load_gguf_block(skeleton, ggufs, (stack, i), block, dtype, files, self.device)
                 place(block, self.device)  # what the files do not hold (buffers made at construction)

@@ -161,9 +161,9 @@ def load_denoiser_shell(path: str, subject: ModelSubject, stacks: list, dtype=No
     if len(ggufs) < len(subject.component_dirs()):
         wmap = located(renamed_for(subject.weight_map(), model), model, [st.path for st in stacks])
         load_into(model, "", wmap, dtype, skip=lambda name: name.startswith(heads) or part_of(ggufs, name), keep=keep)
-    for st in stacks:
-        if st.path not in subject.decoders:  # a VAE a node holds (diffuse.plan.decoders) is never called here
-            typed_unread(model.get_submodule(st.path)[0], f"{st.path}.0.", dtype, keep)
+    for st in stacks:  # a VAE a node holds (diffuse.plan.decoders) too, by its own rule: the pipeline casts to its dtype
+        first = model.get_submodule(st.path)[0]
+        typed_unread(first, f"{st.path}.0.", dtype, fp32_kept(first, dtype) if st.path in subject.decoders else keep)
     model.eval()
     return model
 
