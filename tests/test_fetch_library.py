@@ -2,8 +2,9 @@
 reads, against the loopback Hub of tests/hubtest.py; what each fetched is read from the server's access log, by
 the client each request came from (its ``User-Agent``).
 
-A client's fetch: every file it holds whole was sent once, whole, to the Hub's library, and is the library's
-blob in its snapshot layout (the same inode in Diffuse's folder); the denoiser's file, of which it holds the ends,
+A client's fetch: every file of a megabyte or more it holds whole was sent once, whole, to the Hub's library
+(smaller ones, configs, to Diffuse), and each is the library's blob in its snapshot layout (the same inode in
+Diffuse's folder); the denoiser's file, of which it holds the ends,
 came by range to Diffuse and is not in that layout; the progress counted every byte. A fetch killed while the
 library fetched a file goes on, in the next run, from the bytes the library left: that file's bytes over both runs
 are its size, its last unwritten megabyte and a second's worth at most, and it ends in the library's layout too.
@@ -37,6 +38,7 @@ def snapshot(home, commit: str) -> str:
 def test_a_client_gets_whole_files_through_the_hubs_library_and_parts_by_range(hub, tmp_path, monkeypatch):
     from diffuse.plan.hub import hub_ref
     from diffuse.plan.hubmodel import fetch_model, stored_listing
+    from diffuse.plan.libfetch import LIBRARY_MIN_BYTES
     from diffuse.plan.repofiles import loaded_files
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
@@ -47,12 +49,16 @@ def test_a_client_gets_whole_files_through_the_hubs_library_and_parts_by_range(h
     folder = fetch_model(hub_ref(REPO), "client", say=lines.append)
     snap = snapshot(tmp_path, hub.commit)
     whole = [p for p in loaded_files(stored_listing(folder), folder) if p != DENOISER]
-    assert TOKENIZER in whole and "vae/diffusion_pytorch_model.safetensors" in whole
+    big = [p for p in whole if os.path.getsize(os.path.join(hub.source, p)) >= LIBRARY_MIN_BYTES]
+    assert TOKENIZER in big and "vae/diffusion_pytorch_model.safetensors" in big and len(big) < len(whole)
     for path in whole:
         size = os.path.getsize(os.path.join(hub.source, path))
-        assert sent(hub, "lib-client", path, "hf_hub") == [(None, size)], path  # once, whole, by the library
+        if size >= LIBRARY_MIN_BYTES:
+            assert sent(hub, "lib-client", path, "hf_hub") == [(None, size)], path  # once, whole, by the library
+        else:  # a config: read here, no process started for it
+            assert sum(k for _, k in sent(hub, "lib-client", path, "diffuse")) == size, path
         mine, theirs = os.stat(os.path.join(folder, path)), os.stat(os.path.join(snap, path))
-        assert (mine.st_ino, mine.st_size) == (theirs.st_ino, size), path  # the library's own blob
+        assert (mine.st_ino, mine.st_size) == (theirs.st_ino, size), path  # one blob, in the library's layout
     n, _ = tensor_spans(os.path.join(hub.source, DENOISER))
     ranges = sent(hub, "lib-client", DENOISER, "diffuse")
     assert ranges and all(r is not None for r, _ in ranges) and not sent(hub, "lib-client", DENOISER, "hf_hub")

@@ -32,7 +32,7 @@ from diffuse.errors import DiffuseError
 from diffuse.plan.fetchbytes import CHUNK, _git_blob, _range_start, _read_json, _sha256, merged, missing
 from diffuse.plan.fetchprogress import Progress, size_text
 from diffuse.plan.hub import RETRIES, HubRef, backoff_s, file_url, hub_failure, offline, request
-from diffuse.plan.libfetch import fetch_whole, library_wanted, offer
+from diffuse.plan.libfetch import LIBRARY_MIN_BYTES, fetch_whole, library_wanted, offer
 
 NOTE_EVERY_S = 1.0  # seconds between two writes of a partial file's note while fetching (what a kill may lose)
 
@@ -363,15 +363,15 @@ def room_for(needs: dict[str, list[str]], folder: str, what: str) -> int:
 
 
 def fetch_all(todo: list, progress: Progress) -> None:
-    """Each (file, byte ranges) of ``todo`` held: a file wanted whole by ``huggingface_hub``
-    (``diffuse.plan.libfetch.fetch_whole``), the others, and what a killed fetch of the library left of one, by
-    range here."""
+    """Each (file, byte ranges) of ``todo`` held: a file of a megabyte or more wanted whole by ``huggingface_hub``
+    (``diffuse.plan.libfetch``), the others, and what a killed fetch of the library left of one, by range here; a
+    file fetched whole here is put in the library's layout too."""
     for f, spans in todo:
         progress.file = f.path
         whole = library_wanted() and f.whole_wanted(spans)
-        if not (whole and fetch_whole(f, progress, hub_cache())):
+        if not (whole and f.size >= LIBRARY_MIN_BYTES and fetch_whole(f, progress, hub_cache())):
             f.fetch(spans, progress)
-            if whole and f.complete():  # taken up by range after a killed fetch: the library's now too
+            if whole and f.complete():
                 offer(f, hub_cache())
 
 

@@ -1,12 +1,15 @@
 """Whole files of a Hub model fetched by ``huggingface_hub`` (``hf_hub_download``) into its own cache, then made
 Diffuse's by a hard link.
 
-Where a process needs a whole file (a config, a tokenizer, a component it runs whole, a shard every tensor of
-which is a node's own), the Hub's own library fetches it: into its cache (``HF_HUB_CACHE``, else
+Where a process needs a whole file of a megabyte or more (a tokenizer's data, a component it runs whole, a shard
+every tensor of which is a node's own), the Hub's own library fetches it: into its cache (``HF_HUB_CACHE``, else
 ``HF_HOME/hub``), in its layout (``models--ORG--NAME/blobs/<etag>``, linked from ``snapshots/<commit>/<path>``),
 where every other tool of the Hub's finds it, through ``hf_xet`` (or ``hf_transfer``) where installed, with the
 endpoint and token Diffuse reads (``HF_ENDPOINT``, ``HF_TOKEN``). Diffuse then takes the file into its own folder
 (``RepoFile._adopt``: a hard link, so no byte is stored twice), checks it against the Hub's digest and seals it.
+A smaller whole file (a config: kilobytes, read by ``diffuse check`` and every node) comes by Diffuse's own read,
+which costs no process start, and is put in the library's layout as well (``offer``), so that the snapshot there
+is whole.
 
 Part of a file (a node's tensors in a shard that holds others' too, the client's ends in the denoiser's file)
 still comes by Diffuse's own HTTP range reads (``diffuse.plan.fetching``): the library fetches whole files only,
@@ -38,6 +41,10 @@ import threading
 import time
 
 NO_SPACE = 28  # errno.ENOSPC
+# the smallest file the library fetches: a smaller one (a config, kilobytes) comes by range here and is put in the
+# library's layout all the same (``offer``); the library's process costs about half a second to start, and a HEAD and
+# a GET a file, more than a config's bytes take, and would slow ``diffuse check`` and every node's start
+LIBRARY_MIN_BYTES = 1 << 20
 LEFT_S = 2.0  # seconds unwritten after which a partial file of the library's is taken for left behind
 
 
@@ -68,7 +75,7 @@ def offer(f, cache: str) -> None:
     the blob its digest names, and from the commit's snapshot (a relative link, as the library makes them)."""
     digest = f.sha256 or f.blob
     snap = os.path.join(os.path.dirname(blobs_dir(cache, f.ref.repo)), "snapshots", f.commit, f.path)
-    if not digest or os.path.lexists(snap):
+    if not digest or os.path.exists(snap):
         return
     blob = os.path.join(blobs_dir(cache, f.ref.repo), digest)
     try:
@@ -76,6 +83,8 @@ def offer(f, cache: str) -> None:
         if not os.path.exists(blob):
             os.link(f.local, blob)
         os.makedirs(os.path.dirname(snap), exist_ok=True)
+        if os.path.lexists(snap):  # a link to a blob removed as damaged
+            os.unlink(snap)
         os.symlink(os.path.relpath(blob, os.path.dirname(snap)), snap)
     except OSError:  # another disk, or no links there: the file stays Diffuse's only
         pass
