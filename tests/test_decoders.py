@@ -284,3 +284,28 @@ def test_the_client_memory_counts_no_vae_weights_where_a_node_holds_the_vae(mode
     assert fit_encoders(flux, without, False, None, decoders=True) == (False, without)
     with pytest.raises(DiffuseError, match="--client-memory .* the smallest client needs"):
         fit_encoders(flux, without, False, None)
+
+
+def test_a_pass_into_the_vae_asks_only_decode_or_encode_and_sets_only_its_own_settings(models):
+    """What a node runs for a VAE's pass (``Coder``): the VAE's own method, with its own runtime settings as the
+    client sends them; another method, another attribute, another type or a number no setting takes is refused."""
+    import diffusers
+    import torch
+
+    from diffuse.errors import DiffuseError
+    from diffuse.plan.components import coders
+
+    vae = diffusers.AutoencoderKL.from_pretrained(f"{models('flux')}/vae")
+    coder = coders(vae)[0]
+    z = torch.randn(1, vae.config.latent_channels, 4, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = coder("decode", {"use_tiling": False}, z)
+        assert torch.equal(whole, vae.decode(z, return_dict=False)[0])
+        tiled = coder("decode", {"tile_sample_min_size": 2, "tile_latent_min_size": 2, "use_tiling": True}, z)
+        assert vae.use_tiling and vae.tile_latent_min_size == 2 and not torch.equal(tiled, whole)  # set as sent
+        for bad in ({"training": True}, {"decoder": 1}, {"use_tiling": 1}, {"tile_overlap_factor": float("nan")},
+                    {"tile_sample_min_size": -1}):
+            with pytest.raises(DiffuseError, match="is not one of its settings"):
+                coder("decode", bad, z)
+        with pytest.raises(DiffuseError, match="only decode or encode"):
+            coder("forward", {}, z)

@@ -58,9 +58,11 @@ def coder_class():
             vae = self.vae
             if op not in CODER_OPS:
                 raise DiffuseError(f"a VAE's pass asks for {str(op)[:32]!r}: only {' or '.join(CODER_OPS)}")
+            own = runtime_settings(vae)
             for key, value in (settings or {}).items():
-                if key not in runtime_settings(vae) or type(value) is not type(runtime_settings(vae)[key]):
-                    raise DiffuseError(f"a VAE's pass sets {str(key)[:64]!r}, which is not one of its settings")
+                if key not in own or type(value) is not type(own[key]) or not 0 <= value < float("inf"):
+                    raise DiffuseError(f"a VAE's pass sets {str(key)[:64]!r}, which is not one of its settings (or "
+                                       "not a number it takes)")
                 setattr(vae, key, value)
             out = getattr(vae, op)(*args, **{**kwargs, "return_dict": False})[0]
             if not isinstance(out, torch.Tensor):  # a distribution: what it is made of
