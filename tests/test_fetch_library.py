@@ -5,7 +5,8 @@ the client each request came from (its ``User-Agent``).
 A client's fetch: every file of a megabyte or more it holds whole was sent once, whole, to the Hub's library
 (smaller ones, configs, to Diffuse), and each is the library's blob in its snapshot layout (the same inode in
 Diffuse's folder); the denoiser's file, of which it holds the ends,
-came by range to Diffuse and is not in that layout; the progress counted every byte. A fetch killed while the
+came by range to Diffuse and is not in that layout; the progress counted every byte. A node gets a shard every
+tensor of which is its own through the library, one it shares by range. A fetch killed while the
 library fetched a file goes on, in the next run, from the bytes the library left: that file's bytes over both runs
 are its size, its last unwritten megabyte and a second's worth at most, and it ends in the library's layout too.
 And ``diffuse.from_pretrained(..., local_nodes=True)`` checks the room for all of a Hub model once, before its
@@ -65,6 +66,27 @@ def test_a_client_gets_whole_files_through_the_hubs_library_and_parts_by_range(h
     assert sum(k for _, k in ranges) < os.path.getsize(os.path.join(hub.source, DENOISER)) - 8 - n  # no block
     assert not os.path.exists(os.path.join(snap, DENOISER))  # a partial file is Diffuse's alone
     assert lines and "(100%)" in lines[-1], lines  # the library's bytes counted as they came
+
+
+def test_a_node_gets_a_shard_all_its_own_through_the_library_and_a_shared_one_by_range(hub, tmp_path, monkeypatch):
+    """The shipped model's denoiser cut into 4 shards: node 1 of 2 (blocks 0 and 1) holds every tensor of the first
+    shard, which the library fetches whole, and part of the second (blocks 1 and 2), which comes by range."""
+    from diffuse.bench.fetch import _fetch_as, _sharded
+
+    for name in ("HF_HOME", "HF_ENDPOINT", "DIFFUSE_HUB_OFFLINE"):  # set by _fetch_as, put back after the test
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    source = _sharded(hub.source, str(tmp_path / "sharded"), 4)
+    commit = hub.publish("org/lib-sharded", source)
+    _fetch_as(hub, "lib-node", str(tmp_path), (1, 2), "org/lib-sharded")
+    shard = "transformer/diffusion_pytorch_model-0000{}-of-00004.safetensors"
+    own, shared = shard.format(1), shard.format(2)
+    assert sent(hub, "lib-node", own, "hf_hub") == [(None, os.path.getsize(os.path.join(source, own)))]
+    snap = os.path.join(tmp_path, "lib-node", "hub", "models--org--lib-sharded", "snapshots", commit, own)
+    folder = os.path.join(tmp_path, "lib-node", "hub", "diffuse", "models--org--lib-sharded", commit, own)
+    assert os.stat(snap).st_ino == os.stat(folder).st_ino
+    ranges = sent(hub, "lib-node", shared, "diffuse")
+    assert ranges and not sent(hub, "lib-node", shared, "hf_hub") and all(r is not None for r, _ in ranges)
+    assert sum(k for _, k in ranges) < os.path.getsize(os.path.join(source, shared))
 
 
 def test_a_whole_file_fetch_killed_midway_goes_on_from_what_the_library_left(hub, tmp_path):
