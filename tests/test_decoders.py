@@ -34,12 +34,13 @@ I2I = {"prompt": "a squirrel", "strength": 0.6, "num_inference_steps": 2, "heigh
 def nodes(models):
     """Each family's nodes, started with --decoder ring: Wan's loading what each session asks (its bfloat16 run
     too); Flux's first with --blocks all (the VAE is no part of them: it loads it when named), its second
-    without, and a third with almost no memory."""
+    without, a third with less memory than the VAE's weights, a fourth with a little more."""
     from diffuse.local.nodes import start_local_nodes
 
     started = {"wan": start_local_nodes(models("wan"), 2, THREADS, extra=["--decoder", "ring"], fixed=False),
-               "flux": start_local_nodes(models("flux"), 3, THREADS, extra=["--decoder", "ring"], fixed=False,
-                                         each=[["--blocks", "all"], [], ["--max-memory", "0.00001"]])}
+               "flux": start_local_nodes(models("flux"), 4, THREADS, extra=["--decoder", "ring"], fixed=False,
+                                         each=[["--blocks", "all"], [], ["--max-memory", "0.00001"],
+                                               ["--max-memory", "0.00002"]])}
     yield started
     for group in started.values():
         group.stop()
@@ -178,6 +179,30 @@ def test_the_service_decodes_on_the_node_named_and_answers_as_plain_diffusers(mo
         service.stop()
     assert picture.array.tobytes() == runs[0]["service"][0].tobytes()
     assert ("vae", 0) in held
+
+
+def test_a_node_short_of_room_for_an_untiled_decode_decodes_in_tiles_as_plain_diffusers_does(models, nodes, runs):
+    """--decoder-tiling auto: Flux's fourth node holds the VAE's weights with 3 KiB to spare, less than the
+    decode's largest activation thrice: it decodes in tiles, of the sizes the client's VAE names, equal to plain
+    diffusers' own tiled decode with them."""
+    import torch
+
+    import diffuse
+
+    flux = nodes["flux"]
+    pipe = diffuse.from_pretrained(models("flux"), decoder="ring")
+    for key, value in TILES["flux"].items():
+        setattr(pipe.vae, key, value)  # the sizes only: tiling itself is off, as the pipeline loaded it
+    said = []
+    with diffuse.split(pipe, nodes=[f"{n.address}#{n.key}" for n in (flux[1], flux[3])], timeout=60,
+                       decoder="2") as ring, torch.no_grad():
+        ring.ring.say = said.append
+        ring.decoder_calls.say = said.append
+        out = pipe(**families.call_args("flux"), generator=torch.Generator("cpu").manual_seed(0), output_type="np")
+        tiled = ring.decoder_calls.tiled
+    assert tiled == 1 and any("the VAE decodes in tiles on its node" in line for line in said), said
+    assert np.asarray(out[0]).tobytes() == runs[0]["flux-tiled"][0].tobytes()
+    assert not pipe.vae.use_tiling  # the client's VAE as it was
 
 
 @pytest.mark.parametrize("where, said", [
