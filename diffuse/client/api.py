@@ -348,5 +348,9 @@ def split(pipe_or_model, nodes=None, local_nodes: int | None = None, patches: in
     assistant model or its folder or Hub id: a language model's ``generate`` drafts tokens that one pass verifies,
     ``diffuse.lm.client_drafts``; ``draft_tokens``: at most that many a pass, default 8), ``encoders`` ("ring": the
     pipeline's text encoders' layers on the nodes too, ``diffuse.plan.encoders``; "client": here; default: as the
-    pipeline was loaded)."""
+    pipeline was loaded), ``decoder`` (the VAE's decode and encode on one node, which sees the result: "ring", the
+    route's last, or a node's place in ``nodes`` ("1", "2", ...) or its address; "client"; default: the ring's last
+    where ``from_pretrained(..., decoder=...)`` loaded it so, else here; ``diffuse.plan.decoders``) and
+    ``decoder_tiling`` ("on", "off", "auto": as the pipeline's VAE is set, and tiled where the node is short of
+    room)."""
     return Split(pipe_or_model, nodes=nodes, local_nodes=local_nodes, patches=patches, **options)
