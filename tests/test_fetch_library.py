@@ -6,7 +6,8 @@ A client's fetch: every file of a megabyte or more it holds whole was sent once,
 (smaller ones, configs, to Diffuse), and each is the library's blob in its snapshot layout (the same inode in
 Diffuse's folder); the denoiser's file, of which it holds the ends,
 came by range to Diffuse and is not in that layout; the progress counted every byte. A node gets a shard every
-tensor of which is its own through the library, one it shares by range. A fetch killed while the
+tensor of which is its own through the library, one it shares by range; a client with its encoders on the ring
+no layer of theirs, the first included. A fetch killed while the
 library fetched a file goes on, in the next run, from the bytes the library left: that file's bytes over both runs
 are its size, its last unwritten megabyte and a second's worth at most, and it ends in the library's layout too.
 And ``diffuse.from_pretrained(..., local_nodes=True)`` checks the room for all of a Hub model once, before its
@@ -164,3 +165,24 @@ def test_from_pretrained_for_local_nodes_checks_the_room_for_all_of_a_hub_model_
     before = hub.fetched("api-whole")
     complete_model(pipe._diffuse.path)  # what starting local nodes fetches
     assert hub.fetched("api-whole") == before
+
+
+def test_a_client_with_its_encoders_on_the_ring_fetches_no_layer_of_theirs(hub, tmp_path, monkeypatch):
+    """``--encoders ring``: of the text encoder the client fetches its ends (the token table, the final norm), no
+    byte of any of its layers, the first included (what a stack returns is learned with zero weights), and of the
+    denoiser no block."""
+    from diffuse.plan.hub import hub_ref
+    from diffuse.plan.hubmodel import fetch_model
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint("lib-ring"))
+    monkeypatch.setenv("DIFFUSE_HUB_OFFLINE", "0")
+    fetch_model(hub_ref(REPO), "client-ring", say=lambda line: None)
+    for file, layer in (("text_encoder/model.safetensors", "encoder.block."), (DENOISER, "blocks.")):
+        _, spans = tensor_spans(os.path.join(hub.source, file))
+        layers = [span for key, span in spans.items() if key.startswith(layer)]
+        got = [(r[0], r[0] + k) if r else (0, k) for r, k in sent(hub, "lib-ring", file, "")]
+        assert layers and got and not [g for g in got for a, b in layers if g[0] < b and a < g[1]], (file, got)
+        if layer == "encoder.block.":  # its token table came
+            a, b = spans["shared.weight"]
+            assert any(s <= a and b <= e for s, e in got), got
