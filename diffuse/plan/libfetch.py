@@ -27,7 +27,8 @@ Resume across runs: the library writes a file to ``blobs/<etag>.<random>.incompl
 (a megabyte at a time here), and removes it on a failure it sees; killed, it leaves it behind and never reads it
 again. Diffuse takes such a
 leftover as the bytes its own partial file holds and fetches the rest by range (``leftover``), so a fetch killed
-midway goes on where it stopped; the whole is checked against the Hub's digest, as every file is.
+midway goes on where it stopped; the whole is checked against the Hub's digest, as every file is. A leftover with
+holes in it (written by pieces, as ``hf_xet`` may) is not taken up: the library fetches that file anew.
 """
 
 from __future__ import annotations
@@ -60,8 +61,15 @@ def leftover(cache: str, repo: str, digest: str | None, size: int) -> str | None
     if not digest:
         return None
     found = [p for p in glob.glob(os.path.join(blobs_dir(cache, repo), f"{glob.escape(digest)}.*.incomplete"))
-             if 0 < os.path.getsize(p) <= size and time.time() - os.path.getmtime(p) > LEFT_S]
+             if 0 < os.path.getsize(p) <= size and time.time() - os.path.getmtime(p) > LEFT_S and _dense(p)]
     return max(found, key=os.path.getsize) if found else None
+
+
+def _dense(path: str) -> bool:
+    """Whether a file has no holes: one written in order from its start (the library's plain HTTP download) has
+    none; one written by pieces at their places (as a download by ``hf_xet`` may be) can, and is not taken up."""
+    st = os.stat(path)
+    return st.st_blocks * 512 >= st.st_size - 4096
 
 
 def library_wanted() -> bool:
