@@ -9,7 +9,8 @@ image-to-image pipeline, whose VAE encodes too), ``"image"`` (an .npy file passe
 ``"tiling"`` (``vae.enable_tiling()`` first), ``"vae"`` (attributes set on the VAE then, such as its tile
 sizes) and ``"dtype"`` (loaded with ``torch_dtype`` set to it). The pipeline is called under ``torch.no_grad()`` with
 ``generator=torch.Generator("cpu").manual_seed(S)`` and ``output_type="np"``; the first field of its output is
-saved as returned. RESULTS.json lists, per job, ``{"array": FILE}`` or ``{"error": "..."}``.
+saved as returned. A job with ``"encode"`` (an .npy file) calls no pipeline: its VAE encodes that array, and a
+draw from the latent distribution with that generator is saved. RESULTS.json lists, per job, ``{"array": FILE}`` or ``{"error": "..."}``.
 
 Imports only torch, numpy and diffusers: nothing from the ``diffuse`` package, so the reference cannot share a
 bug with what it checks.
@@ -35,6 +36,11 @@ def run(job: dict) -> str:
         pipe.vae.enable_tiling()
     for key, value in (job.get("vae") or {}).items():
         setattr(pipe.vae, key, value)
+    if job.get("encode"):
+        with torch.no_grad():
+            dist = pipe.vae.encode(torch.from_numpy(np.load(job["encode"]))).latent_dist
+            np.save(job["out"], dist.sample(generator=torch.Generator("cpu").manual_seed(job.get("seed", 0))).numpy())
+        return job["out"]
     kwargs = dict(job["kwargs"])
     if job.get("image"):
         kwargs["image"] = np.load(job["image"])

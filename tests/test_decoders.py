@@ -62,13 +62,17 @@ def runs(models, nodes, tmp_path_factory):
     jobs["wan-bf16"] = {"model": models("wan"), "kwargs": families.call_args("wan"), "seed": 0, "dtype": "bfloat16",
                         "out": str(root / "wan-bf16.npy")}
     jobs["service"] = {"model": models("flux"), "kwargs": SERVED, "seed": 3, "out": str(root / "service.npy")}
+    video = root / "video.npy"  # 5 frames of 16x16, -1 to 1, as a video pipeline hands its VAE
+    np.save(video, np.linspace(-1, 1, 3 * 5 * 16 * 16, dtype=np.float32).reshape(1, 3, 5, 16, 16))
+    jobs["wan-encode"] = {"model": models("wan"), "encode": str(video), "seed": 0, "out": str(root / "encoded.npy")}
     jobs["flux-i2i"] = {"model": models("flux"), "kwargs": I2I, "seed": 0, "out": str(root / "i2i.npy"),
                         "pipeline": "FluxImg2ImgPipeline", "image": str(image)}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         references = pool.submit(reference_jobs, "decode_reference.py", list(jobs.values()), str(root))
         split, seen = {}, {}
         for family in ("flux", "wan"):
-            arrays, seen[family] = _split_side(models(family), nodes[family][:2], family, np.load(image))
+            arrays, seen[family] = _split_side(models(family), nodes[family][:2], family,
+                                               np.load(video if family == "wan" else image))
             split.update(arrays)
         results = references.result()
     out = {}
@@ -79,8 +83,9 @@ def runs(models, nodes, tmp_path_factory):
 
 
 def _split_side(model: str, nodes, family: str, image):
-    """The family's runs through ``diffuse.split`` over ``nodes``, untiled and tiled (and Flux's image-to-image),
-    and what the split saw: the node holding the VAE, the passes, the client's VAE tensors."""
+    """The family's runs through ``diffuse.split`` over ``nodes``, untiled and tiled (and Flux's image-to-image of
+    ``image``, Wan's VAE encoding it, a video), and what the split saw: the node holding the VAE, the passes, the
+    client's VAE tensors."""
     import diffusers
     import torch
 
@@ -106,18 +111,22 @@ def _split_side(model: str, nodes, family: str, image):
     pipe.vae.disable_tiling()
     if family == "flux":  # an image-to-image pipeline of the same components: its VAE encodes the image on the node
         run("flux-i2i", diffusers.FluxImg2ImgPipeline(**pipe.components), image=image, **I2I)
-    else:  # in bfloat16 (the VAE's own float32 rule, not the transformer's), on the same nodes
-        pipe = diffuse.from_pretrained(model, dtype="bfloat16", decoder="ring")
+    else:  # its video VAE encoding frames, drawn from here with the generator; in bfloat16 on the same nodes
+        with diffuse.split(pipe, nodes=listed, timeout=60, decoder=WHERE[family]), torch.no_grad():
+            dist = pipe.vae.encode(torch.from_numpy(image)).latent_dist
+            arrays["wan-encode"] = dist.sample(generator=torch.Generator("cpu").manual_seed(0)).numpy()
+        pipe = diffuse.from_pretrained(model, dtype="bfloat16", decoder="ring")  # the VAE's float32 rule, its own
         run("wan-bf16", **families.call_args(family))
     seen["client"] = {p.device.type for p in pipe.vae.parameters()} | {b.device.type for b in pipe.vae.buffers()}
     seen["nodes"] = [n.address for n in nodes]
     return arrays, seen
 
 
-@pytest.mark.parametrize("case", ["wan", "flux", "wan-tiled", "flux-tiled", "flux-i2i", "wan-bf16"])
+@pytest.mark.parametrize("case", ["wan", "flux", "wan-tiled", "flux-tiled", "flux-i2i", "wan-encode", "wan-bf16"])
 def test_the_picture_is_byte_identical_to_plain_diffusers_with_the_vae_on_a_node(case, runs):
-    """Untiled, tiled (against diffusers' own tiled decode, with the same tile sizes), an image-to-image run, and
-    Wan loaded in bfloat16 (its transformer keeps norms named as the VAE's in float32: the VAE must not)."""
+    """Untiled, tiled (against diffusers' own tiled decode, with the same tile sizes), an image-to-image run, Wan's
+    video VAE encoding frames (a draw from the latent distribution it answers), and Wan loaded in bfloat16 (its
+    transformer keeps norms named as the VAE's in float32: the VAE must not)."""
     reference, split = runs[0][case]
     assert reference.shape == split.shape and reference.dtype == split.dtype == np.float32
     assert split.tobytes() == reference.tobytes(), f"{case}: max abs diff {np.abs(split - reference).max()}"
