@@ -10,7 +10,8 @@ image-to-image pipeline, whose VAE encodes too), ``"image"`` (an .npy file passe
 sizes) and ``"dtype"`` (loaded with ``torch_dtype`` set to it). The pipeline is called under ``torch.no_grad()`` with
 ``generator=torch.Generator("cpu").manual_seed(S)`` and ``output_type="np"``; the first field of its output is
 saved as returned. A job with ``"encode"`` (an .npy file) calls no pipeline: its VAE encodes that array, and a
-draw from the latent distribution with that generator is saved. RESULTS.json lists, per job, ``{"array": FILE}`` or ``{"error": "..."}``.
+draw from the latent distribution with that generator is saved. RESULTS.json lists, per job,
+``{"array": FILE}`` or ``{"error": "..."}``.
 
 Imports only torch, numpy and diffusers: nothing from the ``diffuse`` package, so the reference cannot share a
 bug with what it checks.
@@ -30,7 +31,8 @@ def run(job: dict) -> str:
     import diffusers
 
     cls = getattr(diffusers, job["pipeline"]) if job.get("pipeline") else diffusers.DiffusionPipeline
-    pipe = cls.from_pretrained(job["model"], **({"torch_dtype": getattr(torch, job["dtype"])} if job.get("dtype") else {}))
+    typed = {"torch_dtype": getattr(torch, job["dtype"])} if job.get("dtype") else {}
+    pipe = cls.from_pretrained(job["model"], **typed)
     pipe.set_progress_bar_config(disable=True)
     if job.get("tiling"):
         pipe.vae.enable_tiling()

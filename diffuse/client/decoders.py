@@ -107,7 +107,8 @@ class DecoderPin:
             return
         mine = {(sl.stack, i) for sl in stage.slices for i in range(sl.start, sl.stop)}
         vae = sum(b.weight_bytes for b in costs if b.stack in self.stacks)
-        share = sum(b.weight_bytes + b.held_bytes for b in costs if b.stack not in self.stacks and (b.stack, b.index) in mine)
+        share = sum(b.weight_bytes + b.held_bytes for b in costs
+                    if b.stack not in self.stacks and (b.stack, b.index) in mine)
         if vae + share > report.available:
             raise DiffuseError(f"--decoder: node {stage.address} has {report.available / GIB:.3f} GiB available; the "
                                f"VAE's weights take {vae / GIB:.3f} GiB beside its {share / GIB:.3f} GiB of the other "

@@ -32,7 +32,8 @@ def check_decoder(where) -> str | None:
     if where is None or where == CLIENT:
         return None
     if not isinstance(where, (str, int)) or isinstance(where, bool) or not str(where).strip():
-        raise DiffuseError(f"--decoder {where!r}: choose client, ring, or a node (its address, or its place: 1, 2, ...)")
+        raise DiffuseError(f"--decoder {where!r}: choose client, ring, or a node (its address, or its place: 1, "
+                           "2, ...)")
     return str(where).strip()
 
 
