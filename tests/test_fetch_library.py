@@ -10,7 +10,8 @@ tensor of which is its own through the library, one it shares by range; a client
 no layer of theirs, the first included. A fetch killed while the
 library fetched a file goes on, in the next run, from the bytes the library left: that file's bytes over both runs
 are its size, its last unwritten megabyte and a second's worth at most, and it ends in the library's layout too.
-And ``diffuse.from_pretrained(..., local_nodes=True)`` checks the room for all of a Hub model once, before its
+Server errors past the library's retries end in one line, as range reads' do. And
+``diffuse.from_pretrained(..., local_nodes=True)`` checks the room for all of a Hub model once, before its
 first tensor byte.
 """
 
@@ -186,3 +187,26 @@ def test_a_client_with_its_encoders_on_the_ring_fetches_no_layer_of_theirs(hub, 
         if layer == "encoder.block.":  # its token table came
             a, b = spans["shared.weight"]
             assert any(s <= a and b <= e for s, e in got), got
+
+
+def test_server_errors_past_the_librarys_retries_end_in_one_line_and_a_retry_works(hub, tmp_path, monkeypatch):
+    """The tokenizer's data (2 MB: fetched by the library) answered 500 five times: retried with the backoff, then
+    one line naming the answer and what to do; run again, it comes."""
+    from diffuse.bench.hubserver import Fault
+    from diffuse.errors import DiffuseError
+    from diffuse.plan.hub import RETRIES, hub_ref
+    from diffuse.plan.hubmodel import fetch_model
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint("lib-500"))
+    monkeypatch.setenv("DIFFUSE_HUB_OFFLINE", "0")
+    monkeypatch.setenv("DIFFUSE_FETCH_BACKOFF", "0.05")
+    hub.faults.extend(Fault(TOKENIZER) for _ in range(RETRIES))
+    with pytest.raises(DiffuseError, match=f"answered 500 .* after {RETRIES} tries; try again later") as failed:
+        fetch_model(hub_ref(REPO), "client", say=lambda line: None)
+    assert "\n" not in str(failed.value)
+    assert len([e for e in hub.log if e["who"] == "lib-500" and e["file"] == TOKENIZER and e["status"] == 500]) \
+        == RETRIES
+    folder = fetch_model(hub_ref(REPO), "client", say=lambda line: None)
+    with open(os.path.join(folder, TOKENIZER), "rb") as mine, open(os.path.join(hub.source, TOKENIZER), "rb") as ours:
+        assert mine.read() == ours.read()

@@ -123,13 +123,14 @@ def fetch_whole(f, progress, cache: str) -> bool:
                              "endpoint": endpoint(), "token": token(), "retries": RETRIES,
                              "backoff": float(os.environ.get("DIFFUSE_FETCH_BACKOFF", "1"))}, progress)
         if "failed" in said:
-            exc = failure(said["failed"])
-            if isinstance(exc, OSError):
+            if said["failed"].get("nospace"):
                 raise DiffuseError(f"the disk holding {cache} is full: free space there (or set HF_HOME to a disk "
                                    "with room) and run again") from None
-            raise hub_failure(exc, f.ref) from None
+            raise hub_failure(failure(said["failed"]), f.ref) from None
         if not f._adopt(check=True):
-            f._drop_library_copy(os.stat(os.path.realpath(f._snapshot())))
+            blob = os.path.realpath(f._snapshot())
+            if os.path.isfile(blob):  # the library's copy is the damaged one: not to be handed back again
+                os.unlink(blob)
             raise DiffuseError(f"{f.ref}: {f.path} arrived damaged (its digest is not the one the Hub lists); it "
                                "was removed: run again to fetch it anew")
         return True
@@ -144,20 +145,28 @@ class Worker:
     @classmethod
     def fetch(cls, ask: dict, progress) -> dict:
         """``ask`` (repo, commit, path, cache, endpoint, token; retries, backoff: the tries and the first wait
-        between two) fetched whole into the library's cache; its bytes
-        added to ``progress`` as they come. The answer: ``{"done": path in the snapshot}`` or ``{"failed": ...}``
-        (``failure`` reads it)."""
+        between two) fetched whole into the library's cache; its bytes added to ``progress`` as they come. The
+        answer: ``{"done": path in the snapshot}`` or ``{"failed": ...}`` (``failure`` reads it). Left midway (an
+        exception here), the process is ended: its next answer would be this file's."""
         with cls._lock:
             proc = cls._started()
-            proc.stdin.write(json.dumps(ask) + "\n")
-            proc.stdin.flush()
-            for line in proc.stdout:
-                said = json.loads(line)
-                if "bytes" in said:
+            try:
+                proc.stdin.write(json.dumps(ask) + "\n")
+                proc.stdin.flush()
+                for line in proc.stdout:
+                    said = json.loads(line)
+                    if "bytes" not in said:
+                        return said
                     if progress is not None:
                         progress.add(said["bytes"])
-                    continue
-                return said
+            except OSError as exc:  # it ended between two files
+                proc.kill()
+                cls._proc = None
+                return {"failed": {"unreachable": f"the process fetching with huggingface_hub ended ({exc})"}}
+            except BaseException:
+                proc.kill()
+                cls._proc = None
+                raise
             cls._proc = None
             return {"failed": {"unreachable": f"the process fetching with huggingface_hub ended ({proc.wait()})"}}
 
@@ -172,13 +181,11 @@ class Worker:
 
 
 def failure(said: dict):
-    """What the worker said of a failed fetch, as the exception ``diffuse.plan.hub.hub_failure`` turns into one
-    line (an ``HTTPError`` with the Hub's error code, or a ``URLError``); an ``OSError`` for a full disk."""
+    """What the worker said of a failed fetch (not a full disk), as the exception ``diffuse.plan.hub.hub_failure``
+    turns into one line: an ``HTTPError`` with the Hub's error code, or a ``URLError``."""
     import email.message
     import urllib.error
 
-    if said.get("nospace"):
-        return OSError(NO_SPACE, "no space left on the device")
     if said.get("status"):
         headers = email.message.Message()
         for k, v in (said.get("headers") or {}).items():
@@ -190,10 +197,13 @@ def failure(said: dict):
 # -- the worker's side: python -m diffuse.plan.libfetch PARENT_PID ----------------------------------------------
 
 
+_TOLD = sys.stdout  # what the parent reads: the worker's standard output as it started (``main``)
+
+
 def _say(what: dict) -> None:
     try:
-        sys.stdout.write(json.dumps(what) + "\n")
-        sys.stdout.flush()
+        _TOLD.write(json.dumps(what) + "\n")
+        _TOLD.flush()
     except OSError:  # the parent is gone: end here, before the library cleans up what it fetched so far
         os._exit(1)
 
@@ -256,6 +266,9 @@ def main(argv: list[str]) -> int:
     # a download is written (and its progress said) a piece at a time: 1 MiB, not the library's 10 MiB, so that a
     # fetch killed midway leaves all but its last megabyte for the next run to take up
     constants.DOWNLOAD_CHUNK_SIZE = 1 << 20
+    global _TOLD
+    _TOLD = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever a library prints goes where its logs go, never into the answers
     threading.Thread(target=_watch, args=(int(argv[0]),), daemon=True).start()
     for line in sys.stdin:
         ask = json.loads(line)
