@@ -341,14 +341,15 @@ def mode_sizes(path: str, stacks: list[dict]) -> list[list]:
     from types import SimpleNamespace
 
     from diffuse.plan.analysis import ModelSubject
-    from diffuse.plan.ggufread import gguf_parts, quantize_modes
+    from diffuse.plan.ggufread import gguf_parts
     from diffuse.plan.needs import block_costs, load_dtype
+    from diffuse.plan.prequant import quant_method, quantize_modes
 
     try:
         subject = ModelSubject.from_path(path)
         dtype = load_dtype(subject)
         plan = [SimpleNamespace(path=s["path"], length=s["length"]) for s in stacks]
-        plain = "gguf" if gguf_parts(subject) else dtype  # a GGUF denoiser: as its file holds it
+        plain = "gguf" if gguf_parts(subject) else quant_method(subject.path) or dtype  # held as the files hold it
         return [[m or plain, sum(b.weight_bytes for b in block_costs(subject, plan, dtype, quantize=m))]
                 for m in quantize_modes(subject)]
     except (DiffuseError, OSError, ValueError, KeyError):

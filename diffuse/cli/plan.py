@@ -225,7 +225,7 @@ def fitting_modes(subject, plan: SlicingPlan, dtype: str, context: int | None, c
 def by_mode(subject, plan: SlicingPlan, dtype: str, context: int | None, caps: list[Capacity]):
     """(mode, bytes its blocks take, the fewest of ``caps`` that hold them or None) for no quantization and each
     ``--quantize`` mode."""
-    from diffuse.plan.ggufread import quantize_modes
+    from diffuse.plan.prequant import quantize_modes
     from diffuse.plan.placement import nodes_needed, rooms
 
     room = rooms(caps)

@@ -65,10 +65,10 @@ def load_whole_or_shell(info: "ModelInfo", compute, shell: bool, quantize: str =
     from diffuse.plan.devices import place
     from diffuse.plan.fetching import partial_folder
     from diffuse.plan.hubmodel import complete_model
-    from diffuse.plan.ggufread import no_quantize_over_gguf
+    from diffuse.plan.prequant import no_quantize_over_quantized
     from diffuse.plan.planner import load_model, load_pipeline
 
-    no_quantize_over_gguf(info.subject, quantize)  # a GGUF denoiser is quantized already
+    no_quantize_over_quantized(info.subject, quantize)  # a GGUF denoiser or a checkpoint saved quantized
     if not shell:
         complete_model(info.path)  # a Hub model's folder, as a client holds it: the nodes' blocks too
     if info.subject.autoregressive:
@@ -188,12 +188,12 @@ class Split(SplitReadout):
             if o.dtype not in (None, "auto"):
                 resolve_dtype(o.dtype, resolve_device(o.device), None)
         from diffuse.plan.devices import resolve_device
-        from diffuse.plan.ggufread import no_quantize_over_gguf
+        from diffuse.plan.prequant import no_quantize_over_quantized
         from diffuse.plan.quantize import check_mode
 
         # refused here, before any node starts: the mode, its library, the local nodes' device
         self.quantize = check_mode(o.quantize, resolve_device(o.device) if nodes is None else None)
-        no_quantize_over_gguf(self.info.subject, self.quantize)
+        no_quantize_over_quantized(self.info.subject, self.quantize)
         self.drafting = None  # drafts verified by the ring (diffuse.lm.client_drafts), checked before any node starts
         if self.info.subject.autoregressive:
             from diffuse.lm.client_drafts import drafting_for

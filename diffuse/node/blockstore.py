@@ -31,6 +31,7 @@ from diffuse.plan.modelfiles import fp32_kept, load_into, located, renamed_for, 
 from diffuse.plan.contracts import Slice, StackPlan
 from diffuse.plan.fetching import hub_commit, hub_folder
 from diffuse.plan.ggufread import gguf_parts, load_gguf_block, part_of
+from diffuse.plan.prequant import rebuild_quantized, saved_quantized
 from diffuse.plan.quantize import large_from_system, library_rule, off_the_file, quantize, release_freed
 
 log = logging.getLogger("diffuse.node")
@@ -110,7 +111,9 @@ class BlockStore:
                 block = skeleton.get_submodule(stack)[i]
                 if stack in plain:  # a VAE (--decoder) keeps in float32 what its own class says, no other part's
                     own = fp32_kept(block, dtype) if stack in self.subject.decoders else keep
-                    load_into(block, f"{stack}.{i}.", wmap, dtype, files=files, device=self.device, keep=own)
+                    load_into(block, f"{stack}.{i}.", wmap, dtype, files=files, device=self.device, keep=own,
+                              skip=saved_quantized(wmap, f"{stack}.{i}."))  # those rebuilt next, from their parts
+                    rebuild_quantized(block, f"{stack}.{i}.", wmap, files)  # (a checkpoint saved quantized: torchao)
                 else:
                     load_gguf_block(skeleton, ggufs, (stack, i), block, dtype, files, self.device)
                 place(block, self.device)  # what the files do not hold (buffers made at construction)

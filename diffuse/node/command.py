@@ -86,12 +86,12 @@ def node_compute(device: str | None, dtype: str | None, path: str, quantize: str
 
     from diffuse.plan.analysis import ModelSubject
     from diffuse.plan.devices import Compute, resolve_device
-    from diffuse.plan.ggufread import no_quantize_over_gguf
+    from diffuse.plan.prequant import no_quantize_over_quantized
     from diffuse.plan.quantize import check_mode
 
     mode = check_mode(quantize, resolve_device(device))  # refused before the folder is read
     subject = ModelSubject.from_path(path)
-    no_quantize_over_gguf(subject, mode)  # a GGUF denoiser is quantized already
+    no_quantize_over_quantized(subject, mode)  # a GGUF denoiser, a checkpoint saved quantized
     compute = Compute.of(device, dtype, path, subject.denoiser or None)
     return dataclasses.replace(compute, quant=mode)
 

@@ -122,13 +122,15 @@ class ModelSubject:
         """Tensor name (as the stacks' paths address it) -> safetensors file, over every denoiser component
         (a ``diffuse.plan.modelfiles.WeightMap``: with several, each name's ``source`` is its name in its own file)."""
         from diffuse.plan.modelfiles import WeightMap, weight_map
+        from diffuse.plan.prequant import with_quantized
 
         out = WeightMap()
         for prefix, folder in self.component_dirs().items():
-            for k, v in weight_map(folder).items():
+            files = with_quantized(weight_map(folder), folder)  # (saved quantized: each weight named after its parts)
+            for k, v in files.items():
                 out[prefix + k] = v
-                if prefix:
-                    out.sources[prefix + k] = k
+                if prefix or getattr(files, "sources", {}).get(k, k) != k:
+                    out.sources[prefix + k] = getattr(files, "sources", {}).get(k, k)
         return out
 
     def content_hash(self) -> str:

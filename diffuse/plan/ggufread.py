@@ -312,18 +312,3 @@ def load_gguf_block(model, parts: dict[str, str], where: tuple[str, int], block,
         gfile.checked = True
     return load_gguf_into(block, f"{where[0][len(prefix):]}.{where[1]}.", gfile, dtype, device=device,
                           kept=gguf_kept(type(component)))
-
-
-def quantize_modes(subject) -> tuple[str, ...]:
-    """The ``--quantize`` modes ("" for none) a node may hold ``subject``'s blocks in: none for a GGUF denoiser
-    (held as its file holds them), else every mode."""
-    from diffuse.plan.quantize import MODES
-
-    return ("",) if gguf_parts(subject) else ("", *MODES)
-
-
-def no_quantize_over_gguf(subject, mode: str) -> None:
-    """A GGUF denoiser is quantized already: ``--quantize`` on top of it is refused in one line."""
-    if mode and any(gguf_in(d) for d in subject.component_dirs().values()):
-        raise DiffuseError(f"--quantize {mode}: this model's denoiser is a GGUF file, quantized already; its "
-                           "blocks are held as the file holds them: run without --quantize")

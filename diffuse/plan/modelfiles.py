@@ -144,8 +144,9 @@ def renamed_for(wmap: dict[str, str], model) -> WeightMap:
             conv.sources.append((key, pattern, file))
             continue
         out[name] = file
-        if name != key:
-            out.sources[name] = key
+        source = wmap.source(key) if isinstance(wmap, WeightMap) else key  # (a source named already is kept)
+        if source != name:
+            out.sources[name] = source
     for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
         if target not in out and source in out:  # a tied head is stored once, under the embedding's name
             out[target] = out[source]

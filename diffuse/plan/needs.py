@@ -103,9 +103,9 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None,
     from diffuse.plan.modelfiles import located, renamed_for
     from diffuse.plan.quantize import INT4_GROUP_CPU, library_rule, quantizable, weight_bytes
 
-    from diffuse.plan.ggufread import no_quantize_over_gguf
+    from diffuse.plan.prequant import no_quantize_over_quantized
 
-    no_quantize_over_gguf(subject, quantize)  # a GGUF denoiser is counted as its file holds it
+    no_quantize_over_quantized(subject, quantize)  # quantized already: counted as the files hold it
     key = (subject.path, subject.denoiser, dtype, context, tuple((s.path, s.length) for s in stacks), quantize)
     if cache is not None and key in cache:
         return cache[key]

@@ -46,9 +46,9 @@ def learn_call(stack, args: tuple, kwargs: dict, block, layered: bool = False) -
 
 def make_plan(subject: ModelSubject, draft: dict, addresses: list[str] = (), keys: list[str] | None = None,
               compute_dtype: str = "float32", quantize: str = "") -> SlicingPlan:
-    from diffuse.plan.ggufread import no_quantize_over_gguf
+    from diffuse.plan.prequant import no_quantize_over_quantized
 
-    no_quantize_over_gguf(subject, quantize)  # a GGUF denoiser's blocks are held as the file holds them
+    no_quantize_over_quantized(subject, quantize)  # (a GGUF denoiser, a checkpoint saved quantized: held as they are)
     stacks = tuple(draft["stacks"])
     two = draft.get("two_stream", {})
     return SlicingPlan(
