@@ -197,25 +197,30 @@ def failure(said: dict):
 # -- the worker's side: python -m diffuse.plan.libfetch PARENT_PID ----------------------------------------------
 
 
-_TOLD = sys.stdout  # what the parent reads: the worker's standard output as it started (``main``)
+class _Answers:
+    """What the worker says to its parent: JSON lines on a copy of its standard output as it started; whatever a
+    library prints goes where its logs go (standard error), never into the answers."""
+
+    def __init__(self):
+        self.out = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
+
+    def say(self, what: dict) -> None:
+        try:
+            self.out.write(json.dumps(what) + "\n")
+            self.out.flush()
+        except OSError:  # the parent is gone: end here, before the library cleans up what it fetched so far
+            os._exit(1)
 
 
-def _say(what: dict) -> None:
-    try:
-        _TOLD.write(json.dumps(what) + "\n")
-        _TOLD.flush()
-    except OSError:  # the parent is gone: end here, before the library cleans up what it fetched so far
-        os._exit(1)
-
-
-def _told():
+def _told(answers: _Answers):
     """A ``tqdm`` that says each update (the library's bytes) to the parent."""
     from tqdm.auto import tqdm
 
     class Told(tqdm):
         def update(self, n=1):
             if n:
-                _say({"bytes": int(n)})
+                answers.say({"bytes": int(n)})
             return super().update(n)
 
     return Told
@@ -237,14 +242,14 @@ def _described(exc: BaseException) -> dict:
     return {"unreachable": f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}"}
 
 
-def _fetched(ask: dict) -> str:
+def _fetched(ask: dict, answers: _Answers) -> str:
     from huggingface_hub import hf_hub_download
 
     retries = ask["retries"]
     for attempt in range(retries):
         try:
             return hf_hub_download(ask["repo"], ask["path"], revision=ask["commit"], cache_dir=ask["cache"],
-                                   endpoint=ask["endpoint"], token=ask["token"] or False, tqdm_class=_told())
+                                   endpoint=ask["endpoint"], token=ask["token"] or False, tqdm_class=_told(answers))
         except Exception as exc:  # noqa: BLE001 (said to the parent, which makes it one line)
             said = _described(exc)
             status = said.get("status") or 0
@@ -266,16 +271,14 @@ def main(argv: list[str]) -> int:
     # a download is written (and its progress said) a piece at a time: 1 MiB, not the library's 10 MiB, so that a
     # fetch killed midway leaves all but its last megabyte for the next run to take up
     constants.DOWNLOAD_CHUNK_SIZE = 1 << 20
-    global _TOLD
-    _TOLD = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # whatever a library prints goes where its logs go, never into the answers
+    answers = _Answers()
     threading.Thread(target=_watch, args=(int(argv[0]),), daemon=True).start()
     for line in sys.stdin:
         ask = json.loads(line)
         try:
-            _say({"done": _fetched(ask)})
+            answers.say({"done": _fetched(ask, answers)})
         except Exception as exc:  # noqa: BLE001
-            _say({"failed": _described(exc)})
+            answers.say({"failed": _described(exc)})
     return 0
 
 
