@@ -219,12 +219,18 @@ def test_a_node_short_of_room_for_an_untiled_decode_decodes_in_tiles_as_plain_di
     ("tcp://127.0.0.1:9", "--decoder tcp://127.0.0.1:9: local nodes are named by their place (1 to 2)"),
 ])
 def test_a_node_that_is_not_there_is_refused_in_one_line_before_any_node_starts(where, said, models, diffuse_home):
-    import time
+    """Through the command, one line and exit 2; through the API, by ``split`` itself, before its ``with`` block
+    is entered, which is where local nodes start."""
+    import re
 
-    t0 = time.perf_counter()
+    import diffuse
+    from diffuse.errors import DiffuseError
+
     run = run_client(["--model", models("flux"), "--local-nodes", "2", "--decoder", where, "--quiet"], diffuse_home)
     assert run.returncode == 2 and said in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
-    assert time.perf_counter() - t0 < 5  # refused before local nodes started (each imports torch for seconds)
+    pipe = diffuse.from_pretrained(models("flux"), decoder="ring")
+    with pytest.raises(DiffuseError, match=re.escape(said)):
+        diffuse.split(pipe, local_nodes=2, decoder=where)
 
 
 def test_a_node_whose_memory_cannot_hold_the_vae_is_refused_in_one_line(models, nodes, diffuse_home):
