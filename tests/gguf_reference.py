@@ -30,7 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--gguf", required=True, help="the denoiser's GGUF file")
     ap.add_argument("--component", default="transformer")
-    ap.add_argument("--dtype", default="float32", help="the GGUF quantizer's compute dtype and the load's torch_dtype")
+    ap.add_argument("--dtype", help="the GGUF quantizer's compute dtype and every component's torch_dtype, as "
+                    "DiffusionPipeline.from_pretrained(torch_dtype=...) gives it (default: float32, the rest as saved)")
     ap.add_argument("--kwargs", default="{}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
@@ -45,16 +46,17 @@ def main(argv=None) -> int:
 
     with open(os.path.join(args.model, args.component, "config.json")) as f:
         cls = getattr(diffusers, json.load(f)["_class_name"])
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, args.dtype or "float32")
     part = cls.from_single_file(args.gguf, quantization_config=GGUFQuantizationConfig(compute_dtype=dtype),
                                 torch_dtype=dtype, config=args.model, subfolder=args.component)
-    np.save(args.out, run(assembled(args.model, args.component, part), args))
+    typed = getattr(torch, args.dtype) if args.dtype else None
+    np.save(args.out, run(assembled(args.model, args.component, part, typed), args))
     if args.plain_model:
         np.save(args.plain_out, run(DiffusionPipeline.from_pretrained(args.plain_model), args))
     return 0
 
 
-def assembled(model_dir: str, component: str, part):
+def assembled(model_dir: str, component: str, part, dtype=None):
     """The pipeline of ``model_dir`` with ``part`` as its ``component``: every other component loaded by its own
     class from its folder, and the pipeline class called with them and model_index.json's settings, as
     ``DiffusionPipeline.from_pretrained`` does (which would load an optional denoiser from its folder even when
@@ -72,8 +74,10 @@ def assembled(model_dir: str, component: str, part):
         if name == component:
             parts[name] = part
         elif isinstance(value, list) and len(value) == 2:
-            parts[name] = None if value[0] is None else getattr(importlib.import_module(value[0]), value[1]) \
-                .from_pretrained(os.path.join(model_dir, name))
+            cls = None if value[0] is None else getattr(importlib.import_module(value[0]), value[1])
+            typed = {} if dtype is None or not hasattr(cls, "dtype") else \
+                {"dtype" if value[0] == "transformers" else "torch_dtype": dtype}  # (its library's keyword)
+            parts[name] = None if cls is None else cls.from_pretrained(os.path.join(model_dir, name), **typed)
         else:
             parts[name] = value  # a setting of the pipeline's own (Wan 2.2's boundary_ratio, ...)
     return getattr(diffusers, index["_class_name"])(**parts)
