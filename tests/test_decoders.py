@@ -349,3 +349,20 @@ def test_a_pass_into_the_vae_asks_only_decode_or_encode_and_sets_only_its_own_se
                 coder("decode", bad, z)
         with pytest.raises(DiffuseError, match="only decode or encode"):
             coder("forward", {}, z)
+
+
+def test_outside_the_split_the_weightless_vae_refuses_to_decode(models, nodes):
+    """After ``with diffuse.split(...)`` the pipeline's VAE has no weights here: decoding says so, naming the way
+    out, rather than computing on nothing."""
+    import torch
+
+    import diffuse
+    from diffuse.errors import DiffuseError
+
+    pipe = diffuse.from_pretrained(models("flux"), decoder="ring")
+    flux = nodes["flux"][:2]
+    z = torch.zeros(1, pipe.vae.config.latent_channels, 4, 4)
+    with diffuse.split(pipe, nodes=[f"{n.address}#{n.key}" for n in flux], timeout=60), torch.no_grad():
+        assert pipe.vae.decode(z, return_dict=False)[0].shape == (1, 3, 4, 4)
+    with pytest.raises(DiffuseError, match="held by nodes: call it inside `with diffuse.split"), torch.no_grad():
+        pipe.vae.decode(z)

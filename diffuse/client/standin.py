@@ -34,6 +34,7 @@ from diffuse.client.encoders import EncoderPasses
 from diffuse.client.memo import RepeatMemo
 from diffuse.pipefusion.client import Patcher
 from diffuse.pipefusion.policy import why_uncut
+from diffuse.plan.components import coder_class
 from diffuse.plan.contracts import PATCHABLE, CallPlan, ReturnMap, SlicingPlan, StackPlan
 from diffuse.plan.planner import learn_call
 from diffuse.client.proxies import StandIn
@@ -117,6 +118,9 @@ class Splitter:
               "weights again"
         freed = [(b, why) for ml in self.originals.values() for b in ml
                  if any(p.device.type == "meta" for p in b.parameters())]
+        # a VAE a node holds (diffuse.plan.decoders) runs through its own decode, not its block's forward: its parts
+        freed += [(part, why) for b, _ in freed if isinstance(b, coder_class()) for part in b.children()
+                  if any(p.device.type == "meta" for p in part.parameters())]
         self._guards = [guard(m, w) for m, w in freed + self.lm.freed()]
 
     def attach(self, ring, patches: int = 1, cache_threshold: float = 0.0, ahead: bool = True) -> None:
