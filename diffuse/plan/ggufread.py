@@ -231,6 +231,13 @@ def check_names(gfile: GGUFFile, model, model_name: str) -> None:
         if gfile.shape(name) != tuple(t.shape):
             raise DiffuseError(f"{os.path.basename(gfile.path)} does not match the model's config: its {name} has "
                                f"shape {list(gfile.shape(name))} where {model_name} declares {list(t.shape)}")
+    from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES
+
+    known = {*PLAIN, *(k.name for k in SUPPORTED_GGUF_QUANT_TYPES)}
+    odd = next((n for n in own if gfile.kind(n) not in known), None)
+    if odd is not None:
+        raise DiffuseError(f"{os.path.basename(gfile.path)} holds {odd} as {gfile.kind(odd)}, a type diffusers' GGUF "
+                           f"loader does not dequantize (it reads {', '.join(sorted(known - set(PLAIN)))})")
 
 
 def load_gguf_into(module, prefix: str, gfile: GGUFFile, dtype=None, skip=None, device=None, kept=()) -> int:
