@@ -366,3 +366,15 @@ def test_outside_the_split_the_weightless_vae_refuses_to_decode(models, nodes):
         assert pipe.vae.decode(z, return_dict=False)[0].shape == (1, 3, 4, 4)
     with pytest.raises(DiffuseError, match="held by nodes: call it inside `with diffuse.split"), torch.no_grad():
         pipe.vae.decode(z)
+
+
+def test_the_plan_as_json_puts_the_vae_on_the_node_named(models):
+    """``diffuse plan --nodes N --decoder ...``: the VAE's slice wholly on that node, empty elsewhere."""
+    import json
+
+    for where, holder in (("2", 1), ("ring", 2)):
+        run = run_cli(["plan", models("flux"), "--nodes", "3", "--decoder", where])
+        assert run.returncode == 0, run.stderr[-2000:]
+        slices = [[(s["start"], s["stop"]) for s in st["slices"] if s["stack"] == "vae"]
+                  for st in json.loads(run.stdout)["route"]]
+        assert slices == [[(0, 1)] if i == holder else [(0, 0)] if i < holder else [(1, 1)] for i in range(3)]

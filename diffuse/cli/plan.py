@@ -9,7 +9,7 @@ from diffuse.client.heard import Heard
 from diffuse.client.routing import PLACEMENTS, capacities, link_hops
 from diffuse.errors import DiffuseError
 from diffuse.plan.contracts import SlicingPlan, Stage
-from diffuse.plan.decoders import check_decoder, without_decoders
+from diffuse.plan.decoders import check_decoder, pinned_as_asked, without_decoders
 from diffuse.plan.fetching import hub_folder
 from diffuse.plan.hubmodel import downloads
 from diffuse.plan.needs import (DEFAULT_CONTEXT, GIB, _dtype_size, block_costs, context_tokens, load_dtype, pass_bytes,
@@ -86,8 +86,8 @@ def plan_command(argv: list[str]) -> int:
             n = int(a.nodes) if a.nodes else 2
             if n < 1:
                 raise DiffuseError("--nodes must be at least 1")
-            print(make_plan(subject, draft, [f"node{i + 1}" for i in range(n)], compute_dtype=dtype,
-                            quantize=a.quantize).to_json())
+            print(pinned_as_asked(make_plan(subject, draft, [f"node{i + 1}" for i in range(n)], compute_dtype=dtype,
+                                            quantize=a.quantize), subject, a.decoder).to_json())
             return 0
         heard = Heard()  # what the nodes' hellos say, and the links measured
         plan, p, hops = _placed(a, subject, draft, dtype, heard)
@@ -96,8 +96,8 @@ def plan_command(argv: list[str]) -> int:
 
         return report_error(err, exc)
     if a.json:
-        print(plan.with_route(Stage(s.address, s.key, p.rows[i]) for i, s in enumerate(plan.route)
-                              if i in p.used).to_json())
+        print(pinned_as_asked(plan.with_route(Stage(s.address, s.key, p.rows[i]) for i, s in enumerate(plan.route)
+                                              if i in p.used), subject, a.decoder).to_json())
         return 0
     for line in describe(p, subject, plan, dtype, a.context, a.decoder):
         print(line)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from diffuse.errors import DiffuseError
 from diffuse.plan.components import CODER_OPS, runtime_settings
-from diffuse.plan.contracts import ReturnMap, Slice, Stage
-from diffuse.plan.decoders import RING, check_decoder, check_tiling, decoder_stacks, node_named
+from diffuse.plan.contracts import ReturnMap
+from diffuse.plan.decoders import RING, check_decoder, check_tiling, decoder_stacks, node_named, pin
 
 TILE_FACTOR = 3  # an untiled decode is planned to take this many of its largest activation at once
 
@@ -72,24 +72,16 @@ class DecoderPin:
         """``plan`` routed: the other stacks by ``route_rest(plan without the VAE's)``, the VAE's block on the pinned
         node; refused where that node is not usable or cannot hold it beside its share."""
         rest = dataclasses.replace(plan, stacks=tuple(s for s in plan.stacks if s.path not in self.stacks))
-        route = [dataclasses.replace(stage, slices=tuple(sl for sl in stage.slices if sl.stack not in self.stacks))
-                 for stage in route_rest(rest).route]
+        route = route_rest(rest).route
         address = self.address or route[-1].address
         live = [c.address for c, ok in zip(candidates, usable) if ok]
         if address not in live:
             raise DiffuseError(f"the node named to hold the VAE ({address}) is not usable (it failed, or did not "
                                "answer): name another with --decoder, or --decoder client")
-        at = next((i for i, s in enumerate(route) if s.address == address), None)
-        if at is None:  # a node the placement left out: after the others, holding the VAE only
-            c = next(c for c in candidates if c.address == address)
-            route.append(Stage(c.address, c.key, tuple(Slice(s.path, s.length, s.length) for s in rest.stacks)))
-            at = len(route) - 1
-        pinned = [s for s in plan.stacks if s.path in self.stacks]
-        route = [dataclasses.replace(stage, slices=stage.slices + tuple(
-            Slice(s.path, 0 if i <= at else s.length, s.length if i >= at else 0) for s in pinned))
-            for i, stage in enumerate(route)]
-        self._check_room(plan, route[at], heard)
-        return plan.with_route(route)
+        # a node the placement left out comes after the others, holding the VAE only
+        routed, at = pin(plan.with_route(route), self.stacks, address, candidates)
+        self._check_room(plan, routed.route[at], heard)
+        return routed
 
     def _check_room(self, plan, stage, heard) -> None:
         """Refuse a node whose memory cannot hold the VAE beside its share of the other stacks (one line)."""

@@ -72,6 +72,42 @@ def decoder_stacks(stacks, subject) -> list[str]:
     return [s.path for s in stacks if s.path in names]
 
 
+def pin(plan, paths, address: str, stages=()):
+    """``plan`` with the stacks ``paths`` (the VAEs') wholly on the stage at ``address`` and an empty slice of them on
+    every other, before or after it, as the route's order has it; their slices the route gave, gone. A node the
+    route left out (one of ``stages``) comes after the others, holding the VAE only. (The plan, and the place of
+    the node holding the VAE in its route.)"""
+    import dataclasses
+
+    from diffuse.plan.contracts import Slice, Stage
+
+    route = [dataclasses.replace(stage, slices=tuple(sl for sl in stage.slices if sl.stack not in paths))
+             for stage in plan.route]
+    at = next((i for i, s in enumerate(route) if s.address == address), None)
+    if at is None:
+        given = next((s for s in stages if s.address == address), None)
+        if given is None:
+            raise DiffuseError(f"--decoder: {address} is no node of this ring")
+        route.append(Stage(given.address, given.key, tuple(Slice(s.path, s.length, s.length) for s in plan.stacks
+                                                           if s.path not in paths)))
+        at = len(route) - 1
+    pinned = [s for s in plan.stacks if s.path in paths]
+    route = [dataclasses.replace(stage, slices=stage.slices + tuple(
+        Slice(s.path, 0 if i <= at else s.length, s.length if i >= at else 0) for s in pinned))
+        for i, stage in enumerate(route)]
+    return plan.with_route(route), at
+
+
+def pinned_as_asked(plan, subject, where: str | None):
+    """``plan`` (routed) with the subject's VAEs where ``--decoder`` says (``diffuse plan``): ``ring``, the route's
+    last; a node's place in the route or its address; as it is without ``--decoder`` or a VAE."""
+    paths = decoder_stacks(plan.stacks, subject)
+    if check_decoder(where) is None or not paths or not plan.route:
+        return plan
+    k = node_named(check_decoder(where), [s.address for s in plan.route], len(plan.route))
+    return pin(plan, paths, plan.route[-1 if k is None else k].address)[0]
+
+
 def without_decoders(stacks, subject) -> list:
     """``stacks`` but the VAEs'."""
     names = set(getattr(subject, "decoders", ()))
