@@ -121,7 +121,8 @@ def fetch_whole(f, progress, cache: str) -> bool:
             return False
         said = Worker.fetch({"repo": f.ref.repo, "commit": f.commit, "path": f.path, "cache": cache,
                              "endpoint": endpoint(), "token": token(), "retries": RETRIES,
-                             "backoff": float(os.environ.get("DIFFUSE_FETCH_BACKOFF", "1"))}, progress)
+                             "backoff": float(os.environ.get("DIFFUSE_FETCH_BACKOFF", "1"))}, progress,
+                            sum(b - a for a, b in f.held()))  # its header, held and counted already
         if "failed" in said:
             if said["failed"].get("nospace"):
                 raise DiffuseError(f"the disk holding {cache} is full: free space there (or set HF_HOME to a disk "
@@ -143,13 +144,15 @@ class Worker:
     _proc: subprocess.Popen | None = None
 
     @classmethod
-    def fetch(cls, ask: dict, progress) -> dict:
+    def fetch(cls, ask: dict, progress, counted: int = 0) -> dict:
         """``ask`` (repo, commit, path, cache, endpoint, token; retries, backoff: the tries and the first wait
-        between two) fetched whole into the library's cache; its bytes added to ``progress`` as they come. The
-        answer: ``{"done": path in the snapshot}`` or ``{"failed": ...}`` (``failure`` reads it). Left midway (an
-        exception here), the process is ended: its next answer would be this file's."""
+        between two) fetched whole into the library's cache; its bytes added to ``progress`` as they come, but
+        the first ``counted`` (held here, and counted, already). The answer: ``{"done": path in the snapshot}`` or
+        ``{"failed": ...}`` (``failure`` reads it). Left midway (an exception here), the process is ended: its next
+        answer would be this file's."""
         with cls._lock:
             proc = cls._started()
+            seen = told = 0  # the library's bytes so far (less where it starts again); those added to progress
             try:
                 proc.stdin.write(json.dumps(ask) + "\n")
                 proc.stdin.flush()
@@ -157,8 +160,10 @@ class Worker:
                     said = json.loads(line)
                     if "bytes" not in said:
                         return said
-                    if progress is not None:
-                        progress.add(said["bytes"])
+                    seen += said["bytes"]
+                    if progress is not None and max(seen - counted, 0) != told:
+                        progress.add(max(seen - counted, 0) - told)
+                        told = max(seen - counted, 0)
             except OSError as exc:  # it ended between two files
                 proc.kill()
                 cls._proc = None
