@@ -435,3 +435,18 @@ def test_the_embedding_table_leaves_the_client_only_where_the_first_layer_takes_
                 {"slot": 0, "dtype": "Tensor"}, {"slot": "0", "dtype": "float32"}, [0]):
         with pytest.raises(diffuse.DiffuseError):
             StageSession._embed_spec(bad, rmap, 3)
+
+
+def test_a_folder_without_tokenizer_files_is_refused_naming_them(tmp_path):
+    """transformers builds an empty tokenizer from a config alone, which makes no tokens of any prompt: the
+    client says the folder lacks its tokenizer instead (``diffuse query`` then ends in that one line, exit 2,
+    before any node starts)."""
+    from transformers import Qwen2Config
+
+    from diffuse.errors import DiffuseError
+    from diffuse.lm.client_media import load_tokenizer
+
+    Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=100).save_pretrained(tmp_path)
+    with pytest.raises(DiffuseError, match=r"has no tokenizer files \(tokenizer\.json, tokenizer_config\.json"):
+        load_tokenizer(str(tmp_path))

@@ -63,9 +63,13 @@ def _tokenizer(path: str, stamp: tuple):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:
         raise DiffuseError(f"cannot load the tokenizer of {path}: {_first_line(exc)}") from None
+    if len(tokenizer) < 2:  # transformers builds an empty one from the config alone: every prompt would be no tokens
+        raise DiffuseError(f"{path} has no tokenizer files (tokenizer.json, tokenizer_config.json, or the "
+                           "vocabulary they name): copy them in beside config.json")
+    return tokenizer
 
 
 def _first_line(exc: BaseException) -> str:
