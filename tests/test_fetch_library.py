@@ -10,7 +10,8 @@ tensor of which is its own through the library, one it shares by range; a client
 no layer of theirs, the first included. A fetch killed while the
 library fetched a file goes on, in the next run, from the bytes the library left: that file's bytes over both runs
 are its size, its last unwritten megabyte and a second's worth at most, and it ends in the library's layout too.
-Server errors past the library's retries end in one line, as range reads' do. And
+Server errors past the library's retries end in one line, as range reads' do; offline, the library is never
+asked. And
 ``diffuse.from_pretrained(..., local_nodes=True)`` checks the room for all of a Hub model once, before its
 first tensor byte.
 """
@@ -212,3 +213,30 @@ def test_server_errors_past_the_librarys_retries_end_in_one_line_and_a_retry_wor
     folder = fetch_model(hub_ref(REPO), "client", say=lambda line: None)
     with open(os.path.join(folder, TOKENIZER), "rb") as mine, open(os.path.join(hub.source, TOKENIZER), "rb") as ours:
         assert mine.read() == ours.read()
+
+
+def test_offline_the_library_is_not_asked_and_what_is_missing_is_refused_in_one_line(hub, tmp_path, monkeypatch):
+    """``HF_HUB_OFFLINE`` as the user gave it (``DIFFUSE_HUB_OFFLINE=1``): a model whose config and weights' header
+    are here but not its weights (a file the library would fetch) is refused in one line, and nothing at all is
+    asked of the Hub, by the library least of all."""
+    import shutil
+
+    from diffuse.errors import DiffuseError
+    from diffuse.plan.hub import hub_ref
+    from diffuse.plan.hubmodel import fetch_model
+
+    folder = tmp_path / "big"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"a": 1}')
+    shutil.copy(os.path.join(hub.source, "vae", "diffusion_pytorch_model.safetensors"), folder / "model.safetensors")
+    hub.publish("org/lib-big", str(folder))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint("lib-offline"))
+    monkeypatch.setenv("DIFFUSE_HUB_OFFLINE", "0")
+    fetch_model(hub_ref("org/lib-big"), "headers", say=lambda line: None)
+    asked = len([e for e in hub.log if e["who"] == "lib-offline"])
+    monkeypatch.setenv("DIFFUSE_HUB_OFFLINE", "1")
+    with pytest.raises(DiffuseError, match="HF_HUB_OFFLINE is set") as refused:
+        fetch_model(hub_ref("org/lib-big"), "whole", say=lambda line: None)
+    assert "\n" not in str(refused.value)
+    assert len([e for e in hub.log if e["who"] == "lib-offline"]) == asked

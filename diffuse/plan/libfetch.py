@@ -74,8 +74,12 @@ def _dense(path: str) -> bool:
 
 def library_wanted() -> bool:
     """Whether whole files go through ``huggingface_hub`` (``DIFFUSE_HUB_LIBRARY=0``: Diffuse's range reads for
-    every byte, as before; what ``python -m diffuse.bench fetch`` compares)."""
-    return os.environ.get("DIFFUSE_HUB_LIBRARY", "1").strip().lower() not in ("0", "false", "no", "off")
+    every byte, as before). Never offline (``HF_HUB_OFFLINE`` as the user gave it): the library's process is
+    online, and a range read refuses in one line what is not here."""
+    from diffuse.plan.hub import offline
+
+    return not offline() and \
+        os.environ.get("DIFFUSE_HUB_LIBRARY", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def offer(f, cache: str) -> None:
