@@ -240,3 +240,21 @@ def test_offline_the_library_is_not_asked_and_what_is_missing_is_refused_in_one_
         fetch_model(hub_ref("org/lib-big"), "whole", say=lambda line: None)
     assert "\n" not in str(refused.value)
     assert len([e for e in hub.log if e["who"] == "lib-offline"]) == asked
+
+
+def test_the_library_fetches_a_gated_repos_files_with_the_token_diffuse_reads(hub, tmp_path, monkeypatch):
+    """``HF_TOKEN`` as Diffuse reads it is the library's too: a gated repo's large files (the loopback Hub answers
+    401 to a request without its token) come through it."""
+    from hubtest import TOKEN
+
+    from diffuse.plan.hub import hub_ref
+    from diffuse.plan.hubmodel import fetch_model
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint("lib-gated"))
+    monkeypatch.setenv("DIFFUSE_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    fetch_model(hub_ref("org/gated"), "client", say=lambda line: None)
+    size = os.path.getsize(os.path.join(hub.source, TOKENIZER))
+    assert [(e["status"], e["sent"]) for e in hub.log if e["who"] == "lib-gated" and e["file"] == TOKENIZER
+            and e["method"] == "GET" and "hf_hub" in e["agent"]] == [(200, size)]
