@@ -378,3 +378,12 @@ def test_the_plan_as_json_puts_the_vae_on_the_node_named(models):
         slices = [[(s["start"], s["stop"]) for s in st["slices"] if s["stack"] == "vae"]
                   for st in json.loads(run.stdout)["route"]]
         assert slices == [[(0, 1)] if i == holder else [(0, 0)] if i < holder else [(1, 1)] for i in range(3)]
+
+
+def test_a_pipeline_loaded_without_its_vae_is_refused_a_split_that_decodes_here(models):
+    import diffuse
+    from diffuse.errors import DiffuseError
+
+    pipe = diffuse.from_pretrained(models("flux"), decoder="ring")
+    with pytest.raises(DiffuseError, match="loaded without its VAE's weights"):
+        diffuse.split(pipe, local_nodes=2, decoder="client")

@@ -172,7 +172,8 @@ class Split(SplitReadout):
         from diffuse.client.decoders import DecoderPlace
 
         self.decoder = DecoderPlace.of(o.decoder, o.decoder_tiling, self.info, self.nodes,  # before any node starts
-                                       self.local.count if self.local is not None else 0, self.branch_groups)
+                                       self.local.count if self.local is not None else 0, self.branch_groups,
+                                       getattr(pipe_or_model, "_diffuse", None))
         self.decoder_calls = None  # the VAE's stand-ins, while split (diffuse.client.decoders)
         self.patches, self.timeout, self.client_key = o.patches, o.timeout, o.client_key
         self.ahead = o.ahead  # with patches, the next guidance branch's call sent while this one finishes

@@ -39,13 +39,18 @@ class DecoderPlace:
     tiling: str = "auto"
 
     @classmethod
-    def of(cls, where, tiling, info, nodes: list | None, local_count: int, groups: int) -> "DecoderPlace | None":
+    def of(cls, where, tiling, info, nodes: list | None, local_count: int, groups: int,
+           loaded=None) -> "DecoderPlace | None":
         """The place asked for (``where``: ``--decoder``; None where the pipeline was loaded with its VAE on the
         ring: the ring's last node), checked against the run's nodes (``nodes``: (address, key) pairs, None for
-        ``local_count`` local nodes) before any starts; None for the client."""
+        ``local_count`` local nodes) before any starts; None for the client, which a pipeline loaded without its
+        VAE's weights (``loaded``: its ``ModelInfo`` then) cannot be."""
         where = check_decoder(where) if where is not None else (RING if info.decoders else None)
         tiling = check_tiling(tiling)
         if where is None:
+            if getattr(loaded, "decoders", False):
+                raise DiffuseError("this pipeline was loaded without its VAE's weights (decoder=...): split it with "
+                                   "its VAE on a node (decoder=\"ring\" or a node), or load it again to decode here")
             return None
         if not info.subject.decoders:
             raise DiffuseError("--decoder: this pipeline has no VAE (a diffusers model that decodes) to put on a node")
