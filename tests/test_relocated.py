@@ -83,12 +83,12 @@ def test_a_language_model_with_its_layers_under_another_prefix_answers_token_for
     assert np.asarray(got["new_tokens"]).size == 6
 
 
-def test_the_client_loads_no_block_but_each_stacks_first(models):
+def test_the_client_loads_no_block(models):
     """Wan's pipeline declares its transformer optional, and diffusers then loads it from disk even when one
-    is handed in: the client must still never read the blocks the nodes hold (the first of each stack is
-    kept, to learn its call at the first step)."""
+    is handed in: the client must still never read the blocks the nodes hold, the first of each stack included
+    (it learns the stack's call at the first step weightless, or with zero weights)."""
     import diffuse
 
     pipe = diffuse.from_pretrained(models("wan"))
     devices = [next(b.parameters()).device.type for b in pipe.transformer.blocks]
-    assert devices[0] == "cpu" and set(devices[1:]) == {"meta"}, devices
+    assert set(devices) == {"meta"}, devices
