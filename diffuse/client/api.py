@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from diffuse.errors import DiffuseError
+from diffuse.client.decoders import DecoderPlace
 from diffuse.client.modelinfo import MODEL_DEFAULTS_FILE, ModelInfo, model_info  # noqa: F401  (found here too)
 from diffuse.client.readout import SplitReadout
 from diffuse.client.request import check_options  # the split's rules, shared with the command line's flags
@@ -169,11 +170,8 @@ class Split(SplitReadout):
         asked = o.local_nodes if o.local_nodes is not None else 2 * o.branch_groups
         self.local = None if nodes is not None else local_nodes_plan(
             asked // o.branch_groups, self.info.draft["stacks"], o.patches, o.threads, o.branch_groups)
-        from diffuse.client.decoders import DecoderPlace
-
-        self.decoder = DecoderPlace.of(o.decoder, o.decoder_tiling, self.info, self.nodes,  # before any node starts
-                                       self.local.count if self.local is not None else 0, self.branch_groups,
-                                       getattr(pipe_or_model, "_diffuse", None))
+        self.decoder = DecoderPlace.of(o.decoder, o.decoder_tiling, self.info, self.nodes, self.local,
+                                       self.branch_groups, getattr(pipe_or_model, "_diffuse", None))  # before any starts
         self.decoder_calls = None  # the VAE's stand-ins, while split (diffuse.client.decoders)
         self.patches, self.timeout, self.client_key = o.patches, o.timeout, o.client_key
         self.ahead = o.ahead  # with patches, the next guidance branch's call sent while this one finishes

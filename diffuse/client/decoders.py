@@ -39,12 +39,11 @@ class DecoderPlace:
     tiling: str = "auto"
 
     @classmethod
-    def of(cls, where, tiling, info, nodes: list | None, local_count: int, groups: int,
-           loaded=None) -> "DecoderPlace | None":
+    def of(cls, where, tiling, info, nodes: list | None, local, groups: int, loaded=None) -> "DecoderPlace | None":
         """The place asked for (``where``: ``--decoder``; None where the pipeline was loaded with its VAE on the
         ring: the ring's last node), checked against the run's nodes (``nodes``: (address, key) pairs, None for
-        ``local_count`` local nodes) before any starts; None for the client, which a pipeline loaded without its
-        VAE's weights (``loaded``: its ``ModelInfo`` then) cannot be."""
+        local nodes, as many as ``local`` plans) before any starts; None for the client, which a pipeline loaded
+        without its VAE's weights (``loaded``: its ``ModelInfo`` then) cannot be."""
         where = check_decoder(where) if where is not None else (RING if info.decoders else None)
         tiling = check_tiling(tiling)
         if where is None:
@@ -58,7 +57,7 @@ class DecoderPlace:
             raise DiffuseError("--decoder puts the VAE on one node; with --branch-groups each group is a ring of "
                                "its own: use one group, or --decoder client")
         addresses = [a for a, _ in nodes] if nodes is not None else None
-        return cls(where, node_named(where, addresses, local_count), tiling)
+        return cls(where, node_named(where, addresses, local.count if local is not None else 0), tiling)
 
     def pin(self, nodes: list, stacks) -> "DecoderPin":
         """The pin of the VAE's stacks (``stacks``, their paths) on the node named among ``nodes`` (as started)."""
