@@ -25,6 +25,7 @@ import zmq
 from test_bounds import Target, _claim, _close_as, _open_as, ask_raw, hello_answered_within
 from test_hardening import _client, _stop
 from transport.zmq_ring import MAX_CONTROL_BYTES
+from diffuse.plan.contracts import WIRE_VERSION as NEWEST
 
 SEED = int(os.environ.get("DIFFUSE_FUZZ_SEED", "20240611"))
 MESSAGES = int(os.environ.get("DIFFUSE_FUZZ_MESSAGES", "10500"))
@@ -131,7 +132,7 @@ class Fuzzer:
         lambda f, p, live: _stage(p).update({f.rng.choice(["model_hash", "dtype", "next", "attention"]): 5}),
         lambda f, p, live: _stage(p).update(attention=f.rng.choice(["fast", "", "eager "])),
         lambda f, p, live: _stage(p).update(wire_in=f.rng.choice(["1", None]), wire_out=1),
-        lambda f, p, live: _stage(p).update(wire_in=f.rng.choice([4, 9]), wire_out=1),  # versions no node speaks
+        lambda f, p, live: _stage(p).update(wire_in=f.rng.choice([NEWEST + 1, 99]), wire_out=1),  # no node speaks them
         lambda f, p, live: _stage(p).update(slices=f.rng.choice([
             "all", [{"stack": "nope", "start": 0, "stop": 1}], [{"stack": "blocks", "start": 0, "stop": 99}],
             [{"stack": "blocks", "start": 0, "stop": 1}, {"stack": "blocks", "start": 1, "stop": 2}],

@@ -23,6 +23,9 @@ rows (``run_batch``):
   candidates and value bits its tail alone gives (``diffuse.lm.node_layers.joint_tails``,
   ``diffuse.lm.node_tail.JointHead``).
 
+Passes through layers of bitsandbytes' (a checkpoint saved quantized by it,
+``diffuse.plan.bnbread``) are never batched: their CPU kernels compute a row's output
+from the other rows of the call, so another session's rows would change this one's.
 Whatever does not fit (a cache layer other than a plain growing one, such as a
 sliding window; a prefill; a mask already present; a layer that asks the
 cache anything else; an output without one row per input row) raises, every
@@ -38,6 +41,7 @@ import json
 
 import torch
 
+from diffuse.plan.bnbread import rows_depend
 from diffuse.plan.calltree import thread_outputs, unflatten
 from diffuse.errors import DiffuseError
 from diffuse.plan.kvcache import is_cache
@@ -65,10 +69,12 @@ def batch_key(dtype, p) -> tuple | None:
     """What must be the same for passes (``diffuse.node.stage.Prepared``) of different sessions to run as one batch;
     None: this pass runs alone (no cache: a diffusion pass, PipeFusion's patches included; a prefill; an unusual
     cache). Only a language model's pass (``diffuse.wire.passes.LayerPass``) carries a cache."""
-    if p.cache is None or not p.blocks or not p.rmap.streams or p.rmap.sides or p.part.keep:
+    if p.cache is None or not p.blocks or not p.rmap.streams or p.rmap.sides or getattr(p.part, "keep", ()):
         return None  # side outputs threaded on (T5's position biases) are not per row: not joined
     if not _growing_layers(p.cache, [i for i, _ in p.blocks]):
         return None
+    if rows_depend(b for _, b in p.blocks):
+        return None  # bitsandbytes' layers compute a row from the others of its call: each session alone
     hidden = p.values[p.rmap.streams[0]]
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         return None  # (rows, new positions, width), as a decoder layer takes it
