@@ -15,12 +15,12 @@ reference cannot share a bug with what it checks.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import numpy as np
 import torch
+
+from jobfile import run_jobs
 
 
 def encode(model_dir: str, kwargs: dict, out: str, dtype: str | None = None) -> list[str]:
@@ -38,24 +38,7 @@ def encode(model_dir: str, kwargs: dict, out: str, dtype: str | None = None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", required=True, help="a JSON list of {model, kwargs, out}")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's own default)")
-    parser.add_argument("--out", required=True, help="where to write the results (JSON)")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    with open(args.jobs) as f:
-        jobs = json.load(f)
-    results = []
-    for job in jobs:
-        try:
-            results.append({"arrays": encode(job["model"], job["kwargs"], job["out"], job.get("dtype"))})
-        except Exception as exc:  # noqa: BLE001 - this job's failure is reported in its own entry
-            results.append({"error": f"{type(exc).__name__}: {exc}"})
-    with open(args.out, "w") as f:
-        json.dump(results, f)
-    return 0
+    return run_jobs(lambda job: {"arrays": encode(job["model"], job["kwargs"], job["out"], job.get("dtype"))}, __doc__, argv)
 
 
 if __name__ == "__main__":
