@@ -1,8 +1,11 @@
-"""What the benchmarks share: the guided loop's fixed inputs and guidance scale, a mean with its spread, and a
-streamer that times tokens (``Clock``)."""
+"""What the benchmarks share: the guided loop's fixed inputs and guidance scale, a mean with its spread, a
+streamer that times tokens (``Clock``), a process's peak memory and a bench's role run in a process of its own."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 GUIDANCE = 5.0
@@ -60,3 +63,24 @@ class Clock:
     def per_second(self) -> float:
         """Tokens per second after the first (the steady decoding rate)."""
         return (len(self.times) - 1) / (self.times[-1] - self.times[0]) if len(self.times) > 1 else 0.0
+
+
+def peak_bytes(pid: int, field: str = "VmHWM") -> int:
+    """A process's peak resident bytes (``field`` VmRSS: its present ones), as the kernel counts them."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_role(module: str, args: list[str], timeout: float = 3600) -> dict:
+    """``python -m MODULE ARGS...`` in a process of its own, with the nodes' environment; the JSON its last
+    line of output holds (its failure: a RuntimeError with the end of what it said)."""
+    from diffuse.local.nodes import node_env
+
+    proc = subprocess.run([sys.executable, "-m", module, *args], env=node_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{args[0]} failed: {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -30,11 +30,11 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
 from diffuse.bench import pipememory
+from diffuse.bench.kit import peak_bytes, run_role
 from diffuse.bench.pipememory import PIPELINES
 
 GIB = 1 << 30
@@ -79,16 +79,7 @@ def build(path: str, geometry: dict) -> None:
 
 def _peak() -> int:
     """This process's peak resident bytes (VmHWM)."""
-    return _hwm(os.getpid())
-
-
-def _hwm(pid: int, field: str = "VmHWM") -> int:
-    """A process's peak resident bytes (``field`` VmRSS: its present ones), as the kernel counts them."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return peak_bytes(os.getpid())
 
 
 def _prompt(vocab: int):
@@ -171,13 +162,7 @@ def wan_role(what: str, path: str, quick: bool, rest: list[str]) -> int:
 
 
 def _run(args: list[str]) -> dict:
-    from diffuse.local.nodes import node_env
-
-    proc = subprocess.run([sys.executable, "-m", "diffuse.bench.memory", *args], env=node_env(),
-                          capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{args[0]} failed: {proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_role("diffuse.bench.memory", args)
 
 
 def _in_process(args: list[str]) -> dict:
@@ -229,7 +214,7 @@ def measure(path: str, quick: bool, wan: bool) -> None:
     nodes = start_local_nodes(path, 2, threads=THREADS, extra=["--log-level", "WARNING", *dtype])
     try:
         client = one([pre + "client", path, *flag, ",".join(f"{n.address}#{n.key}" for n in nodes)])
-        peaks = [_hwm(n.proc.pid) for n in nodes]
+        peaks = [peak_bytes(n.proc.pid) for n in nodes]
     finally:
         nodes.stop()
     print("peak resident memory (VmHWM) against what each process holds (safetensors headers):")

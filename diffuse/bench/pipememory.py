@@ -23,9 +23,10 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from diffuse.bench.kit import peak_bytes, run_role
 
 GIB = 1 << 30
 THREADS, ROUNDS, BLOCKS = 1, 2, 2
@@ -139,23 +140,12 @@ def client(path: str, name: str, encoders: str, nodes: str) -> dict:
             out = pipe(PROMPT, generator=torch.Generator().manual_seed(0), output_type="np", **CALLS[name])
             seconds.append(time.perf_counter() - t0)
     array = out.frames if hasattr(out, "frames") else out.images
-    return {"peak": _hwm(os.getpid()), "seconds": seconds[-1],
+    return {"peak": peak_bytes(os.getpid()), "seconds": seconds[-1],
             "digest": hashlib.sha256(array.tobytes()).hexdigest()[:16]}
 
 
-def _hwm(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
 def _run(args: list[str]) -> dict:
-    from diffuse.local.nodes import node_env
-
-    proc = subprocess.run([sys.executable, "-m", "diffuse.bench.pipememory", *args], env=node_env(),
-                          capture_output=True, text=True, timeout=7200)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{args[0]} failed: {proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_role("diffuse.bench.pipememory", args, timeout=7200)
 
 
 def measure(path: str, name: str, quick: bool) -> dict:
@@ -174,7 +164,7 @@ def measure(path: str, name: str, quick: bool) -> dict:
             nodes = start_local_nodes(path, 2, threads=THREADS, extra=extra + ["--encoders", way])
             try:
                 runs.append(_run(["client", path, name, way, ",".join(f"{n.address}#{n.key}" for n in nodes)]))
-                node_peaks[way] = [max(p, _hwm(n.proc.pid)) for p, n in zip(node_peaks[way] or [0, 0], nodes)]
+                node_peaks[way] = [max(p, peak_bytes(n.proc.pid)) for p, n in zip(node_peaks[way] or [0, 0], nodes)]
             finally:
                 nodes.stop()
     return report(ways, node_peaks)
@@ -219,7 +209,7 @@ def role(argv: list[str]) -> int:
     torch.set_num_threads(THREADS)
     if argv[0] == "build":
         build(argv[1], argv[2], argv[3] == "1")
-        print(json.dumps({"peak": _hwm(os.getpid())}))
+        print(json.dumps({"peak": peak_bytes(os.getpid())}))
     else:
         print(json.dumps(client(*argv[1:5])))
     return 0

@@ -78,7 +78,8 @@ def _after_a_pass(path: str, client, mode: str, tokens: int = 2) -> tuple[int, i
     import torch
 
     import diffuse
-    from diffuse.bench.memory import _hwm, _prompt
+    from diffuse.bench.kit import peak_bytes
+    from diffuse.bench.memory import _prompt
 
     with open(os.path.join(path, "config.json")) as f:
         ids = _prompt(json.load(f)["vocab_size"])
@@ -88,7 +89,7 @@ def _after_a_pass(path: str, client, mode: str, tokens: int = 2) -> tuple[int, i
                            speculate="off"), torch.no_grad():
             client.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
                             do_sample=False)
-        return _hwm(first[0].pid), _hwm(first[0].pid, "VmRSS")
+        return peak_bytes(first[0].pid), peak_bytes(first[0].pid, "VmRSS")
     finally:
         for proc, _ in (first, second):
             proc.terminate()
@@ -160,9 +161,9 @@ def _stop(rings: dict) -> None:
 
 
 def _peaks(nodes) -> float:
-    from diffuse.bench.memory import _hwm
+    from diffuse.bench.kit import peak_bytes
 
-    return max(_hwm(n.proc.pid) for n in nodes) / GIB
+    return max(peak_bytes(n.proc.pid) for n in nodes) / GIB
 
 
 def _pinned(nodes) -> list[str]:
