@@ -39,23 +39,42 @@ def lm_dirs(tmp_path_factory) -> LMModels:
 
 
 @pytest.fixture(scope="module")
-def references(lm_dirs, tmp_path_factory) -> list[dict]:
-    """Plain transformers, whole, one prompt at a time (input ids and new tokens per prompt)."""
+def references(lm_dirs, tmp_path_factory) -> dict:
+    """Plain transformers, whole, one prompt at a time (input ids and new tokens per prompt), in a subprocess
+    started here and read by ``reference_results`` (it runs while the split side runs); the prompts' input ids
+    the split side needs are built in this process by the reference's own ``build_inputs``, and
+    ``reference_results`` checks they are the reference's."""
+    import lm_reference
+
     root = tmp_path_factory.mktemp("lm-batch-references")
-    jobs = [dict(model=lm_dirs("qwen2"), prompt=p, max_new_tokens=NEW) for p in PROMPTS]
+    model = lm_dirs("qwen2")
+    jobs = [dict(model=model, prompt=p, max_new_tokens=NEW) for p in PROMPTS]
     (root / "jobs.json").write_text(json.dumps(jobs))
     cmd = [sys.executable, os.path.join(TESTS, "lm_reference.py"), "--jobs", str(root / "jobs.json"),
            "--threads", str(THREADS), "--out", str(root / "results.json")]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    refs = json.loads((root / "results.json").read_text())
+    proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ids = [lm_reference.build_inputs(model, p)["input_ids"].tolist() for p in PROMPTS]
+    yield {"proc": proc, "out": root / "results.json", "input_ids": ids}
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def reference_results(references) -> list[dict]:
+    proc = references["proc"]
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    refs = json.loads(references["out"].read_text())
+    assert [r["input_ids"] for r in refs] == references["input_ids"]  # the split side ran the reference's prompts
     assert len({len(r["input_ids"][0]) for r in refs}) == 3  # three different lengths
     return refs
 
 
 class Lockstep:
     """A streamer that waits for the other sessions at every token, so that their passes reach the nodes
-    together (bounded: a session that stops early breaks the barrier and the others go on alone)."""
+    together (bounded: a session that stops early breaks the barrier as it ends, and the others go on alone --
+    a session can emit two tokens at one ``put`` and so end a step before the others)."""
 
     def __init__(self, barrier: threading.Barrier):
         self.barrier = barrier
@@ -67,7 +86,7 @@ class Lockstep:
             pass
 
     def end(self) -> None:
-        pass
+        self.barrier.abort()  # no more waits for this session: the others must not wait out the barrier's timeout
 
 
 def concurrent_sessions(model: str, prompts: list[list[int]]) -> tuple[list, list[dict], list]:
@@ -120,12 +139,12 @@ def concurrent_sessions(model: str, prompts: list[list[int]]) -> tuple[list, lis
 
 @pytest.fixture(scope="module")
 def sessions(lm_dirs, references):
-    return concurrent_sessions(lm_dirs("qwen2"), [r["input_ids"][0] for r in references])
+    return concurrent_sessions(lm_dirs("qwen2"), [ids[0] for ids in references["input_ids"]])
 
 
-def test_concurrent_sessions_batched_tokens_equal_transformers(sessions, references):
+def test_concurrent_sessions_batched_tokens_equal_transformers(sessions, reference_results):
     tokens, (first, _), reports = sessions
-    assert tokens == [r["new_tokens"] for r in references]  # each session's, as if it ran alone
+    assert tokens == [r["new_tokens"] for r in reference_results]  # each session's, as if it ran alone
     assert first["batching"]
     # batches formed: rows of several sessions ran through the first node's layers at once
     assert first["batches"] > 0 and first["batched_rows"] >= 2 * first["batches"], first
