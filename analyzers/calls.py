@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from diffuse.plan.analysis import Analyzer
+from diffuse.plan.bnbread import plain_linears
 from diffuse.plan.calltree import flatten, slot_names
 from diffuse.errors import DiffuseError
 from diffuse.plan.kvcache import is_cache
@@ -109,9 +110,9 @@ def _zero_weight_outputs(call, inputs: list):
     def zeros(t):
         return torch.zeros(t.shape, dtype=t.dtype, device=fallback if t.is_meta else t.device)
 
-    state = {n: zeros(p) for n, p in block.named_parameters(remove_duplicate=False)}
-    state.update({n: zeros(b) for n, b in block.named_buffers(remove_duplicate=False) if b.is_meta})
-    with torch.no_grad():
+    with plain_linears(block), torch.no_grad():  # (bitsandbytes' layers: plain ones of their shapes)
+        state = {n: zeros(p) for n, p in block.named_parameters(remove_duplicate=False)}
+        state.update({n: zeros(b) for n, b in block.named_buffers(remove_duplicate=False) if b.is_meta})
         return functional_call(block, state, tuple(call.args), dict(call.kwargs), tie_weights=False)
 
 
@@ -122,11 +123,11 @@ def _weightless_outputs(call):
     from torch.utils._pytree import tree_map
 
     block = call.block
-    state = {n: torch.empty_like(t, device="meta")
-             for n, t in [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]}
     meta = tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (tuple(call.args), dict(call.kwargs)))
     try:
-        with torch.no_grad():
+        with plain_linears(block), torch.no_grad():
+            state = {n: torch.empty_like(t, device="meta") for n, t in
+                     [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]}
             return functional_call(block, state, meta[0], meta[1], tie_weights=False)
     except Exception:
         return None

@@ -40,7 +40,8 @@ class WeightsCheck(Analyzer):
             return {"stack_weights": {s.path: "not checked (the folder holds no weights)" for s in stacks}}
         try:
             gguf_matches(subject, model)
-            return {"stack_weights": stack_weights(subject.weight_map(), model, [s.path for s in stacks])}
+            saved = subject.denoiser_config.get("quantization_config")  # (a checkpoint saved quantized)
+            return {"stack_weights": stack_weights(subject.weight_map(), model, [s.path for s in stacks], saved)}
         except RefusedModel:
             raise
         except DiffuseError as exc:
@@ -65,11 +66,13 @@ def has_weights(component_dir: str) -> bool:
         gguf_in(component_dir) is not None
 
 
-def stack_weights(files: dict[str, str], model, paths: list[str]) -> dict[str, str]:
+def stack_weights(files: dict[str, str], model, paths: list[str], saved: dict | None = None) -> dict[str, str]:
     """{stack path: what its blocks load (tensors, and how many a converter makes)}; a ``DiffuseError`` naming
-    the first tensor a node could not load as the library does. ``files``: tensor name -> safetensors file."""
+    the first tensor a node could not load as the library does. ``files``: tensor name -> safetensors file;
+    ``saved``: the config's ``quantization_config`` (a linear weight saved by bitsandbytes is packed)."""
     from safetensors import safe_open
 
+    from diffuse.plan.bnbread import stored_fits
     from diffuse.plan.ggufread import for_component
     from diffuse.plan.modelfiles import located, renamed_for
 
@@ -113,7 +116,7 @@ def stack_weights(files: dict[str, str], model, paths: list[str]) -> dict[str, s
                         source = f"{conv.sources[0][0]} and {len(conv.sources) - 1} more, converted"
                     else:
                         have, source = shape_of(wmap.source(full), wmap[full]), wmap.source(full)
-                    if have != want:
+                    if have != want and have != stored_fits(block, name, full, wmap, saved):
                         raise DiffuseError(f"the checkpoint's {source} has shape {list(have or ())} where {full} "
                                            f"needs {list(want)}, so a node could not load that block")
                     count += 1

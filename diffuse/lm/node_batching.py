@@ -23,9 +23,10 @@ rows (``run_batch``):
   candidates and value bits its tail alone gives (``diffuse.lm.node_layers.joint_tails``,
   ``diffuse.lm.node_tail.JointHead``).
 
-Passes through layers of bitsandbytes' (a checkpoint saved quantized by it,
-``diffuse.plan.bnbread``) are never batched: their CPU kernels compute a row's output
-from the other rows of the call, so another session's rows would change this one's.
+Passes through bitsandbytes' LLM.int8 layers with an outlier threshold (a checkpoint
+saved quantized 8-bit, ``diffuse.plan.bnbread``) are never batched: such a layer takes
+out of its int8 product every column where any row of the call holds an outlier, so
+another session's rows would change this one's.
 Whatever does not fit (a cache layer other than a plain growing one, such as a
 sliding window; a prefill; a mask already present; a layer that asks the
 cache anything else; an output without one row per input row) raises, every
@@ -74,7 +75,7 @@ def batch_key(dtype, p) -> tuple | None:
     if not _growing_layers(p.cache, [i for i, _ in p.blocks]):
         return None
     if rows_depend(b for _, b in p.blocks):
-        return None  # bitsandbytes' layers compute a row from the others of its call: each session alone
+        return None  # LLM.int8's outlier columns come from every row of the call: each session alone
     hidden = p.values[p.rmap.streams[0]]
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         return None  # (rows, new positions, width), as a decoder layer takes it

@@ -112,8 +112,8 @@ class BlockStore:
                 if stack in plain:  # a VAE (--decoder) keeps in float32 what its own class says, no other part's
                     own = fp32_kept(block, dtype) if stack in self.subject.decoders else keep
                     load_into(block, f"{stack}.{i}.", wmap, dtype, files=files, device=self.device, keep=own,
-                              skip=saved_quantized(wmap, f"{stack}.{i}."))  # those rebuilt next, from their parts
-                    rebuild_quantized(block, f"{stack}.{i}.", wmap, files)  # (a checkpoint saved quantized: torchao)
+                              skip=saved_quantized(wmap, f"{stack}.{i}.", block, self.subject.denoiser_config))
+                    rebuild_quantized(block, f"{stack}.{i}.", wmap, files)  # (saved quantized: torchao, bitsandbytes)
                 else:
                     load_gguf_block(skeleton, ggufs, (stack, i), block, dtype, files, self.device)
                 place(block, self.device)  # what the files do not hold (buffers made at construction)

@@ -117,7 +117,8 @@ class StageSession:
         if not isinstance(self.dtype, torch.dtype):
             self.dtype = None
         self.blocks = {sl.stack: store.blocks_of(sl, self.dtype) for sl in stage.slices if not sl.empty}
-        first = next((p for bl in self.blocks.values() for _, b in bl for p in b.parameters()), None)
+        first = next((p for bl in self.blocks.values() for _, b in bl for p in b.parameters()  # (a packed
+                      if p.is_floating_point()), None)  # 4-bit weight of bitsandbytes' is uint8: not the dtype)
         self.tail_dtype = first.dtype if first is not None else self.dtype
 
     def handle(self, header: dict, tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:

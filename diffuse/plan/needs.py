@@ -103,6 +103,7 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None,
     from diffuse.plan.modelfiles import located, renamed_for
     from diffuse.plan.quantize import INT4_GROUP_CPU, library_rule, quantizable, weight_bytes
 
+    from diffuse.plan.bnbread import part_bytes
     from diffuse.plan.prequant import no_quantize_over_quantized
 
     no_quantize_over_quantized(subject, quantize)  # quantized already: counted as the files hold it
@@ -118,6 +119,13 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None,
     state = per_token * context_tokens(subject, context)
     head = _head_bytes(subject, skeleton, size)
     group, skip = (INT4_GROUP_CPU if quantize == "int4" else 0), (library_rule(skeleton) if quantize else ())
+    saved = subject.denoiser_config.get("quantization_config")
+    bnb = isinstance(saved, dict) and saved.get("quant_method") == "bitsandbytes"
+
+    def header_of(key: str):
+        if wmap[key] not in headers:
+            headers[wmap[key]] = _header(wmap[key])
+        return headers[wmap[key]].get(wmap.source(key))
     out = []
     once = set(encoder_stacks(stacks, subject))  # an encoder's layers run once a request
     for st in stacks:
@@ -145,6 +153,8 @@ def block_costs(subject, stacks, dtype: str, context: int | None = None,
                     total += int(h["nbytes"])
                 else:
                     total += numel * (size if floating else own)
+                if bnb and name.endswith(".weight"):  # saved by bitsandbytes: its scales and state beside it
+                    total += part_bytes(full, wmap, header_of)
             out.append(BlockCost(st.path, i, total, state, once=st.path in once))
     if out and head:
         out[-1] = dataclasses.replace(out[-1], end_bytes=out[-1].end_bytes + head, end_compute=head)

@@ -9,8 +9,10 @@ weights of its own layers only, reading only their parts. The weight map names e
 checks find it; the client loads its ends with transformers' ``from_pretrained``, which reads the config's
 ``quantization_config`` itself.
 
-Only torchao's serialization is read: a checkpoint quantized by another method (bitsandbytes, GPTQ, AWQ, ...)
-is refused in one line naming it.
+A checkpoint saved by bitsandbytes (4-bit nf4/fp4, 8-bit) keeps each quantized weight under its own name, packed,
+beside its parts; ``diffuse.plan.bnbread`` swaps a node's linear layers for bitsandbytes' own and rebuilds them
+(``saved_quantized`` given the block and the model's config, and ``rebuild_quantized``, call it). A checkpoint
+quantized by another method (GPTQ, AWQ, ...) is refused in one line naming it.
 """
 
 from __future__ import annotations
@@ -40,9 +42,15 @@ def with_quantized(wmap: dict, folder: str) -> dict:
     method = quant_method(folder)
     if not method:
         return wmap
+    if method == "bitsandbytes":  # each weight under its own name (packed), its parts beside it
+        from diffuse.plan.bnbread import needs_bnb
+
+        needs_bnb(folder)
+        return wmap
     if method != "torchao":
         raise DiffuseError(f"{folder} is a checkpoint quantized by {method[:32]} (its config.json's "
-                           "quantization_config); Diffuse reads torchao-quantized checkpoints as they are, no other")
+                           "quantization_config); Diffuse reads checkpoints quantized by torchao or bitsandbytes "
+                           "as they are, no other")
     from diffuse.plan.modelfiles import WeightMap
 
     out = WeightMap(wmap)
@@ -83,9 +91,15 @@ def quantized_weights(files) -> dict[str, list[str]]:
     return out
 
 
-def saved_quantized(wmap, prefix: str):
+def saved_quantized(wmap, prefix: str, block=None, config: dict | None = None):
     """For ``load_into``'s ``skip``: the weights under ``prefix`` saved quantized (rebuilt by ``rebuild_quantized``
-    instead), or None where there are none."""
+    instead), or None where there are none. A checkpoint saved by bitsandbytes (``config``, the model's config,
+    says so) has ``block``'s linear layers that it holds quantized swapped for bitsandbytes' own first."""
+    q = (config or {}).get("quantization_config")
+    if isinstance(q, dict) and q.get("quant_method") == "bitsandbytes" and block is not None:
+        from diffuse.plan.bnbread import swapped
+
+        return swapped(block, prefix, wmap, q)
     sources = getattr(wmap, "sources", {})
     if not any(str(v).endswith("_qdata") and k.startswith(prefix) for k, v in sources.items()):
         return None
@@ -95,14 +109,17 @@ def saved_quantized(wmap, prefix: str):
 def rebuild_quantized(module, prefix: str, wmap, files: dict | None = None) -> int:
     """Each torchao-quantized weight of ``module`` (at ``prefix`` in its model) rebuilt from its saved parts by
     torchao's ``unflatten_tensor_state_dict``, as transformers rebuilds it at load, reading those parts only;
-    how many. (``load_into`` read each one's ``qdata`` alone in its place.)"""
+    how many. (``load_into`` read each one's ``qdata`` alone in its place.) Layers of bitsandbytes' that
+    ``saved_quantized`` swapped in are rebuilt by ``diffuse.plan.bnbread.rebuild``."""
     import torch
     from safetensors import safe_open
+
+    from diffuse.plan.bnbread import rebuild
 
     sources = getattr(wmap, "sources", {})
     mine = [n for n in module.state_dict() if str(sources.get(prefix + n, "")).endswith("_qdata")]
     if not mine:
-        return 0
+        return rebuild(module, prefix, wmap, files)
     try:
         from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
     except ImportError:
