@@ -20,6 +20,7 @@ import torch
 from test_hardening import _node, _nodes, _stop
 
 WAN_ARGS = dict(families.call_args("wan"), num_inference_steps=5)
+pytestmark = pytest.mark.usefixtures("quick_probes")  # a killed or frozen node is named in about 3 s, not 8
 
 
 @pytest.fixture(scope="module")
