@@ -126,7 +126,7 @@ def test_sliding_window_caches_are_cut_back_through_their_window(spec_models, sp
     assert drafts.drafts > 0 and drafts.accepted < drafts.drafted
 
 
-def test_a_replica_killed_with_drafts_in_flight_changes_nothing(spec_models, spec_refs, diffuse_home):
+def test_a_replica_killed_with_drafts_in_flight_changes_nothing(spec_models, spec_refs, diffuse_home, quick_probes):
     """Nodes: first half, second half, its replica. The second half's holder is killed as the third verifying
     pass is sent; its replica takes the route, the session's passes (cuts included) replay into its cache."""
     import diffuse
