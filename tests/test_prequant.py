@@ -1,10 +1,11 @@
 """Transformers checkpoints saved quantized (a ``quantization_config`` in config.json) read as they are: a tiny
 Qwen2 quantized by plain transformers (torchao's int8 weight-only config; bitsandbytes' 4-bit nf4 with its scales
-quantized again) and saved by ``save_pretrained``, split over two nodes (each given a copy whose other layers'
-bytes are spoilt; the last node reads the final norm and the head), says token for token and logit for logit
-what plain transformers says loading the same checkpoint whole (tests/lm_reference.py in a subprocess, which
-imports nothing of Diffuse's); passes through bitsandbytes' layers are never batched; other methods and
-``--quantize`` over it are refused in one line.
+quantized again, and its LLM.int8) and saved by ``save_pretrained``, split over two nodes (each given a copy whose
+other layers' bytes are spoilt; the last node reads the final norm and the head), says token for token and logit
+for logit what plain transformers says loading the same checkpoint whole (tests/lm_reference.py in a subprocess,
+which imports nothing of Diffuse's); passes through LLM.int8 layers are never batched, through 4-bit ones they
+are; other methods, bitsandbytes missing, and ``--quantize`` over a checkpoint saved quantized are refused in one
+line.
 """
 
 from __future__ import annotations
@@ -161,15 +162,16 @@ def test_checkpoints_saved_by_bitsandbytes_split_as_plain_transformers_runs_them
     split_against_whole([saved_bnb["nf4"], saved_bnb["int8"]], tiny["plain"], tmp_path, diffuse_home)
 
 
-def test_passes_through_llm_int8_layers_are_never_batched(saved_bnb):
+def test_llm_int8_passes_are_never_batched_4bit_ones_are(saved_bnb):
     """Decoding passes of two sessions through the same layers of bitsandbytes' (transformers' own, loaded whole):
     LLM.int8 ones (their outlier columns come from every row of a call) get no batch key, a node runs each
-    alone; 4-bit ones (each row apart, as plain layers) batch as plain layers do (tests/test_lm_batch.py)."""
+    alone; 4-bit ones (each row apart, as plain layers) batch as plain layers do (tests/test_lm_batch.py), each
+    session's next token its lone pass's."""
     import bitsandbytes as bnb
     import torch
-    from test_lm_batch import decoding_passes
+    from test_lm_batch import decoding_passes, lone
 
-    from diffuse.lm.node_batching import batch_key
+    from diffuse.lm.node_batching import batch_key, run_batch
 
     model, passes = decoding_passes(saved_bnb["int8"], [3, 9])
     assert isinstance(model.model.layers[0].mlp.up_proj, bnb.nn.Linear8bitLt)
@@ -179,9 +181,16 @@ def test_passes_through_llm_int8_layers_are_never_batched(saved_bnb):
     assert isinstance(model.model.layers[0].mlp.up_proj, bnb.nn.Linear4bit)
     keys = [batch_key(torch.float32, p) for p in passes]
     assert keys[0] is not None and keys[0] == keys[1]
+    alone = [lone(p) for p in passes]  # and batched, each session's next token is its lone pass's
+    with torch.no_grad():
+        for out, (ref, _) in zip(run_batch(passes), alone):
+            assert (out - ref).abs().max().item() < 1e-4
+            assert torch.equal(model.lm_head(model.model.norm(out)).argmax(-1),
+                               model.lm_head(model.model.norm(ref)).argmax(-1))
 
 
-def test_other_methods_and_quantize_over_it_are_refused_in_one_line(saved_int8, diffuse_home):
+def test_other_methods_and_quantize_over_it_are_refused_in_one_line(saved_int8, saved_bnb, diffuse_home,
+                                                                   monkeypatch):
     other = str(saved_int8["root"] / "gptq")
     shutil.copytree(saved_int8["saved"], other)
     with open(os.path.join(other, "config.json")) as f:
@@ -193,8 +202,15 @@ def test_other_methods_and_quantize_over_it_are_refused_in_one_line(saved_int8, 
             (["--model", other, "--prompt", "x", "--quiet"], run_client, "quantized by gptq"),
             (["--model", saved_int8["saved"], "--prompt", "x", "--quantize", "int8", "--quiet"], run_client,
              "saved quantized already (torchao)"),
-            (["plan", saved_int8["saved"], "--quantize", "int4"], run_cli, "saved quantized already (torchao)")):
+            (["plan", saved_int8["saved"], "--quantize", "int4"], run_cli, "saved quantized already (torchao)"),
+            (["--model", saved_bnb["nf4"], "--prompt", "x", "--quantize", "int8", "--quiet"], run_client,
+             "saved quantized already (bitsandbytes)")):
         done = run(argv, diffuse_home)
         lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
         assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
         assert said in lines[0], lines[0]
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if it were not installed (find_spec says None)
+    done = run_client(["--model", saved_bnb["int8"], "--prompt", "x", "--quiet"], diffuse_home)
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert "quantized by bitsandbytes, which is not installed: pip install 'diffuse[bnb]'" in lines[0], lines[0]

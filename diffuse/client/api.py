@@ -67,7 +67,7 @@ def load_whole_or_shell(info: "ModelInfo", compute, shell: bool, quantize: str =
     from diffuse.plan.fetching import partial_folder
     from diffuse.plan.hubmodel import complete_model
     from diffuse.plan.prequant import no_quantize_over_quantized
-    from diffuse.plan.bnbread import weightless
+    from diffuse.plan.bnbread import release_to_meta
     from diffuse.plan.planner import load_model, load_pipeline
 
     no_quantize_over_quantized(info.subject, quantize)  # a GGUF denoiser or a checkpoint saved quantized
@@ -78,7 +78,7 @@ def load_whole_or_shell(info: "ModelInfo", compute, shell: bool, quantize: str =
         if shell and partial_folder(info.path):  # the blocks nodes hold were not fetched here: never to be run
             for st in info.draft["stacks"]:
                 for block in list(pipe.get_submodule(st.path))[1:]:
-                    weightless(block)
+                    release_to_meta(block)
         pipe = place(pipe, compute.device)
     else:
         pipe = load_pipeline(info.path, info.subject, info.draft["stacks"] if shell else None, compute.dtype)

@@ -26,7 +26,7 @@ import time
 
 from torch import nn
 
-from diffuse.plan.bnbread import weightless
+from diffuse.plan.bnbread import release_to_meta
 from diffuse.plan.calltree import flatten
 from diffuse.changes import Changes, guard
 from diffuse.errors import DiffuseError
@@ -108,7 +108,7 @@ class Splitter:
                 self._first_blocks[st.path] = original[0]  # kept until the first call has taught its return map
             for block in original:
                 if block is not self._first_blocks.get(st.path):
-                    weightless(block)
+                    release_to_meta(block)
         self.lm.install(self.changes)
 
     def release(self) -> None:
@@ -157,7 +157,7 @@ class Splitter:
     def learned(self, stack: StackPlan, call_plan: CallPlan, rmap: ReturnMap) -> None:
         """What the stack's first call taught: kept in the plan; the first block is freed too."""
         self.plan = self.plan.with_call(stack.path, call_plan, rmap)
-        weightless(self._first_blocks.pop(stack.path))
+        release_to_meta(self._first_blocks.pop(stack.path))
 
     def run_stack(self, stack: StackPlan, args: tuple, kwargs: dict):
         t0 = time.perf_counter()

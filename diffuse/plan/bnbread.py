@@ -63,13 +63,12 @@ def _state_key(config) -> tuple[str, ...]:
         else ("SCB",)
 
 
-def _linears(block):
+def _linears(block) -> dict:
+    """{name: module} of ``block``'s layers transformers swaps for bitsandbytes' own: plain ``nn.Linear`` and
+    GPT-2's ``Conv1D``."""
     import torch
+    from transformers.pytorch_utils import Conv1D
 
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # pragma: no cover - transformers always has it
-        Conv1D = ()
     return {name: m for name, m in block.named_modules() if type(m) is torch.nn.Linear or isinstance(m, Conv1D)}
 
 
@@ -157,7 +156,11 @@ def stored_fits(block, name: str, full: str, wmap, quantization_config: dict | N
     layer = name[: -len(".weight")]
     if layer not in _linears(block) or not any(f"{full[: -len('weight')]}{m}" in wmap for m in _state_key(config)):
         return None
-    return packed_shape(tuple(block.get_submodule(layer).weight.shape), quantization_config)
+    import torch
+
+    module = block.get_submodule(layer)
+    shape = tuple(module.weight.shape)  # bitsandbytes stores it as nn.Linear holds it; GPT-2's Conv1D, transposed
+    return packed_shape(shape if isinstance(module, torch.nn.Linear) else shape[::-1], quantization_config)
 
 
 def part_bytes(full: str, wmap, header_of) -> int:
@@ -180,7 +183,7 @@ def rows_depend(blocks) -> bool:
                and getattr(getattr(m, "state", None), "threshold", 0) > 0 for b in blocks for m in b.modules())
 
 
-def weightless(module) -> None:
+def release_to_meta(module) -> None:
     """``module`` moved to meta (a block the client hands to a node), bitsandbytes' quantized weights included:
     ``Module.to`` cannot rebuild those there, so each is first replaced by a plain weightless parameter of its
     shape and dtype (and a 4-bit layer's own reference to its state dropped)."""
