@@ -21,7 +21,7 @@ import zmq
 
 from test_hardening import WanRing
 
-LEASE_S = 6.0  # the nodes' (and this process's clients') session lease here
+LEASE_S = 4.0  # the nodes' (and this process's clients') session lease here
 NODE_BUFFER = 3 << 20  # the nodes' cap on all sessions' kept tensors: far above what a tiny Wan run keeps
 
 
