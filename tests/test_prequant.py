@@ -3,8 +3,8 @@ Qwen2 quantized by plain transformers (torchao's int8 weight-only config; bitsan
 quantized again, and its LLM.int8) and saved by ``save_pretrained``, split over two nodes (each given a copy whose
 other layers' bytes are spoilt; the last node reads the final norm and the head), says token for token and logit
 for logit what plain transformers says loading the same checkpoint whole (tests/lm_reference.py in a subprocess,
-which imports nothing of Diffuse's); passes through LLM.int8 layers are never batched, through 4-bit ones they
-are; other methods, bitsandbytes missing, and ``--quantize`` over a checkpoint saved quantized are refused in one
+which imports nothing of Diffuse's); passes through LLM.int8 layers are never batched nor drafted by default,
+through 4-bit ones they are; other methods, bitsandbytes missing, and ``--quantize`` over a checkpoint saved quantized are refused in one
 line.
 """
 
@@ -162,23 +162,27 @@ def test_checkpoints_saved_by_bitsandbytes_split_as_plain_transformers_runs_them
     split_against_whole([saved_bnb["nf4"], saved_bnb["int8"]], tiny["plain"], tmp_path, diffuse_home)
 
 
-def test_llm_int8_passes_are_never_batched_4bit_ones_are(saved_bnb):
+def test_llm_int8_passes_are_never_batched_nor_drafted_by_default_4bit_ones_are(saved_bnb):
     """Decoding passes of two sessions through the same layers of bitsandbytes' (transformers' own, loaded whole):
     LLM.int8 ones (their outlier columns come from every row of a call) get no batch key, a node runs each
     alone; 4-bit ones (each row apart, as plain layers) batch as plain layers do (tests/test_lm_batch.py), each
-    session's next token its lone pass's."""
+    session's next token its lone pass's. Likewise a session drafts by default (several positions a pass) over
+    4-bit layers and not over LLM.int8 ones."""
     import bitsandbytes as bnb
     import torch
     from test_lm_batch import decoding_passes, lone
 
+    from diffuse.lm.client_drafts import Drafting
     from diffuse.lm.node_batching import batch_key, run_batch
 
     model, passes = decoding_passes(saved_bnb["int8"], [3, 9])
     assert isinstance(model.model.layers[0].mlp.up_proj, bnb.nn.Linear8bitLt)
     assert model.model.layers[0].mlp.up_proj.state.threshold > 0
     assert [batch_key(torch.float32, p) for p in passes] == [None, None]
+    assert Drafting(auto=True).arguments({}, 1, model.generation_config, model) == {}
     model, passes = decoding_passes(saved_bnb["nf4"], [3, 9])
     assert isinstance(model.model.layers[0].mlp.up_proj, bnb.nn.Linear4bit)
+    assert Drafting(auto=True).arguments({}, 1, model.generation_config, model) == {"prompt_lookup_num_tokens": 8}
     keys = [batch_key(torch.float32, p) for p in passes]
     assert keys[0] is not None and keys[0] == keys[1]
     alone = [lone(p) for p in passes]  # and batched, each session's next token is its lone pass's

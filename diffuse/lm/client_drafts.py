@@ -102,10 +102,13 @@ class Drafting:
         decoder-only models. A call with images, video or sound does not draft (prompt lookup would copy their
         placeholder tokens into a draft, which the model reads as more media than it was given). Greedy tokens are
         the plain ones (a pass of several tokens rounds its last bits otherwise
-        than a pass of one, far below a float32 model's gaps between candidates, not a bfloat16's), and a seeded
-        sampling call keeps drawing what it draws whole."""
+        than a pass of one, far below a float32 model's gaps between candidates, not a bfloat16's; not so through
+        bitsandbytes' LLM.int8 layers, whose outlier columns come from every position of a pass: such a model does
+        not draft by default), and a seeded sampling call keeps drawing what it draws whole."""
         import torch
         from transformers import GenerationMixin
+
+        from diffuse.plan.bnbread import rows_depend_config
 
         if batch != 1 or any(kwargs.get(k) is not None for k in ("prompt_lookup_num_tokens", "assistant_model")) \
                 or (getattr(config, "num_beams", 1) or 1) > 1 or media_inputs(kwargs) \
@@ -113,7 +116,7 @@ class Drafting:
             return {}
         if self.auto and (getattr(config, "do_sample", False) or getattr(config, "output_logits", False)
                           or getattr(config, "output_scores", False) or model.config.is_encoder_decoder
-                          or model.dtype not in (torch.float32, torch.float64)):
+                          or model.dtype not in (torch.float32, torch.float64) or rows_depend_config(model.config)):
             return {}
         if self.assistant is None:
             return {"prompt_lookup_num_tokens": self.most}

@@ -176,6 +176,17 @@ def part_bytes(full: str, wmap, header_of) -> int:
     return total
 
 
+def rows_depend_config(config) -> bool:
+    """Does a model's config (its ``quantization_config``: a dict, or transformers' config object after a load)
+    say its linear layers are bitsandbytes' LLM.int8 with an outlier threshold (``rows_depend``)?"""
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return False
+    get = q.get if isinstance(q, dict) else lambda key, default=None: getattr(q, key, default)
+    threshold = get("llm_int8_threshold", 6.0)
+    return get("quant_method") == "bitsandbytes" and bool(get("load_in_8bit")) and float(threshold or 0) > 0
+
+
 def rows_depend(blocks) -> bool:
     """Do any of ``blocks`` (modules) hold an LLM.int8 layer of bitsandbytes' with an outlier threshold, whose
     output for one row changes with the other rows of its call?"""
