@@ -102,9 +102,13 @@ def _pinned(node) -> str:
     return f"{node[1]['address']}#{node[1]['key']}"
 
 
-def test_a_wrong_key_and_a_dead_node_each_end_with_a_line_naming_that_node(nodes, tmp_path, diffuse_home):
+def test_a_wrong_key_and_a_dead_node_each_end_with_a_line_naming_that_node(nodes, tmp_path, diffuse_home,
+                                                                            monkeypatch):
     """A+B with B listed under another key than its own, then in B's place an address nothing answers at. Each
     run's last line names that node and the cause, not the route order."""
+    import diffuse.client.handshake
+
+    monkeypatch.setattr(diffuse.client.handshake, "HELLO_TIMEOUT_S", 3.0)  # the dead node's hello: 3 s, not 10
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
