@@ -202,8 +202,16 @@ def test_other_methods_and_quantize_over_it_are_refused_in_one_line(saved_int8, 
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     with open(os.path.join(other, "config.json"), "w") as f:
         json.dump(config, f)
+    fp16 = str(saved_int8["root"] / "bnb-fp16-weights")  # LLM.int8 set to keep 16-bit weights (for training)
+    shutil.copytree(saved_bnb["int8"], fp16)
+    with open(os.path.join(fp16, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"]["llm_int8_has_fp16_weight"] = True
+    with open(os.path.join(fp16, "config.json"), "w") as f:
+        json.dump(config, f)
     for argv, run, said in (
             (["--model", other, "--prompt", "x", "--quiet"], run_client, "quantized by gptq"),
+            (["--model", fp16, "--prompt", "x", "--quiet"], run_client, "with llm_int8_has_fp16_weight"),
             (["--model", saved_int8["saved"], "--prompt", "x", "--quantize", "int8", "--quiet"], run_client,
              "saved quantized already (torchao)"),
             (["plan", saved_int8["saved"], "--quantize", "int4"], run_cli, "saved quantized already (torchao)"),

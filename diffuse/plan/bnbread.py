@@ -35,9 +35,18 @@ EXTRA = "pip install 'diffuse[bnb]'"
 
 def needs_bnb(folder: str) -> None:
     """A checkpoint saved by bitsandbytes needs bitsandbytes here: refused in one line naming the extra where it
-    is not installed."""
+    is not installed; and one saved with ``llm_int8_has_fp16_weight`` (its weights kept in 16 bits, quantized
+    at every call: a training setting) is refused, not read as plain."""
+    import json
+    import os
+
     if importlib.util.find_spec("bitsandbytes") is None:
         raise DiffuseError(f"{folder} is a checkpoint quantized by bitsandbytes, which is not installed: {EXTRA}")
+    with open(os.path.join(folder, "config.json")) as f:
+        q = json.load(f).get("quantization_config") or {}
+    if q.get("load_in_8bit") and q.get("llm_int8_has_fp16_weight"):
+        raise DiffuseError(f"{folder} is saved by bitsandbytes with llm_int8_has_fp16_weight (16-bit weights "
+                           "quantized at every call, for training); Diffuse reads 8-bit checkpoints saved in int8")
 
 
 def bnb_config(quantization_config: dict):
