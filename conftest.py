@@ -209,7 +209,9 @@ def run_client(argv: list[str], home: str | None = None) -> ClientRun:
     a fresh interpreter per run would only add its start-up): its exit status and what it printed to stderr.
     ``home``: the DIFFUSE_HOME the run sees."""
     from diffuse.cli.query import main
+    from diffuse.flags import quiet_libraries
 
+    quiet_libraries()  # as run_main does first: what libraries say as they load is not the command's output
     return _in_process(main, argv, home)
 
 
