@@ -9,8 +9,9 @@ its own, into a temp folder (not committed, not part of the test suite):
   FFN 8960, text 4096 wide), the transformer alone, driven as a guided pipeline drives it (two calls a step,
   ``WAN_STEPS`` steps) on fixed inputs: a small latent (``WAN_LATENT``), so that the peaks are the weights'
   rather than one video's activations, and the text encoder's output as random 4096-wide states. The text
-  encoder (UMT5-XXL's, about 10.6 GiB in bf16) and the VAE are not built: the client would hold them split or
-  whole alike, and with them a whole run would not fit this machine beside the split one.
+  encoder (UMT5-XXL's, about 10.6 GiB in bf16) and the VAE are not built: the client holds them split or whole
+  alike by default, and with them a whole run would not fit this machine beside the split one (the encoders on
+  the ring instead: ``--model wan2.1-14b``, ``diffuse.bench.pipememory``).
 
 Then, each in a process of its own so that each peak is its own: the model run whole (loaded as transformers or
 diffusers loads it), and the same run split over two local nodes holding half the blocks each, its client in a
