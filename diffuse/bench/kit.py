@@ -1,5 +1,6 @@
 """What the benchmarks share: the guided loop's fixed inputs and guidance scale, a mean with its spread, a
-streamer that times tokens (``Clock``), a process's peak memory and a bench's role run in a process of its own."""
+streamer that times tokens (``Clock``), a process's peak memory, a bench's role run in a process of its own, and
+a model of seeded random bf16 weights."""
 
 from __future__ import annotations
 
@@ -84,3 +85,28 @@ def run_role(module: str, args: list[str], timeout: float = 3600) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{args[0]} failed: {proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def random_bf16(make):
+    """The module ``make()`` builds, made empty in bf16 (no float32 copy first) and filled with seeded random weights
+    (norms at one): how the benches build models at real geometries."""
+    import torch
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            module = make()
+        module = module.to_empty(device="cpu")
+    finally:
+        torch.set_default_dtype(default)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02, generator=g)
+        for name, b in module.named_buffers():  # rotary tables and the like: as the module's own code makes them
+            if b.is_floating_point():
+                b.zero_()
+    if hasattr(module, "tie_weights"):  # made empty, tied tables are tensors of their own: one again
+        module.tie_weights()
+    return module.eval()

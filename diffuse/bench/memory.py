@@ -35,7 +35,7 @@ import sys
 import tempfile
 
 from diffuse.bench import pipememory
-from diffuse.bench.kit import peak_bytes, run_role
+from diffuse.bench.kit import peak_bytes, random_bf16, run_role
 from diffuse.bench.pipememory import PIPELINES
 
 GIB = 1 << 30
@@ -53,28 +53,12 @@ GOAL_NODE, GOAL_CLIENT = 0.5 * GIB, 0.6 * GIB
 
 def build(path: str, geometry: dict) -> None:
     """The model at ``geometry`` with seeded random bf16 weights (norms at one), saved to ``path``."""
-    import torch
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     config = transformers.Qwen2Config(**geometry, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
                                       pad_token_id=None, torch_dtype="bfloat16")
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # so that the empty weights are made in bf16 from the start
-    try:
-        with torch.device("meta"):
-            model = transformers.Qwen2ForCausalLM(config)
-        model = model.to_empty(device="cpu")
-    finally:
-        torch.set_default_dtype(default)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0, 0.02, generator=g)
-    model.tie_weights()  # made empty, the head is a tensor of its own: one table again, saved once
+    model = random_bf16(lambda: transformers.Qwen2ForCausalLM(config))  # the head tied to the table again
     model.save_pretrained(path, max_shard_size="2GB")
 
 

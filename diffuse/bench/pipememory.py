@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-from diffuse.bench.kit import peak_bytes, run_role
+from diffuse.bench.kit import peak_bytes, random_bf16, run_role
 
 GIB = 1 << 30
 THREADS, ROUNDS, BLOCKS = 1, 2, 2
@@ -50,30 +50,6 @@ CALLS = {"wan2.1-14b": dict(height=64, width=64, num_frames=1, num_inference_ste
          "flux.1-dev": dict(height=64, width=64, num_inference_steps=2, guidance_scale=3.5, max_sequence_length=32)}
 
 
-def _random_bf16(make):
-    """The module ``make()`` builds, made empty in bf16 and filled with seeded random weights (norms at one)."""
-    import torch
-
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            module = make()
-        module = module.to_empty(device="cpu")
-    finally:
-        torch.set_default_dtype(default)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02, generator=g)
-        for name, b in module.named_buffers():  # rotary tables and the like: as the module's own code makes them
-            if b.is_floating_point():
-                b.zero_()
-    if hasattr(module, "tie_weights"):  # made empty, tied tables are tensors of their own: one again
-        module.tie_weights()
-    return module.eval()
-
-
 def build(path: str, name: str, quick: bool) -> None:
     """The pipeline ``name`` at its real geometry (``quick``: a tiny one), saved to ``path`` in bf16."""
     from diffuse.train.tokenizers import build_word_tokenizer
@@ -88,8 +64,8 @@ def build(path: str, name: str, quick: bool) -> None:
             dict(WAN_14B)
         geo["num_layers"] = BLOCKS
         pipe = WanPipeline(
-            tokenizer=tok, text_encoder=_random_bf16(lambda: UMT5EncoderModel(UMT5Config(**text, dropout_rate=0.0))),
-            transformer=_random_bf16(lambda: WanTransformer3DModel(
+            tokenizer=tok, text_encoder=random_bf16(lambda: UMT5EncoderModel(UMT5Config(**text, dropout_rate=0.0))),
+            transformer=random_bf16(lambda: WanTransformer3DModel(
                 patch_size=(1, 2, 2), cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, **geo)),
             vae=AutoencoderKLWan(base_dim=8 if quick else 96).to(_bf16()), scheduler=FlowMatchEulerDiscreteScheduler())
     else:
@@ -106,9 +82,9 @@ def build(path: str, name: str, quick: bool) -> None:
         ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         pipe = FluxPipeline(
             tokenizer=tok, tokenizer_2=tok2, scheduler=FlowMatchEulerDiscreteScheduler(),
-            text_encoder=_random_bf16(lambda: CLIPTextModel(CLIPTextConfig(**clip, **ids))),
-            text_encoder_2=_random_bf16(lambda: T5EncoderModel(T5Config(**t5, dropout_rate=0.0))),
-            transformer=_random_bf16(lambda: FluxTransformer2DModel(**geo)),
+            text_encoder=random_bf16(lambda: CLIPTextModel(CLIPTextConfig(**clip, **ids))),
+            text_encoder_2=random_bf16(lambda: T5EncoderModel(T5Config(**t5, dropout_rate=0.0))),
+            transformer=random_bf16(lambda: FluxTransformer2DModel(**geo)),
             vae=AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, use_quant_conv=False,
                               use_post_quant_conv=False, down_block_types=("DownEncoderBlock2D",) * 4,
                               up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=1 if quick else 2,
